@@ -1,0 +1,262 @@
+//! Scaled casts as kernels: amax, quantize (with the input's amax, one pass)
+//! and dequantize. Their f32 arithmetic is the definition the CUDA kernels
+//! must reproduce bit for bit:
+//!
+//! - quantize: `code = encode(f32(x) * scale)` (one f32 product, then the cast
+//!   of [`Fp8Format::encode`], or for FP16 a saturating round to nearest even);
+//! - dequantize: `y = dtype(decode(code) * scale_inv)`;
+//! - amax: `max |x|`, NaN if any element is NaN.
+
+use crate::error::{Error, Result};
+use crate::format::F16_MAX;
+use crate::kernel::{scalar, slice, Kernel};
+use crate::qtype::QType;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Shape};
+use half::{bf16, f16};
+
+/// A float element type a cast reads or writes.
+pub(crate) trait Float: candle_core::WithDType {
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+impl Float for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+impl Float for f64 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v as f64
+    }
+}
+impl Float for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+impl Float for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Runs `$body` with `$T` bound to the element type of a float storage
+/// (F32, F16, BF16), or returns [`Error::DType`].
+macro_rules! with_float {
+    ($op:expr, $storage:expr, |$data:ident : $T:ident| $body:expr) => {
+        match $storage {
+            CpuStorage::F32(_) => {
+                type $T = f32;
+                let $data = $storage;
+                $body
+            }
+            CpuStorage::F16(_) => {
+                type $T = half::f16;
+                let $data = $storage;
+                $body
+            }
+            CpuStorage::BF16(_) => {
+                type $T = half::bf16;
+                let $data = $storage;
+                $body
+            }
+            other => Err(Error::DType {
+                op: $op,
+                expected: "F32, F16 or BF16",
+                got: other.dtype(),
+            }),
+        }
+    };
+}
+
+/// FP16 encode with the FP8 casts' rules: saturate finite, NaN canonical.
+#[inline(always)]
+pub(crate) fn encode_f16(x: f32) -> f16 {
+    if x.is_nan() {
+        f16::NAN
+    } else {
+        f16::from_f32(x.clamp(-F16_MAX, F16_MAX))
+    }
+}
+
+/// `|x|` as bits: comparing them as integers orders every NaN above +inf,
+/// so a max over them propagates NaN and vectorizes.
+#[inline(always)]
+fn abs_bits(x: f32) -> u32 {
+    x.to_bits() & 0x7FFF_FFFF
+}
+
+fn amax_of<T: Float>(xs: &[T]) -> f32 {
+    let m = xs.iter().fold(0u32, |m, &x| m.max(abs_bits(x.to_f32())));
+    f32::from_bits(m)
+}
+
+fn one(v: f32) -> (CpuStorage, Shape) {
+    (CpuStorage::F32(vec![v]), Shape::from(1usize))
+}
+
+/// `max |x|` into a 1-element F32 tensor.
+pub(crate) struct Amax;
+
+impl Kernel for Amax {
+    const NAME: &'static str = "amax";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(x, lx)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        with_float!(Self::NAME, *x, |s: T| {
+            Ok(vec![one(amax_of(slice::<T>(Self::NAME, s, lx)?))])
+        })
+    }
+}
+
+/// `(encode(x * scale), max |x|)` in one pass. Inputs: x, scale.
+pub(crate) struct Quantize {
+    pub qtype: QType,
+}
+
+impl Kernel for Quantize {
+    const NAME: &'static str = "quantize";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(x, lx), (s, ls)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let scale = scalar(Self::NAME, s, ls)?;
+        check_scale(Self::NAME, scale)?;
+        let shape = lx.shape().clone();
+        let (codes, amax) = with_float!(Self::NAME, *x, |xs: T| {
+            let xs = slice::<T>(Self::NAME, xs, lx)?;
+            Ok::<_, Error>(quantize_slice(self.qtype, xs, scale))
+        })?;
+        Ok(vec![(codes, shape), one(amax)])
+    }
+}
+
+/// Block length of the fused loop: small enough to stay in L1, long enough
+/// for the inner loops to vectorize.
+const BLOCK: usize = 4096;
+
+fn quantize_slice<T: Float>(qtype: QType, xs: &[T], scale: f32) -> (CpuStorage, f32) {
+    let mut amax = 0u32;
+    let storage = match qtype.fp8() {
+        Some(format) => {
+            let mut codes = vec![0u8; xs.len()];
+            let mut buf = [0f32; BLOCK];
+            for (src, dst) in xs.chunks(BLOCK).zip(codes.chunks_mut(BLOCK)) {
+                let buf = &mut buf[..src.len()];
+                for (b, &x) in buf.iter_mut().zip(src) {
+                    *b = x.to_f32();
+                    amax = amax.max(abs_bits(*b));
+                }
+                // Lengths are equal by construction: the chunks pair up.
+                let _ = format.encode_scaled_slice(buf, scale, dst);
+            }
+            CpuStorage::U8(codes)
+        }
+        None => CpuStorage::F16(
+            xs.iter()
+                .map(|&x| {
+                    let v = x.to_f32();
+                    amax = amax.max(abs_bits(v));
+                    encode_f16(v * scale)
+                })
+                .collect(),
+        ),
+    };
+    (storage, f32::from_bits(amax))
+}
+
+/// `decode(code) * scale_inv` in `dtype`. Inputs: codes, scale_inv.
+pub(crate) struct Dequantize {
+    pub qtype: QType,
+    pub dtype: DType,
+}
+
+impl Kernel for Dequantize {
+    const NAME: &'static str = "dequantize";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(q, lq), (s, ls)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let scale_inv = scalar(Self::NAME, s, ls)?;
+        let shape = lq.shape().clone();
+        let values: Vec<f32> = match (self.qtype.fp8(), q) {
+            (Some(format), CpuStorage::U8(_)) => {
+                let codes = slice::<u8>(Self::NAME, q, lq)?;
+                let mut out = vec![0f32; codes.len()];
+                format.decode_scaled_slice(codes, scale_inv, &mut out)?;
+                out
+            }
+            (None, CpuStorage::F16(_)) => slice::<f16>(Self::NAME, q, lq)?
+                .iter()
+                .map(|v| v.to_f32() * scale_inv)
+                .collect(),
+            (_, other) => {
+                return Err(Error::DType {
+                    op: Self::NAME,
+                    expected: if self.qtype.fp8().is_some() {
+                        "U8"
+                    } else {
+                        "F16"
+                    },
+                    got: other.dtype(),
+                })
+            }
+        };
+        let out = match self.dtype {
+            DType::F32 => CpuStorage::F32(values),
+            DType::F16 => CpuStorage::F16(convert(&values)),
+            DType::BF16 => CpuStorage::BF16(convert(&values)),
+            DType::F64 => CpuStorage::F64(convert(&values)),
+            got => {
+                return Err(Error::DType {
+                    op: Self::NAME,
+                    expected: "F32, F16, BF16 or F64",
+                    got,
+                })
+            }
+        };
+        Ok(vec![(out, shape)])
+    }
+}
+
+fn convert<T: Float>(values: &[f32]) -> Vec<T> {
+    values.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+/// A scale must be finite and positive.
+pub(crate) fn check_scale(op: &'static str, scale: f32) -> Result<()> {
+    if scale > 0.0 && scale.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::BadScale { op, value: scale })
+    }
+}
+
+pub(crate) fn arity(op: &'static str) -> Error {
+    Error::Unsupported {
+        op,
+        what: "wrong number of inputs".into(),
+    }
+}

@@ -1,0 +1,87 @@
+//! Our custom-op mechanism: a kernel with several inputs and several outputs,
+//! dispatched over candle's storages in one place.
+//!
+//! candle's `CustomOp1/2/3` return one tensor; quantize returns two (the codes
+//! and the input's amax, from one pass over the data) and the scale update
+//! three. So each op here is a [`Kernel`] with a `cpu` body (and, with the
+//! `cuda` feature of a later issue, a `cuda` body beside it); [`launch`] checks
+//! devices, takes the storages and wraps the outputs as tensors. None of these
+//! ops records a backward: they sit below the autograd ops built on them.
+
+use crate::error::{Error, Result};
+use candle_core::op::BackpropOp;
+use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
+
+/// An op of several inputs and outputs.
+pub(crate) trait Kernel {
+    /// The op's name, for errors.
+    const NAME: &'static str;
+    /// The CPU body. Inputs are contiguous (see [`launch`]).
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>>;
+}
+
+/// Runs `kernel` on `inputs` (made contiguous first) and returns its outputs.
+pub(crate) fn launch<K: Kernel>(kernel: &K, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let first = inputs.first().ok_or(Error::Unsupported {
+        op: K::NAME,
+        what: "no input".into(),
+    })?;
+    for t in &inputs[1..] {
+        if !t.device().same_device(first.device()) {
+            return Err(Error::Device {
+                op: K::NAME,
+                lhs: first.device().location(),
+                rhs: t.device().location(),
+            });
+        }
+    }
+    let contiguous = inputs
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let guards: Vec<_> = contiguous.iter().map(|t| t.storage_and_layout()).collect();
+    let mut cpu = Vec::with_capacity(guards.len());
+    for (storage, layout) in &guards {
+        match &**storage {
+            Storage::Cpu(s) => cpu.push((s, *layout)),
+            _ => {
+                return Err(Error::UnsupportedDevice {
+                    op: K::NAME,
+                    device: first.device().location(),
+                })
+            }
+        }
+    }
+    let outputs = kernel.cpu(&cpu)?;
+    Ok(outputs
+        .into_iter()
+        .map(|(s, shape)| Tensor::from_storage(Storage::Cpu(s), shape, BackpropOp::none(), false))
+        .collect())
+}
+
+/// The contiguous data of a storage as a slice of `T`.
+pub(crate) fn slice<'a, T: candle_core::WithDType>(
+    op: &'static str,
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> Result<&'a [T]> {
+    let data = storage.as_slice::<T>()?;
+    let (start, end) = layout.contiguous_offsets().ok_or(Error::Unsupported {
+        op,
+        what: "non-contiguous input".into(),
+    })?;
+    Ok(&data[start..end])
+}
+
+/// The one f32 value of a 1-element storage (a scale or an amax).
+pub(crate) fn scalar(op: &'static str, storage: &CpuStorage, layout: &Layout) -> Result<f32> {
+    let s = slice::<f32>(op, storage, layout)?;
+    match s {
+        [v] => Ok(*v),
+        _ => Err(Error::Shape {
+            op,
+            lhs: Shape::from(1usize),
+            rhs: layout.shape().clone(),
+        }),
+    }
+}

@@ -1,0 +1,55 @@
+//! # amp-core
+//!
+//! The numerics of candle-amp: FP8 formats with exact OCP semantics
+//! ([`Fp8Format`]), per-tensor scaling metadata kept on the device
+//! ([`ScalingMeta`]), scaled low-precision tensors ([`ScalingTensor`]),
+//! the scale rules of Transformer Engine and MS-AMP ([`ScaleRule`]), the
+//! recipes ([`DelayedScaling`], [`CurrentScaling`]) and the FP8 GEMM
+//! reference ([`fp8_gemm`]).
+//!
+//! ```
+//! use amp_core::{Fp8Format, CurrentScaling, QType, ScalingTensor, fp8_gemm};
+//! use candle_core::{DType, Device, Tensor};
+//!
+//! assert_eq!(Fp8Format::E4M3.encode(448.0), 0x7E);
+//! assert_eq!(Fp8Format::E4M3.encode(1e9), 0x7E);        // saturates
+//! assert_eq!(Fp8Format::E4M3.decode(0x7E), 448.0);
+//!
+//! let dev = Device::Cpu;
+//! let x = Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &dev)?;
+//! let w = Tensor::new(&[[0.5f32, -1.0], [2.0, 0.25]], &dev)?;
+//! let r = CurrentScaling::default();
+//! let (xq, _) = ScalingTensor::quantize(&x, QType::E4M3, &r)?;
+//! let (wq, _) = ScalingTensor::quantize(&w, QType::E4M3, &r)?;
+//! let y = fp8_gemm(&xq, &wq, DType::F32)?;              // x · wᵀ
+//! assert_eq!(y.to_vec2::<f32>()?, [[-1.5, 2.5], [-2.5, 7.0]]);
+//! # Ok::<(), amp_core::Error>(())
+//! ```
+//!
+//! # Features
+//! None yet: the build is CPU-only and needs no CUDA toolkit. The `cuda`
+//! feature of a later release adds CUDA kernels behind the same ops.
+#![warn(missing_docs)]
+
+mod cast;
+pub mod config;
+mod error;
+mod format;
+mod gemm;
+mod kernel;
+mod meta;
+mod qtype;
+mod recipe;
+mod scale;
+mod tensor;
+
+pub use error::{Error, Result};
+pub use format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
+pub use gemm::fp8_gemm;
+pub use meta::ScalingMeta;
+pub use qtype::QType;
+pub use recipe::{
+    AmaxComputeAlgo, CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision, MAX_MARGIN,
+};
+pub use scale::ScaleRule;
+pub use tensor::ScalingTensor;

@@ -1,0 +1,283 @@
+//! `ScalingMeta`: a tensor's scale, scale_inv and amax history, on its device.
+
+use crate::cast::arity;
+use crate::error::{Error, Result};
+use crate::kernel::{launch, scalar, slice, Kernel};
+use crate::qtype::QType;
+use crate::recipe::{AmaxComputeAlgo, DelayedScaling};
+use crate::scale::ScaleRule;
+use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor};
+
+/// Scaling metadata of one tensor (TE's `fp8_meta` entry, MS-AMP's `ScalingMeta`).
+///
+/// `scale`, `scale_inv` and the amax history are F32 tensors on the data's
+/// device, so a training step reads and updates them without a host copy.
+/// The scale is a tensor, not a scalar, so that block scaling can later give
+/// it more than one element.
+///
+/// The history is a ring in Transformer Engine's order: slot 0 collects the
+/// amax of the current step ([`record_amax`](Self::record_amax)); an update
+/// ([`update_scale`](Self::update_scale)) reduces the history to one amax,
+/// rotates it by -1 (slot 0 moves to the end) and zeroes slot 0, then derives
+/// the next scale. So the scale used at step t comes from amaxes up to t-1.
+#[derive(Debug, Clone)]
+pub struct ScalingMeta {
+    qtype: QType,
+    scale: Tensor,
+    scale_inv: Tensor,
+    amax_history: Tensor,
+    updates: u64,
+}
+
+impl ScalingMeta {
+    /// Scale 1, an all-zero amax history of `amax_history_len` slots.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `amax_history_len` is 0.
+    pub fn new(qtype: QType, amax_history_len: usize, device: &Device) -> Result<Self> {
+        if amax_history_len == 0 {
+            return Err(Error::Config {
+                field: "amax_history_len".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(Self {
+            qtype,
+            scale: Tensor::ones(1, DType::F32, device)?,
+            scale_inv: Tensor::ones(1, DType::F32, device)?,
+            amax_history: Tensor::zeros(amax_history_len, DType::F32, device)?,
+            updates: 0,
+        })
+    }
+
+    /// The same metadata with `scale` (and `scale_inv = 1 / scale`) set from the host.
+    ///
+    /// # Errors
+    /// [`Error::BadScale`] unless `scale` is finite and positive.
+    pub fn with_scale(mut self, scale: f32) -> Result<Self> {
+        crate::cast::check_scale("ScalingMeta::with_scale", scale)?;
+        let device = self.scale.device().clone();
+        self.scale = Tensor::new(&[scale], &device)?;
+        self.scale_inv = Tensor::new(&[1.0 / scale], &device)?;
+        Ok(self)
+    }
+
+    /// Metadata from its parts (for checkpoints): F32 tensors on one device,
+    /// `scale` and `scale_inv` of one element, a non-empty 1-D history.
+    ///
+    /// # Errors
+    /// [`Error::DType`], [`Error::Shape`] or [`Error::Device`] naming the part.
+    pub fn from_parts(
+        qtype: QType,
+        scale: Tensor,
+        scale_inv: Tensor,
+        amax_history: Tensor,
+    ) -> Result<Self> {
+        const OP: &str = "ScalingMeta::from_parts";
+        for t in [&scale, &scale_inv, &amax_history] {
+            if t.dtype() != DType::F32 {
+                return Err(Error::DType {
+                    op: OP,
+                    expected: "F32",
+                    got: t.dtype(),
+                });
+            }
+            if !t.device().same_device(scale.device()) {
+                return Err(Error::Device {
+                    op: OP,
+                    lhs: scale.device().location(),
+                    rhs: t.device().location(),
+                });
+            }
+        }
+        for t in [&scale, &scale_inv] {
+            if t.dims() != [1] {
+                return Err(Error::Shape {
+                    op: OP,
+                    lhs: Shape::from(1usize),
+                    rhs: t.shape().clone(),
+                });
+            }
+        }
+        if amax_history.rank() != 1 || amax_history.elem_count() == 0 {
+            return Err(Error::Rank {
+                op: OP,
+                expected: 1,
+                got: amax_history.shape().clone(),
+            });
+        }
+        Ok(Self {
+            qtype,
+            scale,
+            scale_inv,
+            amax_history,
+            updates: 0,
+        })
+    }
+
+    /// The storage type this metadata scales for.
+    pub fn qtype(&self) -> QType {
+        self.qtype
+    }
+
+    /// The scale (F32, one element).
+    pub fn scale(&self) -> &Tensor {
+        &self.scale
+    }
+
+    /// `1 / scale` (F32, one element).
+    pub fn scale_inv(&self) -> &Tensor {
+        &self.scale_inv
+    }
+
+    /// The amax history; slot 0 is the current step's.
+    pub fn amax_history(&self) -> &Tensor {
+        &self.amax_history
+    }
+
+    /// The current step's amax (slot 0 of the history).
+    ///
+    /// # Errors
+    /// Only candle's, on a corrupt tensor.
+    pub fn amax(&self) -> Result<Tensor> {
+        Ok(self.amax_history.narrow(0, 0, 1)?)
+    }
+
+    /// How many times [`update_scale`](Self::update_scale) has run.
+    pub fn updates(&self) -> u64 {
+        self.updates
+    }
+
+    /// Bytes held: scale, scale_inv and history.
+    pub fn nbytes(&self) -> usize {
+        4 * (self.scale.elem_count() + self.scale_inv.elem_count() + self.amax_history.elem_count())
+    }
+
+    /// Folds `amax` (a 1-element F32 tensor) into slot 0: the max of both,
+    /// NaN if either is NaN. Several casts in one step (micro-batches) keep
+    /// the largest.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] unless `amax` has one element; [`Error::Device`].
+    pub fn record_amax(&mut self, amax: &Tensor) -> Result<()> {
+        let [history] = <[Tensor; 1]>::try_from(launch(&RecordAmax, &[&self.amax_history, amax])?)
+            .map_err(|_| arity(RecordAmax::NAME))?;
+        self.amax_history = history;
+        Ok(())
+    }
+
+    /// Reduces the history to one amax by `algo`, rotates it (TE order) and
+    /// sets the scale from that amax by `rule` with `margin`; where the amax
+    /// is 0, inf or NaN the previous scale stays.
+    ///
+    /// # Errors
+    /// Only candle's, on a corrupt tensor.
+    pub fn update_scale(
+        &mut self,
+        rule: ScaleRule,
+        algo: AmaxComputeAlgo,
+        margin: u32,
+    ) -> Result<()> {
+        self.update(ScaleUpdate {
+            rule,
+            algo,
+            margin,
+            max: self.qtype.max(),
+            set_scale: true,
+        })
+    }
+
+    /// One step of Transformer Engine's delayed scaling: the history rotates
+    /// every call, the scale (TE rule) is recomputed every `recipe.interval`
+    /// calls, starting with the first.
+    ///
+    /// # Errors
+    /// Only candle's, on a corrupt tensor.
+    pub fn update_delayed(&mut self, recipe: &DelayedScaling) -> Result<()> {
+        let set_scale = self.updates % u64::from(recipe.interval.max(1)) == 0;
+        self.update(ScaleUpdate {
+            rule: ScaleRule::Te,
+            algo: recipe.amax_compute_algo,
+            margin: recipe.margin,
+            max: self.qtype.max(),
+            set_scale,
+        })
+    }
+
+    fn update(&mut self, op: ScaleUpdate) -> Result<()> {
+        let out = launch(&op, &[&self.amax_history, &self.scale])?;
+        let [history, scale, scale_inv] =
+            <[Tensor; 3]>::try_from(out).map_err(|_| arity(ScaleUpdate::NAME))?;
+        if op.set_scale {
+            self.scale = scale;
+            self.scale_inv = scale_inv;
+        }
+        self.amax_history = history;
+        self.updates += 1;
+        Ok(())
+    }
+}
+
+/// history, amax -> history with slot 0 = max(slot 0, amax), NaN-propagating.
+struct RecordAmax;
+
+impl Kernel for RecordAmax {
+    const NAME: &'static str = "record_amax";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(h, lh), (a, la)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let amax = scalar(Self::NAME, a, la)?;
+        let mut history = slice::<f32>(Self::NAME, h, lh)?.to_vec();
+        if let Some(slot) = history.first_mut() {
+            *slot = if slot.is_nan() || amax.is_nan() {
+                f32::NAN
+            } else {
+                slot.max(amax)
+            };
+        }
+        Ok(vec![(CpuStorage::F32(history), lh.shape().clone())])
+    }
+}
+
+/// history, scale -> rotated history, new scale, new scale_inv.
+struct ScaleUpdate {
+    rule: ScaleRule,
+    algo: AmaxComputeAlgo,
+    margin: u32,
+    max: f32,
+    set_scale: bool,
+}
+
+impl Kernel for ScaleUpdate {
+    const NAME: &'static str = "scale_update";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(h, lh), (s, ls)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let prev = scalar(Self::NAME, s, ls)?;
+        let history = slice::<f32>(Self::NAME, h, lh)?;
+        let amax = match self.algo {
+            AmaxComputeAlgo::Max => history.iter().fold(0f32, |m, &a| {
+                if m.is_nan() || a.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(a)
+                }
+            }),
+            AmaxComputeAlgo::MostRecent => history.first().copied().unwrap_or(0.0),
+        };
+        let mut rolled = history.to_vec();
+        rolled.rotate_left(1);
+        if let Some(slot) = rolled.first_mut() {
+            *slot = 0.0;
+        }
+        let scale = self.rule.compute(amax, prev, self.max, self.margin);
+        let one = |v: f32| (CpuStorage::F32(vec![v]), Shape::from(1usize));
+        Ok(vec![
+            (CpuStorage::F32(rolled), lh.shape().clone()),
+            one(scale),
+            one(1.0 / scale),
+        ])
+    }
+}

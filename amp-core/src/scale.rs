@@ -1,0 +1,119 @@
+//! The two rules that turn an amax into a scale, as scalar functions: the CPU
+//! kernels call them and the CUDA kernels must compute the same f32 results.
+//!
+//! Convention (TE and MS-AMP): `q = cast(x * scale)`, `x ~= q * scale_inv`,
+//! `scale_inv = 1 / scale`.
+
+/// How a scale is chosen from an amax.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum ScaleRule {
+    /// Transformer Engine: `scale = (max / amax) / 2^margin`, clamped to
+    /// `f32::MAX` where it overflows.
+    Te,
+    /// MS-AMP: `scale = 2^(floor(log2(max / amax)) - margin)`, exact to
+    /// invert. The exponent is the largest `e` with `amax * 2^e <= max`,
+    /// computed exactly (no `log2` rounding), clamped to the normal f32 range.
+    #[default]
+    PowerOfTwo,
+}
+
+impl ScaleRule {
+    /// The scale for `amax`, or `prev_scale` where `amax` is zero, negative,
+    /// infinite or NaN (the guard both references apply), or where the rule
+    /// would give no positive finite scale.
+    pub fn compute(self, amax: f32, prev_scale: f32, max: f32, margin: u32) -> f32 {
+        if !(amax > 0.0 && amax.is_finite()) {
+            return prev_scale;
+        }
+        let scale = match self {
+            Self::Te => {
+                let s = (max / amax) / pow2(margin.min(255) as i32);
+                if s.is_infinite() {
+                    f32::MAX
+                } else {
+                    s
+                }
+            }
+            Self::PowerOfTwo => {
+                // f64 holds max/amax of two f32s exactly enough: the quotient
+                // of 24-bit significands is never within 2^-53 of a power of two
+                // without being one, so its exponent field is floor(log2).
+                let q = max as f64 / amax as f64;
+                let e = ((q.to_bits() >> 52) & 0x7FF) as i64 - 1023;
+                let e = (e - margin as i64).clamp(-126, 127);
+                pow2(e as i32)
+            }
+        };
+        if scale > 0.0 && scale.is_finite() {
+            scale
+        } else {
+            prev_scale
+        }
+    }
+}
+
+/// 2^e as f32 for e in [-126, 127]; 0 below and inf above.
+fn pow2(e: i32) -> f32 {
+    if e < -126 {
+        0.0
+    } else if e > 127 {
+        f32::INFINITY
+    } else {
+        f32::from_bits(((e + 127) as u32) << 23)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::E4M3_MAX;
+
+    #[test]
+    fn te_rule_hand_worked() {
+        // 448 / 3.5 = 128; margin 1 halves it.
+        assert_eq!(ScaleRule::Te.compute(3.5, 1.0, E4M3_MAX, 0), 128.0);
+        assert_eq!(ScaleRule::Te.compute(3.5, 1.0, E4M3_MAX, 1), 64.0);
+        // 448 / 3 is not a power of two: the f32 quotient itself.
+        assert_eq!(ScaleRule::Te.compute(3.0, 1.0, E4M3_MAX, 0), 448.0f32 / 3.0);
+        // Tiny amax: the quotient overflows, TE clamps to f32::MAX.
+        assert_eq!(ScaleRule::Te.compute(1e-45, 1.0, E4M3_MAX, 0), f32::MAX);
+    }
+
+    #[test]
+    fn power_of_two_rule_hand_worked() {
+        // 448 / 3.5 = 128 exactly: floor(log2) = 7.
+        assert_eq!(ScaleRule::PowerOfTwo.compute(3.5, 1.0, E4M3_MAX, 0), 128.0);
+        // 448 / 3.6 = 124.4: floor(log2) = 6.
+        assert_eq!(ScaleRule::PowerOfTwo.compute(3.6, 1.0, E4M3_MAX, 0), 64.0);
+        assert_eq!(ScaleRule::PowerOfTwo.compute(3.6, 1.0, E4M3_MAX, 2), 16.0);
+        // amax above max: a negative exponent. 448 / 1000 = 0.448 -> 2^-2.
+        assert_eq!(
+            ScaleRule::PowerOfTwo.compute(1000.0, 1.0, E4M3_MAX, 0),
+            0.25
+        );
+        // amax just above 3.5 (one ulp): the exponent drops by one, exactly.
+        let a = f32::from_bits(3.5f32.to_bits() + 1);
+        assert_eq!(ScaleRule::PowerOfTwo.compute(a, 1.0, E4M3_MAX, 0), 64.0);
+        // amax * scale never exceeds max.
+        for bits in (0x0080_0000u32..0x7F00_0000).step_by(0x0001_2345) {
+            let amax = f32::from_bits(bits);
+            let s = ScaleRule::PowerOfTwo.compute(amax, 1.0, E4M3_MAX, 0);
+            if s < 2f32.powi(127) && s > 2f32.powi(-126) {
+                assert!(amax as f64 * s as f64 <= E4M3_MAX as f64, "{amax} {s}");
+                assert!(amax as f64 * s as f64 * 2.0 > E4M3_MAX as f64, "{amax} {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn guards_keep_the_previous_scale() {
+        for rule in [ScaleRule::Te, ScaleRule::PowerOfTwo] {
+            for amax in [0.0, -0.0, -1.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                assert_eq!(rule.compute(amax, 7.0, E4M3_MAX, 0), 7.0, "{rule:?} {amax}");
+            }
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! `ScalingTensor`: FP8 codes (or FP16 values) with their scaling metadata.
+
+use crate::cast::{arity, Amax, Dequantize, Quantize};
+use crate::error::{Error, Result};
+use crate::kernel::{launch, Kernel};
+use crate::meta::ScalingMeta;
+use crate::qtype::QType;
+use crate::recipe::{AmaxComputeAlgo, CurrentScaling};
+use candle_core::{DType, Device, Shape, Tensor};
+
+/// A low-precision tensor: `data` holds FP8 codes (`U8`) or FP16 values
+/// (`F16`); `meta` holds the scale used to make it. Its value is
+/// `decode(data) * meta.scale_inv()`.
+///
+/// ```
+/// use amp_core::{CurrentScaling, QType, ScalingTensor};
+/// use candle_core::{DType, Device, Tensor};
+/// let x = Tensor::new(&[0.5f32, -3.0, 96.0], &Device::Cpu)?;
+/// let (q, amax) = ScalingTensor::quantize(&x, QType::E4M3, &CurrentScaling::default())?;
+/// assert_eq!(amax.to_vec1::<f32>()?, [96.0]);
+/// assert_eq!(q.scale_inv()?, 0.25);            // 2^floor(log2(448 / 96)) = 4
+/// assert_eq!(q.dequantize(DType::F32)?.to_vec1::<f32>()?, [0.5, -3.0, 96.0]);
+/// assert_eq!(q.nbytes(), 3 + 12);              // 3 codes + scale, scale_inv, amax
+/// # Ok::<(), amp_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ScalingTensor {
+    data: Tensor,
+    meta: ScalingMeta,
+}
+
+fn one_pair(op: &'static str, v: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
+    let [a, b] = <[Tensor; 2]>::try_from(v).map_err(|_| arity(op))?;
+    Ok((a, b))
+}
+
+fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
+    match x.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(()),
+        got => Err(Error::DType {
+            op,
+            expected: "F32, F16 or BF16",
+            got,
+        }),
+    }
+}
+
+impl ScalingTensor {
+    /// Wraps existing data; `data`'s dtype must be `meta.qtype()`'s storage
+    /// dtype and both must live on one device.
+    ///
+    /// # Errors
+    /// [`Error::DType`] or [`Error::Device`].
+    pub fn from_parts(data: Tensor, meta: ScalingMeta) -> Result<Self> {
+        const OP: &str = "ScalingTensor::from_parts";
+        let expected = meta.qtype().storage_dtype();
+        if data.dtype() != expected {
+            let expected = if expected == DType::U8 { "U8" } else { "F16" };
+            return Err(Error::DType {
+                op: OP,
+                expected,
+                got: data.dtype(),
+            });
+        }
+        if !data.device().same_device(meta.scale().device()) {
+            return Err(Error::Device {
+                op: OP,
+                lhs: data.device().location(),
+                rhs: meta.scale().device().location(),
+            });
+        }
+        Ok(Self { data, meta })
+    }
+
+    /// Current scaling: the scale comes from `x`'s own amax by `recipe`'s rule
+    /// and margin. Returns the tensor and `x`'s amax (1-element F32).
+    ///
+    /// A tensor without a finite non-zero amax (all zeros, or holding inf or
+    /// NaN) keeps scale 1: not an error, as in both references.
+    ///
+    /// # Errors
+    /// [`Error::DType`] unless `x` is F32, F16 or BF16.
+    pub fn quantize(x: &Tensor, qtype: QType, recipe: &CurrentScaling) -> Result<(Self, Tensor)> {
+        check_float("ScalingTensor::quantize", x)?;
+        let [amax] =
+            <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
+        let mut meta = ScalingMeta::new(qtype, 1, x.device())?;
+        meta.record_amax(&amax)?;
+        meta.update_scale(
+            recipe.scale_rule,
+            AmaxComputeAlgo::MostRecent,
+            recipe.margin,
+        )?;
+        let (t, _) = Self::quantize_with(x, &meta)?;
+        Ok((t, amax))
+    }
+
+    /// Casts `x` with `meta`'s scale as it is (delayed scaling: one pass over
+    /// `x`). Returns the tensor, whose metadata holds that scale and `x`'s
+    /// amax, and `x`'s amax (1-element F32) for the caller to record in its
+    /// history.
+    ///
+    /// # Errors
+    /// [`Error::DType`], [`Error::Device`], or [`Error::BadScale`] when the
+    /// scale is not finite and positive.
+    pub fn quantize_with(x: &Tensor, meta: &ScalingMeta) -> Result<(Self, Tensor)> {
+        check_float("ScalingTensor::quantize_with", x)?;
+        let qtype = meta.qtype();
+        let (data, amax) = one_pair(
+            Quantize::NAME,
+            launch(&Quantize { qtype }, &[x, meta.scale()])?,
+        )?;
+        let meta = ScalingMeta::from_parts(
+            qtype,
+            meta.scale().clone(),
+            meta.scale_inv().clone(),
+            amax.clone(),
+        )?;
+        Ok((Self { data, meta }, amax))
+    }
+
+    /// The value, `decode(data) * scale_inv`, as `dtype` (F32, F16, BF16, F64).
+    ///
+    /// # Errors
+    /// [`Error::DType`] for another dtype.
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        let op = Dequantize {
+            qtype: self.qtype(),
+            dtype,
+        };
+        let [out] = <[Tensor; 1]>::try_from(launch(&op, &[&self.data, self.meta.scale_inv()])?)
+            .map_err(|_| arity(Dequantize::NAME))?;
+        Ok(out)
+    }
+
+    /// The same value in another storage type, with a fresh scale from its
+    /// amax (current scaling by `recipe`). Equal to quantizing the F32
+    /// dequantized value.
+    ///
+    /// # Errors
+    /// As [`dequantize`](Self::dequantize) and [`quantize`](Self::quantize).
+    pub fn requantize(&self, qtype: QType, recipe: &CurrentScaling) -> Result<(Self, Tensor)> {
+        Self::quantize(&self.dequantize(DType::F32)?, qtype, recipe)
+    }
+
+    /// The raw data: FP8 codes (`U8`) or FP16 values.
+    pub fn data(&self) -> &Tensor {
+        &self.data
+    }
+
+    /// The scaling metadata.
+    pub fn meta(&self) -> &ScalingMeta {
+        &self.meta
+    }
+
+    /// The storage type.
+    pub fn qtype(&self) -> QType {
+        self.meta.qtype()
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        self.data.shape()
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        self.data.device()
+    }
+
+    /// Number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.data.elem_count()
+    }
+
+    /// Bytes held: data plus metadata.
+    pub fn nbytes(&self) -> usize {
+        self.data.elem_count() * self.data.dtype().size_in_bytes() + self.meta.nbytes()
+    }
+
+    /// `scale_inv` read to the host: for tests and reports, never in a
+    /// training step.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn scale_inv(&self) -> Result<f32> {
+        let v = self.meta.scale_inv().flatten_all()?.to_vec1::<f32>()?;
+        v.first().copied().ok_or(Error::Unsupported {
+            op: "ScalingTensor::scale_inv",
+            what: "empty scale".into(),
+        })
+    }
+}

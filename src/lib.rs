@@ -1,0 +1,25 @@
+//! # candle-amp
+//!
+//! FP8 mixed-precision training for [candle](https://github.com/huggingface/candle),
+//! in the manner of Microsoft's MS-AMP and compatible with NVIDIA Transformer
+//! Engine's FP8 recipes.
+//!
+//! This crate re-exports the public API of its members:
+//! - `amp-core`: FP8 formats with exact OCP semantics, scaling metadata on the
+//!   device, scaled tensors, the TE and MS-AMP scale rules, the recipes and
+//!   the FP8 GEMM reference (everything at the root of `amp`);
+//! - `amp-optim`, `amp-comm`, `amp-levels`: optimizers, communication and the
+//!   optimization levels O0-O3 (in progress).
+//!
+//! ```
+//! use amp::{CurrentScaling, QType, ScalingTensor};
+//! use candle_core::{DType, Device, Tensor};
+//! let x = Tensor::new(&[1.0f32, -0.3, 20.0], &Device::Cpu)?;
+//! let (q, _amax) = ScalingTensor::quantize(&x, QType::E4M3, &CurrentScaling::default())?;
+//! let y = q.dequantize(DType::F32)?;
+//! assert_eq!(y.to_vec1::<f32>()?, [1.0, -0.3125, 20.0]);
+//! # Ok::<(), amp::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+pub use amp_core::*;

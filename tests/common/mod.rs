@@ -1,0 +1,78 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use amp::Fp8Format;
+
+/// Every finite non-negative value of `format`, sorted, computed in f64 from
+/// the bit fields (an independent model, not the crate's tables).
+pub fn positive_values(format: Fp8Format) -> Vec<(f64, u8)> {
+    let (mant, bias, has_inf) = match format {
+        Fp8Format::E4M3 => (3u32, 7i32, false),
+        Fp8Format::E5M2 => (2, 15, true),
+    };
+    let mut out = Vec::new();
+    for code in 0u8..0x80 {
+        let e = (code as u32 >> mant) as i32;
+        let m = (code as u32 & ((1 << mant) - 1)) as f64;
+        let e_max = (1i32 << (7 - mant)) - 1;
+        if (has_inf && e == e_max) || (!has_inf && code == 0x7F) {
+            continue;
+        }
+        let v = if e == 0 {
+            m * 2f64.powi(1 - bias - mant as i32)
+        } else {
+            (1.0 + m / (1 << mant) as f64) * 2f64.powi(e - bias)
+        };
+        out.push((v, code));
+    }
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// Round-to-nearest-even with saturation and canonical NaN, in f64.
+pub fn model_encode(values: &[(f64, u8)], x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = (x as f64).abs();
+    let (max, max_code) = values[values.len() - 1];
+    if a >= max {
+        return max_code | sign;
+    }
+    let i = values.partition_point(|&(v, _)| v <= a); // values[i-1] <= a < values[i]
+    let (lo, lo_code) = values[i - 1];
+    let (hi, hi_code) = values[i];
+    let code = if a - lo < hi - a {
+        lo_code
+    } else if a - lo > hi - a {
+        hi_code
+    } else if lo_code & 1 == 0 {
+        lo_code
+    } else {
+        hi_code
+    };
+    code | sign
+}
+
+/// Relative Frobenius-norm error of `got` against `want`.
+pub fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den).sqrt()
+}
+
+/// A deterministic normal-ish sample (sum of uniforms from xorshift), so that
+/// tests need no RNG crate and fail reproducibly.
+pub fn randn(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| ((0..4).map(|_| next()).sum::<f64>() - 2.0) as f32 * 1.7)
+        .collect()
+}

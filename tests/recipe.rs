@@ -1,0 +1,136 @@
+//! Recipes: TE's field names and defaults, JSON and TOML, and bad configs as
+//! errors that name the field.
+
+use amp::{
+    AmaxComputeAlgo, CurrentScaling, DelayedScaling, Error, Format, OverrideLinearPrecision,
+    ScaleRule,
+};
+
+fn field_of(e: &Error) -> &str {
+    match e {
+        Error::Config { field, .. } => field,
+        other => panic!("expected a config error, got {other}"),
+    }
+}
+
+#[test]
+fn defaults_are_transformer_engines() {
+    let r = DelayedScaling::default();
+    assert_eq!(r.margin, 0);
+    assert_eq!(r.interval, 1);
+    assert_eq!(r.fp8_format, Format::Hybrid);
+    assert_eq!(r.amax_history_len, 1024);
+    assert_eq!(r.amax_compute_algo, AmaxComputeAlgo::Max);
+    assert_eq!(
+        r.override_linear_precision,
+        OverrideLinearPrecision::default()
+    );
+    assert_eq!(DelayedScaling::from_json("{}").unwrap(), r);
+    assert_eq!(DelayedScaling::from_toml("").unwrap(), r);
+    let c = CurrentScaling::default();
+    assert_eq!((c.margin, c.scale_rule), (0, ScaleRule::PowerOfTwo));
+}
+
+#[test]
+fn te_style_json_and_toml_parse() {
+    let json = r#"{"margin": 2, "interval": 1, "fp8_format": "E4M3", "amax_history_len": 16,
+                   "amax_compute_algo": "most_recent", "override_linear_precision": [false, false, true]}"#;
+    let r = DelayedScaling::from_json(json).unwrap();
+    assert_eq!(r.margin, 2);
+    assert_eq!(r.fp8_format, Format::E4M3);
+    assert_eq!(r.amax_history_len, 16);
+    assert_eq!(r.amax_compute_algo, AmaxComputeAlgo::MostRecent);
+    assert!(r.override_linear_precision.wgrad && !r.override_linear_precision.fprop);
+    let toml = r#"
+        margin = 2
+        fp8_format = "E4M3"
+        amax_history_len = 16
+        amax_compute_algo = "most_recent"
+        [override_linear_precision]
+        wgrad = true
+    "#;
+    assert_eq!(DelayedScaling::from_toml(toml).unwrap(), r);
+    // Round trips through both formats.
+    assert_eq!(DelayedScaling::from_json(&r.to_json().unwrap()).unwrap(), r);
+    assert_eq!(DelayedScaling::from_toml(&r.to_toml().unwrap()).unwrap(), r);
+    let c = CurrentScaling {
+        margin: 1,
+        scale_rule: ScaleRule::Te,
+        ..Default::default()
+    };
+    assert_eq!(CurrentScaling::from_toml(&c.to_toml().unwrap()).unwrap(), c);
+    assert_eq!(Format::Hybrid.forward(), amp::Fp8Format::E4M3);
+    assert_eq!(Format::Hybrid.backward(), amp::Fp8Format::E5M2);
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let cases: &[(&str, &str)] = &[
+        (r#"{"fp8_format": "E3M4"}"#, "fp8_format"),
+        (r#"{"fp8_format": "E5M2"}"#, "fp8_format"),
+        (r#"{"amax_history_len": 0}"#, "amax_history_len"),
+        (r#"{"margin": -1}"#, "margin"),
+        (r#"{"margin": 1000}"#, "margin"),
+        (r#"{"margin": "two"}"#, "margin"),
+        (r#"{"interval": 0}"#, "interval"),
+        (r#"{"amax_compute_algo": "mean"}"#, "amax_compute_algo"),
+        (
+            r#"{"override_linear_precision": [true]}"#,
+            "override_linear_precision",
+        ),
+        (
+            r#"{"override_linear_precision": {"fprop": 1}}"#,
+            "override_linear_precision.fprop",
+        ),
+        (
+            r#"{"override_linear_precision": {"bprop": true}}"#,
+            "override_linear_precision",
+        ),
+    ];
+    for (json, field) in cases {
+        let e = DelayedScaling::from_json(json).unwrap_err();
+        assert_eq!(field_of(&e), *field, "{json}: {e}");
+        assert!(
+            e.to_string().contains(field),
+            "message names the field: {e}"
+        );
+    }
+    // An unknown field is named in the message.
+    let e = DelayedScaling::from_json(r#"{"amax_histroy_len": 4}"#).unwrap_err();
+    assert!(e.to_string().contains("amax_histroy_len"), "{e}");
+    // TOML: wrong type, negative margin, syntax.
+    for (toml, field) in [
+        ("margin = -1", "margin"),
+        ("amax_history_len = \"long\"", "amax_history_len"),
+    ] {
+        let e = DelayedScaling::from_toml(toml).unwrap_err();
+        assert_eq!(field_of(&e), field, "{toml}: {e}");
+    }
+    let e = DelayedScaling::from_toml("margin = ").unwrap_err();
+    assert!(matches!(e, Error::Config { .. }), "{e}");
+    let e = CurrentScaling::from_json(r#"{"scale_rule": "cube"}"#).unwrap_err();
+    assert_eq!(field_of(&e), "scale_rule");
+}
+
+#[test]
+fn config_files_by_extension() {
+    let dir = std::env::temp_dir().join(format!("amp-recipe-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("r.json");
+    std::fs::write(&json, r#"{"margin": 3}"#).unwrap();
+    assert_eq!(DelayedScaling::from_path(&json).unwrap().margin, 3);
+    let toml = dir.join("r.toml");
+    std::fs::write(&toml, "margin = 4").unwrap();
+    assert_eq!(DelayedScaling::from_path(&toml).unwrap().margin, 4);
+    let yaml = dir.join("r.yaml");
+    std::fs::write(&yaml, "margin: 4").unwrap();
+    assert!(matches!(
+        DelayedScaling::from_path(&yaml).unwrap_err(),
+        Error::ConfigFile { .. }
+    ));
+    assert!(matches!(
+        DelayedScaling::from_path(dir.join("missing.json")).unwrap_err(),
+        Error::ConfigFile { .. }
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,247 @@
+//! ScalingTensor: quantize / dequantize round trips within the format's
+//! bound, the FP8 GEMM against a float64 matmul, and the named errors.
+
+mod common;
+
+use amp::{fp8_gemm, CurrentScaling, Error, QType, ScaleRule, ScalingMeta, ScalingTensor};
+use candle_core::{DType, Device, Tensor};
+use common::{randn, rel_err};
+
+fn tensor(v: Vec<f32>, shape: &[usize]) -> Tensor {
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+#[test]
+fn round_trip_error_is_within_half_an_ulp() {
+    // Values spread over many binades so that scaled values cover the whole
+    // normal range of each format, plus its subnormals.
+    let x: Vec<f32> = randn(4096, 1)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * 2f32.powi((i % 16) as i32 - 8))
+        .collect();
+    let xt = tensor(x.clone(), &[64, 64]);
+    for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+        let (q, amax) = ScalingTensor::quantize(&xt, qtype, &CurrentScaling::default()).unwrap();
+        assert_eq!(q.shape().dims(), [64, 64]);
+        assert_eq!(q.data().dtype(), qtype.storage_dtype());
+        let want_amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(amax.to_vec1::<f32>().unwrap(), [want_amax]);
+        let scale = 1.0 / q.scale_inv().unwrap();
+        assert!(
+            want_amax * scale <= qtype.max(),
+            "{qtype}: amax * scale within max"
+        );
+        let (mant, min_normal, min_sub) = match qtype {
+            QType::E4M3 => (3, 2f32.powi(-6), 2f32.powi(-9)),
+            QType::E5M2 => (2, 2f32.powi(-14), 2f32.powi(-16)),
+            QType::F16 => (10, 2f32.powi(-14), 2f32.powi(-24)),
+        };
+        let y: Vec<f32> = q
+            .dequantize(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut normals = 0;
+        for (a, b) in x.iter().zip(&y) {
+            let err = (*a as f64 - *b as f64).abs();
+            if (a.abs() * scale) >= min_normal {
+                normals += 1;
+                // half an ulp, relative: 2^-(mant + 1) of the value
+                assert!(
+                    err <= a.abs() as f64 * 2f64.powi(-(mant + 1)),
+                    "{qtype}: {a} -> {b}"
+                );
+            } else {
+                // half the smallest subnormal, absolute, in unscaled units
+                assert!(err <= (min_sub / 2.0 / scale) as f64, "{qtype}: {a} -> {b}");
+            }
+        }
+        assert!(normals > 3000, "{qtype}: {normals} normal");
+        if qtype == QType::E4M3 {
+            assert!(normals < 4096, "E4M3: the subnormal range is exercised too");
+        }
+    }
+}
+
+#[test]
+fn quantize_takes_every_float_dtype_and_dequantize_gives_every_float_dtype() {
+    let x = tensor(vec![0.5, -1.25, 3.0, 0.0, -0.0, 7.5], &[2, 3]);
+    let want: Vec<f64> = f64s(&x);
+    for in_dtype in [DType::F32, DType::F16, DType::BF16] {
+        let xin = x.to_dtype(in_dtype).unwrap();
+        let (q, _) =
+            ScalingTensor::quantize(&xin, QType::E4M3, &CurrentScaling::default()).unwrap();
+        for out in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let y = q.dequantize(out).unwrap();
+            assert_eq!(y.dtype(), out);
+            assert_eq!(f64s(&y), want, "{in_dtype:?} -> {out:?}");
+        }
+    }
+}
+
+#[test]
+fn quantize_with_uses_the_given_scale_and_reports_amax() {
+    let x = tensor(vec![1.0, -2.0, 600.0], &[3]);
+    let meta = ScalingMeta::new(QType::E4M3, 16, &Device::Cpu)
+        .unwrap()
+        .with_scale(0.5)
+        .unwrap();
+    let (q, amax) = ScalingTensor::quantize_with(&x, &meta).unwrap();
+    assert_eq!(amax.to_vec1::<f32>().unwrap(), [600.0]);
+    assert_eq!(q.scale_inv().unwrap(), 2.0);
+    // 600 * 0.5 = 300 -> nearest E4M3 is 288 (step 32 above 256); 288 * 2 = 576
+    assert_eq!(
+        q.dequantize(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+        [1.0, -2.0, 576.0]
+    );
+    // A second cast with a scale that overflows saturates to max.
+    let big = meta.clone().with_scale(4.0).unwrap();
+    let (q, _) = ScalingTensor::quantize_with(&x, &big).unwrap();
+    assert_eq!(
+        q.dequantize(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+        [1.0, -2.0, 112.0]
+    );
+}
+
+#[test]
+fn requantize_changes_format_with_a_fresh_scale() {
+    let x = tensor(randn(1000, 7), &[1000]);
+    let r = CurrentScaling::default();
+    let (q16, _) = ScalingTensor::quantize(&x, QType::F16, &r).unwrap();
+    let (q8, amax) = q16.requantize(QType::E4M3, &r).unwrap();
+    assert_eq!(q8.qtype(), QType::E4M3);
+    // Same as quantizing the F32 value of the FP16 tensor.
+    let direct = ScalingTensor::quantize(&q16.dequantize(DType::F32).unwrap(), QType::E4M3, &r)
+        .unwrap()
+        .0;
+    assert_eq!(
+        q8.data().to_vec1::<u8>().unwrap(),
+        direct.data().to_vec1::<u8>().unwrap()
+    );
+    let a = amax.to_vec1::<f32>().unwrap()[0];
+    assert_eq!(
+        q8.scale_inv().unwrap(),
+        1.0 / ScaleRule::PowerOfTwo.compute(a, 1.0, 448.0, 0)
+    );
+}
+
+#[test]
+fn all_zero_and_non_finite_inputs_keep_scale_one() {
+    let zeros = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
+    let (q, _) = ScalingTensor::quantize(&zeros, QType::E4M3, &CurrentScaling::default()).unwrap();
+    assert_eq!(q.scale_inv().unwrap(), 1.0);
+    let x = tensor(vec![1.0, f32::NAN, f32::INFINITY, -f32::INFINITY], &[4]);
+    let (q, amax) = ScalingTensor::quantize(&x, QType::E4M3, &CurrentScaling::default()).unwrap();
+    assert!(amax.to_vec1::<f32>().unwrap()[0].is_nan());
+    assert_eq!(q.scale_inv().unwrap(), 1.0);
+    assert_eq!(q.data().to_vec1::<u8>().unwrap(), [0x38, 0x7F, 0x7E, 0xFE]);
+}
+
+#[test]
+fn nbytes_counts_data_and_metadata() {
+    let x = Tensor::ones((10, 10), DType::F32, &Device::Cpu).unwrap();
+    let (q8, _) = ScalingTensor::quantize(&x, QType::E4M3, &CurrentScaling::default()).unwrap();
+    assert_eq!(q8.nbytes(), 100 + 4 + 4 + 4);
+    let (q16, _) = ScalingTensor::quantize(&x, QType::F16, &CurrentScaling::default()).unwrap();
+    assert_eq!(q16.nbytes(), 200 + 12);
+    let meta = ScalingMeta::new(QType::E4M3, 16, &Device::Cpu).unwrap();
+    assert_eq!(meta.nbytes(), 4 + 4 + 16 * 4);
+}
+
+#[test]
+fn fp8_gemm_matches_a_float64_matmul_of_the_decoded_inputs() {
+    let r = CurrentScaling::default();
+    for (i, &(m, k, n)) in [
+        (1, 16, 1),
+        (3, 17, 5),
+        (16, 64, 32),
+        (33, 250, 19),
+        (128, 512, 96),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for (qa, qb) in [
+            (QType::E4M3, QType::E4M3),
+            (QType::E5M2, QType::E4M3),
+            (QType::E4M3, QType::E5M2),
+        ] {
+            let a = tensor(randn(m * k, 10 + i as u64), &[m, k]);
+            let b = tensor(
+                randn(n * k, 20 + i as u64)
+                    .iter()
+                    .map(|v| v * 0.02)
+                    .collect(),
+                &[n, k],
+            );
+            let (aq, _) = ScalingTensor::quantize(&a, qa, &r).unwrap();
+            let (bq, _) = ScalingTensor::quantize(&b, qb, &r).unwrap();
+            let ad = f64s(&aq.dequantize(DType::F64).unwrap());
+            let bd = f64s(&bq.dequantize(DType::F64).unwrap());
+            let mut want = vec![0f64; m * n];
+            for r in 0..m {
+                for c in 0..n {
+                    want[r * n + c] = (0..k).map(|j| ad[r * k + j] * bd[c * k + j]).sum();
+                }
+            }
+            let y = fp8_gemm(&aq, &bq, DType::F32).unwrap();
+            assert_eq!(y.dims(), [m, n]);
+            let err = rel_err(&f64s(&y), &want);
+            assert!(err < 1e-6, "({m},{k},{n}) {qa}x{qb}: rel err {err:e}");
+            let y16 = fp8_gemm(&aq, &bq, DType::BF16).unwrap();
+            assert_eq!(y16.dtype(), DType::BF16);
+            let err = rel_err(&f64s(&y16), &want);
+            assert!(err < 2f64.powi(-8), "bf16 out: rel err {err:e}");
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_named_errors() {
+    let r = CurrentScaling::default();
+    let dev = Device::Cpu;
+    // unsupported input dtype
+    let ints = Tensor::new(&[1u32, 2], &dev).unwrap();
+    let e = ScalingTensor::quantize(&ints, QType::E4M3, &r).unwrap_err();
+    assert!(matches!(e, Error::DType { .. }), "{e}");
+    let x = Tensor::ones((2, 8), DType::F32, &dev).unwrap();
+    let (q, _) = ScalingTensor::quantize(&x, QType::E4M3, &r).unwrap();
+    // unsupported output dtype
+    let e = q.dequantize(DType::U8).unwrap_err();
+    assert!(matches!(e, Error::DType { .. }), "{e}");
+    // data dtype that does not match the qtype
+    let meta = ScalingMeta::new(QType::E4M3, 1, &dev).unwrap();
+    let e = ScalingTensor::from_parts(x.clone(), meta).unwrap_err();
+    assert!(matches!(e, Error::DType { .. }), "{e}");
+    // GEMM: k mismatch, rank, FP16 operand, output dtype
+    let (q3, _) = ScalingTensor::quantize(
+        &Tensor::ones((2, 3), DType::F32, &dev).unwrap(),
+        QType::E4M3,
+        &r,
+    )
+    .unwrap();
+    let e = fp8_gemm(&q, &q3, DType::F32).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "{e}");
+    let (q1d, _) =
+        ScalingTensor::quantize(&Tensor::ones(8, DType::F32, &dev).unwrap(), QType::E4M3, &r)
+            .unwrap();
+    let e = fp8_gemm(&q1d, &q, DType::F32).unwrap_err();
+    assert!(matches!(e, Error::Rank { .. }), "{e}");
+    let (q16, _) = ScalingTensor::quantize(&x, QType::F16, &r).unwrap();
+    let e = fp8_gemm(&q, &q16, DType::F32).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    let e = fp8_gemm(&q, &q, DType::U32).unwrap_err();
+    assert!(matches!(e, Error::DType { .. }), "{e}");
+}
