@@ -245,3 +245,21 @@ fn bad_inputs_are_named_errors() {
     let e = fp8_gemm(&q, &q, DType::U32).unwrap_err();
     assert!(matches!(e, Error::DType { .. }), "{e}");
 }
+
+#[test]
+fn cast_stats_count_saturated_and_flushed_elements() {
+    let x = tensor(
+        vec![1e-6, 1000.0, 1.0, 0.0, -1e-7, f32::INFINITY, -500.0, 448.0],
+        &[8],
+    );
+    let meta = ScalingMeta::new(QType::E4M3, 1, &Device::Cpu).unwrap();
+    let (q, _) = ScalingTensor::quantize_with(&x, &meta).unwrap();
+    let s = q.cast_stats(&x).unwrap();
+    assert_eq!((s.saturated, s.flushed, s.total), (3, 2, 8));
+    // With a scale from current scaling nothing saturates.
+    let x = tensor(vec![1.0, 2.0, 300.0], &[3]);
+    let (q, _) = ScalingTensor::quantize(&x, QType::E5M2, &CurrentScaling::default()).unwrap();
+    assert_eq!(q.cast_stats(&x).unwrap().saturated, 0);
+    let e = q.cast_stats(&tensor(vec![1.0], &[1])).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "{e}");
+}

@@ -81,7 +81,7 @@ macro_rules! with_float {
                 let $data = $storage;
                 $body
             }
-            other => Err(Error::DType {
+            other => Err($crate::error::Error::DType {
                 op: $op,
                 expected: "F32, F16 or BF16",
                 got: other.dtype(),
@@ -89,6 +89,7 @@ macro_rules! with_float {
         }
     };
 }
+pub(crate) use with_float;
 
 /// FP16 encode with the FP8 casts' rules: saturate finite, NaN canonical.
 #[inline(always)]

@@ -41,6 +41,7 @@ mod meta;
 mod qtype;
 mod recipe;
 mod scale;
+mod stats;
 mod tensor;
 
 pub use error::{Error, Result};
@@ -52,4 +53,5 @@ pub use recipe::{
     AmaxComputeAlgo, CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision, MAX_MARGIN,
 };
 pub use scale::ScaleRule;
+pub use stats::CastStats;
 pub use tensor::ScalingTensor;
