@@ -32,14 +32,14 @@ pub enum Fp8Format {
 }
 
 /// The bit layout of a format, as const parameters of the generic kernels.
-trait Layout {
+pub(crate) trait Layout {
     const MANT: u32;
     const BIAS: i32;
     const MAX: f32;
     const HAS_INF: bool;
 }
-struct E4M3L;
-struct E5M2L;
+pub(crate) struct E4M3L;
+pub(crate) struct E5M2L;
 impl Layout for E4M3L {
     const MANT: u32 = 3;
     const BIAS: i32 = 7;
@@ -57,7 +57,7 @@ impl Layout for E5M2L {
 /// it vectorizes: both the normal and the subnormal result are computed and
 /// one is selected.
 #[inline(always)]
-fn encode_bits<L: Layout>(x: f32) -> u8 {
+pub(crate) fn encode_bits<L: Layout>(x: f32) -> u8 {
     let bits = x.to_bits();
     let sign = ((bits >> 24) & 0x80) as u8;
     let abs = f32::from_bits(bits & 0x7FFF_FFFF);
@@ -233,93 +233,6 @@ impl Fp8Format {
     }
 }
 
-/// Decodes by arithmetic on the bits (no table gather), so that a loop of it
-/// vectorizes; equal to the table for every code (tested).
-#[inline(always)]
-fn decode_arith<L: Layout>(code: u8) -> f32 {
-    let c = code as u32;
-    let sign = (c & 0x80) << 24;
-    let mag = c & 0x7F;
-    let normal = f32::from_bits((mag << (23 - L::MANT)) + (((127 - L::BIAS) as u32) << 23));
-    let unit = f32::from_bits(((1 - L::BIAS - L::MANT as i32 + 127) as u32) << 23);
-    let sub = mag as f32 * unit;
-    let v = if mag < (1 << L::MANT) { sub } else { normal };
-    let v = f32::from_bits(v.to_bits() | sign);
-    // Specials: E4M3 has NaN at 0x7F only; E5M2 has inf at 0x7C, NaN above.
-    let inf_code = if L::HAS_INF { 0x7C } else { 0x80 };
-    let nan_from = if L::HAS_INF { 0x7D } else { 0x7F };
-    let v = if mag == inf_code {
-        f32::from_bits(sign | 0x7F80_0000)
-    } else {
-        v
-    };
-    if mag >= nan_from {
-        f32::from_bits(CANONICAL_NAN_BITS)
-    } else {
-        v
-    }
-}
-
-/// The bulk loops, written once and compiled twice on x86-64: for the
-/// baseline target and for AVX2 (chosen at run time), where they vectorize.
-macro_rules! bulk_loops {
-    ($($attr:meta)?; $encode:ident, $decode:ident) => {
-        $(#[$attr])?
-        fn $encode<L: Layout>(src: &[f32], dst: &mut [u8], scale: f32) {
-            for (d, &x) in dst.iter_mut().zip(src) {
-                *d = encode_bits::<L>(x * scale);
-            }
-        }
-        $(#[$attr])?
-        fn $decode<L: Layout>(src: &[u8], dst: &mut [f32], scale_inv: f32) {
-            for (d, &c) in dst.iter_mut().zip(src) {
-                *d = decode_arith::<L>(c) * scale_inv;
-            }
-        }
-    };
-}
-bulk_loops!(; encode_generic, decode_generic);
-#[cfg(target_arch = "x86_64")]
-bulk_loops!(target_feature(enable = "avx2"); encode_avx2, decode_avx2);
-
-impl Fp8Format {
-    fn encode_loop(self, src: &[f32], dst: &mut [u8], scale: f32) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 is present, checked on the line above.
-            unsafe {
-                match self {
-                    Self::E4M3 => encode_avx2::<E4M3L>(src, dst, scale),
-                    Self::E5M2 => encode_avx2::<E5M2L>(src, dst, scale),
-                }
-            }
-            return;
-        }
-        match self {
-            Self::E4M3 => encode_generic::<E4M3L>(src, dst, scale),
-            Self::E5M2 => encode_generic::<E5M2L>(src, dst, scale),
-        }
-    }
-
-    fn decode_loop(self, src: &[u8], dst: &mut [f32], scale_inv: f32) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 is present, checked on the line above.
-            unsafe {
-                match self {
-                    Self::E4M3 => decode_avx2::<E4M3L>(src, dst, scale_inv),
-                    Self::E5M2 => decode_avx2::<E5M2L>(src, dst, scale_inv),
-                }
-            }
-            return;
-        }
-        match self {
-            Self::E4M3 => decode_generic::<E4M3L>(src, dst, scale_inv),
-            Self::E5M2 => decode_generic::<E5M2L>(src, dst, scale_inv),
-        }
-    }
-}
-
 fn check_len(op: &'static str, src: usize, dst: usize) -> Result<()> {
     if src == dst {
         Ok(())
@@ -340,6 +253,7 @@ impl std::fmt::Display for Fp8Format {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bulk::{decode_generic, encode_generic};
 
     #[test]
     fn constants_match_tables() {

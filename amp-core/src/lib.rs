@@ -31,6 +31,7 @@
 //! feature of a later release adds CUDA kernels behind the same ops.
 #![warn(missing_docs)]
 
+mod bulk;
 mod cast;
 pub mod config;
 mod error;
