@@ -23,3 +23,8 @@
 #![warn(missing_docs)]
 
 pub use amp_core::*;
+
+/// Optimizers: AdamW, low-bit AdamW, loss scaling, schedules (`amp-optim`).
+pub mod optim {
+    pub use amp_optim::*;
+}

@@ -96,6 +96,12 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// A shared slot whose writer panicked.
+    #[error("{op}: lock poisoned by a panic in another thread")]
+    Poisoned {
+        /// The operation.
+        op: &'static str,
+    },
     /// The build lacks a feature the call needs.
     #[error("built without feature `{0}`")]
     NotCompiled(&'static str),

@@ -44,6 +44,7 @@ mod recipe;
 mod scale;
 mod stats;
 mod tensor;
+mod weight;
 
 pub use error::{Error, Result};
 pub use format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
@@ -56,3 +57,4 @@ pub use recipe::{
 pub use scale::ScaleRule;
 pub use stats::CastStats;
 pub use tensor::ScalingTensor;
+pub use weight::{Weight, WeightSlot};

@@ -1,6 +1,51 @@
 //! # amp-optim
 //!
-//! Optimizers of candle-amp: the F32 AdamW reference, low-bit AdamW (FP8
-//! first moment, FP16 second moment), scaled FP16 master weights and loss
-//! scaling. Under construction: see the project's issues.
+//! Optimizers of candle-amp:
+//! - [`AdamW`]: the F32 reference with PyTorch's rule and defaults, a
+//!   `candle_nn::Optimizer` over `Var`s;
+//! - [`LowBitAdamW`]: MS-AMP's LBAdamW, moments in scaled E4M3 / FP16 (or
+//!   any [`StateFormat`]), weights in F32, scaled FP16 (O1/O2 master) or
+//!   FP8 + FP16 master (O3), gradients F32 or FP8 decoded on the fly, global
+//!   norm clipping, learning-rate schedules, loss scaling and skipping of
+//!   non-finite steps.
+//!
+//! ```
+//! use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
+//! use amp_optim::{Grad, Grads, LowBitAdamW, LowBitAdamWConfig, AdamWConfig};
+//! use candle_core::{DType, Device, Tensor};
+//!
+//! // A weight stored as scaled FP16 (the O1/O2 master), gradients in FP8.
+//! let w0 = Tensor::new(&[[1.0f32, -2.0], [0.5, 3.0]], &Device::Cpu)?;
+//! let (w16, _) = ScalingTensor::quantize(&w0, QType::F16, &CurrentScaling::default())?;
+//! let slot = WeightSlot::new(Weight::F16(w16));
+//! let cfg = LowBitAdamWConfig { adam: AdamWConfig { lr: 0.05, weight_decay: 0.0, ..Default::default() }, ..Default::default() };
+//! let mut opt = LowBitAdamW::new(vec![("w".into(), slot.clone())], cfg)?;
+//! for _ in 0..200 {
+//!     let w = slot.read()?.master_f32()?;
+//!     let g = (&w * 2.0)?;                                  // d/dw of |w|^2
+//!     let (g8, _) = ScalingTensor::quantize(&g, QType::E4M3, &CurrentScaling::default())?;
+//!     let mut grads = Grads::new();
+//!     grads.insert("w", Grad::Scaled(g8));
+//!     opt.step(&grads)?;
+//! }
+//! let w = slot.read()?.master_f32()?;
+//! assert!(w.abs()?.max_all()?.to_scalar::<f32>()? < 0.1);
+//! # Ok::<(), amp_optim::Error>(())
+//! ```
 #![warn(missing_docs)]
+
+mod adamw;
+mod error;
+mod grad;
+mod loss_scaler;
+mod lowbit;
+mod schedule;
+mod state;
+
+pub use adamw::{AdamStep, AdamW, AdamWConfig};
+pub use error::{Error, Result};
+pub use grad::{Grad, Grads};
+pub use loss_scaler::{LossScaler, LossScaling};
+pub use lowbit::{LowBitAdamW, LowBitAdamWConfig, ParamState, StepOutcome};
+pub use schedule::{Constant, LrSchedule, WarmupCosine};
+pub use state::{State, StateFormat};

@@ -1,0 +1,103 @@
+//! `WeightSlot`: a parameter's storage, shared by the layer that reads it and
+//! the optimizer that updates it in place.
+
+use crate::error::{Error, Result};
+use crate::tensor::ScalingTensor;
+use candle_core::{DType, Shape, Tensor, Var};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+
+/// How a parameter is stored (DESIGN.md 2).
+#[derive(Debug, Clone)]
+pub enum Weight {
+    /// F32, a candle `Var` (O0; embeddings, norms and biases at every level).
+    F32(Var),
+    /// Scaled FP16 (O1/O2): this copy is the master.
+    F16(ScalingTensor),
+    /// FP8 working copy with a scaled FP16 master (O3).
+    Fp8 {
+        /// What the GEMMs read.
+        weight: ScalingTensor,
+        /// What the optimizer updates.
+        master: ScalingTensor,
+    },
+}
+
+impl Weight {
+    /// The value the optimizer updates, as F32: the `Var`, the FP16 copy or
+    /// the FP16 master.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn master_f32(&self) -> Result<Tensor> {
+        match self {
+            Self::F32(v) => Ok(v.as_tensor().clone()),
+            Self::F16(t) | Self::Fp8 { master: t, .. } => t.dequantize(DType::F32),
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        match self {
+            Self::F32(v) => v.shape(),
+            Self::F16(t) | Self::Fp8 { master: t, .. } => t.shape(),
+        }
+    }
+
+    /// Bytes held, scaling metadata included.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Self::F32(v) => v.elem_count() * 4,
+            Self::F16(t) => t.nbytes(),
+            Self::Fp8 { weight, master } => weight.nbytes() + master.nbytes(),
+        }
+    }
+
+    /// A short name of the storage: `F32`, `F16`, `FP8+F16`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::F32(_) => "F32",
+            Self::F16(_) => "F16",
+            Self::Fp8 { .. } => "FP8+F16",
+        }
+    }
+}
+
+/// A shared handle to a [`Weight`]; clones point at the same storage.
+#[derive(Debug, Clone)]
+pub struct WeightSlot(Arc<RwLock<Weight>>);
+
+impl WeightSlot {
+    /// A new slot holding `weight`.
+    pub fn new(weight: Weight) -> Self {
+        Self(Arc::new(RwLock::new(weight)))
+    }
+
+    /// Reads the weight.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`] if a writer panicked.
+    pub fn read(&self) -> Result<RwLockReadGuard<'_, Weight>> {
+        self.0.read().map_err(|_| Error::Poisoned {
+            op: "WeightSlot::read",
+        })
+    }
+
+    /// Replaces the weight; its shape must stay the same.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the shape changes, [`Error::Poisoned`].
+    pub fn replace(&self, weight: Weight) -> Result<()> {
+        let mut guard = self.0.write().map_err(|_| Error::Poisoned {
+            op: "WeightSlot::replace",
+        })?;
+        if guard.shape() != weight.shape() {
+            return Err(Error::Shape {
+                op: "WeightSlot::replace",
+                lhs: guard.shape().clone(),
+                rhs: weight.shape().clone(),
+            });
+        }
+        *guard = weight;
+        Ok(())
+    }
+}

@@ -1,0 +1,77 @@
+//! Gradients as they arrive: F32 tensors (from candle's backward) or FP8
+//! scaling tensors (from the FP8 Linear's sink).
+
+use crate::adamw::flat;
+use crate::error::Result;
+use amp_core::ScalingTensor;
+use candle_core::{DType, Shape, Tensor};
+use std::collections::HashMap;
+
+/// One parameter's gradient.
+#[derive(Debug, Clone)]
+pub enum Grad {
+    /// A full-precision gradient.
+    F32(Tensor),
+    /// A scaled low-precision gradient, decoded during the step.
+    Scaled(ScalingTensor),
+}
+
+impl Grad {
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        match self {
+            Self::F32(t) => t.shape(),
+            Self::Scaled(t) => t.shape(),
+        }
+    }
+
+    /// False when the gradient held inf or NaN before it was cast: a
+    /// saturating FP8 cast turns inf into max, so a scaled gradient keeps its
+    /// input's amax in its metadata and that is checked too.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn source_is_finite(&self) -> Result<bool> {
+        match self {
+            Self::F32(_) => Ok(true),
+            Self::Scaled(t) => Ok(t
+                .meta()
+                .amax()?
+                .to_vec1::<f32>()?
+                .iter()
+                .all(|a| a.is_finite())),
+        }
+    }
+
+    /// The values as a flat F32 vector, decoded on the fly.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
+        match self {
+            Self::F32(t) => flat(t),
+            Self::Scaled(t) => flat(&t.dequantize(DType::F32)?),
+        }
+    }
+}
+
+/// Gradients by parameter name.
+#[derive(Debug, Clone, Default)]
+pub struct Grads(pub HashMap<String, Grad>);
+
+impl Grads {
+    /// No gradients.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) a parameter's gradient.
+    pub fn insert(&mut self, name: impl Into<String>, grad: Grad) {
+        self.0.insert(name.into(), grad);
+    }
+
+    /// A parameter's gradient.
+    pub fn get(&self, name: &str) -> Option<&Grad> {
+        self.0.get(name)
+    }
+}

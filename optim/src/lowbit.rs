@@ -1,0 +1,320 @@
+//! `LowBitAdamW` (MS-AMP's LBAdamW): AdamW whose moments are stored in scaled
+//! low-bit formats and whose weights may be F32, scaled FP16 (the master at
+//! O1/O2) or FP8 with a scaled FP16 master (O3).
+
+use crate::adamw::{flat, AdamWConfig};
+use crate::error::{Error, Result};
+use crate::grad::{Grad, Grads};
+use crate::loss_scaler::{LossScaler, LossScaling};
+use crate::schedule::{Constant, LrSchedule};
+use crate::state::{State, StateFormat};
+use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
+use candle_core::{backprop::GradStore, Tensor};
+
+/// Configuration of [`LowBitAdamW`]. Defaults: PyTorch AdamW, first moment
+/// E4M3 and second moment FP16 (MS-AMP), no clipping, no loss scaling.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LowBitAdamWConfig {
+    /// AdamW hyperparameters.
+    pub adam: AdamWConfig,
+    /// Storage of the first moment (`exp_avg`).
+    pub exp_avg: StateFormat,
+    /// Storage of the second moment (`exp_avg_sq`).
+    pub exp_avg_sq: StateFormat,
+    /// Clip the global gradient norm (over every parameter) to this value.
+    pub max_grad_norm: Option<f64>,
+    /// Loss scaling.
+    pub loss_scaling: LossScaling,
+}
+
+impl Default for LowBitAdamWConfig {
+    fn default() -> Self {
+        Self {
+            adam: AdamWConfig::default(),
+            exp_avg: StateFormat::E4M3,
+            exp_avg_sq: StateFormat::F16,
+            max_grad_norm: None,
+            loss_scaling: LossScaling::None,
+        }
+    }
+}
+
+/// One parameter with its moments.
+#[derive(Debug, Clone)]
+pub struct ParamState {
+    /// Its name (unique).
+    pub name: String,
+    /// Its storage, shared with the layer that reads it.
+    pub slot: WeightSlot,
+    /// First moment.
+    pub exp_avg: State,
+    /// Second moment.
+    pub exp_avg_sq: State,
+}
+
+/// What a step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepOutcome {
+    /// The update was applied; the global gradient norm (after unscaling,
+    /// before clipping).
+    Applied {
+        /// The norm.
+        grad_norm: f64,
+    },
+    /// A gradient held inf or NaN: nothing changed but the loss scaler,
+    /// which backed off.
+    Skipped,
+}
+
+/// AdamW with low-bit moments over parameters of any [`Weight`] storage.
+#[derive(Debug)]
+pub struct LowBitAdamW {
+    params: Vec<ParamState>,
+    config: LowBitAdamWConfig,
+    schedule: Box<dyn LrSchedule>,
+    scaler: LossScaler,
+    step: u64,
+}
+
+impl LowBitAdamW {
+    /// An optimizer over named weight slots; moments start at zero.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for bad hyperparameters, [`Error::DuplicateName`].
+    pub fn new(params: Vec<(String, WeightSlot)>, config: LowBitAdamWConfig) -> Result<Self> {
+        config.adam.validate()?;
+        if let Some(n) = config.max_grad_norm {
+            if !(n > 0.0 && n.is_finite()) {
+                return Err(Error::Config {
+                    field: "max_grad_norm",
+                    reason: "must be finite and > 0".into(),
+                });
+            }
+        }
+        let mut states = Vec::with_capacity(params.len());
+        for (name, slot) in params {
+            if states.iter().any(|p: &ParamState| p.name == name) {
+                return Err(Error::DuplicateName(name));
+            }
+            let (shape, device) = {
+                let w = slot.read()?;
+                let t = w.master_f32()?;
+                (t.shape().clone(), t.device().clone())
+            };
+            states.push(ParamState {
+                name,
+                slot,
+                exp_avg: State::zeros(config.exp_avg, &shape, &device)?,
+                exp_avg_sq: State::zeros(config.exp_avg_sq, &shape, &device)?,
+            });
+        }
+        Ok(Self {
+            params: states,
+            schedule: Box::new(Constant(config.adam.lr)),
+            scaler: LossScaler::new(config.loss_scaling),
+            config,
+            step: 0,
+        })
+    }
+
+    /// An optimizer over every variable of a `VarMap`, as F32 weights, named
+    /// as in the map.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_varmap(varmap: &candle_nn::VarMap, config: LowBitAdamWConfig) -> Result<Self> {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| amp_core::Error::Poisoned { op: "from_varmap" })?;
+        let mut params: Vec<_> = data
+            .iter()
+            .map(|(name, var)| (name.clone(), WeightSlot::new(Weight::F32(var.clone()))))
+            .collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        drop(data);
+        Self::new(params, config)
+    }
+
+    /// Replaces the learning-rate schedule (default: constant `adam.lr`).
+    pub fn with_schedule(mut self, schedule: impl LrSchedule + 'static) -> Self {
+        self.schedule = Box::new(schedule);
+        self
+    }
+
+    /// The parameters with their moments (for checkpoints and reports).
+    pub fn params(&self) -> &[ParamState] {
+        &self.params
+    }
+
+    /// Steps applied so far (skipped steps do not count).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The loss scaler.
+    pub fn scaler(&self) -> &LossScaler {
+        &self.scaler
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LowBitAdamWConfig {
+        &self.config
+    }
+
+    /// The learning rate of the next step.
+    pub fn learning_rate(&self) -> f64 {
+        self.schedule.lr(self.step + 1)
+    }
+
+    /// Restores the step counter and loss scaler (checkpoints).
+    pub fn restore_counters(&mut self, step: u64, scaler: LossScaler) {
+        self.step = step;
+        self.scaler = scaler;
+    }
+
+    /// Mutable access to the moments (checkpoints).
+    pub fn params_mut(&mut self) -> &mut [ParamState] {
+        &mut self.params
+    }
+
+    /// The F32 gradients of the `Var`-stored parameters in a `GradStore`.
+    ///
+    /// # Errors
+    /// [`Error::Core`] on a poisoned slot.
+    pub fn grads_from_store(&self, store: &GradStore) -> Result<Grads> {
+        let mut grads = Grads::new();
+        for p in &self.params {
+            if let Weight::F32(var) = &*p.slot.read()? {
+                if let Some(g) = store.get(var.as_tensor()) {
+                    grads.insert(p.name.clone(), Grad::F32(g.clone()));
+                }
+            }
+        }
+        Ok(grads)
+    }
+
+    /// Scales the loss, runs backward and steps with the `Var` gradients
+    /// plus `extra` (e.g. the FP8 weight gradients of a sink).
+    ///
+    /// # Errors
+    /// As [`step`](Self::step).
+    pub fn backward_step_with(&mut self, loss: &Tensor, extra: Grads) -> Result<StepOutcome> {
+        let scaled = if self.scaler.scale == 1.0 {
+            loss.clone()
+        } else {
+            (loss * self.scaler.scale)?
+        };
+        let store = scaled.backward()?;
+        let mut grads = self.grads_from_store(&store)?;
+        grads.0.extend(extra.0);
+        self.step(&grads)
+    }
+
+    /// [`backward_step_with`](Self::backward_step_with) with no extra gradients.
+    ///
+    /// # Errors
+    /// As [`step`](Self::step).
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
+        self.backward_step_with(loss, Grads::new())
+    }
+
+    /// One step. Gradients are taken as scaled by the loss scaler's current
+    /// scale. If any holds inf or NaN, nothing changes (weights, moments,
+    /// step counter) and the scaler backs off. Otherwise gradients are
+    /// unscaled, clipped to `max_grad_norm` over all parameters, and every
+    /// parameter with a gradient is updated.
+    ///
+    /// # Errors
+    /// [`Error::GradShape`] or [`Error::UnknownParam`], checked for every
+    /// gradient before anything changes.
+    pub fn step(&mut self, grads: &Grads) -> Result<StepOutcome> {
+        // Pass 1: shapes, finiteness and the global norm, decoding each
+        // gradient on the fly.
+        if let Some(name) = grads
+            .0
+            .keys()
+            .find(|n| !self.params.iter().any(|p| &p.name == *n))
+        {
+            return Err(Error::UnknownParam(name.clone()));
+        }
+        let mut sum_sq = 0f64;
+        for p in &self.params {
+            let Some(g) = grads.get(&p.name) else {
+                continue;
+            };
+            let expected = p.slot.read()?.shape().clone();
+            if g.shape() != &expected {
+                return Err(Error::GradShape {
+                    op: "LowBitAdamW::step",
+                    name: p.name.clone(),
+                    expected,
+                    got: g.shape().clone(),
+                });
+            }
+            if !g.source_is_finite()? {
+                sum_sq = f64::INFINITY;
+            }
+            sum_sq += g
+                .to_vec()?
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum::<f64>();
+        }
+        if !sum_sq.is_finite() {
+            self.scaler.update(true);
+            return Ok(StepOutcome::Skipped);
+        }
+        let inv_scale = 1.0 / self.scaler.scale;
+        let grad_norm = sum_sq.sqrt() * inv_scale;
+        let clip = match self.config.max_grad_norm {
+            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
+            None => 1.0,
+        };
+        let grad_mul = (inv_scale * clip) as f32;
+        // Pass 2: the update.
+        self.step += 1;
+        let k = self
+            .config
+            .adam
+            .at_step(self.schedule.lr(self.step), self.step);
+        for p in &mut self.params {
+            let Some(g) = grads.get(&p.name) else {
+                continue;
+            };
+            let (shape, device, mut w) = {
+                let weight = p.slot.read()?;
+                let t = weight.master_f32()?;
+                (t.shape().clone(), t.device().clone(), flat(&t)?)
+            };
+            let mut m = p.exp_avg.to_vec()?;
+            let mut v = p.exp_avg_sq.to_vec()?;
+            k.update(&mut w, &g.to_vec()?, grad_mul, &mut m, &mut v);
+            let tensor = |x: Vec<f32>| Tensor::from_vec(x, &shape, &device);
+            p.exp_avg = State::encode(p.exp_avg.format(), &tensor(m)?)?;
+            p.exp_avg_sq = State::encode(p.exp_avg_sq.format(), &tensor(v)?)?;
+            write_weight(&p.slot, &tensor(w)?)?;
+        }
+        self.scaler.update(false);
+        Ok(StepOutcome::Applied { grad_norm })
+    }
+}
+
+/// Stores updated F32 values into a slot in its own storage; low-bit copies
+/// get a fresh power-of-two scale from the new amax.
+fn write_weight(slot: &WeightSlot, values: &Tensor) -> Result<()> {
+    let current = slot.read()?.clone();
+    let q = |qtype| -> Result<ScalingTensor> {
+        Ok(ScalingTensor::quantize(values, qtype, &CurrentScaling::default())?.0)
+    };
+    match current {
+        Weight::F32(var) => var.set(&values.to_dtype(var.dtype())?)?,
+        Weight::F16(_) => slot.replace(Weight::F16(q(QType::F16)?))?,
+        Weight::Fp8 { .. } => slot.replace(Weight::Fp8 {
+            weight: q(QType::E4M3)?,
+            master: q(QType::F16)?,
+        })?,
+    }
+    Ok(())
+}
