@@ -149,6 +149,32 @@ fn delayed_update_honours_margin_and_interval() {
 }
 
 #[test]
+fn interval_skips_scale_updates_but_the_history_rolls_every_step() {
+    let recipe = DelayedScaling {
+        interval: 3,
+        amax_history_len: 3,
+        ..Default::default()
+    };
+    let mut m = ScalingMeta::new(QType::E4M3, recipe.amax_history_len, &Device::Cpu).unwrap();
+    let mut trace = vec![];
+    for a in [1.0, 2.0, 4.0, 8.0, 0.5] {
+        m.record_amax(&amax(a)).unwrap();
+        m.update_delayed(&recipe).unwrap();
+        trace.push((scale(&m), history(&m)));
+    }
+    assert_eq!(
+        trace,
+        [
+            (448.0, vec![0.0, 0.0, 1.0]), // update 0 recomputes: 448 / 1
+            (448.0, vec![0.0, 1.0, 2.0]), // update 1 keeps the scale
+            (448.0, vec![0.0, 2.0, 4.0]), // update 2 keeps it
+            (56.0, vec![0.0, 4.0, 8.0]),  // update 3 recomputes: max(2, 4, 8)
+            (56.0, vec![0.0, 8.0, 0.5]),  // update 4 keeps it
+        ]
+    );
+}
+
+#[test]
 fn bad_inputs_are_named_errors() {
     let e = ScalingMeta::new(QType::E4M3, 0, &Device::Cpu).unwrap_err();
     assert!(

@@ -7,6 +7,12 @@ use amp::{fp8_gemm, CurrentScaling, Error, QType, ScaleRule, ScalingMeta, Scalin
 use candle_core::{DType, Device, Tensor};
 use common::{randn, rel_err};
 
+/// FP8 GEMM with F32 output against f64: only the f32 accumulation order
+/// and the scale products differ.
+const GEMM_F32_RTOL: f64 = 1e-6;
+/// BF16 output adds one rounding to 8 significant bits.
+const GEMM_BF16_RTOL: f64 = 1.0 / 256.0;
+
 fn tensor(v: Vec<f32>, shape: &[usize]) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
@@ -86,7 +92,12 @@ fn quantize_takes_every_float_dtype_and_dequantize_gives_every_float_dtype() {
         for out in [DType::F32, DType::F16, DType::BF16, DType::F64] {
             let y = q.dequantize(out).unwrap();
             assert_eq!(y.dtype(), out);
-            assert_eq!(f64s(&y), want, "{in_dtype:?} -> {out:?}");
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&f64s(&y)),
+                bits(&want),
+                "{in_dtype:?} -> {out:?} (signed zeros included)"
+            );
         }
     }
 }
@@ -199,11 +210,14 @@ fn fp8_gemm_matches_a_float64_matmul_of_the_decoded_inputs() {
             let y = fp8_gemm(&aq, &bq, DType::F32).unwrap();
             assert_eq!(y.dims(), [m, n]);
             let err = rel_err(&f64s(&y), &want);
-            assert!(err < 1e-6, "({m},{k},{n}) {qa}x{qb}: rel err {err:e}");
+            assert!(
+                err < GEMM_F32_RTOL,
+                "({m},{k},{n}) {qa}x{qb}: rel err {err:e}"
+            );
             let y16 = fp8_gemm(&aq, &bq, DType::BF16).unwrap();
             assert_eq!(y16.dtype(), DType::BF16);
             let err = rel_err(&f64s(&y16), &want);
-            assert!(err < 2f64.powi(-8), "bf16 out: rel err {err:e}");
+            assert!(err < GEMM_BF16_RTOL, "bf16 out: rel err {err:e}");
         }
     }
 }
@@ -262,4 +276,149 @@ fn cast_stats_count_saturated_and_flushed_elements() {
     assert_eq!(q.cast_stats(&x).unwrap().saturated, 0);
     let e = q.cast_stats(&tensor(vec![1.0], &[1])).unwrap_err();
     assert!(matches!(e, Error::Shape { .. }), "{e}");
+}
+
+#[test]
+fn te_rule_scales_round_trip_within_half_an_ulp_plus_f32_rounding() {
+    // A non-power-of-two scale adds the f32 roundings of x * scale, of
+    // scale_inv and of the final product: 3 * 2^-24 relative at most.
+    let x = tensor(randn(4096, 31), &[4096]);
+    for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+        let mut meta = ScalingMeta::new(qtype, 4, &Device::Cpu).unwrap();
+        let (_, amax) = ScalingTensor::quantize_with(&x, &meta).unwrap();
+        meta.record_amax(&amax).unwrap();
+        meta.update_scale(ScaleRule::Te, amp::AmaxComputeAlgo::Max, 0)
+            .unwrap();
+        let (q, _) = ScalingTensor::quantize_with(&x, &meta).unwrap();
+        let scale = meta.scale().to_vec1::<f32>().unwrap()[0];
+        assert_ne!(
+            scale.log2().fract(),
+            0.0,
+            "{qtype}: a TE scale that is not a power of two"
+        );
+        let mant = match qtype {
+            QType::E4M3 => 3,
+            QType::E5M2 => 2,
+            QType::F16 => 10,
+        };
+        let bound = 2f64.powi(-(mant + 1)) + 3.0 * 2f64.powi(-24);
+        let (xs, ys) = (f64s(&x), f64s(&q.dequantize(DType::F32).unwrap()));
+        let min_normal = match qtype {
+            QType::E4M3 => 2f64.powi(-6),
+            QType::E5M2 | QType::F16 => 2f64.powi(-14),
+        };
+        for (a, b) in xs.iter().zip(&ys) {
+            if a.abs() * scale as f64 >= min_normal {
+                assert!((a - b).abs() <= a.abs() * bound, "{qtype}: {a} -> {b}");
+            }
+        }
+        // And the GEMM with TE scales on both sides.
+        let w = tensor(
+            randn(64 * 64, 32).iter().map(|v| v * 0.1).collect(),
+            &[64, 64],
+        );
+        let mut wm = ScalingMeta::new(QType::E4M3, 1, &Device::Cpu).unwrap();
+        let (_, wa) = ScalingTensor::quantize_with(&w, &wm).unwrap();
+        wm.record_amax(&wa).unwrap();
+        wm.update_scale(ScaleRule::Te, amp::AmaxComputeAlgo::Max, 0)
+            .unwrap();
+        let (wq, _) = ScalingTensor::quantize_with(&w, &wm).unwrap();
+        if qtype.fp8().is_some() {
+            let a = ScalingTensor::quantize_with(&x.reshape((64, 64)).unwrap(), &meta)
+                .unwrap()
+                .0;
+            let (ad, bd) = (
+                f64s(&a.dequantize(DType::F64).unwrap()),
+                f64s(&wq.dequantize(DType::F64).unwrap()),
+            );
+            let want: Vec<f64> = (0..64 * 64)
+                .map(|i| {
+                    (0..64)
+                        .map(|j| ad[(i / 64) * 64 + j] * bd[(i % 64) * 64 + j])
+                        .sum()
+                })
+                .collect();
+            let err = rel_err(&f64s(&fp8_gemm(&a, &wq, DType::F32).unwrap()), &want);
+            assert!(err < GEMM_F32_RTOL, "{qtype} TE-scaled GEMM: {err:e}");
+        }
+    }
+}
+
+#[test]
+fn requantize_adds_at_most_one_rounding_of_the_target_format() {
+    let x = tensor(randn(2048, 41), &[2048]);
+    let r = CurrentScaling::default();
+    let all = [QType::E4M3, QType::E5M2, QType::F16];
+    for from in all {
+        let (q, _) = ScalingTensor::quantize(&x, from, &r).unwrap();
+        let qv = f64s(&q.dequantize(DType::F32).unwrap());
+        for to in all {
+            let (rq, _) = q.requantize(to, &r).unwrap();
+            assert_eq!(rq.qtype(), to);
+            let rv = f64s(&rq.dequantize(DType::F32).unwrap());
+            let mant = match to {
+                QType::E4M3 => 3,
+                QType::E5M2 => 2,
+                QType::F16 => 10,
+            };
+            let scale = 1.0 / rq.scale_inv().unwrap() as f64;
+            for (a, b) in qv.iter().zip(&rv) {
+                // half an ulp of the target, relative, or half its smallest
+                // subnormal in the subnormal range
+                let tol =
+                    (a.abs() * 2f64.powi(-(mant + 1))).max(2f64.powi(-(mant + 1) - 16) / scale);
+                assert!((a - b).abs() <= tol, "{from}->{to}: {a} -> {b}");
+            }
+            if from == to {
+                assert_eq!(rv, qv, "{from}: re-encoding the same format is exact");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_scale_that_is_not_finite_positive_and_normal_is_refused() {
+    let x = tensor(vec![1.0, 2.0], &[2]);
+    let dev = Device::Cpu;
+    for bad in [0.0f32, -1.0, f32::NAN, f32::INFINITY, 1e-39] {
+        let e = ScalingMeta::new(QType::E4M3, 1, &dev)
+            .unwrap()
+            .with_scale(bad)
+            .unwrap_err();
+        assert!(matches!(e, Error::BadScale { .. }), "{e}");
+        let s = Tensor::new(&[bad], &dev).unwrap();
+        let one = Tensor::ones(1, DType::F32, &dev).unwrap();
+        let meta =
+            ScalingMeta::from_parts(QType::E4M3, s.clone(), one.clone(), one.clone()).unwrap();
+        let e = ScalingTensor::quantize_with(&x, &meta).unwrap_err();
+        assert!(
+            matches!(e, Error::BadScale { .. }),
+            "quantize with scale {bad}: {e}"
+        );
+        let meta = ScalingMeta::from_parts(QType::E4M3, one.clone(), s, one).unwrap();
+        let codes = Tensor::new(&[0x38u8], &dev).unwrap();
+        let q = ScalingTensor::from_parts(codes, meta).unwrap();
+        let e = q.dequantize(DType::F32).unwrap_err();
+        assert!(
+            matches!(e, Error::BadScale { .. }),
+            "dequantize with scale_inv {bad}: {e}"
+        );
+    }
+}
+
+#[test]
+fn fp16_nan_is_canonical_both_ways() {
+    let x = tensor(vec![f32::NAN, -f32::NAN, 1.0], &[3]);
+    let meta = ScalingMeta::new(QType::F16, 1, &Device::Cpu).unwrap();
+    let (q, _) = ScalingTensor::quantize_with(&x, &meta).unwrap();
+    let bits: Vec<u16> = q
+        .data()
+        .to_vec1::<half::f16>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert_eq!(bits[..2], [amp::F16_NAN_BITS; 2]);
+    let y = q.dequantize(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(y[0].to_bits(), amp::CANONICAL_NAN_BITS);
 }

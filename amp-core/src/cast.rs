@@ -91,13 +91,27 @@ macro_rules! with_float {
 }
 pub(crate) use with_float;
 
-/// FP16 encode with the FP8 casts' rules: saturate finite, NaN canonical.
+/// The FP16 NaN encode produces: 0x7FFF, as CUDA's `__float2half`.
+pub const F16_NAN_BITS: u16 = 0x7FFF;
+
+/// FP16 encode with the FP8 casts' rules: round to nearest even, saturate
+/// finite, one canonical NaN ([`F16_NAN_BITS`]).
 #[inline(always)]
 pub(crate) fn encode_f16(x: f32) -> f16 {
     if x.is_nan() {
-        f16::NAN
+        f16::from_bits(F16_NAN_BITS)
     } else {
         f16::from_f32(x.clamp(-F16_MAX, F16_MAX))
+    }
+}
+
+/// FP16 decode; every NaN becomes the canonical f32 NaN.
+#[inline(always)]
+pub(crate) fn decode_f16(v: f16) -> f32 {
+    if v.is_nan() {
+        f32::from_bits(crate::format::CANONICAL_NAN_BITS)
+    } else {
+        v.to_f32()
     }
 }
 
@@ -201,6 +215,7 @@ impl Kernel for Dequantize {
             return Err(arity(Self::NAME));
         };
         let scale_inv = scalar(Self::NAME, s, ls)?;
+        check_scale(Self::NAME, scale_inv)?;
         let shape = lq.shape().clone();
         let values: Vec<f32> = match (self.qtype.fp8(), q) {
             (Some(format), CpuStorage::U8(_)) => {
@@ -211,7 +226,7 @@ impl Kernel for Dequantize {
             }
             (None, CpuStorage::F16(_)) => slice::<f16>(Self::NAME, q, lq)?
                 .iter()
-                .map(|v| v.to_f32() * scale_inv)
+                .map(|v| decode_f16(*v) * scale_inv)
                 .collect(),
             (_, other) => {
                 return Err(Error::DType {
@@ -246,9 +261,10 @@ fn convert<T: Float>(values: &[f32]) -> Vec<T> {
     values.iter().map(|&v| T::from_f32(v)).collect()
 }
 
-/// A scale must be finite and positive.
+/// A scale must be finite, positive and normal, so that its inverse is
+/// finite too.
 pub(crate) fn check_scale(op: &'static str, scale: f32) -> Result<()> {
-    if scale > 0.0 && scale.is_finite() {
+    if scale >= f32::MIN_POSITIVE && scale.is_finite() {
         Ok(())
     } else {
         Err(Error::BadScale { op, value: scale })

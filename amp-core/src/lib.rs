@@ -46,6 +46,7 @@ mod stats;
 mod tensor;
 mod weight;
 
+pub use cast::F16_NAN_BITS;
 pub use error::{Error, Result};
 pub use format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
 pub use gemm::fp8_gemm;

@@ -143,7 +143,9 @@ impl ScalingMeta {
         Ok(self.amax_history.narrow(0, 0, 1)?)
     }
 
-    /// How many times [`update_scale`](Self::update_scale) has run.
+    /// How many updates ([`update_scale`](Self::update_scale) or
+    /// [`update_delayed`](Self::update_delayed)) have run; the phase of
+    /// `interval` counts them all, so keep one kind of update per meta.
     pub fn updates(&self) -> u64 {
         self.updates
     }

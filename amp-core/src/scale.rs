@@ -22,10 +22,11 @@ pub enum ScaleRule {
 
 impl ScaleRule {
     /// The scale for `amax`, or `prev_scale` where `amax` is zero, negative,
-    /// infinite or NaN (the guard both references apply), or where the rule
-    /// would give no positive finite scale.
+    /// infinite or NaN (the guard both references apply), where `max` is not
+    /// finite and positive, or where the rule would give no normal finite
+    /// scale (so `1 / scale` is always finite).
     pub fn compute(self, amax: f32, prev_scale: f32, max: f32, margin: u32) -> f32 {
-        if !(amax > 0.0 && amax.is_finite()) {
+        if !(amax > 0.0 && amax.is_finite() && max > 0.0 && max.is_finite()) {
             return prev_scale;
         }
         let scale = match self {
@@ -47,7 +48,8 @@ impl ScaleRule {
                 pow2(e as i32)
             }
         };
-        if scale > 0.0 && scale.is_finite() {
+        // A subnormal scale would have an infinite inverse.
+        if scale >= f32::MIN_POSITIVE && scale.is_finite() {
             scale
         } else {
             prev_scale
@@ -105,6 +107,20 @@ mod tests {
                 assert!(amax as f64 * s as f64 <= E4M3_MAX as f64, "{amax} {s}");
                 assert!(amax as f64 * s as f64 * 2.0 > E4M3_MAX as f64, "{amax} {s}");
             }
+        }
+    }
+
+    #[test]
+    fn a_scale_whose_inverse_overflows_is_refused() {
+        // TE rule, huge amax and margin: (448 / 3e38) / 2^10 is subnormal.
+        assert_eq!(ScaleRule::Te.compute(3e38, 2.0, E4M3_MAX, 10), 2.0);
+        assert_eq!(
+            ScaleRule::PowerOfTwo.compute(3e38, 2.0, E4M3_MAX, 10),
+            2f32.powi(-126)
+        );
+        for max in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert_eq!(ScaleRule::PowerOfTwo.compute(1.0, 3.0, max, 0), 3.0);
+            assert_eq!(ScaleRule::Te.compute(1.0, 3.0, max, 0), 3.0);
         }
     }
 

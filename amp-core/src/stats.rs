@@ -43,10 +43,10 @@ impl ScalingTensor {
             &[original, self.data(), self.meta().scale()],
         )?)
         .map_err(|_| arity(StatsKernel::NAME))?;
-        match counts.to_vec1::<u32>()?.as_slice() {
+        match counts.to_vec1::<i64>()?.as_slice() {
             [saturated, flushed] => Ok(CastStats {
-                saturated: u64::from(*saturated),
-                flushed: u64::from(*flushed),
+                saturated: *saturated as u64,
+                flushed: *flushed as u64,
                 total: self.elem_count() as u64,
             }),
             _ => Err(arity(StatsKernel::NAME)),
@@ -54,7 +54,7 @@ impl ScalingTensor {
     }
 }
 
-/// x, data, scale -> [saturated, flushed] (U32).
+/// x, data, scale -> [saturated, flushed] (I64: counts past 2^32 elements).
 struct StatsKernel {
     max: f32,
 }
@@ -85,17 +85,17 @@ impl Kernel for StatsKernel {
         };
         let (saturated, flushed) = with_float!(Self::NAME, *x, |xs: T| {
             let xs = slice::<T>(Self::NAME, xs, lx)?;
-            let mut counts = (0u32, 0u32);
+            let mut counts = (0i64, 0i64);
             for (&v, &z) in xs.iter().zip(&zero) {
                 let v = v.to_f32();
                 let scaled = (v * scale).abs();
-                counts.0 += u32::from(scaled > self.max);
-                counts.1 += u32::from(z && v != 0.0 && !v.is_nan());
+                counts.0 += i64::from(scaled > self.max);
+                counts.1 += i64::from(z && v != 0.0 && !v.is_nan());
             }
             Ok::<_, Error>(counts)
         })?;
         Ok(vec![(
-            CpuStorage::U32(vec![saturated, flushed]),
+            CpuStorage::I64(vec![saturated, flushed]),
             Shape::from(2usize),
         )])
     }
