@@ -7,13 +7,16 @@
 //! `cuda` feature of a later issue, a `cuda` body beside it); [`launch`] checks
 //! devices, takes the storages and wraps the outputs as tensors. None of these
 //! ops records a backward: they sit below the autograd ops built on them.
+//!
+//! Public so that the other crates (the optimizer's fused step) plug their
+//! kernels in the same way.
 
 use crate::error::{Error, Result};
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 /// An op of several inputs and outputs.
-pub(crate) trait Kernel {
+pub trait Kernel {
     /// The op's name, for errors.
     const NAME: &'static str;
     /// The CPU body. Inputs are contiguous (see [`launch`]).
@@ -21,7 +24,12 @@ pub(crate) trait Kernel {
 }
 
 /// Runs `kernel` on `inputs` (made contiguous first) and returns its outputs.
-pub(crate) fn launch<K: Kernel>(kernel: &K, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+///
+/// # Errors
+/// [`Error::Device`] when inputs live on different devices,
+/// [`Error::UnsupportedDevice`] off the CPU (until the CUDA bodies land),
+/// and the kernel's own.
+pub fn launch<K: Kernel>(kernel: &K, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let first = inputs.first().ok_or(Error::Unsupported {
         op: K::NAME,
         what: "no input".into(),
@@ -60,7 +68,9 @@ pub(crate) fn launch<K: Kernel>(kernel: &K, inputs: &[&Tensor]) -> Result<Vec<Te
 }
 
 /// The contiguous data of a storage as a slice of `T`.
-pub(crate) fn slice<'a, T: candle_core::WithDType>(
+/// # Errors
+/// When the storage holds another dtype or the layout is not contiguous.
+pub fn slice<'a, T: candle_core::WithDType>(
     op: &'static str,
     storage: &'a CpuStorage,
     layout: &Layout,
@@ -74,7 +84,9 @@ pub(crate) fn slice<'a, T: candle_core::WithDType>(
 }
 
 /// The one f32 value of a 1-element storage (a scale or an amax).
-pub(crate) fn scalar(op: &'static str, storage: &CpuStorage, layout: &Layout) -> Result<f32> {
+/// # Errors
+/// When the storage is not one F32 element.
+pub fn scalar(op: &'static str, storage: &CpuStorage, layout: &Layout) -> Result<f32> {
     let s = slice::<f32>(op, storage, layout)?;
     match s {
         [v] => Ok(*v),

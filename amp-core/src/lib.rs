@@ -37,7 +37,7 @@ pub mod config;
 mod error;
 mod format;
 mod gemm;
-mod kernel;
+pub mod kernel;
 mod meta;
 mod qtype;
 mod recipe;

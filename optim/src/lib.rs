@@ -36,6 +36,7 @@
 
 mod adamw;
 mod error;
+mod fused;
 mod grad;
 mod loss_scaler;
 mod lowbit;

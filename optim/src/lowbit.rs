@@ -2,14 +2,16 @@
 //! low-bit formats and whose weights may be F32, scaled FP16 (the master at
 //! O1/O2) or FP8 with a scaled FP16 master (O3).
 
-use crate::adamw::{flat, AdamWConfig};
+use crate::adamw::{AdamStep, AdamWConfig};
 use crate::error::{Error, Result};
+use crate::fused::{LowBitStep, SumSq};
 use crate::grad::{Grad, Grads};
 use crate::loss_scaler::{LossScaler, LossScaling};
 use crate::schedule::{Constant, LrSchedule};
 use crate::state::{State, StateFormat};
-use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
-use candle_core::{backprop::GradStore, Tensor};
+use amp_core::kernel::launch;
+use amp_core::{QType, ScalingMeta, ScalingTensor, Weight, WeightSlot};
+use candle_core::{backprop::GradStore, DType, Tensor};
 
 /// Configuration of [`LowBitAdamW`]. Defaults: PyTorch AdamW, first moment
 /// E4M3 and second moment FP16 (MS-AMP), no clipping, no loss scaling.
@@ -75,6 +77,7 @@ pub struct LowBitAdamW {
     schedule: Box<dyn LrSchedule>,
     scaler: LossScaler,
     step: u64,
+    scratch: std::sync::Mutex<Vec<f32>>,
 }
 
 impl LowBitAdamW {
@@ -115,6 +118,7 @@ impl LowBitAdamW {
             scaler: LossScaler::new(config.loss_scaling),
             config,
             step: 0,
+            scratch: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -256,11 +260,13 @@ impl LowBitAdamW {
             if !g.source_is_finite()? {
                 sum_sq = f64::INFINITY;
             }
-            sum_sq += g
-                .to_vec()?
-                .iter()
-                .map(|&x| f64::from(x) * f64::from(x))
-                .sum::<f64>();
+            let (data, scale_inv, q) = match g {
+                Grad::F32(t) => f32_stream(t)?,
+                Grad::Scaled(t) => scaled_stream(t),
+            };
+            let [part] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
+                .map_err(|_| kernel_error("sum of squares"))?;
+            sum_sq += part.to_vec1::<f64>()?.iter().sum::<f64>();
         }
         if !sum_sq.is_finite() {
             self.scaler.update(true);
@@ -283,38 +289,114 @@ impl LowBitAdamW {
             let Some(g) = grads.get(&p.name) else {
                 continue;
             };
-            let (shape, device, mut w) = {
-                let weight = p.slot.read()?;
-                let t = weight.master_f32()?;
-                (t.shape().clone(), t.device().clone(), flat(&t)?)
-            };
-            let mut m = p.exp_avg.to_vec()?;
-            let mut v = p.exp_avg_sq.to_vec()?;
-            k.update(&mut w, &g.to_vec()?, grad_mul, &mut m, &mut v);
-            let tensor = |x: Vec<f32>| Tensor::from_vec(x, &shape, &device);
-            p.exp_avg = State::encode(p.exp_avg.format(), &tensor(m)?)?;
-            p.exp_avg_sq = State::encode(p.exp_avg_sq.format(), &tensor(v)?)?;
-            write_weight(&p.slot, &tensor(w)?)?;
+            update_param(p, g, k, grad_mul, &self.scratch)?;
         }
         self.scaler.update(false);
         Ok(StepOutcome::Applied { grad_norm })
     }
 }
 
-/// Stores updated F32 values into a slot in its own storage; low-bit copies
-/// get a fresh power-of-two scale from the new amax.
-fn write_weight(slot: &WeightSlot, values: &Tensor) -> Result<()> {
-    let current = slot.read()?.clone();
-    let q = |qtype| -> Result<ScalingTensor> {
-        Ok(ScalingTensor::quantize(values, qtype, &CurrentScaling::default())?.0)
+/// A stream of the fused kernel: its data, scale_inv and storage type.
+type Stream = (Tensor, Tensor, Option<QType>);
+
+fn f32_stream(data: &Tensor) -> Result<Stream> {
+    Ok((
+        data.to_dtype(DType::F32)?,
+        Tensor::ones(1, DType::F32, data.device())?,
+        None,
+    ))
+}
+
+fn scaled_stream(t: &ScalingTensor) -> Stream {
+    (
+        t.data().clone(),
+        t.meta().scale_inv().clone(),
+        Some(t.qtype()),
+    )
+}
+
+fn state_stream(s: &State) -> Result<Stream> {
+    match s {
+        State::F32(t) => f32_stream(t),
+        State::Scaled(t) => Ok(scaled_stream(t)),
+    }
+}
+
+fn kernel_error(what: &str) -> Error {
+    amp_core::Error::Unsupported {
+        op: "LowBitAdamW::step",
+        what: what.into(),
+    }
+    .into()
+}
+
+/// Rebuilds a stream from the kernel's (data, scale, amax) outputs: a
+/// scaling tensor for a low-bit stream, the F32 tensor otherwise.
+fn rebuild(q: Option<QType>, out: &[Tensor]) -> Result<std::result::Result<ScalingTensor, Tensor>> {
+    let [data, scale, amax] = out else {
+        return Err(kernel_error("kernel outputs"));
     };
-    match current {
-        Weight::F32(var) => var.set(&values.to_dtype(var.dtype())?)?,
-        Weight::F16(_) => slot.replace(Weight::F16(q(QType::F16)?))?,
-        Weight::Fp8 { .. } => slot.replace(Weight::Fp8 {
-            weight: q(QType::E4M3)?,
-            master: q(QType::F16)?,
-        })?,
+    Ok(match q {
+        None => Err(data.clone()),
+        Some(qtype) => {
+            let meta = ScalingMeta::from_parts(qtype, scale.clone(), scale.recip()?, amax.clone())?;
+            Ok(ScalingTensor::from_parts(data.clone(), meta)?)
+        }
+    })
+}
+
+fn to_state(q: Option<QType>, out: &[Tensor]) -> Result<State> {
+    Ok(match rebuild(q, out)? {
+        Ok(t) => State::Scaled(t),
+        Err(t) => State::F32(t),
+    })
+}
+
+/// One parameter's update through the fused kernel.
+fn update_param(
+    p: &mut ParamState,
+    g: &Grad,
+    k: AdamStep,
+    grad_mul: f32,
+    scratch: &std::sync::Mutex<Vec<f32>>,
+) -> Result<()> {
+    let weight = p.slot.read()?.clone();
+    let (w, fp8_copy) = match &weight {
+        Weight::F32(var) => (f32_stream(var.as_tensor())?, false),
+        Weight::F16(t) => (scaled_stream(t), false),
+        Weight::Fp8 { master, .. } => (scaled_stream(master), true),
+    };
+    let g = match g {
+        Grad::F32(t) => f32_stream(t)?,
+        Grad::Scaled(t) => scaled_stream(t),
+    };
+    let (m, v) = (state_stream(&p.exp_avg)?, state_stream(&p.exp_avg_sq)?);
+    let kernel = LowBitStep {
+        scratch,
+        k,
+        grad_mul,
+        w: w.2,
+        g: g.2,
+        m: m.2,
+        v: v.2,
+        fp8_copy,
+    };
+    let outs = launch(&kernel, &[&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1])?;
+    let (copy, rest) = outs.split_at(if fp8_copy { 3 } else { 0 });
+    let (wo, rest) = rest.split_at(3);
+    let (mo, vo) = rest.split_at(3);
+    p.exp_avg = to_state(m.2, mo)?;
+    p.exp_avg_sq = to_state(v.2, vo)?;
+    match (weight, rebuild(w.2, wo)?) {
+        (Weight::F32(var), Err(t)) => var.set(&t.reshape(var.shape())?.to_dtype(var.dtype())?)?,
+        (Weight::F16(_), Ok(t)) => p.slot.replace(Weight::F16(t))?,
+        (Weight::Fp8 { .. }, Ok(master)) => {
+            let Ok(weight) = rebuild(Some(QType::E4M3), copy)? else {
+                return Err(kernel_error("FP8 copy"));
+            };
+            p.slot.replace(Weight::Fp8 { weight, master })?
+        }
+        _ => return Err(kernel_error("weight storage changed")),
     }
     Ok(())
 }
