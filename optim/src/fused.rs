@@ -185,39 +185,6 @@ impl Kernel for LowBitStep<'_> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn f16_encode_here_matches_the_core_cast() {
-        // The fused FP16 encode (F16C slice conversion) must equal the core's.
-        use amp_core::{CurrentScaling, ScalingTensor};
-        use candle_core::{Device, Tensor};
-        let xs: Vec<f32> = (0..5000u32)
-            .map(|i| {
-                f32::from_bits(0x3000_0000 + i * 0x0001_3579) * if i % 2 == 0 { 1.0 } else { -1.0 }
-            })
-            .collect();
-        let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let out = encode(Some(QType::F16), &xs, amax, 1.0, &Shape::from(xs.len()));
-        let CpuStorage::F16(ours) = &out[0].0 else {
-            panic!("F16 out")
-        };
-        let t = Tensor::from_vec(xs.clone(), xs.len(), &Device::Cpu).unwrap();
-        let (core, _) =
-            ScalingTensor::quantize(&t, QType::F16, &CurrentScaling::default()).unwrap();
-        let core: Vec<u16> = core
-            .data()
-            .to_vec1::<f16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect();
-        assert_eq!(ours.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), core);
-    }
-}
-
 /// Sum of squares of a decoded gradient (for the global norm and the
 /// non-finite check): inputs grad, grad scale_inv; output one F64.
 pub(crate) struct SumSq {
@@ -255,5 +222,38 @@ impl Kernel for SumSq {
             at += len;
         }
         Ok(vec![(CpuStorage::F64(vec![total]), Shape::from(1usize))])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_encode_here_matches_the_core_cast() {
+        // The fused FP16 encode (F16C slice conversion) must equal the core's.
+        use amp_core::{CurrentScaling, ScalingTensor};
+        use candle_core::{Device, Tensor};
+        let xs: Vec<f32> = (0..5000u32)
+            .map(|i| {
+                f32::from_bits(0x3000_0000 + i * 0x0001_3579) * if i % 2 == 0 { 1.0 } else { -1.0 }
+            })
+            .collect();
+        let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let out = encode(Some(QType::F16), &xs, amax, 1.0, &Shape::from(xs.len()));
+        let CpuStorage::F16(ours) = &out[0].0 else {
+            panic!("F16 out")
+        };
+        let t = Tensor::from_vec(xs.clone(), xs.len(), &Device::Cpu).unwrap();
+        let (core, _) =
+            ScalingTensor::quantize(&t, QType::F16, &CurrentScaling::default()).unwrap();
+        let core: Vec<u16> = core
+            .data()
+            .to_vec1::<f16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(ours.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), core);
     }
 }
