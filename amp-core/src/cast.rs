@@ -146,7 +146,8 @@ impl Kernel for Amax {
     }
 }
 
-/// `(encode(x * scale), max |x|)` in one pass. Inputs: x, scale.
+/// `(encode(x * scale), max |x|, [saturated, flushed])` in one pass.
+/// Inputs: x, scale.
 pub(crate) struct Quantize {
     pub qtype: QType,
 }
@@ -160,11 +161,11 @@ impl Kernel for Quantize {
         let scale = scalar(Self::NAME, s, ls)?;
         check_scale(Self::NAME, scale)?;
         let shape = lx.shape().clone();
-        let (codes, amax) = with_float!(Self::NAME, *x, |xs: T| {
+        let (codes, amax, counts) = with_float!(Self::NAME, *x, |xs: T| {
             let xs = slice::<T>(Self::NAME, xs, lx)?;
             Ok::<_, Error>(quantize_slice(self.qtype, xs, scale))
         })?;
-        Ok(vec![(codes, shape), one(amax)])
+        Ok(vec![(codes, shape), one(amax), (CpuStorage::I64(counts.to_vec()), Shape::from(2usize))])
     }
 }
 
@@ -172,12 +173,28 @@ impl Kernel for Quantize {
 /// for the inner loops to vectorize.
 const BLOCK: usize = 4096;
 
-fn quantize_slice<T: Float>(qtype: QType, xs: &[T], scale: f32) -> (CpuStorage, f32) {
+/// Elements a cast saturated (scaled magnitude above max, or infinite) and
+/// flushed (non-zero, encoded as zero).
+#[inline(always)]
+fn count_block(xs: &[f32], scale: f32, max: f32, zero: impl Fn(usize) -> bool) -> (i64, i64) {
+    let mut saturated = 0i64;
+    let mut flushed = 0i64;
+    for (i, &x) in xs.iter().enumerate() {
+        saturated += i64::from((x * scale).abs() > max);
+        flushed += i64::from(x != 0.0 && !x.is_nan() && zero(i));
+    }
+    (saturated, flushed)
+}
+
+/// Codes, amax and `[saturated, flushed]`.
+fn quantize_slice<T: Float>(qtype: QType, xs: &[T], scale: f32) -> (CpuStorage, f32, [i64; 2]) {
     let mut amax = 0u32;
+    let mut counts = [0i64; 2];
+    let max = qtype.max();
+    let mut buf = [0f32; BLOCK];
     let storage = match qtype.fp8() {
         Some(format) => {
             let mut codes = vec![0u8; xs.len()];
-            let mut buf = [0f32; BLOCK];
             for (src, dst) in xs.chunks(BLOCK).zip(codes.chunks_mut(BLOCK)) {
                 let buf = &mut buf[..src.len()];
                 for (b, &x) in buf.iter_mut().zip(src) {
@@ -186,20 +203,29 @@ fn quantize_slice<T: Float>(qtype: QType, xs: &[T], scale: f32) -> (CpuStorage, 
                 }
                 // Lengths are equal by construction: the chunks pair up.
                 let _ = format.encode_scaled_slice(buf, scale, dst);
+                let (s, f) = count_block(buf, scale, max, |i| dst[i] & 0x7F == 0);
+                counts[0] += s;
+                counts[1] += f;
             }
             CpuStorage::U8(codes)
         }
-        None => CpuStorage::F16(
-            xs.iter()
-                .map(|&x| {
-                    let v = x.to_f32();
-                    amax = amax.max(abs_bits(v));
-                    encode_f16(v * scale)
-                })
-                .collect(),
-        ),
+        None => {
+            let mut out = vec![f16::ZERO; xs.len()];
+            for (src, dst) in xs.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
+                let buf = &mut buf[..src.len()];
+                for ((b, d), &x) in buf.iter_mut().zip(dst.iter_mut()).zip(src) {
+                    *b = x.to_f32();
+                    amax = amax.max(abs_bits(*b));
+                    *d = encode_f16(*b * scale);
+                }
+                let (s, f) = count_block(buf, scale, max, |i| dst[i].to_f32() == 0.0);
+                counts[0] += s;
+                counts[1] += f;
+            }
+            CpuStorage::F16(out)
+        }
     };
-    (storage, f32::from_bits(amax))
+    (storage, f32::from_bits(amax), counts)
 }
 
 /// `decode(code) * scale_inv` in `dtype`. Inputs: codes, scale_inv.

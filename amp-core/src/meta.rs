@@ -27,6 +27,7 @@ pub struct ScalingMeta {
     scale_inv: Tensor,
     amax_history: Tensor,
     updates: u64,
+    last_cast: Option<Tensor>,
 }
 
 impl ScalingMeta {
@@ -47,6 +48,7 @@ impl ScalingMeta {
             scale_inv: Tensor::ones(1, DType::F32, device)?,
             amax_history: Tensor::zeros(amax_history_len, DType::F32, device)?,
             updates: 0,
+            last_cast: None,
         })
     }
 
@@ -112,6 +114,7 @@ impl ScalingMeta {
             scale_inv,
             amax_history,
             updates: 0,
+            last_cast: None,
         })
     }
 
@@ -148,6 +151,43 @@ impl ScalingMeta {
     /// `interval` counts them all, so keep one kind of update per meta.
     pub fn updates(&self) -> u64 {
         self.updates
+    }
+
+    /// The same metadata with the counts `[saturated, flushed]` (I64, on the
+    /// device) of the cast it describes.
+    pub(crate) fn with_last_cast(mut self, counts: Tensor) -> Self {
+        self.last_cast = Some(counts);
+        self
+    }
+
+    /// Folds the amax of a cast made with this metadata into slot 0 (as
+    /// [`record_amax`](Self::record_amax)) and keeps that cast's saturated
+    /// and flushed counts as this metadata's last cast.
+    ///
+    /// # Errors
+    /// As [`record_amax`](Self::record_amax).
+    pub fn record_cast(&mut self, cast: &ScalingMeta) -> Result<()> {
+        self.record_amax(&cast.amax()?)?;
+        self.last_cast.clone_from(&cast.last_cast);
+        Ok(())
+    }
+
+    /// How many elements the last recorded cast saturated and flushed to
+    /// zero (a host read: telemetry, not for the training step). `None`
+    /// before any cast. `total` is left 0: the counts come from the device.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn last_cast_stats(&self) -> Result<Option<crate::CastStats>> {
+        let Some(counts) = &self.last_cast else { return Ok(None) };
+        match counts.to_vec1::<i64>()?.as_slice() {
+            [saturated, flushed] => Ok(Some(crate::CastStats {
+                saturated: *saturated as u64,
+                flushed: *flushed as u64,
+                total: 0,
+            })),
+            _ => Err(Error::Shape { op: "last_cast_stats", lhs: Shape::from(2usize), rhs: counts.shape().clone() }),
+        }
     }
 
     /// Bytes held: scale, scale_inv and history.

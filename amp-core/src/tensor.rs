@@ -29,11 +29,6 @@ pub struct ScalingTensor {
     meta: ScalingMeta,
 }
 
-fn one_pair(op: &'static str, v: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
-    let [a, b] = <[Tensor; 2]>::try_from(v).map_err(|_| arity(op))?;
-    Ok((a, b))
-}
-
 fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
     match x.dtype() {
         DType::F32 | DType::F16 | DType::BF16 => Ok(()),
@@ -96,9 +91,10 @@ impl ScalingTensor {
     }
 
     /// Casts `x` with `meta`'s scale as it is (delayed scaling: one pass over
-    /// `x`). Returns the tensor, whose metadata holds that scale and `x`'s
-    /// amax, and `x`'s amax (1-element F32) for the caller to record in its
-    /// history.
+    /// `x`). Returns the tensor, whose metadata holds that scale, `x`'s amax
+    /// and the cast's saturated and flushed counts, and `x`'s amax
+    /// (1-element F32) for the caller to record in its history
+    /// ([`ScalingMeta::record_cast`] records both).
     ///
     /// # Errors
     /// [`Error::DType`], [`Error::Device`], or [`Error::BadScale`] when the
@@ -106,16 +102,16 @@ impl ScalingTensor {
     pub fn quantize_with(x: &Tensor, meta: &ScalingMeta) -> Result<(Self, Tensor)> {
         check_float("ScalingTensor::quantize_with", x)?;
         let qtype = meta.qtype();
-        let (data, amax) = one_pair(
-            Quantize::NAME,
-            launch(&Quantize { qtype }, &[x, meta.scale()])?,
-        )?;
+        let [data, amax, counts] =
+            <[Tensor; 3]>::try_from(launch(&Quantize { qtype }, &[x, meta.scale()])?)
+                .map_err(|_| arity(Quantize::NAME))?;
         let meta = ScalingMeta::from_parts(
             qtype,
             meta.scale().clone(),
             meta.scale_inv().clone(),
             amax.clone(),
-        )?;
+        )?
+        .with_last_cast(counts);
         Ok((Self { data, meta }, amax))
     }
 
