@@ -165,7 +165,11 @@ impl Kernel for Quantize {
             let xs = slice::<T>(Self::NAME, xs, lx)?;
             Ok::<_, Error>(quantize_slice(self.qtype, xs, scale))
         })?;
-        Ok(vec![(codes, shape), one(amax), (CpuStorage::I64(counts.to_vec()), Shape::from(2usize))])
+        Ok(vec![
+            (codes, shape),
+            one(amax),
+            (CpuStorage::I64(counts.to_vec()), Shape::from(2usize)),
+        ])
     }
 }
 

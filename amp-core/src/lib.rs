@@ -39,6 +39,7 @@ mod format;
 mod gemm;
 pub mod kernel;
 mod meta;
+pub mod nn;
 mod qtype;
 mod recipe;
 mod scale;

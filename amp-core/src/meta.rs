@@ -179,14 +179,20 @@ impl ScalingMeta {
     /// # Errors
     /// Only candle's.
     pub fn last_cast_stats(&self) -> Result<Option<crate::CastStats>> {
-        let Some(counts) = &self.last_cast else { return Ok(None) };
+        let Some(counts) = &self.last_cast else {
+            return Ok(None);
+        };
         match counts.to_vec1::<i64>()?.as_slice() {
             [saturated, flushed] => Ok(Some(crate::CastStats {
                 saturated: *saturated as u64,
                 flushed: *flushed as u64,
                 total: 0,
             })),
-            _ => Err(Error::Shape { op: "last_cast_stats", lhs: Shape::from(2usize), rhs: counts.shape().clone() }),
+            _ => Err(Error::Shape {
+                op: "last_cast_stats",
+                lhs: Shape::from(2usize),
+                rhs: counts.shape().clone(),
+            }),
         }
     }
 

@@ -139,6 +139,25 @@ impl ScalingTensor {
         Self::quantize(&self.dequantize(DType::F32)?, qtype, recipe)
     }
 
+    /// The transpose of a 2-D tensor (data copied contiguous, same scale):
+    /// the GEMM operands of dgrad and wgrad.
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless 2-D.
+    pub fn t(&self) -> Result<Self> {
+        if self.data.rank() != 2 {
+            return Err(Error::Rank {
+                op: "ScalingTensor::t",
+                expected: 2,
+                got: self.shape().clone(),
+            });
+        }
+        Ok(Self {
+            data: self.data.t()?.contiguous()?,
+            meta: self.meta.clone(),
+        })
+    }
+
     /// The raw data: FP8 codes (`U8`) or FP16 values.
     pub fn data(&self) -> &Tensor {
         &self.data

@@ -43,6 +43,14 @@ impl Weight {
         }
     }
 
+    /// The device.
+    pub fn device(&self) -> &candle_core::Device {
+        match self {
+            Self::F32(v) => v.device(),
+            Self::F16(t) | Self::Fp8 { master: t, .. } => t.device(),
+        }
+    }
+
     /// Bytes held, scaling metadata included.
     pub fn nbytes(&self) -> usize {
         match self {

@@ -1,0 +1,369 @@
+//! `amp::nn::Linear`: a drop-in for `candle_nn::Linear` whose matrix
+//! products run in FP8 inside an [`fp8_autocast`](super::fp8_autocast) scope.
+
+use super::linear_op::{
+    cast, Fp8LinearOp, LayerScaling, Plan, Role, Saved, Scaling, SharedScaling,
+};
+use super::mode::{current_mode, current_step, ComputeMode};
+use super::sink::GradSink;
+use crate::error::{Error, Result};
+use crate::gemm::fp8_gemm;
+use crate::weight::{Weight, WeightSlot};
+use candle_core::{DType, Module, Tensor, Var};
+use std::sync::{Arc, Mutex};
+
+/// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.
+///
+/// Outside an FP8 scope (or with a native mode) an F32 weight runs candle's
+/// own matmul. In an FP8 mode: fprop casts the input and weight to E4M3
+/// (forward format), dgrad and wgrad cast the output gradient to the
+/// backward format (E5M2 under HYBRID), each GEMM accumulates in f32; the
+/// input is kept for backward as FP8 only. The weight gradient goes to the
+/// layer's [`GradSink`] as E4M3 if one is set, else to candle's `GradStore`.
+///
+/// ```
+/// use amp_core::nn::{self, fp8_autocast, ComputeMode};
+/// use amp_core::CurrentScaling;
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let layer = nn::linear(64, 32, vb.pp("fc"))?;
+/// let x = Tensor::randn(0f32, 1.0, (8, 64), &Device::Cpu)?;
+/// let native = layer.forward(&x)?;
+/// let fp8 = {
+///     let _scope = fp8_autocast(true, ComputeMode::Fp8Current(CurrentScaling::default()));
+///     layer.forward(&x)?
+/// };
+/// let rel = ((&fp8 - &native)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+///     / native.sqr()?.sum_all()?.to_scalar::<f32>()?).sqrt();
+/// assert!(rel < 0.1, "{rel}");
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Linear {
+    name: String,
+    weight: WeightSlot,
+    bias: Option<Tensor>,
+    scaling: SharedScaling,
+    sink: Arc<Mutex<Option<GradSink>>>,
+    saved_bytes: Arc<Mutex<usize>>,
+}
+
+impl Linear {
+    /// A layer over an existing weight `[out, in]` (a `Var`'s tensor keeps
+    /// its identity, so candle's `GradStore` finds it) and optional bias.
+    /// `name` names the weight in sinks and reports (`<prefix>.weight`).
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless the weight is 2-D.
+    pub fn new(name: impl Into<String>, weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        if weight.rank() != 2 {
+            return Err(Error::Rank {
+                op: "Linear::new",
+                expected: 2,
+                got: weight.shape().clone(),
+            });
+        }
+        Ok(Self::from_slot(
+            name,
+            WeightSlot::new(Weight::F32(Var::from_tensor(&weight)?)),
+            bias,
+        ))
+    }
+
+    /// A layer over a shared weight slot (any storage).
+    pub fn from_slot(name: impl Into<String>, weight: WeightSlot, bias: Option<Tensor>) -> Self {
+        Self {
+            name: name.into(),
+            weight,
+            bias,
+            scaling: Arc::default(),
+            sink: Arc::default(),
+            saved_bytes: Arc::default(),
+        }
+    }
+
+    /// The weight's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The weight slot (shared: the levels engine converts its storage).
+    pub fn weight_slot(&self) -> &WeightSlot {
+        &self.weight
+    }
+
+    /// The bias.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Sends this layer's weight gradients to `sink` (or, with `None`, to
+    /// candle's `GradStore`).
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn set_grad_sink(&self, sink: Option<GradSink>) -> Result<()> {
+        *self.sink.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::set_grad_sink",
+        })? = sink;
+        Ok(())
+    }
+
+    /// The delayed-scaling state (input, weight, output-gradient metas), once
+    /// a delayed-scaling forward has run.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn scaling_state(&self) -> Result<Option<LayerScaling>> {
+        Ok(self
+            .scaling
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::scaling_state",
+            })?
+            .clone())
+    }
+
+    /// Bytes this layer kept for backward in its last forward (input and
+    /// weight as saved, scales included); 0 after a native forward of an F32
+    /// weight, whose saved tensors are candle's.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn saved_bytes(&self) -> Result<usize> {
+        Ok(*self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::saved_bytes",
+        })?)
+    }
+
+    fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
+        const OP: &str = "Linear::forward";
+        if !x.dtype().is_float() {
+            return Err(Error::DType {
+                op: OP,
+                expected: "a float dtype",
+                got: x.dtype(),
+            });
+        }
+        if x.rank() == 0 || x.dims()[x.rank() - 1] != in_dim {
+            return Err(Error::Shape {
+                op: OP,
+                lhs: x.shape().clone(),
+                rhs: (in_dim,).into(),
+            });
+        }
+        if !x.device().same_device(self.weight.read()?.device()) {
+            return Err(Error::Device {
+                op: OP,
+                lhs: x.device().location(),
+                rhs: self.weight.read()?.device().location(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The forward pass; see the type's docs.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the input's last dimension is not `in`,
+    /// [`Error::DType`] for a non-float input, [`Error::Device`] when input
+    /// and weight are on different devices, [`Error::Unsupported`] for a
+    /// low-bit weight without a gradient sink.
+    pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(x, in_dim)?;
+        let mode = current_mode();
+        let y = match (&mode, &weight) {
+            (ComputeMode::Native, Weight::F32(var)) => {
+                *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+                    op: "Linear::forward",
+                })? = 0;
+                let w = var.as_tensor().to_dtype(x.dtype())?;
+                x.broadcast_matmul(&w.t()?)?
+            }
+            _ => {
+                let mut out_dims = x.dims().to_vec();
+                let last = out_dims.len() - 1;
+                out_dims[last] = out_dim;
+                let x2 = x.reshape(((), in_dim))?.contiguous()?;
+                self.scaled_forward(&x2, &weight, &mode)?
+                    .reshape(out_dims)?
+            }
+        };
+        match &self.bias {
+            Some(b) => Ok(y.broadcast_add(&b.to_dtype(y.dtype())?)?),
+            None => Ok(y),
+        }
+    }
+
+    /// Forward of a 2-D input through the custom op (FP8 mode, or a low-bit
+    /// weight in native mode).
+    fn scaled_forward(&self, x: &Tensor, weight: &Weight, mode: &ComputeMode) -> Result<Tensor> {
+        let sink = self
+            .sink
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::forward",
+            })?
+            .clone();
+        if sink.is_none() && !matches!(weight, Weight::F32(_)) {
+            return Err(Error::Unsupported {
+                op: "Linear::forward",
+                what: format!(
+                    "`{}` has a {} weight but no gradient sink",
+                    self.name,
+                    weight.kind()
+                ),
+            });
+        }
+        let (scaling, fprop, dgrad, wgrad, fmt) = match mode {
+            ComputeMode::Native => (
+                Scaling::Current(Default::default()),
+                false,
+                false,
+                false,
+                Default::default(),
+            ),
+            ComputeMode::Fp8Current(r) => {
+                (Scaling::Current(r.clone()), true, true, true, r.fp8_format)
+            }
+            ComputeMode::Fp8Delayed(r) => {
+                let o = r.override_linear_precision;
+                (
+                    Scaling::Delayed(r.clone()),
+                    !o.fprop,
+                    !o.dgrad,
+                    !o.wgrad,
+                    r.fp8_format,
+                )
+            }
+        };
+        let step = current_step();
+        let fwd = fmt.forward();
+        // Native copies where a GEMM runs natively.
+        let w_native = || -> Result<Tensor> { Ok(weight.master_f32()?.to_dtype(x.dtype())?) };
+        let wq = if fprop || dgrad {
+            Some(match weight {
+                // O3: the stored FP8 copy is the GEMM operand as it is.
+                Weight::Fp8 { weight: w8, .. } if w8.qtype() == fwd.into() => w8.clone(),
+                _ => cast(
+                    &weight.master_f32()?,
+                    fwd,
+                    &scaling,
+                    &self.scaling,
+                    Role::Weight,
+                    step,
+                )?,
+            })
+        } else {
+            None
+        };
+        let xq = if fprop || wgrad {
+            Some(cast(x, fwd, &scaling, &self.scaling, Role::Input, step)?)
+        } else {
+            None
+        };
+        let y = match (&xq, &wq) {
+            (Some(xq), Some(wq)) if fprop => fp8_gemm(xq, wq, x.dtype())?,
+            _ => x.matmul(&w_native()?.t()?)?,
+        };
+        let x_saved = match xq {
+            Some(xq) if wgrad => Saved::Fp8(xq),
+            _ => Saved::Native(x.clone()),
+        };
+        let w_saved = match wq {
+            Some(wq) if dgrad => Saved::Fp8(wq),
+            _ => Saved::Native(w_native()?),
+        };
+        *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::forward",
+        })? = x_saved.nbytes() + w_saved.nbytes();
+        let w_arg = match weight {
+            Weight::F32(var) if sink.is_none() => var.as_tensor().clone(),
+            _ => Tensor::zeros(1, DType::F32, x.device())?,
+        };
+        if !x.track_op() && !w_arg.track_op() {
+            return Ok(y);
+        }
+        let op = Fp8LinearOp {
+            y: Mutex::new(Some(y)),
+            x_saved,
+            w_saved,
+            plan: Plan {
+                dgrad,
+                wgrad,
+                bwd_format: fmt.backward(),
+                scaling,
+            },
+            state: self.scaling.clone(),
+            step,
+            sink,
+            name: self.name.clone(),
+            x_dtype: x.dtype(),
+            w_dtype: w_arg.dtype(),
+        };
+        Ok(x.apply_op2(&w_arg, op)?)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.try_forward(x).map_err(candle_core::Error::wrap)
+    }
+}
+
+/// A linear layer with bias from a `VarBuilder`, initialized as
+/// `candle_nn::linear` (weight `<prefix>.weight`, bias `<prefix>.bias`).
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    linear_b(in_dim, out_dim, true, vb)
+}
+
+/// [`linear`] without bias.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    linear_b(in_dim, out_dim, false, vb)
+}
+
+/// [`linear`] with or without bias.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn linear_b(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: candle_nn::VarBuilder,
+) -> Result<Linear> {
+    let w = vb.get_with_hints(
+        (out_dim, in_dim),
+        "weight",
+        candle_nn::init::DEFAULT_KAIMING_NORMAL,
+    )?;
+    let b = if bias {
+        let bound = 1.0 / (in_dim as f64).sqrt();
+        Some(vb.get_with_hints(
+            out_dim,
+            "bias",
+            candle_nn::Init::Uniform {
+                lo: -bound,
+                up: bound,
+            },
+        )?)
+    } else {
+        None
+    };
+    let name = if vb.prefix().is_empty() {
+        "weight".to_string()
+    } else {
+        format!("{}.weight", vb.prefix())
+    };
+    Linear::new(name, w, b)
+}

@@ -1,0 +1,263 @@
+//! The FP8 Linear as a candle op with its own backward: fprop, dgrad and
+//! wgrad in FP8 (or natively where overridden), the input saved as FP8,
+//! the weight gradient handed to a sink or to candle's `GradStore`.
+
+use super::sink::GradSink;
+use crate::error::{Error, Result};
+use crate::format::Fp8Format;
+use crate::gemm::fp8_gemm;
+use crate::meta::ScalingMeta;
+use crate::recipe::{CurrentScaling, DelayedScaling};
+use crate::tensor::ScalingTensor;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use std::sync::{Arc, Mutex};
+
+/// How a layer's casts are scaled in an FP8 mode.
+#[derive(Debug, Clone)]
+pub(crate) enum Scaling {
+    Current(CurrentScaling),
+    Delayed(DelayedScaling),
+}
+
+/// Which of a layer's three scaled tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Input = 0,
+    Weight = 1,
+    GradOutput = 2,
+}
+
+/// A layer's delayed-scaling state: one `ScalingMeta` each for the input,
+/// the weight and the output gradient (TE's `fp8_meta`), and the step at
+/// which each was last updated.
+#[derive(Debug, Clone)]
+pub struct LayerScaling {
+    /// Input (E4M3).
+    pub input: ScalingMeta,
+    /// Weight (E4M3).
+    pub weight: ScalingMeta,
+    /// Output gradient (E5M2 under HYBRID, E4M3 under E4M3).
+    pub grad_output: ScalingMeta,
+    recipe: DelayedScaling,
+    last_step: [u64; 3],
+}
+
+impl LayerScaling {
+    fn new(recipe: &DelayedScaling, device: &candle_core::Device) -> Result<Self> {
+        let meta = |f: Fp8Format| ScalingMeta::new(f.into(), recipe.amax_history_len, device);
+        Ok(Self {
+            input: meta(recipe.fp8_format.forward())?,
+            weight: meta(recipe.fp8_format.forward())?,
+            grad_output: meta(recipe.fp8_format.backward())?,
+            recipe: recipe.clone(),
+            last_step: [0; 3],
+        })
+    }
+
+    fn meta_mut(&mut self, role: Role) -> &mut ScalingMeta {
+        match role {
+            Role::Input => &mut self.input,
+            Role::Weight => &mut self.weight,
+            Role::GradOutput => &mut self.grad_output,
+        }
+    }
+}
+
+/// A layer's delayed-scaling state, shared with its pending backward ops.
+pub(crate) type SharedScaling = Arc<Mutex<Option<LayerScaling>>>;
+
+/// Casts `x` to FP8 for `role` at `step`. Delayed scaling: the first cast of
+/// a role in a new step first rolls its history and takes the next scale
+/// (amaxes up to the previous step); every cast records its amax and counts.
+pub(crate) fn cast(
+    x: &Tensor,
+    format: Fp8Format,
+    scaling: &Scaling,
+    state: &SharedScaling,
+    role: Role,
+    step: u64,
+) -> Result<ScalingTensor> {
+    match scaling {
+        Scaling::Current(r) => Ok(ScalingTensor::quantize(x, format.into(), r)?.0),
+        Scaling::Delayed(recipe) => {
+            let mut guard = state.lock().map_err(|_| Error::Poisoned {
+                op: "fp8 linear cast",
+            })?;
+            if guard.as_ref().is_none_or(|s| &s.recipe != recipe) {
+                *guard = Some(LayerScaling::new(recipe, x.device())?);
+            }
+            let Some(s) = guard.as_mut() else {
+                return Err(Error::Poisoned {
+                    op: "fp8 linear cast",
+                });
+            };
+            let slot = role as usize;
+            if s.last_step[slot] != step {
+                if s.last_step[slot] != 0 {
+                    let recipe = s.recipe.clone();
+                    s.meta_mut(role).update_delayed(&recipe)?;
+                }
+                s.last_step[slot] = step;
+            }
+            let meta = s.meta_mut(role);
+            let (q, _) = ScalingTensor::quantize_with(x, meta)?;
+            meta.record_cast(q.meta())?;
+            Ok(q)
+        }
+    }
+}
+
+/// A tensor kept for backward: FP8, or native where that GEMM is overridden.
+#[derive(Debug, Clone)]
+pub(crate) enum Saved {
+    Fp8(ScalingTensor),
+    Native(Tensor),
+}
+
+impl Saved {
+    pub(crate) fn nbytes(&self) -> usize {
+        match self {
+            Self::Fp8(t) => t.nbytes(),
+            Self::Native(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+}
+
+/// Which GEMMs run in FP8, with which formats and scaling.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub dgrad: bool,
+    pub wgrad: bool,
+    pub bwd_format: Fp8Format,
+    pub scaling: Scaling,
+}
+
+/// The autograd node. Its forward returns the output computed before the op
+/// was applied (candle's custom ops compute on storages; ours on tensors).
+pub(crate) struct Fp8LinearOp {
+    pub y: Mutex<Option<Tensor>>,
+    pub x_saved: Saved,
+    pub w_saved: Saved,
+    pub plan: Plan,
+    pub state: SharedScaling,
+    pub step: u64,
+    pub sink: Option<GradSink>,
+    pub name: String,
+    pub x_dtype: DType,
+    pub w_dtype: DType,
+}
+
+fn wrap(e: Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+impl Fp8LinearOp {
+    fn backward(&self, dy: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let p = &self.plan;
+        let dyq = if p.dgrad || p.wgrad {
+            Some(cast(
+                &dy,
+                p.bwd_format,
+                &p.scaling,
+                &self.state,
+                Role::GradOutput,
+                self.step,
+            )?)
+        } else {
+            None
+        };
+        // dgrad: dx = dy · W, i.e. fp8_gemm(dy [m, out], Wᵀ [in, out]).
+        let dx = match (&dyq, &self.w_saved) {
+            (Some(dq), Saved::Fp8(wq)) if p.dgrad => fp8_gemm(dq, &wq.t()?, self.x_dtype)?,
+            (_, Saved::Native(w)) => dy.matmul(&w.to_dtype(dy.dtype())?)?,
+            (_, Saved::Fp8(wq)) => dy.matmul(&wq.dequantize(dy.dtype())?)?,
+        };
+        // wgrad: dW = dyᵀ · x, i.e. fp8_gemm(dyᵀ [out, m], xᵀ [in, m]).
+        let dw = match (&dyq, &self.x_saved) {
+            (Some(dq), Saved::Fp8(xq)) if p.wgrad => fp8_gemm(&dq.t()?, &xq.t()?, DType::F32)?,
+            (_, Saved::Native(x)) => dy
+                .t()?
+                .matmul(&x.to_dtype(dy.dtype())?)?
+                .to_dtype(DType::F32)?,
+            (_, Saved::Fp8(xq)) => dy
+                .t()?
+                .matmul(&xq.dequantize(dy.dtype())?)?
+                .to_dtype(DType::F32)?,
+        };
+        match &self.sink {
+            Some(sink) => {
+                let (g, _) =
+                    ScalingTensor::quantize(&dw, crate::QType::E4M3, &CurrentScaling::default())?;
+                sink.add(&self.name, g)?;
+                Ok((dx, None))
+            }
+            None => Ok((dx, Some(dw.to_dtype(self.w_dtype)?))),
+        }
+    }
+}
+
+impl CustomOp2 for Fp8LinearOp {
+    fn name(&self) -> &'static str {
+        "amp_fp8_linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = self
+            .y
+            .lock()
+            .map_err(|_| {
+                wrap(Error::Poisoned {
+                    op: "amp_fp8_linear",
+                })
+            })?
+            .take()
+            .ok_or_else(|| {
+                wrap(Error::Unsupported {
+                    op: "amp_fp8_linear",
+                    what: "forward run twice".into(),
+                })
+            })?;
+        let (storage, layout) = y.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(s), Some((0, end))) if end == y.elem_count() => {
+                Ok((s.clone(), y.shape().clone()))
+            }
+            (Storage::Cpu(_), _) => {
+                drop(storage);
+                let y = y.copy()?;
+                let (storage, _) = y.storage_and_layout();
+                match &*storage {
+                    Storage::Cpu(s) => Ok((s.clone(), y.shape().clone())),
+                    _ => Err(wrap(Error::UnsupportedDevice {
+                        op: "amp_fp8_linear",
+                        device: y.device().location(),
+                    })),
+                }
+            }
+            _ => Err(wrap(Error::UnsupportedDevice {
+                op: "amp_fp8_linear",
+                device: y.device().location(),
+            })),
+        }
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = self.backward(dy).map_err(wrap)?;
+        // A weight gradient only goes to the GradStore for a tracked weight.
+        let dw = if w.track_op() { dw } else { None };
+        Ok((Some(dx), dw))
+    }
+}

@@ -1,0 +1,15 @@
+//! `amp::nn`: layers whose matrix products run in FP8 inside an
+//! [`fp8_autocast`] scope, built from a `VarBuilder` like `candle_nn`'s.
+//!
+//! The same model runs in every [`ComputeMode`] with no code change: only
+//! the scope around its forward differs.
+
+mod linear;
+mod linear_op;
+mod mode;
+mod sink;
+
+pub use linear::{linear, linear_b, linear_no_bias, Linear};
+pub use linear_op::LayerScaling;
+pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
+pub use sink::GradSink;

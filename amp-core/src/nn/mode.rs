@@ -1,0 +1,89 @@
+//! Compute modes and the `fp8_autocast` scope (Transformer Engine's
+//! `fp8_autocast(enabled, fp8_recipe)`).
+
+use crate::recipe::{CurrentScaling, DelayedScaling};
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// How the matrix products of `amp::nn` layers run; orthogonal to the
+/// optimization level.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum ComputeMode {
+    /// The input's own precision (F32 on the CPU).
+    #[default]
+    Native,
+    /// FP8, each cast scaled from its tensor's own amax (MS-AMP; TE's
+    /// `Float8CurrentScaling`).
+    Fp8Current(CurrentScaling),
+    /// FP8, scales from each tensor's amax history (TE's `DelayedScaling`).
+    Fp8Delayed(DelayedScaling),
+}
+
+thread_local! {
+    static SCOPES: RefCell<Vec<ComputeMode>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Steps so far: every outermost scope entered starts one.
+static STEP: AtomicU64 = AtomicU64::new(0);
+
+/// While alive, `amp::nn` layers on this thread compute in its mode; scopes
+/// nest, the innermost wins. Entering an outermost scope starts a new
+/// scaling step: delayed-scaling histories roll once per step, lazily, at
+/// each layer's first cast of the step.
+///
+/// ```
+/// use amp_core::nn::{fp8_autocast, current_mode, ComputeMode};
+/// use amp_core::DelayedScaling;
+/// assert_eq!(current_mode(), ComputeMode::Native);
+/// {
+///     let _fp8 = fp8_autocast(true, ComputeMode::Fp8Delayed(DelayedScaling::default()));
+///     assert!(matches!(current_mode(), ComputeMode::Fp8Delayed(_)));
+///     let _off = fp8_autocast(false, ComputeMode::Fp8Delayed(DelayedScaling::default()));
+///     assert_eq!(current_mode(), ComputeMode::Native);
+/// }
+/// assert_eq!(current_mode(), ComputeMode::Native);
+/// ```
+#[must_use = "the scope ends when this guard is dropped"]
+#[derive(Debug)]
+pub struct Fp8Autocast {
+    _not_send: PhantomData<*const ()>,
+}
+
+/// Opens a scope: `mode` when `enabled`, native otherwise.
+pub fn fp8_autocast(enabled: bool, mode: ComputeMode) -> Fp8Autocast {
+    SCOPES.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.is_empty() {
+            STEP.fetch_add(1, Ordering::SeqCst);
+        }
+        s.push(if enabled { mode } else { ComputeMode::Native });
+    });
+    Fp8Autocast {
+        _not_send: PhantomData,
+    }
+}
+
+/// Runs `f` inside a scope.
+pub fn with_fp8_autocast<R>(enabled: bool, mode: ComputeMode, f: impl FnOnce() -> R) -> R {
+    let _scope = fp8_autocast(enabled, mode);
+    f()
+}
+
+impl Drop for Fp8Autocast {
+    fn drop(&mut self) {
+        SCOPES.with(|s| {
+            s.borrow_mut().pop();
+        });
+    }
+}
+
+/// The mode of the innermost scope on this thread; native outside any.
+pub fn current_mode() -> ComputeMode {
+    SCOPES.with(|s| s.borrow().last().cloned().unwrap_or_default())
+}
+
+/// The current scaling step.
+pub(crate) fn current_step() -> u64 {
+    STEP.load(Ordering::SeqCst)
+}
