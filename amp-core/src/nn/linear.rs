@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 /// let rel = ((&fp8 - &native)?.sqr()?.sum_all()?.to_scalar::<f32>()?
 ///     / native.sqr()?.sum_all()?.to_scalar::<f32>()?).sqrt();
 /// assert!(rel < 0.1, "{rel}");
-/// # Ok::<(), candle_core::Error>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Linear {
