@@ -1,0 +1,158 @@
+//! Transformer Engine's normalisation modules: `LayerNorm`, `LayerNormLinear`
+//! (LayerNorm then an FP8 Linear) and `LayerNormMLP` (LayerNorm, fc1, GELU,
+//! fc2).
+//!
+//! Trap avoided: `candle_nn::LayerNorm` runs a fused op without a backward
+//! for contiguous inputs with a bias, so gradients stop there during
+//! training. Ours composes differentiable candle ops whenever an input or
+//! parameter is tracked, and uses the fused op only for inference.
+
+use super::linear::{linear_b, Linear};
+use crate::error::{Error, Result};
+use candle_core::{DType, Module, Tensor, D};
+
+/// Layer normalisation over the last dimension with a learned scale
+/// (`weight`, init 1) and shift (`bias`, init 0), F32 parameters.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// From existing parameters.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] unless both are 1-D of one length.
+    pub fn new(weight: Tensor, bias: Tensor, eps: f64) -> Result<Self> {
+        if weight.rank() != 1 || weight.shape() != bias.shape() {
+            return Err(Error::Shape {
+                op: "LayerNorm::new",
+                lhs: weight.shape().clone(),
+                rhs: bias.shape().clone(),
+            });
+        }
+        Ok(Self { weight, bias, eps })
+    }
+
+    /// The forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the last dimension is not the layer's.
+    pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dim = self.weight.elem_count();
+        if x.rank() == 0 || x.dim(D::Minus1)? != dim {
+            return Err(Error::Shape {
+                op: "LayerNorm::forward",
+                lhs: x.shape().clone(),
+                rhs: (dim,).into(),
+            });
+        }
+        if !(x.track_op() || self.weight.track_op() || self.bias.track_op()) && x.is_contiguous() {
+            return Ok(candle_nn::ops::layer_norm(
+                x,
+                &self.weight,
+                &self.bias,
+                self.eps as f32,
+            )?);
+        }
+        let internal = match x.dtype() {
+            DType::F16 | DType::BF16 => DType::F32,
+            d => d,
+        };
+        let xf = x.to_dtype(internal)?;
+        let centered = xf.broadcast_sub(&xf.mean_keepdim(D::Minus1)?)?;
+        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        Ok(normed
+            .broadcast_mul(&self.weight)?
+            .broadcast_add(&self.bias)?
+            .to_dtype(x.dtype())?)
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.try_forward(x).map_err(candle_core::Error::wrap)
+    }
+}
+
+/// A [`LayerNorm`] from a `VarBuilder` (`<prefix>.weight`, `<prefix>.bias`).
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn layer_norm(dim: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<LayerNorm> {
+    let weight = vb.get_with_hints(dim, "weight", candle_nn::Init::Const(1.0))?;
+    let bias = vb.get_with_hints(dim, "bias", candle_nn::Init::Const(0.0))?;
+    LayerNorm::new(weight, bias, eps)
+}
+
+/// LayerNorm followed by an FP8 Linear (TE's `LayerNormLinear`); the
+/// normalised output is what the Linear casts to FP8.
+#[derive(Debug, Clone)]
+pub struct LayerNormLinear {
+    /// The normalisation (`<prefix>.layer_norm`).
+    pub norm: LayerNorm,
+    /// The projection (`<prefix>.linear`).
+    pub linear: Linear,
+}
+
+/// A [`LayerNormLinear`] from a `VarBuilder`.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn layer_norm_linear(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    eps: f64,
+    vb: candle_nn::VarBuilder,
+) -> Result<LayerNormLinear> {
+    Ok(LayerNormLinear {
+        norm: layer_norm(in_dim, eps, vb.pp("layer_norm"))?,
+        linear: linear_b(in_dim, out_dim, bias, vb.pp("linear"))?,
+    })
+}
+
+impl Module for LayerNormLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.linear.forward(&self.norm.forward(x)?)
+    }
+}
+
+/// LayerNorm, fc1, GELU (tanh approximation, TE's `gelu`), fc2 (TE's
+/// `LayerNormMLP`); both GEMMs in FP8 inside a scope.
+#[derive(Debug, Clone)]
+pub struct LayerNormMLP {
+    /// The normalisation (`<prefix>.layer_norm`).
+    pub norm: LayerNorm,
+    /// Up projection (`<prefix>.fc1`).
+    pub fc1: Linear,
+    /// Down projection (`<prefix>.fc2`).
+    pub fc2: Linear,
+}
+
+/// A [`LayerNormMLP`] `dim -> hidden -> dim` from a `VarBuilder`.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn layer_norm_mlp(
+    dim: usize,
+    hidden: usize,
+    eps: f64,
+    vb: candle_nn::VarBuilder,
+) -> Result<LayerNormMLP> {
+    Ok(LayerNormMLP {
+        norm: layer_norm(dim, eps, vb.pp("layer_norm"))?,
+        fc1: linear_b(dim, hidden, true, vb.pp("fc1"))?,
+        fc2: linear_b(hidden, dim, true, vb.pp("fc2"))?,
+    })
+}
+
+impl Module for LayerNormMLP {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.fc2
+            .forward(&self.fc1.forward(&self.norm.forward(x)?)?.gelu()?)
+    }
+}
