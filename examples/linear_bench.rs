@@ -32,17 +32,46 @@ fn main() -> Result<()> {
     let a = Args::parse();
     let dev = Device::Cpu;
     let varmap = VarMap::new();
-    let layer = nn::linear_no_bias(a.in_dim, a.out_dim, VarBuilder::from_varmap(&varmap, DType::F32, &dev).pp("fc"))?;
+    let layer = nn::linear_no_bias(
+        a.in_dim,
+        a.out_dim,
+        VarBuilder::from_varmap(&varmap, DType::F32, &dev).pp("fc"),
+    )?;
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (a.rows, a.in_dim), &dev)?)?;
-    let all_native = OverrideLinearPrecision { fprop: true, dgrad: true, wgrad: true };
+    let all_native = OverrideLinearPrecision {
+        fprop: true,
+        dgrad: true,
+        wgrad: true,
+    };
     let modes = [
         ("native (candle matmul)", ComputeMode::Native),
-        ("native (our op, all GEMMs overridden)", ComputeMode::Fp8Delayed(DelayedScaling { override_linear_precision: all_native, ..Default::default() })),
-        ("fp8-current", ComputeMode::Fp8Current(CurrentScaling::default())),
-        ("fp8-delayed", ComputeMode::Fp8Delayed(DelayedScaling::default())),
+        (
+            "native (our op, all GEMMs overridden)",
+            ComputeMode::Fp8Delayed(DelayedScaling {
+                override_linear_precision: all_native,
+                ..Default::default()
+            }),
+        ),
+        (
+            "fp8-current",
+            ComputeMode::Fp8Current(CurrentScaling::default()),
+        ),
+        (
+            "fp8-delayed",
+            ComputeMode::Fp8Delayed(DelayedScaling::default()),
+        ),
     ];
-    println!("Linear {}x{} (in x out), batch {} rows, 1 process on {} threads", a.in_dim, a.out_dim, a.rows, candle_core::utils::get_num_threads());
-    println!("{:<40} {:>12} {:>16} {:>18}", "mode", "fwd+bwd ms", "saved B/token", "saved weight B");
+    println!(
+        "Linear {}x{} (in x out), batch {} rows, 1 process on {} threads",
+        a.in_dim,
+        a.out_dim,
+        a.rows,
+        candle_core::utils::get_num_threads()
+    );
+    println!(
+        "{:<40} {:>12} {:>16} {:>18}",
+        "mode", "fwd+bwd ms", "saved B/token", "saved weight B"
+    );
     for (name, mode) in modes {
         let mut times = vec![];
         for i in 0..=a.iters {
@@ -62,10 +91,23 @@ fn main() -> Result<()> {
         let (per_token, weight) = if saved == 0 {
             ("(candle's)".to_string(), "(candle's)".to_string())
         } else {
-            let w_bytes = if saved >= (a.rows + a.out_dim) * a.in_dim * 4 { w_elems * 4 } else { w_elems };
-            (format!("{:.1}", (saved - w_bytes) as f64 / a.rows as f64), format!("{w_bytes}"))
+            let w_bytes = if saved >= (a.rows + a.out_dim) * a.in_dim * 4 {
+                w_elems * 4
+            } else {
+                w_elems
+            };
+            (
+                format!("{:.1}", (saved - w_bytes) as f64 / a.rows as f64),
+                format!("{w_bytes}"),
+            )
         };
-        println!("{:<40} {:>12.1} {:>16} {:>18}", name, times[times.len() / 2], per_token, weight);
+        println!(
+            "{:<40} {:>12.1} {:>16} {:>18}",
+            name,
+            times[times.len() / 2],
+            per_token,
+            weight
+        );
     }
     Ok(())
 }

@@ -7,9 +7,12 @@
 //! This crate re-exports the public API of its members:
 //! - `amp-core`: FP8 formats with exact OCP semantics, scaling metadata on the
 //!   device, scaled tensors, the TE and MS-AMP scale rules, the recipes and
-//!   the FP8 GEMM reference (everything at the root of `amp`);
-//! - `amp-optim`, `amp-comm`, `amp-levels`: optimizers, communication and the
-//!   optimization levels O0-O3 (in progress).
+//!   the FP8 GEMM reference (everything at the root of `amp`), and the layers
+//!   of [`nn`] (FP8 `Linear`, `LayerNorm`, `LayerNormLinear`, `LayerNormMLP`,
+//!   the `fp8_autocast` scope);
+//! - [`optim`]: AdamW, low-bit AdamW, loss scaling, schedules;
+//! - `amp-comm`, `amp-levels`: communication and the optimization levels
+//!   O0-O3 (in progress).
 //!
 //! ```
 //! use amp::{CurrentScaling, QType, ScalingTensor};
