@@ -5,13 +5,9 @@ mod common;
 
 use amp::nn::{self, fp8_autocast, ComputeMode};
 use amp::CurrentScaling;
-use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_core::{DType, Device, Module, Var};
 use candle_nn::{VarBuilder, VarMap};
-use common::randn;
-
-fn t(v: Vec<f32>, shape: &[usize]) -> Tensor {
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
+use common::{randn, t};
 
 #[test]
 fn layer_norm_matches_the_formula_and_candles_fused_op() {

@@ -10,11 +10,7 @@ use amp::optim::{
 };
 use amp::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use candle_core::{DType, Device, Tensor, Var};
-use common::randn;
-
-fn t(v: Vec<f32>, shape: &[usize]) -> Tensor {
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
+use common::{randn, t};
 
 fn q(x: &Tensor, qtype: QType) -> ScalingTensor {
     ScalingTensor::quantize(x, qtype, &CurrentScaling::default())

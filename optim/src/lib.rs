@@ -42,6 +42,7 @@ mod loss_scaler;
 mod lowbit;
 mod schedule;
 mod state;
+mod update;
 
 pub use adamw::{AdamStep, AdamW, AdamWConfig};
 pub use error::{Error, Result};

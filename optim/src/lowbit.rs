@@ -2,16 +2,17 @@
 //! low-bit formats and whose weights may be F32, scaled FP16 (the master at
 //! O1/O2) or FP8 with a scaled FP16 master (O3).
 
-use crate::adamw::{AdamStep, AdamWConfig};
+use crate::adamw::AdamWConfig;
 use crate::error::{Error, Result};
-use crate::fused::{LowBitStep, SumSq};
+use crate::fused::SumSq;
 use crate::grad::{Grad, Grads};
 use crate::loss_scaler::{LossScaler, LossScaling};
 use crate::schedule::{Constant, LrSchedule};
 use crate::state::{State, StateFormat};
+use crate::update::{f32_stream, kernel_error, scaled_stream, update_param};
 use amp_core::kernel::launch;
-use amp_core::{QType, ScalingMeta, ScalingTensor, Weight, WeightSlot};
-use candle_core::{backprop::GradStore, DType, Tensor};
+use amp_core::{Weight, WeightSlot};
+use candle_core::{backprop::GradStore, Tensor};
 
 /// Configuration of [`LowBitAdamW`]. Defaults: PyTorch AdamW, first moment
 /// E4M3 and second moment FP16 (MS-AMP), no clipping, no loss scaling.
@@ -294,109 +295,4 @@ impl LowBitAdamW {
         self.scaler.update(false);
         Ok(StepOutcome::Applied { grad_norm })
     }
-}
-
-/// A stream of the fused kernel: its data, scale_inv and storage type.
-type Stream = (Tensor, Tensor, Option<QType>);
-
-fn f32_stream(data: &Tensor) -> Result<Stream> {
-    Ok((
-        data.to_dtype(DType::F32)?,
-        Tensor::ones(1, DType::F32, data.device())?,
-        None,
-    ))
-}
-
-fn scaled_stream(t: &ScalingTensor) -> Stream {
-    (
-        t.data().clone(),
-        t.meta().scale_inv().clone(),
-        Some(t.qtype()),
-    )
-}
-
-fn state_stream(s: &State) -> Result<Stream> {
-    match s {
-        State::F32(t) => f32_stream(t),
-        State::Scaled(t) => Ok(scaled_stream(t)),
-    }
-}
-
-fn kernel_error(what: &str) -> Error {
-    amp_core::Error::Unsupported {
-        op: "LowBitAdamW::step",
-        what: what.into(),
-    }
-    .into()
-}
-
-/// Rebuilds a stream from the kernel's (data, scale, amax) outputs: a
-/// scaling tensor for a low-bit stream, the F32 tensor otherwise.
-fn rebuild(q: Option<QType>, out: &[Tensor]) -> Result<std::result::Result<ScalingTensor, Tensor>> {
-    let [data, scale, amax] = out else {
-        return Err(kernel_error("kernel outputs"));
-    };
-    Ok(match q {
-        None => Err(data.clone()),
-        Some(qtype) => {
-            let meta = ScalingMeta::from_parts(qtype, scale.clone(), scale.recip()?, amax.clone())?;
-            Ok(ScalingTensor::from_parts(data.clone(), meta)?)
-        }
-    })
-}
-
-fn to_state(q: Option<QType>, out: &[Tensor]) -> Result<State> {
-    Ok(match rebuild(q, out)? {
-        Ok(t) => State::Scaled(t),
-        Err(t) => State::F32(t),
-    })
-}
-
-/// One parameter's update through the fused kernel.
-fn update_param(
-    p: &mut ParamState,
-    g: &Grad,
-    k: AdamStep,
-    grad_mul: f32,
-    scratch: &std::sync::Mutex<Vec<f32>>,
-) -> Result<()> {
-    let weight = p.slot.read()?.clone();
-    let (w, fp8_copy) = match &weight {
-        Weight::F32(var) => (f32_stream(var.as_tensor())?, false),
-        Weight::F16(t) => (scaled_stream(t), false),
-        Weight::Fp8 { master, .. } => (scaled_stream(master), true),
-    };
-    let g = match g {
-        Grad::F32(t) => f32_stream(t)?,
-        Grad::Scaled(t) => scaled_stream(t),
-    };
-    let (m, v) = (state_stream(&p.exp_avg)?, state_stream(&p.exp_avg_sq)?);
-    let kernel = LowBitStep {
-        scratch,
-        k,
-        grad_mul,
-        w: w.2,
-        g: g.2,
-        m: m.2,
-        v: v.2,
-        fp8_copy,
-    };
-    let outs = launch(&kernel, &[&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1])?;
-    let (copy, rest) = outs.split_at(if fp8_copy { 3 } else { 0 });
-    let (wo, rest) = rest.split_at(3);
-    let (mo, vo) = rest.split_at(3);
-    p.exp_avg = to_state(m.2, mo)?;
-    p.exp_avg_sq = to_state(v.2, vo)?;
-    match (weight, rebuild(w.2, wo)?) {
-        (Weight::F32(var), Err(t)) => var.set(&t.reshape(var.shape())?.to_dtype(var.dtype())?)?,
-        (Weight::F16(_), Ok(t)) => p.slot.replace(Weight::F16(t))?,
-        (Weight::Fp8 { .. }, Ok(master)) => {
-            let Ok(weight) = rebuild(Some(QType::E4M3), copy)? else {
-                return Err(kernel_error("FP8 copy"));
-            };
-            p.slot.replace(Weight::Fp8 { weight, master })?
-        }
-        _ => return Err(kernel_error("weight storage changed")),
-    }
-    Ok(())
 }

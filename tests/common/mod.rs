@@ -2,6 +2,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use amp::Fp8Format;
+use candle_core::{DType, Device, Tensor};
 
 /// Every finite non-negative value of `format`, sorted, computed in f64 from
 /// the bit fields (an independent model, not the crate's tables).
@@ -75,4 +76,17 @@ pub fn randn(n: usize, seed: u64) -> Vec<f32> {
     (0..n)
         .map(|_| ((0..4).map(|_| next()).sum::<f64>() - 2.0) as f32 * 1.7)
         .collect()
+}
+
+/// A CPU F32 tensor of `shape` from `v`.
+pub fn t(v: Vec<f32>, shape: &[usize]) -> Tensor {
+    Tensor::from_vec(v, shape, &Device::Cpu).expect("shape matches the data")
+}
+
+/// A tensor's values as f64, flattened.
+pub fn f64s(x: &Tensor) -> Vec<f64> {
+    x.flatten_all()
+        .and_then(|x| x.to_dtype(DType::F64))
+        .and_then(|x| x.to_vec1())
+        .expect("float tensor")
 }
