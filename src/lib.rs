@@ -27,6 +27,15 @@
 
 pub use amp_core::*;
 
+pub use amp_levels::{
+    initialize, AmpConfig, AmpContext, AmpOptimizer, Compute, Level, MemoryReport,
+};
+
+/// Optimization levels: the policy table, config, report (`amp-levels`).
+pub mod levels {
+    pub use amp_levels::*;
+}
+
 /// Optimizers: AdamW, low-bit AdamW, loss scaling, schedules (`amp-optim`).
 pub mod optim {
     pub use amp_optim::*;

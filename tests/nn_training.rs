@@ -130,3 +130,99 @@ fn the_same_mlp_trains_in_every_mode_to_within_5_percent_of_native() {
         );
     }
 }
+
+#[test]
+fn a_first_layer_fed_plain_data_still_hands_its_gradient_to_the_sink() {
+    let varmap = VarMap::new();
+    let layer = nn::linear_no_bias(
+        4,
+        2,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).pp("first"),
+    )
+    .unwrap();
+    let sink = GradSink::new();
+    layer.set_grad_sink(Some(sink.clone())).unwrap();
+    let x = t(randn(3 * 4, 2), &[3, 4]); // data, not a Var
+    {
+        let _s = fp8_autocast(true, ComputeMode::Fp8Current(CurrentScaling::default()));
+        layer
+            .forward(&x)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+    }
+    assert!(sink.take().unwrap().contains_key("first.weight"));
+}
+
+#[test]
+fn overflow_in_fp8_casts_is_not_hidden_by_saturation() {
+    let varmap = VarMap::new();
+    let layer = nn::linear_no_bias(
+        4,
+        2,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).pp("l"),
+    )
+    .unwrap();
+    let sink = GradSink::new();
+    layer.set_grad_sink(Some(sink.clone())).unwrap();
+    let mode = ComputeMode::Fp8Current(CurrentScaling::default());
+    // Forward: an infinite input gives a non-finite output, not max * w.
+    let x = t(vec![1.0, f32::INFINITY, 0.5, 2.0], &[1, 4]);
+    let y = {
+        let _s = fp8_autocast(true, mode.clone());
+        layer.forward(&x).unwrap()
+    };
+    assert!(y.to_vec2::<f32>().unwrap()[0]
+        .iter()
+        .all(|v| !v.is_finite()));
+    // Backward: an infinite output gradient reaches the sink as non-finite.
+    let xv = Var::from_tensor(&t(vec![1.0, 2.0, 0.5, 2.0], &[1, 4])).unwrap();
+    let r = t(vec![1.0, f32::INFINITY], &[1, 2]);
+    let grads = {
+        let _s = fp8_autocast(true, mode);
+        (layer.forward(xv.as_tensor()).unwrap() * &r)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap()
+    };
+    let g = &sink.take().unwrap()["l.weight"];
+    let amax = g.meta().amax().unwrap().to_vec1::<f32>().unwrap()[0];
+    assert!(!amax.is_finite(), "the sink gradient's amax is {amax}");
+    let dx: Vec<f32> = grads
+        .get(xv.as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert!(dx.iter().all(|v| !v.is_finite()), "{dx:?}");
+}
+
+#[test]
+fn two_forwards_in_one_scope_are_one_scaling_step() {
+    let layer = nn::Linear::new("w", t(vec![1.0; 4], &[1, 4]), None).unwrap();
+    let recipe = ComputeMode::Fp8Delayed(DelayedScaling {
+        amax_history_len: 4,
+        ..Default::default()
+    });
+    for step in 0..3 {
+        let _s = fp8_autocast(true, recipe.clone());
+        for a in [1.0f32, 2.0] {
+            layer.forward(&t(vec![a, 0.0, 0.0, 0.0], &[1, 4])).unwrap();
+        }
+        let meta = layer.scaling_state().unwrap().unwrap().input;
+        let h: Vec<f32> = meta.amax_history().to_vec1().unwrap();
+        // slot 0 holds the larger amax of the step's two casts; the history
+        // rolled once per step (past steps' 2s moved to the end)
+        assert_eq!(h[0], 2.0, "step {step}: {h:?}");
+        assert_eq!(
+            h.iter().filter(|&&v| v == 2.0).count(),
+            step + 1,
+            "step {step}: {h:?}"
+        );
+    }
+}

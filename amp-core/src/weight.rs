@@ -80,6 +80,19 @@ impl WeightSlot {
         Self(Arc::new(RwLock::new(weight)))
     }
 
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<RwLock<Weight>> {
+        Arc::downgrade(&self.0)
+    }
+
+    pub(crate) fn from_arc(arc: Arc<RwLock<Weight>>) -> Self {
+        Self(arc)
+    }
+
+    /// True when both handles point at the same storage.
+    pub fn same_slot(&self, other: &WeightSlot) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Reads the weight.
     ///
     /// # Errors

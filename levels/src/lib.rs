@@ -1,6 +1,19 @@
 //! # amp-levels
 //!
-//! The optimization levels O0-O3 of candle-amp: `AmpConfig`, the policy
-//! engine, `initialize`, the memory report and checkpoints. Under
-//! construction: see the project's issues.
+//! The optimization levels O0-O3 of candle-amp: [`Level`] and its storage
+//! table ([`Level::policy`]), [`AmpConfig`], [`initialize`] (converts the
+//! Linear weights of a model built with `amp::nn` and builds the optimizer)
+//! and the [`MemoryReport`]. Checkpoints come next.
 #![warn(missing_docs)]
+
+mod config;
+mod context;
+mod error;
+mod level;
+mod report;
+
+pub use config::{matches, AmpConfig, Compute};
+pub use context::{initialize, AmpContext, AmpOptimizer};
+pub use error::{Error, Result};
+pub use level::{state_bytes, GradStorage, Level, Policy, WeightStorage};
+pub use report::{Categories, MemoryReport};

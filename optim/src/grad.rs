@@ -43,6 +43,17 @@ impl Grad {
         }
     }
 
+    /// The value as an F32 tensor.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn to_f32(&self) -> Result<Tensor> {
+        match self {
+            Self::F32(t) => Ok(t.to_dtype(DType::F32)?),
+            Self::Scaled(t) => Ok(t.dequantize(DType::F32)?),
+        }
+    }
+
     /// The values as a flat F32 vector, decoded on the fly.
     ///
     /// # Errors
@@ -68,6 +79,20 @@ impl Grads {
     /// Adds (or replaces) a parameter's gradient.
     pub fn insert(&mut self, name: impl Into<String>, grad: Grad) {
         self.0.insert(name.into(), grad);
+    }
+
+    /// Adds a gradient, summing (in F32) with one already there.
+    ///
+    /// # Errors
+    /// candle's, on shapes that differ.
+    pub fn merge(&mut self, name: impl Into<String>, grad: Grad) -> Result<()> {
+        let name = name.into();
+        let grad = match self.0.remove(&name) {
+            None => grad,
+            Some(prev) => Grad::F32((prev.to_f32()? + grad.to_f32()?)?),
+        };
+        self.0.insert(name, grad);
+        Ok(())
     }
 
     /// A parameter's gradient.

@@ -11,6 +11,7 @@ use crate::schedule::{Constant, LrSchedule};
 use crate::state::{State, StateFormat};
 use crate::update::{f32_stream, kernel_error, scaled_stream, update_param};
 use amp_core::kernel::launch;
+use amp_core::nn::GradSink;
 use amp_core::{Weight, WeightSlot};
 use candle_core::{backprop::GradStore, Tensor};
 
@@ -87,6 +88,22 @@ impl LowBitAdamW {
     /// # Errors
     /// [`Error::Config`] for bad hyperparameters, [`Error::DuplicateName`].
     pub fn new(params: Vec<(String, WeightSlot)>, config: LowBitAdamWConfig) -> Result<Self> {
+        let (m, v) = (config.exp_avg, config.exp_avg_sq);
+        Self::with_formats(
+            params.into_iter().map(|(n, s)| (n, s, m, v)).collect(),
+            config,
+        )
+    }
+
+    /// As [`new`](Self::new), with each parameter's moment formats given
+    /// (`exp_avg`, `exp_avg_sq`) instead of the config's.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_formats(
+        params: Vec<(String, WeightSlot, StateFormat, StateFormat)>,
+        config: LowBitAdamWConfig,
+    ) -> Result<Self> {
         config.adam.validate()?;
         if let Some(n) = config.max_grad_norm {
             if !(n > 0.0 && n.is_finite()) {
@@ -97,7 +114,7 @@ impl LowBitAdamW {
             }
         }
         let mut states = Vec::with_capacity(params.len());
-        for (name, slot) in params {
+        for (name, slot, m_format, v_format) in params {
             if states.iter().any(|p: &ParamState| p.name == name) {
                 return Err(Error::DuplicateName(name));
             }
@@ -109,8 +126,8 @@ impl LowBitAdamW {
             states.push(ParamState {
                 name,
                 slot,
-                exp_avg: State::zeros(config.exp_avg, &shape, &device)?,
-                exp_avg_sq: State::zeros(config.exp_avg_sq, &shape, &device)?,
+                exp_avg: State::zeros(m_format, &shape, &device)?,
+                exp_avg_sq: State::zeros(v_format, &shape, &device)?,
             });
         }
         Ok(Self {
@@ -143,6 +160,11 @@ impl LowBitAdamW {
     }
 
     /// Replaces the learning-rate schedule (default: constant `adam.lr`).
+    pub fn set_schedule(&mut self, schedule: impl LrSchedule + 'static) {
+        self.schedule = Box::new(schedule);
+    }
+
+    /// [`set_schedule`](Self::set_schedule), by value.
     pub fn with_schedule(mut self, schedule: impl LrSchedule + 'static) -> Self {
         self.schedule = Box::new(schedule);
         self
@@ -200,12 +222,14 @@ impl LowBitAdamW {
         Ok(grads)
     }
 
-    /// Scales the loss, runs backward and steps with the `Var` gradients
-    /// plus `extra` (e.g. the FP8 weight gradients of a sink).
+    /// Runs backward on the loss times the loss scale and gathers the
+    /// gradients: F32 ones of `Var` parameters from candle's `GradStore`,
+    /// FP8 ones from `sink` (taken after backward has filled it); two for
+    /// one name are summed.
     ///
     /// # Errors
-    /// As [`step`](Self::step).
-    pub fn backward_step_with(&mut self, loss: &Tensor, extra: Grads) -> Result<StepOutcome> {
+    /// candle's; [`Error::Core`] on a poisoned slot or sink.
+    pub fn backward(&self, loss: &Tensor, sink: Option<&GradSink>) -> Result<Grads> {
         let scaled = if self.scaler.scale == 1.0 {
             loss.clone()
         } else {
@@ -213,16 +237,33 @@ impl LowBitAdamW {
         };
         let store = scaled.backward()?;
         let mut grads = self.grads_from_store(&store)?;
-        grads.0.extend(extra.0);
+        if let Some(sink) = sink {
+            for (name, g) in sink.take()? {
+                grads.merge(name, Grad::Scaled(g))?;
+            }
+        }
+        Ok(grads)
+    }
+
+    /// [`backward`](Self::backward) then [`step`](Self::step).
+    ///
+    /// # Errors
+    /// As both.
+    pub fn backward_step_with(
+        &mut self,
+        loss: &Tensor,
+        sink: Option<&GradSink>,
+    ) -> Result<StepOutcome> {
+        let grads = self.backward(loss, sink)?;
         self.step(&grads)
     }
 
-    /// [`backward_step_with`](Self::backward_step_with) with no extra gradients.
+    /// [`backward_step_with`](Self::backward_step_with) without a sink.
     ///
     /// # Errors
     /// As [`step`](Self::step).
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
-        self.backward_step_with(loss, Grads::new())
+        self.backward_step_with(loss, None)
     }
 
     /// One step. Gradients are taken as scaled by the loss scaler's current

@@ -5,6 +5,7 @@ use super::linear_op::{
     cast, Fp8LinearOp, LayerScaling, Plan, Role, Saved, Scaling, SharedScaling,
 };
 use super::mode::{current_mode, current_step, ComputeMode};
+use super::registry::LinearParts;
 use super::sink::GradSink;
 use crate::error::{Error, Result};
 use crate::gemm::fp8_gemm;
@@ -48,6 +49,7 @@ pub struct Linear {
     scaling: SharedScaling,
     sink: Arc<Mutex<Option<GradSink>>>,
     saved_bytes: Arc<Mutex<usize>>,
+    high_precision: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Linear {
@@ -65,11 +67,41 @@ impl Linear {
                 got: weight.shape().clone(),
             });
         }
-        Ok(Self::from_slot(
+        let tracked = weight.is_variable();
+        let layer = Self::from_slot(
             name,
             WeightSlot::new(Weight::F32(Var::from_tensor(&weight)?)),
             bias,
-        ))
+        );
+        if tracked {
+            super::registry::register(weight.id(), layer.parts());
+        }
+        Ok(layer)
+    }
+
+    fn parts(&self) -> LinearParts {
+        LinearParts {
+            name: self.name.clone(),
+            weight: self.weight.downgrade(),
+            scaling: Arc::downgrade(&self.scaling),
+            sink: Arc::downgrade(&self.sink),
+            saved_bytes: Arc::downgrade(&self.saved_bytes),
+            high_precision: Arc::downgrade(&self.high_precision),
+        }
+    }
+
+    /// The layer again from its registered parts (without its bias, which
+    /// lives in the `VarMap`).
+    pub(crate) fn from_parts(p: &LinearParts) -> Option<Self> {
+        Some(Self {
+            name: p.name.clone(),
+            weight: WeightSlot::from_arc(p.weight.upgrade()?),
+            bias: None,
+            scaling: p.scaling.upgrade()?,
+            sink: p.sink.upgrade()?,
+            saved_bytes: p.saved_bytes.upgrade()?,
+            high_precision: p.high_precision.upgrade()?,
+        })
     }
 
     /// A layer over a shared weight slot (any storage).
@@ -81,6 +113,7 @@ impl Linear {
             scaling: Arc::default(),
             sink: Arc::default(),
             saved_bytes: Arc::default(),
+            high_precision: Arc::default(),
         }
     }
 
@@ -109,6 +142,19 @@ impl Linear {
             op: "Linear::set_grad_sink",
         })? = sink;
         Ok(())
+    }
+
+    /// Keeps this layer out of FP8 (the output head, say): it computes
+    /// natively inside any scope.
+    pub fn set_high_precision(&self, on: bool) {
+        self.high_precision
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the layer is kept out of FP8.
+    pub fn is_high_precision(&self) -> bool {
+        self.high_precision
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The delayed-scaling state (input, weight, output-gradient metas), once
@@ -175,7 +221,11 @@ impl Linear {
         let weight = self.weight.read()?.clone();
         let (out_dim, in_dim) = weight.shape().dims2()?;
         self.check_input(x, in_dim)?;
-        let mode = current_mode();
+        let mode = if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        };
         let y = match (&mode, &weight) {
             (ComputeMode::Native, Weight::F32(var)) => {
                 *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
@@ -267,7 +317,12 @@ impl Linear {
             None
         };
         let y = match (&xq, &wq) {
-            (Some(xq), Some(wq)) if fprop => fp8_gemm(xq, wq, x.dtype())?,
+            // A saturating cast hides inf: a non-finite input amax makes the
+            // output NaN (x 1 when finite), never silently finite.
+            (Some(xq), Some(wq)) if fprop => {
+                let flag = ((xq.meta().amax()? * 0.0)? + 1.0)?.to_dtype(x.dtype())?;
+                fp8_gemm(xq, wq, x.dtype())?.broadcast_mul(&flag)?
+            }
             _ => x.matmul(&w_native()?.t()?)?,
         };
         let x_saved = match xq {
@@ -281,9 +336,13 @@ impl Linear {
         *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
             op: "Linear::forward",
         })? = x_saved.nbytes() + w_saved.nbytes();
+        // The op's second argument: the weight's Var when its gradient goes
+        // to candle's GradStore; otherwise a tracked one-element placeholder,
+        // so candle runs the backward (and feeds the sink) even when `x` is
+        // plain data, as for the first layer of a model.
         let w_arg = match weight {
             Weight::F32(var) if sink.is_none() => var.as_tensor().clone(),
-            _ => Tensor::zeros(1, DType::F32, x.device())?,
+            _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
         };
         if !x.track_op() && !w_arg.track_op() {
             return Ok(y);

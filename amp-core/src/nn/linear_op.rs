@@ -152,7 +152,9 @@ fn wrap(e: Error) -> candle_core::Error {
 }
 
 impl Fp8LinearOp {
-    fn backward(&self, dy: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    /// dgrad (when `need_dx`) and wgrad; the weight gradient goes to the sink
+    /// (returned `None`) or back to candle.
+    fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
         let p = &self.plan;
         let dyq = if p.dgrad || p.wgrad {
@@ -167,14 +169,31 @@ impl Fp8LinearOp {
         } else {
             None
         };
+        // A saturating cast turns inf into max: carry a non-finite dy amax
+        // into the results (x 1 if finite, NaN otherwise), so an overflowing
+        // step is still seen, and skipped, downstream.
+        let flag = match &dyq {
+            Some(q) => Some(((q.meta().amax()? * 0.0)? + 1.0)?),
+            None => None,
+        };
+        let finite = |t: Tensor| -> Result<Tensor> {
+            match &flag {
+                Some(f) => Ok(t.broadcast_mul(&f.to_dtype(t.dtype())?)?),
+                None => Ok(t),
+            }
+        };
         // dgrad: dx = dy · W, i.e. fp8_gemm(dy [m, out], Wᵀ [in, out]).
-        let dx = match (&dyq, &self.w_saved) {
-            (Some(dq), Saved::Fp8(wq)) if p.dgrad => fp8_gemm(dq, &wq.t()?, self.x_dtype)?,
-            (_, Saved::Native(w)) => dy.matmul(&w.to_dtype(dy.dtype())?)?,
-            (_, Saved::Fp8(wq)) => dy.matmul(&wq.dequantize(dy.dtype())?)?,
+        let dx = if need_dx {
+            Some(finite(match (&dyq, &self.w_saved) {
+                (Some(dq), Saved::Fp8(wq)) if p.dgrad => fp8_gemm(dq, &wq.t()?, self.x_dtype)?,
+                (_, Saved::Native(w)) => dy.matmul(&w.to_dtype(dy.dtype())?)?,
+                (_, Saved::Fp8(wq)) => dy.matmul(&wq.dequantize(dy.dtype())?)?,
+            })?)
+        } else {
+            None
         };
         // wgrad: dW = dyᵀ · x, i.e. fp8_gemm(dyᵀ [out, m], xᵀ [in, m]).
-        let dw = match (&dyq, &self.x_saved) {
+        let dw = finite(match (&dyq, &self.x_saved) {
             (Some(dq), Saved::Fp8(xq)) if p.wgrad => fp8_gemm(&dq.t()?, &xq.t()?, DType::F32)?,
             (_, Saved::Native(x)) => dy
                 .t()?
@@ -184,17 +203,21 @@ impl Fp8LinearOp {
                 .t()?
                 .matmul(&xq.dequantize(dy.dtype())?)?
                 .to_dtype(DType::F32)?,
-        };
+        })?;
         match &self.sink {
             Some(sink) => {
-                let (g, _) =
-                    ScalingTensor::quantize(&dw, crate::QType::E4M3, &CurrentScaling::default())?;
-                sink.add(&self.name, g)?;
+                sink.add(&self.name, fp8_grad(&dw)?)?;
                 Ok((dx, None))
             }
             None => Ok((dx, Some(dw.to_dtype(self.w_dtype)?))),
         }
     }
+}
+
+/// A weight gradient as the sink keeps it: E4M3 with a power-of-two scale;
+/// its metadata keeps the F32 gradient's amax, so inf or NaN stay visible.
+pub(crate) fn fp8_grad(dw: &Tensor) -> Result<ScalingTensor> {
+    Ok(ScalingTensor::quantize(dw, crate::QType::E4M3, &CurrentScaling::default())?.0)
 }
 
 impl CustomOp2 for Fp8LinearOp {
@@ -250,14 +273,14 @@ impl CustomOp2 for Fp8LinearOp {
 
     fn bwd(
         &self,
-        _x: &Tensor,
+        x: &Tensor,
         w: &Tensor,
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = self.backward(dy).map_err(wrap)?;
+        let (dx, dw) = self.backward(dy, x.track_op()).map_err(wrap)?;
         // A weight gradient only goes to the GradStore for a tracked weight.
         let dw = if w.track_op() { dw } else { None };
-        Ok((Some(dx), dw))
+        Ok((dx, dw))
     }
 }

@@ -42,6 +42,7 @@ mod linear;
 mod linear_op;
 mod mode;
 mod norm;
+mod registry;
 mod sink;
 
 pub use linear::{linear, linear_b, linear_no_bias, Linear};
@@ -50,4 +51,5 @@ pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Au
 pub use norm::{
     layer_norm, layer_norm_linear, layer_norm_mlp, LayerNorm, LayerNormLinear, LayerNormMLP,
 };
+pub use registry::registered_linear;
 pub use sink::GradSink;

@@ -21,10 +21,13 @@ pub enum ComputeMode {
 }
 
 thread_local! {
-    static SCOPES: RefCell<Vec<ComputeMode>> = const { RefCell::new(Vec::new()) };
+    /// The open scopes of this thread, innermost last, each with the step
+    /// its outermost scope started.
+    static SCOPES: RefCell<Vec<(ComputeMode, u64)>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Steps so far: every outermost scope entered starts one.
+/// Step numbers handed out: every outermost scope entered, on any thread,
+/// takes a fresh one (so threads never share a step).
 static STEP: AtomicU64 = AtomicU64::new(0);
 
 /// While alive, `amp::nn` layers on this thread compute in its mode; scopes
@@ -54,10 +57,11 @@ pub struct Fp8Autocast {
 pub fn fp8_autocast(enabled: bool, mode: ComputeMode) -> Fp8Autocast {
     SCOPES.with(|s| {
         let mut s = s.borrow_mut();
-        if s.is_empty() {
-            STEP.fetch_add(1, Ordering::SeqCst);
-        }
-        s.push(if enabled { mode } else { ComputeMode::Native });
+        let step = match s.last() {
+            Some((_, step)) => *step,
+            None => STEP.fetch_add(1, Ordering::SeqCst) + 1,
+        };
+        s.push((if enabled { mode } else { ComputeMode::Native }, step));
     });
     Fp8Autocast {
         _not_send: PhantomData,
@@ -72,18 +76,22 @@ pub fn with_fp8_autocast<R>(enabled: bool, mode: ComputeMode, f: impl FnOnce() -
 
 impl Drop for Fp8Autocast {
     fn drop(&mut self) {
-        SCOPES.with(|s| {
-            s.borrow_mut().pop();
-        });
+        // try_with: nothing to pop once the thread's locals are torn down.
+        let _ = SCOPES.try_with(|s| s.borrow_mut().pop());
     }
 }
 
 /// The mode of the innermost scope on this thread; native outside any.
 pub fn current_mode() -> ComputeMode {
-    SCOPES.with(|s| s.borrow().last().cloned().unwrap_or_default())
+    SCOPES.with(|s| {
+        s.borrow()
+            .last()
+            .map(|(m, _)| m.clone())
+            .unwrap_or_default()
+    })
 }
 
-/// The current scaling step.
+/// This thread's current scaling step (0 outside any scope).
 pub(crate) fn current_step() -> u64 {
-    STEP.load(Ordering::SeqCst)
+    SCOPES.with(|s| s.borrow().last().map_or(0, |(_, step)| *step))
 }

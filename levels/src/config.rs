@@ -1,0 +1,264 @@
+//! `AmpConfig`: level, compute mode with its recipe, loss scaling, clipping,
+//! and per-name exclusions; serde (JSON, TOML) with errors naming the field.
+
+use crate::level::Level;
+use amp_core::config::Validate;
+use amp_core::nn::ComputeMode;
+use amp_core::{CurrentScaling, DelayedScaling};
+use amp_optim::LossScaling;
+use serde::{Deserialize, Serialize};
+
+/// The compute path, orthogonal to the level.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Compute {
+    /// Native precision (F32 on the CPU).
+    #[default]
+    Native,
+    /// FP8 with current scaling (MS-AMP).
+    Fp8Current {
+        /// The recipe.
+        #[serde(default)]
+        recipe: CurrentScaling,
+    },
+    /// FP8 with delayed scaling (Transformer Engine).
+    Fp8Delayed {
+        /// The recipe.
+        #[serde(default)]
+        recipe: DelayedScaling,
+    },
+}
+
+impl Compute {
+    /// The `amp::nn` mode to run forward passes in.
+    pub fn mode(&self) -> ComputeMode {
+        match self {
+            Self::Native => ComputeMode::Native,
+            Self::Fp8Current { recipe } => ComputeMode::Fp8Current(recipe.clone()),
+            Self::Fp8Delayed { recipe } => ComputeMode::Fp8Delayed(recipe.clone()),
+        }
+    }
+}
+
+/// Everything `amp::initialize` needs besides the optimizer's
+/// hyperparameters.
+///
+/// ```
+/// use amp_levels::{AmpConfig, Level};
+/// let c = AmpConfig::from_toml(r#"
+///     level = "O2"
+///     high_precision = ["head.*"]
+///     [compute]
+///     mode = "fp8_delayed"
+///     recipe = { margin = 0, amax_history_len = 16 }
+/// "#)?;
+/// assert_eq!(c.level, Level::O2);
+/// assert!(c.is_high_precision("head.weight"));
+/// # Ok::<(), amp_core::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AmpConfig {
+    /// The optimization level.
+    pub level: Level,
+    /// The compute path and its recipe.
+    pub compute: Compute,
+    /// Loss scaling.
+    pub loss_scaling: LossScaling,
+    /// Clip the global gradient norm to this.
+    pub max_grad_norm: Option<f64>,
+    /// Linear weights (name patterns, `*` matches any run) kept in F32 and
+    /// computed natively at every level: e.g. the output head.
+    pub high_precision: Vec<String>,
+    /// Parameters (name patterns) whose Adam moments stay F32 at O2/O3.
+    pub f32_moments: Vec<String>,
+}
+
+impl Default for AmpConfig {
+    fn default() -> Self {
+        Self {
+            level: Level::O0,
+            compute: Compute::Native,
+            loss_scaling: LossScaling::None,
+            max_grad_norm: None,
+            high_precision: Vec::new(),
+            f32_moments: Vec::new(),
+        }
+    }
+}
+
+/// `*`-wildcard match of a whole name.
+pub fn matches(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = name.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return rest.is_empty();
+    };
+    for p in middle {
+        match rest.find(p) {
+            Some(i) => rest = &rest[i + p.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+impl AmpConfig {
+    /// The defaults at `level`.
+    pub fn level(level: Level) -> Self {
+        Self {
+            level,
+            ..Default::default()
+        }
+    }
+
+    /// Whether a Linear weight is kept in high precision.
+    pub fn is_high_precision(&self, name: &str) -> bool {
+        self.high_precision.iter().any(|p| matches(p, name))
+    }
+
+    /// Whether a parameter keeps F32 moments.
+    pub fn keeps_f32_moments(&self, name: &str) -> bool {
+        self.f32_moments.iter().any(|p| matches(p, name))
+    }
+
+    /// Parses and validates JSON.
+    ///
+    /// # Errors
+    /// `amp_core::Error::Config` naming the field.
+    pub fn from_json(text: &str) -> amp_core::Result<Self> {
+        amp_core::config::from_json(text)
+    }
+
+    /// Parses and validates TOML.
+    ///
+    /// # Errors
+    /// `amp_core::Error::Config` naming the field.
+    pub fn from_toml(text: &str) -> amp_core::Result<Self> {
+        amp_core::config::from_toml(text)
+    }
+
+    /// Reads a `.json` or `.toml` file.
+    ///
+    /// # Errors
+    /// `amp_core::Error::ConfigFile` or `Config`.
+    pub fn from_path(path: impl AsRef<std::path::Path>) -> amp_core::Result<Self> {
+        amp_core::config::from_path(path.as_ref())
+    }
+
+    /// Pretty JSON.
+    ///
+    /// # Errors
+    /// Not for plain configs.
+    pub fn to_json(&self) -> amp_core::Result<String> {
+        amp_core::config::to_json(self)
+    }
+}
+
+impl Validate for AmpConfig {
+    fn validate(&self) -> amp_core::Result<()> {
+        let bad = |field: &str, reason: String| {
+            Err(amp_core::Error::Config {
+                field: field.into(),
+                reason,
+            })
+        };
+        match &self.compute {
+            Compute::Native => {}
+            Compute::Fp8Current { recipe } => recipe.validate()?,
+            Compute::Fp8Delayed { recipe } => recipe.validate()?,
+        }
+        if let Some(n) = self.max_grad_norm {
+            if !(n > 0.0 && n.is_finite()) {
+                return bad("max_grad_norm", format!("{n} must be finite and > 0"));
+            }
+        }
+        match self.loss_scaling {
+            LossScaling::Static { scale } if !(scale > 0.0 && scale.is_finite()) => {
+                return bad(
+                    "loss_scaling.static.scale",
+                    format!("{scale} must be finite and > 0"),
+                );
+            }
+            LossScaling::Dynamic {
+                init_scale,
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+            } => {
+                if !(init_scale > 0.0 && init_scale.is_finite()) {
+                    return bad(
+                        "loss_scaling.dynamic.init_scale",
+                        format!("{init_scale} must be finite and > 0"),
+                    );
+                }
+                if !(growth_factor > 1.0 && growth_factor.is_finite()) {
+                    return bad(
+                        "loss_scaling.dynamic.growth_factor",
+                        format!("{growth_factor} must be > 1"),
+                    );
+                }
+                if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
+                    return bad(
+                        "loss_scaling.dynamic.backoff_factor",
+                        format!("{backoff_factor} must be in (0, 1)"),
+                    );
+                }
+                if growth_interval == 0 {
+                    return bad(
+                        "loss_scaling.dynamic.growth_interval",
+                        "must be at least 1".into(),
+                    );
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcards() {
+        assert!(matches("head.weight", "head.weight"));
+        assert!(!matches("head.weight", "head.weights"));
+        assert!(matches("head.*", "head.weight"));
+        assert!(matches("*.bias", "blocks.0.fc1.bias"));
+        assert!(matches("blocks.*.attn.*", "blocks.3.attn.qkv.weight"));
+        assert!(!matches("blocks.*.attn.*", "blocks.3.mlp.fc1.weight"));
+        assert!(matches("*", "anything"));
+        assert!(!matches("a*a", "a"));
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        for (json, field) in [
+            (r#"{"level": "O4"}"#, "level"),
+            (
+                r#"{"compute": {"mode": "fp8_delayed", "recipe": {"amax_history_len": 0}}}"#,
+                "amax_history_len",
+            ),
+            (r#"{"compute": {"mode": "int4"}}"#, "compute"),
+            (r#"{"max_grad_norm": -1.0}"#, "max_grad_norm"),
+            (
+                r#"{"loss_scaling": {"static": {"scale": 0.0}}}"#,
+                "loss_scaling.static.scale",
+            ),
+            (r#"{"levle": "O1"}"#, "levle"),
+        ] {
+            let e = AmpConfig::from_json(json).unwrap_err().to_string();
+            assert!(e.contains(field), "{json}: {e}");
+        }
+        let c =
+            AmpConfig::from_json(r#"{"level": "O3", "compute": {"mode": "fp8_current"}}"#).unwrap();
+        assert_eq!(c.level, Level::O3);
+        assert_eq!(AmpConfig::from_json(&c.to_json().unwrap()).unwrap(), c);
+    }
+}

@@ -1,0 +1,205 @@
+//! `initialize`: converts a model's parameters to a level's storages and
+//! builds the optimizer; `AmpOptimizer::backward_step` runs a training step.
+
+use crate::config::AmpConfig;
+use crate::error::Result;
+use crate::level::{GradStorage, Level, WeightStorage};
+use amp_core::nn::{fp8_autocast, registered_linear, Fp8Autocast, GradSink, Linear};
+use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
+use amp_optim::{AdamWConfig, Grad, LowBitAdamW, LowBitAdamWConfig, StateFormat, StepOutcome};
+use candle_core::Tensor;
+
+/// What `initialize` set up: the config, the Linear layers it converted and
+/// the sink their FP8 weight gradients go to.
+#[derive(Debug)]
+pub struct AmpContext {
+    pub(crate) config: AmpConfig,
+    pub(crate) linears: Vec<Linear>,
+    pub(crate) linear_names: Vec<String>,
+}
+
+impl AmpContext {
+    /// The configuration.
+    pub fn config(&self) -> &AmpConfig {
+        &self.config
+    }
+
+    /// The level.
+    pub fn level(&self) -> Level {
+        self.config.level
+    }
+
+    /// The Linear layers found among the parameters (converted unless kept in
+    /// high precision).
+    pub fn linears(&self) -> &[Linear] {
+        &self.linears
+    }
+
+    /// Opens the config's compute scope for one step's forward (and the
+    /// backward that follows): `let _fp8 = amp.autocast();`.
+    pub fn autocast(&self) -> Fp8Autocast {
+        fp8_autocast(true, self.config.compute.mode())
+    }
+
+    /// The memory report of this model and optimizer now.
+    ///
+    /// # Errors
+    /// As [`crate::MemoryReport::measure`].
+    pub fn memory_report(&self, opt: &AmpOptimizer) -> Result<crate::MemoryReport> {
+        crate::MemoryReport::measure(self, opt)
+    }
+
+    /// Whether a parameter name belongs to a Linear weight handled by the level.
+    pub fn is_linear(&self, name: &str) -> bool {
+        self.linear_names.iter().any(|n| n == name)
+    }
+}
+
+/// The optimizer of a level: low-bit AdamW over every parameter, fed by
+/// candle's `GradStore` and the layers' FP8 gradient sink.
+#[derive(Debug)]
+pub struct AmpOptimizer {
+    pub(crate) opt: LowBitAdamW,
+    pub(crate) sink: GradSink,
+    pub(crate) last_grad_bytes: usize,
+    pub(crate) linear_names: Vec<String>,
+}
+
+impl AmpOptimizer {
+    /// Scales the loss, runs backward, gathers the F32 gradients of `Var`
+    /// parameters and the FP8 gradients of the sink, and steps.
+    ///
+    /// # Errors
+    /// The optimizer's, candle's.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
+        let grads = self.opt.backward(loss, Some(&self.sink))?;
+        self.last_grad_bytes = self
+            .linear_names
+            .iter()
+            .filter_map(|n| grads.get(n))
+            .map(|g| match g {
+                Grad::F32(t) => t.elem_count() * t.dtype().size_in_bytes(),
+                Grad::Scaled(t) => t.nbytes(),
+            })
+            .sum();
+        Ok(self.opt.step(&grads)?)
+    }
+
+    /// The low-bit AdamW inside.
+    pub fn inner(&self) -> &LowBitAdamW {
+        &self.opt
+    }
+
+    /// Mutable access (schedules, checkpoints).
+    pub fn inner_mut(&mut self) -> &mut LowBitAdamW {
+        &mut self.opt
+    }
+}
+
+fn low_bit(values: &Tensor, qtype: QType) -> Result<ScalingTensor> {
+    Ok(ScalingTensor::quantize(values, qtype, &CurrentScaling::default())?.0)
+}
+
+/// Converts every Linear weight in `varmap` (layers built with `amp::nn`) to
+/// the level's storage, attaches the gradient sink where the level keeps
+/// FP8 gradients, and builds the optimizer over all parameters with the
+/// level's moment formats. A converted weight leaves the `VarMap` (its F32
+/// copy is freed). The model's code does not change between levels.
+///
+/// # Errors
+/// [`crate::Error::Core`] for a bad config, the optimizer's for bad
+/// hyperparameters.
+pub fn initialize(
+    varmap: &candle_nn::VarMap,
+    adam: AdamWConfig,
+    config: AmpConfig,
+) -> Result<(AmpContext, AmpOptimizer)> {
+    amp_core::config::Validate::validate(&config)?;
+    let policy = config.level.policy();
+    let sink = GradSink::new();
+    let mut vars: Vec<(String, candle_core::Var)> = {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?;
+        data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+    };
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut params = Vec::with_capacity(vars.len());
+    let (mut linears, mut linear_names, mut removed) = (vec![], vec![], vec![]);
+    for (name, var) in vars {
+        let moments = |(m, v): (StateFormat, StateFormat)| {
+            if config.keeps_f32_moments(&name) {
+                (StateFormat::F32, StateFormat::F32)
+            } else {
+                (m, v)
+            }
+        };
+        let layer = registered_linear(var.as_tensor().id());
+        match layer {
+            Some(layer) if !config.is_high_precision(&name) => {
+                let slot = layer.weight_slot().clone();
+                let value = var.as_tensor();
+                match policy.linear_weight {
+                    WeightStorage::F32 => {}
+                    WeightStorage::F16 => slot.replace(Weight::F16(low_bit(value, QType::F16)?))?,
+                    WeightStorage::Fp8WithMaster => slot.replace(Weight::Fp8 {
+                        weight: low_bit(value, QType::E4M3)?,
+                        master: low_bit(value, QType::F16)?,
+                    })?,
+                }
+                if policy.linear_weight != WeightStorage::F32 {
+                    removed.push(name.clone());
+                }
+                layer.set_grad_sink(if policy.linear_grad == GradStorage::Fp8 {
+                    Some(sink.clone())
+                } else {
+                    None
+                })?;
+                layer.set_high_precision(false);
+                let (m, v) = moments(policy.linear_moments);
+                params.push((name.clone(), slot, m, v));
+                linear_names.push(name);
+                linears.push(layer);
+            }
+            other => {
+                if let Some(layer) = other {
+                    layer.set_high_precision(true);
+                    layer.set_grad_sink(None)?;
+                }
+                let (m, v) = moments(policy.other_moments);
+                params.push((name, WeightSlot::new(Weight::F32(var)), m, v));
+            }
+        }
+    }
+    if !removed.is_empty() {
+        let mut data = varmap
+            .data()
+            .lock()
+            .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?;
+        for name in &removed {
+            data.remove(name);
+        }
+    }
+    let opt_config = LowBitAdamWConfig {
+        adam,
+        loss_scaling: config.loss_scaling,
+        max_grad_norm: config.max_grad_norm,
+        ..Default::default()
+    };
+    let opt = LowBitAdamW::with_formats(params, opt_config)?;
+    let ctx = AmpContext {
+        config,
+        linears,
+        linear_names: linear_names.clone(),
+    };
+    Ok((
+        ctx,
+        AmpOptimizer {
+            opt,
+            sink,
+            last_grad_bytes: 0,
+            linear_names,
+        },
+    ))
+}

@@ -1,0 +1,27 @@
+//! The error type of `amp-levels`.
+
+/// Errors of `amp-levels`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A config value out of range.
+    #[error("config field `{field}`: {reason}")]
+    Config {
+        /// The field.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An error of the numerics core.
+    #[error(transparent)]
+    Core(#[from] amp_core::Error),
+    /// An error of the optimizer.
+    #[error(transparent)]
+    Optim(#[from] amp_optim::Error),
+    /// An error from candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
