@@ -177,46 +177,16 @@ impl Validate for AmpConfig {
                 return bad("max_grad_norm", format!("{n} must be finite and > 0"));
             }
         }
-        match self.loss_scaling {
-            LossScaling::Static { scale } if !(scale > 0.0 && scale.is_finite()) => {
-                return bad(
-                    "loss_scaling.static.scale",
-                    format!("{scale} must be finite and > 0"),
-                );
-            }
-            LossScaling::Dynamic {
-                init_scale,
-                growth_factor,
-                backoff_factor,
-                growth_interval,
-            } => {
-                if !(init_scale > 0.0 && init_scale.is_finite()) {
-                    return bad(
-                        "loss_scaling.dynamic.init_scale",
-                        format!("{init_scale} must be finite and > 0"),
-                    );
-                }
-                if !(growth_factor > 1.0 && growth_factor.is_finite()) {
-                    return bad(
-                        "loss_scaling.dynamic.growth_factor",
-                        format!("{growth_factor} must be > 1"),
-                    );
-                }
-                if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
-                    return bad(
-                        "loss_scaling.dynamic.backoff_factor",
-                        format!("{backoff_factor} must be in (0, 1)"),
-                    );
-                }
-                if growth_interval == 0 {
-                    return bad(
-                        "loss_scaling.dynamic.growth_interval",
-                        "must be at least 1".into(),
-                    );
-                }
-            }
-            _ => {}
-        }
+        self.loss_scaling.validate().map_err(|e| match e {
+            amp_optim::Error::Config { field, reason } => amp_core::Error::Config {
+                field: field.into(),
+                reason,
+            },
+            other => amp_core::Error::Config {
+                field: "loss_scaling".into(),
+                reason: other.to_string(),
+            },
+        })?;
         Ok(())
     }
 }

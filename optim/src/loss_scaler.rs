@@ -29,6 +29,52 @@ pub enum LossScaling {
 }
 
 impl LossScaling {
+    /// Checks the ranges.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] naming the field.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |field, reason: String| Err(crate::Error::Config { field, reason });
+        match *self {
+            Self::None => Ok(()),
+            Self::Static { scale } if !(scale > 0.0 && scale.is_finite()) => bad(
+                "loss_scaling.static.scale",
+                format!("{scale} must be finite and > 0"),
+            ),
+            Self::Static { .. } => Ok(()),
+            Self::Dynamic {
+                init_scale,
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+            } => {
+                if !(init_scale > 0.0 && init_scale.is_finite()) {
+                    bad(
+                        "loss_scaling.dynamic.init_scale",
+                        format!("{init_scale} must be finite and > 0"),
+                    )
+                } else if !(growth_factor > 1.0 && growth_factor.is_finite()) {
+                    bad(
+                        "loss_scaling.dynamic.growth_factor",
+                        format!("{growth_factor} must be > 1"),
+                    )
+                } else if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
+                    bad(
+                        "loss_scaling.dynamic.backoff_factor",
+                        format!("{backoff_factor} must be in (0, 1)"),
+                    )
+                } else if growth_interval == 0 {
+                    bad(
+                        "loss_scaling.dynamic.growth_interval",
+                        "must be at least 1".into(),
+                    )
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
     /// PyTorch `GradScaler`'s defaults.
     pub fn dynamic() -> Self {
         Self::Dynamic {

@@ -105,6 +105,7 @@ impl LowBitAdamW {
         config: LowBitAdamWConfig,
     ) -> Result<Self> {
         config.adam.validate()?;
+        config.loss_scaling.validate()?;
         if let Some(n) = config.max_grad_norm {
             if !(n > 0.0 && n.is_finite()) {
                 return Err(Error::Config {

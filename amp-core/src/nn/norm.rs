@@ -49,7 +49,10 @@ impl LayerNorm {
                 rhs: (dim,).into(),
             });
         }
-        if !(x.track_op() || self.weight.track_op() || self.bias.track_op()) && x.is_contiguous() {
+        if !(x.track_op() || self.weight.track_op() || self.bias.track_op())
+            && x.is_contiguous()
+            && x.dtype() == DType::F32
+        {
             return Ok(candle_nn::ops::layer_norm(
                 x,
                 &self.weight,
