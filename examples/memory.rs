@@ -56,7 +56,17 @@ struct GptShape {
 impl GptShape {
     fn new(vb: VarBuilder, layers: usize, d: usize, vocab: usize, ctx: usize) -> Result<Self> {
         let emb = |n, name: &str| -> Result<Embedding> {
-            Ok(Embedding::new(vb.get_with_hints((n, d), &format!("{name}.weight"), candle_nn::Init::Randn { mean: 0.0, stdev: 0.02 })?, d))
+            Ok(Embedding::new(
+                vb.get_with_hints(
+                    (n, d),
+                    &format!("{name}.weight"),
+                    candle_nn::Init::Randn {
+                        mean: 0.0,
+                        stdev: 0.02,
+                    },
+                )?,
+                d,
+            ))
         };
         let blocks = (0..layers)
             .map(|i| -> Result<_> {
@@ -83,7 +93,10 @@ impl GptShape {
 
     fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
         let pos = Tensor::arange(0u32, tokens.dim(1)? as u32, tokens.device())?;
-        let mut h = self.wte.forward(tokens)?.broadcast_add(&self.wpe.forward(&pos)?)?;
+        let mut h = self
+            .wte
+            .forward(tokens)?
+            .broadcast_add(&self.wpe.forward(&pos)?)?;
         for (ln1, qkv, proj, ln2, fc, out) in &self.blocks {
             let a = qkv.forward(&ln1.forward(&h)?)?.narrow(2, 0, self.d)?;
             h = (&h + proj.forward(&a)?)?;
@@ -100,9 +113,29 @@ fn main() -> Result<()> {
     let mut o0: Option<MemoryReport> = None;
     for &level in &args.levels {
         let varmap = VarMap::new();
-        let model = GptShape::new(VarBuilder::from_varmap(&varmap, DType::F32, &dev), layers, d, vocab, ctx)?;
-        let compute = if level == Level::O0 { Compute::Native } else { Compute::Fp8Current { recipe: CurrentScaling::default() } };
-        let (amp, mut opt) = initialize(&varmap, AdamWConfig::default(), AmpConfig { level, compute, ..Default::default() })?;
+        let model = GptShape::new(
+            VarBuilder::from_varmap(&varmap, DType::F32, &dev),
+            layers,
+            d,
+            vocab,
+            ctx,
+        )?;
+        let compute = if level == Level::O0 {
+            Compute::Native
+        } else {
+            Compute::Fp8Current {
+                recipe: CurrentScaling::default(),
+            }
+        };
+        let (amp, mut opt) = initialize(
+            &varmap,
+            AdamWConfig::default(),
+            AmpConfig {
+                level,
+                compute,
+                ..Default::default()
+            },
+        )?;
         // One step on one sequence of 8 tokens: gradients and saved inputs exist.
         let tokens = Tensor::arange(0u32, 8, &dev)?.unsqueeze(0)?;
         let loss = {

@@ -9,7 +9,7 @@ use amp::optim::AdamWConfig;
 use amp::CurrentScaling;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use common::{randn, t};
+use common::{randn, randt, t};
 
 /// A small transformer-like model: input projection, two pre-LN MLP blocks
 /// with residuals, a final LayerNorm and an output head.
@@ -188,14 +188,8 @@ fn every_level_trains_and_low_levels_stay_within_3_percent_of_o0() {
     // overfitting.
     let (d_in, d, d_out, rows) = (8, 16, 4, 512);
     let x = t(randn(rows * d_in, 61), &[rows, d_in]);
-    let w_true = t(
-        randn(d_out * d_in, 62).iter().map(|v| v * 0.4).collect(),
-        &[d_out, d_in],
-    );
-    let noise = t(
-        randn(rows * d_out, 63).iter().map(|v| v * 0.2).collect(),
-        &[rows, d_out],
-    );
+    let w_true = randt(&[d_out, d_in], 62, 0.4);
+    let noise = randt(&[rows, d_out], 63, 0.2);
     let y = (x.matmul(&w_true.t().unwrap()).unwrap().sin().unwrap() + noise).unwrap();
     let mut finals = vec![];
     for level in Level::ALL {

@@ -7,7 +7,7 @@ use amp::nn::{self, fp8_autocast, ComputeMode, GradSink};
 use amp::{CurrentScaling, DelayedScaling};
 use candle_core::{DType, Device, Module, Var};
 use candle_nn::{VarBuilder, VarMap};
-use common::{f64s, randn, t};
+use common::{f64s, randn, randt, t};
 
 /// Half-ulp relative error of E4M3 in its normal range.
 const E4M3_EPS: f64 = 1.0 / 16.0;
@@ -64,17 +64,11 @@ fn the_same_mlp_trains_in_every_mode_to_within_5_percent_of_native() {
     use candle_nn::Optimizer;
     let (n_in, hidden, n_out, rows) = (16, 32, 4, 256);
     let x = t(randn(rows * n_in, 51), &[rows, n_in]);
-    let w_true = t(
-        randn(n_out * n_in, 52).iter().map(|v| v * 0.5).collect(),
-        &[n_out, n_in],
-    );
+    let w_true = randt(&[n_out, n_in], 52, 0.5);
     // A smooth target plus noise: the loss settles at the noise floor
     // (variance 0.3^2 * 0.96 = 0.086), where a mode's quantization error
     // shows as a relative excess.
-    let noise = t(
-        randn(rows * n_out, 53).iter().map(|v| v * 0.3).collect(),
-        &[rows, n_out],
-    );
+    let noise = randt(&[rows, n_out], 53, 0.3);
     let y = (x.matmul(&w_true.t().unwrap()).unwrap().tanh().unwrap() + noise).unwrap();
     let modes = [
         ComputeMode::Native,

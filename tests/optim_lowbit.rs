@@ -10,7 +10,7 @@ use amp::optim::{
 };
 use amp::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{randn, t};
+use common::{randn, randt, t};
 
 fn q(x: &Tensor, qtype: QType) -> ScalingTensor {
     ScalingTensor::quantize(x, qtype, &CurrentScaling::default())
@@ -227,19 +227,10 @@ fn every_weight_storage_trains_like_f32() {
     // y = x · W*ᵀ + noise, fit W from zero-mean init.
     let (n_in, n_out, rows) = (16, 8, 128);
     let x = t(randn(rows * n_in, 21), &[rows, n_in]);
-    let w_true = t(
-        randn(n_out * n_in, 22).iter().map(|v| v * 0.5).collect(),
-        &[n_out, n_in],
-    );
-    let noise = t(
-        randn(rows * n_out, 23).iter().map(|v| v * 0.5).collect(),
-        &[rows, n_out],
-    );
+    let w_true = randt(&[n_out, n_in], 22, 0.5);
+    let noise = randt(&[rows, n_out], 23, 0.5);
     let y = (x.matmul(&w_true.t().unwrap()).unwrap() + noise).unwrap();
-    let init = t(
-        randn(n_out * n_in, 24).iter().map(|v| v * 0.1).collect(),
-        &[n_out, n_in],
-    );
+    let init = randt(&[n_out, n_in], 24, 0.1);
     let steps = 300;
     let mut finals = vec![];
     for kind in ["F32", "F16", "FP8"] {

@@ -5,7 +5,7 @@ mod common;
 
 use amp::{fp8_gemm, CurrentScaling, Error, QType, ScaleRule, ScalingMeta, ScalingTensor};
 use candle_core::{DType, Device, Tensor};
-use common::{f64s, randn, rel_err, t};
+use common::{f64s, randn, randt, rel_err, t};
 
 /// FP8 GEMM with F32 output against f64: only the f32 accumulation order
 /// and the scale products differ.
@@ -247,10 +247,7 @@ fn te_rule_scales_round_trip_within_half_an_ulp_plus_f32_rounding() {
             }
         }
         // And the GEMM with TE scales on both sides.
-        let w = t(
-            randn(64 * 64, 32).iter().map(|v| v * 0.1).collect(),
-            &[64, 64],
-        );
+        let w = randt(&[64, 64], 32, 0.1);
         let mut wm = ScalingMeta::new(QType::E4M3, 1, &Device::Cpu).unwrap();
         let (_, wa) = ScalingTensor::quantize_with(&w, &wm).unwrap();
         wm.record_amax(&wa).unwrap();

@@ -90,3 +90,9 @@ pub fn f64s(x: &Tensor) -> Vec<f64> {
         .and_then(|x| x.to_vec1())
         .expect("float tensor")
 }
+
+/// [`randn`] times `scale`, as a tensor of `shape`.
+pub fn randt(shape: &[usize], seed: u64, scale: f32) -> Tensor {
+    let n = shape.iter().product();
+    t(randn(n, seed).iter().map(|v| v * scale).collect(), shape)
+}
