@@ -196,6 +196,13 @@ impl ScalingMeta {
         }
     }
 
+    /// The same metadata with its update counter set (checkpoints: the phase
+    /// of `interval`).
+    pub fn with_updates(mut self, updates: u64) -> Self {
+        self.updates = updates;
+        self
+    }
+
     /// Bytes held: scale, scale_inv and history.
     pub fn nbytes(&self) -> usize {
         4 * (self.scale.elem_count() + self.scale_inv.elem_count() + self.amax_history.elem_count())

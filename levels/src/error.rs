@@ -12,6 +12,14 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A checkpoint that cannot be written or read, and why.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// An error of the numerics core.
     #[error(transparent)]
     Core(#[from] amp_core::Error),

@@ -3,9 +3,13 @@
 //! The optimization levels O0-O3 of candle-amp: [`Level`] and its storage
 //! table ([`Level::policy`]), [`AmpConfig`], [`initialize`] (converts the
 //! Linear weights of a model built with `amp::nn` and builds the optimizer)
-//! and the [`MemoryReport`]. Checkpoints come next.
+//! the [`MemoryReport`], and checkpoints ([`AmpContext::save`],
+//! [`AmpContext::load`]).
 #![warn(missing_docs)]
 
+mod checkpoint;
+#[cfg(test)]
+mod checkpoint_tests;
 mod config;
 mod context;
 mod error;

@@ -172,6 +172,17 @@ impl Linear {
             .clone())
     }
 
+    /// Replaces the delayed-scaling state (checkpoints).
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn set_scaling_state(&self, state: Option<LayerScaling>) -> Result<()> {
+        *self.scaling.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::set_scaling_state",
+        })? = state;
+        Ok(())
+    }
+
     /// Bytes this layer kept for backward in its last forward (input and
     /// weight as saved, scales included); 0 after a native forward of an F32
     /// weight, whose saved tensors are candle's.

@@ -54,6 +54,37 @@ impl LayerScaling {
         })
     }
 
+    /// Rebuilds a state (checkpoints): `used[i]` says whether input, weight
+    /// and output-gradient metas have taken part in a step, so that the next
+    /// step rolls their histories as the uninterrupted run would.
+    pub fn from_parts(
+        input: ScalingMeta,
+        weight: ScalingMeta,
+        grad_output: ScalingMeta,
+        recipe: DelayedScaling,
+        used: [bool; 3],
+    ) -> Self {
+        // u64::MAX never equals a step number: "used, in some earlier step".
+        let last_step = used.map(|u| if u { u64::MAX } else { 0 });
+        Self {
+            input,
+            weight,
+            grad_output,
+            recipe,
+            last_step,
+        }
+    }
+
+    /// Whether each meta (input, weight, output gradient) has been used.
+    pub fn used(&self) -> [bool; 3] {
+        self.last_step.map(|s| s != 0)
+    }
+
+    /// The recipe the metas follow.
+    pub fn recipe(&self) -> &DelayedScaling {
+        &self.recipe
+    }
+
     fn meta_mut(&mut self, role: Role) -> &mut ScalingMeta {
         match role {
             Role::Input => &mut self.input,

@@ -1,0 +1,429 @@
+//! Checkpoints in safetensors: every weight, master weight, moment and
+//! scaling meta (scale, scale_inv, amax history), the layers' delayed-scaling
+//! state, the loss scaler, the step counter and the config. FP8 tensors are
+//! stored as `F8_E4M3` / `F8_E5M2`. Writes are atomic; loads validate every
+//! tensor before anything changes.
+//!
+//! Names: a parameter `p` is stored as `p` (its working storage), `p.__master`
+//! (O3), `p.__exp_avg`, `p.__exp_avg_sq`; a scaled tensor `t` adds
+//! `t.__scale`, `t.__scale_inv`, `t.__amax_history`; a layer's delayed-scaling
+//! metas are `w.__fp8_meta.{input,weight,grad_output}` with the same
+//! suffixes.
+
+use crate::context::{AmpContext, AmpOptimizer};
+use crate::error::{Error, Result};
+use amp_core::nn::LayerScaling;
+use amp_core::{QType, ScalingMeta, ScalingTensor, Weight};
+use amp_optim::{LossScaler, State};
+use candle_core::{DType, Device, Shape, Tensor};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::Path;
+
+const FORMAT: &str = "candle-amp-checkpoint";
+const VERSION: &str = "1";
+const ROLES: [&str; 3] = ["input", "weight", "grad_output"];
+
+fn err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Raw little-endian bytes, dtype and shape of one stored tensor.
+type Raw = (Vec<u8>, Dtype, Vec<usize>);
+
+fn raw(t: &Tensor, qtype: Option<QType>) -> Result<Raw> {
+    let t = t.flatten_all()?;
+    let (bytes, dtype) = match (t.dtype(), qtype) {
+        (DType::U8, Some(QType::E4M3)) => (t.to_vec1::<u8>()?, Dtype::F8_E4M3),
+        (DType::U8, Some(QType::E5M2)) => (t.to_vec1::<u8>()?, Dtype::F8_E5M2),
+        (DType::F16, _) => (
+            t.to_vec1::<half::f16>()?
+                .iter()
+                .flat_map(|v| v.to_bits().to_le_bytes())
+                .collect(),
+            Dtype::F16,
+        ),
+        _ => (
+            t.to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+            Dtype::F32,
+        ),
+    };
+    Ok((bytes, dtype, Vec::new()))
+}
+
+fn put(
+    out: &mut BTreeMap<String, Raw>,
+    name: String,
+    t: &Tensor,
+    qtype: Option<QType>,
+) -> Result<()> {
+    let (bytes, dtype, _) = raw(t, qtype)?;
+    out.insert(name, (bytes, dtype, t.dims().to_vec()));
+    Ok(())
+}
+
+fn put_meta(out: &mut BTreeMap<String, Raw>, name: &str, m: &ScalingMeta) -> Result<()> {
+    put(out, format!("{name}.__scale"), m.scale(), None)?;
+    put(out, format!("{name}.__scale_inv"), m.scale_inv(), None)?;
+    put(
+        out,
+        format!("{name}.__amax_history"),
+        m.amax_history(),
+        None,
+    )
+}
+
+fn put_scaled(out: &mut BTreeMap<String, Raw>, name: &str, t: &ScalingTensor) -> Result<()> {
+    put(out, name.to_string(), t.data(), Some(t.qtype()))?;
+    put_meta(out, name, t.meta())
+}
+
+fn put_state(out: &mut BTreeMap<String, Raw>, name: &str, s: &State) -> Result<()> {
+    match s {
+        State::F32(t) => put(out, name.to_string(), t, None),
+        State::Scaled(t) => put_scaled(out, name, t),
+    }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside it, fsync,
+/// rename. `fail_before_rename` simulates a crash (tests).
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8], fail_before_rename: bool) -> Result<()> {
+    let tmp = path.with_extension("safetensors.tmp");
+    let io = |e: std::io::Error| err(path, e.to_string());
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(bytes).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    drop(f);
+    if fail_before_rename {
+        return Err(err(path, "interrupted before rename (simulated)"));
+    }
+    std::fs::rename(&tmp, path).map_err(io)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        // Persist the rename itself; not every platform can open a directory.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+impl AmpContext {
+    /// Saves the model's parameters and the optimizer's whole state.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] on I/O errors.
+    pub fn save(&self, path: impl AsRef<Path>, opt: &AmpOptimizer) -> Result<()> {
+        self.save_inner(path.as_ref(), opt, false)
+    }
+
+    pub(crate) fn save_inner(
+        &self,
+        path: &Path,
+        opt: &AmpOptimizer,
+        fail_before_rename: bool,
+    ) -> Result<()> {
+        let mut out = BTreeMap::new();
+        for p in opt.inner().params() {
+            match &*p.slot.read()? {
+                Weight::F32(v) => put(&mut out, p.name.clone(), v.as_tensor(), None)?,
+                Weight::F16(t) => put_scaled(&mut out, &p.name, t)?,
+                Weight::Fp8 { weight, master } => {
+                    put_scaled(&mut out, &p.name, weight)?;
+                    put_scaled(&mut out, &format!("{}.__master", p.name), master)?;
+                }
+            }
+            put_state(&mut out, &format!("{}.__exp_avg", p.name), &p.exp_avg)?;
+            put_state(&mut out, &format!("{}.__exp_avg_sq", p.name), &p.exp_avg_sq)?;
+        }
+        let mut layer_meta = BTreeMap::new();
+        for layer in self.linears() {
+            if let Some(s) = layer.scaling_state()? {
+                for (role, m) in ROLES.iter().zip([&s.input, &s.weight, &s.grad_output]) {
+                    let name = format!("{}.__fp8_meta.{role}", layer.name());
+                    put_meta(&mut out, &name, m)?;
+                    layer_meta.insert(name, m.updates());
+                }
+                layer_meta.insert(
+                    format!("{}.__fp8_meta.used", layer.name()),
+                    u64::from(s.used().iter().fold(0u8, |a, &u| a * 2 + u8::from(u))),
+                );
+            }
+        }
+        let json = |v: &dyn erased::Json| v.json().map_err(|e| err(path, e));
+        let metadata = HashMap::from([
+            ("format".to_string(), FORMAT.to_string()),
+            ("version".to_string(), VERSION.to_string()),
+            ("level".to_string(), self.level().to_string()),
+            ("step".to_string(), opt.inner().step_count().to_string()),
+            ("config".to_string(), json(self.config())?),
+            ("adam".to_string(), json(&opt.inner().config().adam)?),
+            ("scaler".to_string(), json(opt.inner().scaler())?),
+            ("layer_meta".to_string(), json(&layer_meta)?),
+        ]);
+        let views = out
+            .iter()
+            .map(|(k, (bytes, dtype, shape))| {
+                Ok((
+                    k.clone(),
+                    TensorView::new(*dtype, shape.clone(), bytes)
+                        .map_err(|e| err(path, e.to_string()))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bytes = safetensors::tensor::serialize(views, Some(metadata))
+            .map_err(|e| err(path, e.to_string()))?;
+        write_atomic(path, &bytes, fail_before_rename)
+    }
+
+    /// Loads a checkpoint saved at the same level into this (initialized)
+    /// model and optimizer. Everything is validated first (header, every
+    /// tensor's presence, dtype and shape, no extra tensor, the level); on
+    /// any error nothing changes.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming what is wrong.
+    pub fn load(&self, path: impl AsRef<Path>, opt: &mut AmpOptimizer) -> Result<()> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| err(path, e.to_string()))?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| err(path, format!("not a readable safetensors file: {e}")))?;
+        let (_, header) =
+            SafeTensors::read_metadata(&bytes).map_err(|e| err(path, e.to_string()))?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let field = |k: &str| {
+            meta.get(k)
+                .ok_or_else(|| err(path, format!("metadata `{k}` missing")))
+        };
+        if field("format")? != FORMAT {
+            return Err(err(path, "not a candle-amp checkpoint"));
+        }
+        if field("level")? != &self.level().to_string() {
+            return Err(err(
+                path,
+                format!(
+                    "saved at level {}, this model is at {}",
+                    field("level")?,
+                    self.level()
+                ),
+            ));
+        }
+        let step: u64 = field("step")?
+            .parse()
+            .map_err(|_| err(path, "metadata `step` is not a number"))?;
+        let scaler: LossScaler = serde_json::from_str(field("scaler")?)
+            .map_err(|e| err(path, format!("metadata `scaler`: {e}")))?;
+        let layer_meta: BTreeMap<String, u64> = serde_json::from_str(field("layer_meta")?)
+            .map_err(|e| err(path, format!("metadata `layer_meta`: {e}")))?;
+        let mut reader = Reader {
+            st: &st,
+            path,
+            seen: Vec::new(),
+            device: Device::Cpu,
+        };
+        // Read and check everything first.
+        let mut staged = Vec::new();
+        for p in opt.inner().params() {
+            let w = p.slot.read()?;
+            reader.device = w.device().clone();
+            let weight = match &*w {
+                Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
+                    &reader.plain(&p.name, v.shape())?,
+                )?),
+                Weight::F16(t) => Weight::F16(reader.scaled(&p.name, t)?),
+                Weight::Fp8 { weight, master } => Weight::Fp8 {
+                    weight: reader.scaled(&p.name, weight)?,
+                    master: reader.scaled(&format!("{}.__master", p.name), master)?,
+                },
+            };
+            let m = reader.state(&format!("{}.__exp_avg", p.name), &p.exp_avg)?;
+            let v = reader.state(&format!("{}.__exp_avg_sq", p.name), &p.exp_avg_sq)?;
+            staged.push((weight, m, v));
+        }
+        let mut layers = Vec::new();
+        for layer in self.linears() {
+            let used_key = format!("{}.__fp8_meta.used", layer.name());
+            let Some(&used) = layer_meta.get(&used_key) else {
+                layers.push(None);
+                continue;
+            };
+            let recipe = match &self.config().compute {
+                crate::Compute::Fp8Delayed { recipe } => recipe.clone(),
+                _ => {
+                    return Err(err(
+                        path,
+                        format!(
+                            "`{}` has delayed-scaling state but the config does not use it",
+                            layer.name()
+                        ),
+                    ))
+                }
+            };
+            let mut metas = Vec::new();
+            for (i, role) in ROLES.iter().enumerate() {
+                let name = format!("{}.__fp8_meta.{role}", layer.name());
+                let qtype = if i == 2 {
+                    recipe.fp8_format.backward().into()
+                } else {
+                    recipe.fp8_format.forward().into()
+                };
+                let updates = layer_meta.get(&name).copied().unwrap_or(0);
+                metas.push(reader.meta(&name, qtype)?.with_updates(updates));
+            }
+            let flags = [used & 4 != 0, used & 2 != 0, used & 1 != 0];
+            let [input, weight, grad_output] =
+                <[ScalingMeta; 3]>::try_from(metas).map_err(|_| err(path, "metas"))?;
+            layers.push(Some(LayerScaling::from_parts(
+                input,
+                weight,
+                grad_output,
+                recipe,
+                flags,
+            )));
+        }
+        let mut extra: Vec<&str> = st
+            .names()
+            .into_iter()
+            .filter(|n| !reader.seen.iter().any(|s| s == n))
+            .collect();
+        extra.sort_unstable();
+        if let Some(first) = extra.first() {
+            return Err(err(
+                path,
+                format!("{} unexpected tensor(s), e.g. `{first}`", extra.len()),
+            ));
+        }
+        // All checked: apply.
+        for (p, (weight, m, v)) in opt.inner_mut().params_mut().iter_mut().zip(staged) {
+            match weight {
+                Weight::F32(var) => match &*p.slot.read()? {
+                    Weight::F32(cur) => cur.set(var.as_tensor())?,
+                    _ => return Err(err(path, "storage changed while loading")),
+                },
+                other => p.slot.replace(other)?,
+            }
+            p.exp_avg = m;
+            p.exp_avg_sq = v;
+        }
+        for (layer, state) in self.linears().iter().zip(layers) {
+            layer.set_scaling_state(state)?;
+        }
+        opt.inner_mut().restore_counters(step, scaler);
+        Ok(())
+    }
+}
+
+/// Reads and checks tensors from a checkpoint, remembering what it read.
+struct Reader<'a> {
+    st: &'a SafeTensors<'a>,
+    path: &'a Path,
+    seen: Vec<String>,
+    device: Device,
+}
+
+impl Reader<'_> {
+    fn view(&mut self, name: &str, dtype: Dtype, shape: &Shape) -> Result<Vec<u8>> {
+        let v = self
+            .st
+            .tensor(name)
+            .map_err(|_| err(self.path, format!("tensor `{name}` missing")))?;
+        if v.dtype() != dtype {
+            return Err(err(
+                self.path,
+                format!("tensor `{name}`: dtype {:?}, expected {dtype:?}", v.dtype()),
+            ));
+        }
+        if v.shape() != shape.dims() {
+            return Err(err(
+                self.path,
+                format!(
+                    "tensor `{name}`: shape {:?}, expected {:?}",
+                    v.shape(),
+                    shape.dims()
+                ),
+            ));
+        }
+        self.seen.push(name.to_string());
+        Ok(v.data().to_vec())
+    }
+
+    fn plain(&mut self, name: &str, shape: &Shape) -> Result<Tensor> {
+        let b = self.view(name, Dtype::F32, shape)?;
+        let v: Vec<f32> = b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Tensor::from_vec(v, shape, &self.device)?)
+    }
+
+    fn meta(&mut self, name: &str, qtype: QType) -> Result<ScalingMeta> {
+        let one = Shape::from(1usize);
+        let scale = self.plain(&format!("{name}.__scale"), &one)?;
+        let scale_inv = self.plain(&format!("{name}.__scale_inv"), &one)?;
+        let hist_name = format!("{name}.__amax_history");
+        let len = self
+            .st
+            .tensor(&hist_name)
+            .map(|v| v.shape().iter().product::<usize>())
+            .unwrap_or(1);
+        let history = self.plain(&hist_name, &Shape::from(len))?;
+        for (what, t) in [("scale", &scale), ("scale_inv", &scale_inv)] {
+            let v = t.to_vec1::<f32>()?[0];
+            if !(v >= f32::MIN_POSITIVE && v.is_finite()) {
+                return Err(err(
+                    self.path,
+                    format!("`{name}`: {what} {v} is not a finite positive number"),
+                ));
+            }
+        }
+        Ok(ScalingMeta::from_parts(qtype, scale, scale_inv, history)?)
+    }
+
+    fn scaled(&mut self, name: &str, like: &ScalingTensor) -> Result<ScalingTensor> {
+        let qtype = like.qtype();
+        let dtype = match qtype {
+            QType::E4M3 => Dtype::F8_E4M3,
+            QType::E5M2 => Dtype::F8_E5M2,
+            QType::F16 => Dtype::F16,
+        };
+        let b = self.view(name, dtype, like.shape())?;
+        let data = match qtype {
+            QType::F16 => {
+                let v: Vec<half::f16> = b
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                    .collect();
+                Tensor::from_vec(v, like.shape(), &self.device)?
+            }
+            _ => Tensor::from_vec(b, like.shape(), &self.device)?,
+        };
+        let meta = self.meta(name, qtype)?;
+        Ok(ScalingTensor::from_parts(data, meta)?)
+    }
+
+    fn state(&mut self, name: &str, like: &State) -> Result<State> {
+        Ok(match like {
+            State::F32(t) => State::F32(self.plain(name, t.shape())?),
+            State::Scaled(t) => State::Scaled(self.scaled(name, t)?),
+        })
+    }
+}
+
+/// JSON for the metadata values.
+mod erased {
+    pub(super) trait Json {
+        fn json(&self) -> Result<String, String>;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn json(&self) -> Result<String, String> {
+            serde_json::to_string(self).map_err(|e| e.to_string())
+        }
+    }
+}

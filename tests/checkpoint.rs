@@ -1,0 +1,212 @@
+//! Checkpoints: exact resume at every level, clear errors for corrupt files
+//! (with nothing changed), level mismatch.
+
+mod common;
+
+use amp::levels::{initialize, AmpConfig, AmpContext, AmpOptimizer, Compute, Level};
+use amp::nn::{self, LayerNormMLP, Linear};
+use amp::optim::{AdamWConfig, LossScaling};
+use amp::DelayedScaling;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use common::{randn, randt, t};
+use safetensors::SafeTensors;
+use std::path::PathBuf;
+
+struct Model {
+    proj: Linear,
+    block: LayerNormMLP,
+    head: Linear,
+}
+
+fn build(width: usize, level: Level) -> (Model, AmpContext, AmpOptimizer) {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = Model {
+        proj: nn::linear(6, width, vb.pp("proj")).unwrap(),
+        block: nn::layer_norm_mlp(width, 2 * width, 1e-5, vb.pp("block")).unwrap(),
+        head: nn::linear(width, 3, vb.pp("head")).unwrap(),
+    };
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        let s = name.bytes().map(u64::from).sum::<u64>();
+        let v: Vec<f32> = randn(var.elem_count(), s)
+            .iter()
+            .map(|x| {
+                0.3 * x
+                    + if name.contains("layer_norm.weight") {
+                        1.0
+                    } else {
+                        0.0
+                    }
+            })
+            .collect();
+        var.set(&t(v, var.dims())).unwrap();
+    }
+    // Delayed scaling and dynamic loss scaling: every kind of state exists.
+    let compute = if level == Level::O0 {
+        Compute::Native
+    } else {
+        Compute::Fp8Delayed {
+            recipe: DelayedScaling {
+                amax_history_len: 4,
+                interval: 2,
+                ..Default::default()
+            },
+        }
+    };
+    let cfg = AmpConfig {
+        level,
+        compute,
+        loss_scaling: LossScaling::Dynamic {
+            init_scale: 1024.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2,
+        },
+        ..Default::default()
+    };
+    let (amp, opt) = initialize(
+        &varmap,
+        AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+        cfg,
+    )
+    .unwrap();
+    (model, amp, opt)
+}
+
+fn train(m: &Model, amp: &AmpContext, opt: &mut AmpOptimizer, steps: std::ops::Range<u64>) {
+    for s in steps {
+        let x = randt(&[8, 6], 100 + s, 1.0);
+        let y = randt(&[8, 3], 200 + s, 0.5);
+        let loss = {
+            let _fp8 = amp.autocast();
+            let h = m.proj.forward(&x).unwrap();
+            let h = (&h + m.block.forward(&h).unwrap()).unwrap();
+            m.head
+                .forward(&h)
+                .unwrap()
+                .sub(&y)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .mean_all()
+                .unwrap()
+        };
+        opt.backward_step(&loss).unwrap();
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("amp-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// Every tensor's bytes and the metadata of a checkpoint file, sorted.
+type Contents = (Vec<(String, Vec<u8>)>, Vec<(String, String)>);
+
+fn contents(path: &PathBuf) -> Contents {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.data().to_vec()))
+        .collect();
+    tensors.sort();
+    let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+    let mut meta: Vec<_> = header
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    meta.sort();
+    (tensors, meta)
+}
+
+#[test]
+fn resume_is_bit_exact_at_every_level() {
+    for level in Level::ALL {
+        let (straight, sctx, mut sopt) = build(8, level);
+        train(&straight, &sctx, &mut sopt, 0..6);
+        let (first, fctx, mut fopt) = build(8, level);
+        train(&first, &fctx, &mut fopt, 0..3);
+        let mid = tmp(&format!("mid-{level}.safetensors"));
+        fctx.save(&mid, &fopt).unwrap();
+        let (resumed, rctx, mut ropt) = build(8, level);
+        rctx.load(&mid, &mut ropt).unwrap();
+        train(&resumed, &rctx, &mut ropt, 3..6);
+        let (a, b) = (
+            tmp(&format!("straight-{level}.safetensors")),
+            tmp(&format!("resumed-{level}.safetensors")),
+        );
+        sctx.save(&a, &sopt).unwrap();
+        rctx.save(&b, &ropt).unwrap();
+        let (ca, cb) = (contents(&a), contents(&b));
+        assert!(ca.0.len() > 10, "{level}: {} tensors", ca.0.len());
+        for ((na, da), (nb, db)) in ca.0.iter().zip(&cb.0) {
+            assert_eq!(na, nb, "{level}");
+            assert!(da == db, "{level}: tensor {na} differs after resume");
+        }
+        assert_eq!(ca.1, cb.1, "{level}: metadata (step, scaler, layer metas)");
+        if level != Level::O0 {
+            assert!(
+                ca.0.iter().any(|(n, _)| n.contains("__fp8_meta")),
+                "{level}: layer metas saved"
+            );
+        }
+    }
+}
+
+#[test]
+fn corrupt_checkpoints_are_clear_errors_and_change_nothing() {
+    let (model, ctx, mut opt) = build(8, Level::O2);
+    train(&model, &ctx, &mut opt, 0..2);
+    let good = tmp("good.safetensors");
+    ctx.save(&good, &opt).unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+    let before = tmp("before.safetensors");
+    ctx.save(&before, &opt).unwrap();
+    let mut cases: Vec<(String, Vec<u8>)> = vec![];
+    for cut in [0, 4, 8, 20, bytes.len() / 2, bytes.len() - 1] {
+        cases.push((format!("truncated at {cut}"), bytes[..cut].to_vec()));
+    }
+    let mut flipped = bytes.clone();
+    flipped[10] ^= 0x40;
+    cases.push(("flipped header byte".into(), flipped));
+    cases.push((
+        "not safetensors".into(),
+        b"this is a text file, not a checkpoint".to_vec(),
+    ));
+    // A checkpoint of a wider model: right names, wrong shapes.
+    let (wide, wctx, mut wopt) = build(12, Level::O2);
+    train(&wide, &wctx, &mut wopt, 0..1);
+    let w = tmp("wide.safetensors");
+    wctx.save(&w, &wopt).unwrap();
+    cases.push(("wrong shapes".into(), std::fs::read(&w).unwrap()));
+    for (what, data) in cases {
+        let p = tmp("corrupt.safetensors");
+        std::fs::write(&p, &data).unwrap();
+        let e = ctx.load(&p, &mut opt).unwrap_err();
+        assert!(e.to_string().contains("checkpoint"), "{what}: {e}");
+        let after = tmp("after.safetensors");
+        ctx.save(&after, &opt).unwrap();
+        assert_eq!(
+            contents(&before),
+            contents(&after),
+            "{what}: state changed by a failed load"
+        );
+    }
+    // Level mismatch is named.
+    let (o1, o1ctx, mut o1opt) = build(8, Level::O1);
+    train(&o1, &o1ctx, &mut o1opt, 0..1);
+    let e = o1ctx.load(&good, &mut o1opt).unwrap_err();
+    assert!(e.to_string().contains("level O2"), "{e}");
+    // And the good file still loads.
+    ctx.load(&good, &mut opt).unwrap();
+    let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
+}
