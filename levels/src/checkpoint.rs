@@ -15,17 +15,19 @@ use crate::error::{Error, Result};
 use amp_core::nn::LayerScaling;
 use amp_core::{QType, ScalingMeta, ScalingTensor, Weight};
 use amp_optim::{LossScaler, State};
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::Path;
 
+use crate::ckpt_reader::Reader;
+
 const FORMAT: &str = "candle-amp-checkpoint";
 const VERSION: &str = "1";
 const ROLES: [&str; 3] = ["input", "weight", "grad_output"];
 
-fn err(path: &Path, reason: impl Into<String>) -> Error {
+pub(crate) fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::Checkpoint {
         path: path.display().to_string(),
         reason: reason.into(),
@@ -205,16 +207,9 @@ impl AmpContext {
         if field("format")? != FORMAT {
             return Err(err(path, "not a candle-amp checkpoint"));
         }
-        if field("level")? != &self.level().to_string() {
-            return Err(err(
-                path,
-                format!(
-                    "saved at level {}, this model is at {}",
-                    field("level")?,
-                    self.level()
-                ),
-            ));
-        }
+        // Saved at another level: values are read whatever their storage and
+        // re-encoded in this level's (lossy where this level stores less).
+        let convert = field("level")? != &self.level().to_string();
         let step: u64 = field("step")?
             .parse()
             .map_err(|_| err(path, "metadata `step` is not a number"))?;
@@ -233,18 +228,23 @@ impl AmpContext {
         for p in opt.inner().params() {
             let w = p.slot.read()?;
             reader.device = w.device().clone();
-            let weight = match &*w {
-                Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
-                    &reader.plain(&p.name, v.shape())?,
-                )?),
-                Weight::F16(t) => Weight::F16(reader.scaled(&p.name, t)?),
-                Weight::Fp8 { weight, master } => Weight::Fp8 {
-                    weight: reader.scaled(&p.name, weight)?,
-                    master: reader.scaled(&format!("{}.__master", p.name), master)?,
-                },
+            let (weight, m, v) = if convert {
+                reader.converted(p, &w)?
+            } else {
+                let weight = match &*w {
+                    Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
+                        &reader.plain(&p.name, v.shape())?,
+                    )?),
+                    Weight::F16(t) => Weight::F16(reader.scaled(&p.name, t)?),
+                    Weight::Fp8 { weight, master } => Weight::Fp8 {
+                        weight: reader.scaled(&p.name, weight)?,
+                        master: reader.scaled(&format!("{}.__master", p.name), master)?,
+                    },
+                };
+                let m = reader.state(&format!("{}.__exp_avg", p.name), &p.exp_avg)?;
+                let v = reader.state(&format!("{}.__exp_avg_sq", p.name), &p.exp_avg_sq)?;
+                (weight, m, v)
             };
-            let m = reader.state(&format!("{}.__exp_avg", p.name), &p.exp_avg)?;
-            let v = reader.state(&format!("{}.__exp_avg_sq", p.name), &p.exp_avg_sq)?;
             staged.push((weight, m, v));
         }
         let mut layers = Vec::new();
@@ -256,6 +256,13 @@ impl AmpContext {
             };
             let recipe = match &self.config().compute {
                 crate::Compute::Fp8Delayed { recipe } => recipe.clone(),
+                // Converting from a config with delayed scaling to one
+                // without: the layer state has no use here.
+                _ if convert => {
+                    reader.skip_prefix(&format!("{}.__fp8_meta.", layer.name()));
+                    layers.push(None);
+                    continue;
+                }
                 _ => {
                     return Err(err(
                         path,
@@ -317,102 +324,6 @@ impl AmpContext {
         }
         opt.inner_mut().restore_counters(step, scaler);
         Ok(())
-    }
-}
-
-/// Reads and checks tensors from a checkpoint, remembering what it read.
-struct Reader<'a> {
-    st: &'a SafeTensors<'a>,
-    path: &'a Path,
-    seen: Vec<String>,
-    device: Device,
-}
-
-impl Reader<'_> {
-    fn view(&mut self, name: &str, dtype: Dtype, shape: &Shape) -> Result<Vec<u8>> {
-        let v = self
-            .st
-            .tensor(name)
-            .map_err(|_| err(self.path, format!("tensor `{name}` missing")))?;
-        if v.dtype() != dtype {
-            return Err(err(
-                self.path,
-                format!("tensor `{name}`: dtype {:?}, expected {dtype:?}", v.dtype()),
-            ));
-        }
-        if v.shape() != shape.dims() {
-            return Err(err(
-                self.path,
-                format!(
-                    "tensor `{name}`: shape {:?}, expected {:?}",
-                    v.shape(),
-                    shape.dims()
-                ),
-            ));
-        }
-        self.seen.push(name.to_string());
-        Ok(v.data().to_vec())
-    }
-
-    fn plain(&mut self, name: &str, shape: &Shape) -> Result<Tensor> {
-        let b = self.view(name, Dtype::F32, shape)?;
-        let v: Vec<f32> = b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        Ok(Tensor::from_vec(v, shape, &self.device)?)
-    }
-
-    fn meta(&mut self, name: &str, qtype: QType) -> Result<ScalingMeta> {
-        let one = Shape::from(1usize);
-        let scale = self.plain(&format!("{name}.__scale"), &one)?;
-        let scale_inv = self.plain(&format!("{name}.__scale_inv"), &one)?;
-        let hist_name = format!("{name}.__amax_history");
-        let len = self
-            .st
-            .tensor(&hist_name)
-            .map(|v| v.shape().iter().product::<usize>())
-            .unwrap_or(1);
-        let history = self.plain(&hist_name, &Shape::from(len))?;
-        for (what, t) in [("scale", &scale), ("scale_inv", &scale_inv)] {
-            let v = t.to_vec1::<f32>()?[0];
-            if !(v >= f32::MIN_POSITIVE && v.is_finite()) {
-                return Err(err(
-                    self.path,
-                    format!("`{name}`: {what} {v} is not a finite positive number"),
-                ));
-            }
-        }
-        Ok(ScalingMeta::from_parts(qtype, scale, scale_inv, history)?)
-    }
-
-    fn scaled(&mut self, name: &str, like: &ScalingTensor) -> Result<ScalingTensor> {
-        let qtype = like.qtype();
-        let dtype = match qtype {
-            QType::E4M3 => Dtype::F8_E4M3,
-            QType::E5M2 => Dtype::F8_E5M2,
-            QType::F16 => Dtype::F16,
-        };
-        let b = self.view(name, dtype, like.shape())?;
-        let data = match qtype {
-            QType::F16 => {
-                let v: Vec<half::f16> = b
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-                    .collect();
-                Tensor::from_vec(v, like.shape(), &self.device)?
-            }
-            _ => Tensor::from_vec(b, like.shape(), &self.device)?,
-        };
-        let meta = self.meta(name, qtype)?;
-        Ok(ScalingTensor::from_parts(data, meta)?)
-    }
-
-    fn state(&mut self, name: &str, like: &State) -> Result<State> {
-        Ok(match like {
-            State::F32(t) => State::F32(self.plain(name, t.shape())?),
-            State::Scaled(t) => State::Scaled(self.scaled(name, t)?),
-        })
     }
 }
 

@@ -10,14 +10,17 @@
 mod checkpoint;
 #[cfg(test)]
 mod checkpoint_tests;
+mod ckpt_reader;
 mod config;
 mod context;
 mod error;
+mod export;
 mod level;
 mod report;
 
 pub use config::{matches, AmpConfig, Compute};
 pub use context::{initialize, AmpContext, AmpOptimizer};
 pub use error::{Error, Result};
+pub use export::ExportDType;
 pub use level::{state_bytes, GradStorage, Level, Policy, WeightStorage};
 pub use report::{Categories, MemoryReport};
