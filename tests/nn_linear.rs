@@ -320,3 +320,38 @@ fn bad_inputs_are_errors_not_panics() {
     let low = nn::Linear::from_slot("w", amp::WeightSlot::new(amp::Weight::F16(w16)), None);
     assert!(low.forward(&t(vec![1.0; 4], &[1, 4])).is_err());
 }
+
+#[test]
+fn output_gradients_use_the_backward_format_of_the_recipe() {
+    for (format, want) in [
+        (Format::Hybrid, amp::QType::E5M2),
+        (Format::E4M3, amp::QType::E4M3),
+    ] {
+        let layer = nn::Linear::new("w", t(vec![0.5; 8], &[2, 4]), None).unwrap();
+        let x = Var::from_tensor(&t(vec![1.0, 2.0, 3.0, 4.0], &[1, 4])).unwrap();
+        let recipe = DelayedScaling {
+            fp8_format: format,
+            amax_history_len: 2,
+            ..Default::default()
+        };
+        {
+            let _s = fp8_autocast(true, ComputeMode::Fp8Delayed(recipe));
+            layer
+                .forward(x.as_tensor())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+        }
+        let s = layer.scaling_state().unwrap().unwrap();
+        assert_eq!(s.input.qtype(), amp::QType::E4M3);
+        assert_eq!(s.weight.qtype(), amp::QType::E4M3);
+        assert_eq!(s.grad_output.qtype(), want, "{format:?}");
+        // the backward recorded its amax (dy = 1 everywhere)
+        assert_eq!(
+            s.grad_output.amax().unwrap().to_vec1::<f32>().unwrap(),
+            [1.0]
+        );
+    }
+}
