@@ -38,6 +38,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod build;
 mod linear;
 mod linear_op;
 mod mode;
@@ -45,7 +46,8 @@ mod norm;
 mod registry;
 mod sink;
 
-pub use linear::{linear, linear_b, linear_no_bias, Linear};
+pub use build::{linear, linear_b, linear_no_bias};
+pub use linear::Linear;
 pub use linear_op::LayerScaling;
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{

@@ -7,7 +7,8 @@
 //! training. Ours composes differentiable candle ops whenever an input or
 //! parameter is tracked, and uses the fused op only for inference.
 
-use super::linear::{linear_b, Linear};
+use super::build::linear_b;
+use super::linear::Linear;
 use crate::error::{Error, Result};
 use candle_core::{DType, Module, Tensor, D};
 
