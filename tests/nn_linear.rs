@@ -355,3 +355,27 @@ fn output_gradients_use_the_backward_format_of_the_recipe() {
         );
     }
 }
+
+#[test]
+fn current_scaling_telemetry_is_kept_per_layer() {
+    let layer = nn::Linear::new("w", t(vec![0.5; 8], &[2, 4]), None).unwrap();
+    assert_eq!(layer.last_cast_stats().unwrap(), [None, None, None]);
+    // Current scaling fits the scale to the amax: nothing saturates, but a
+    // value 2^-20 below the amax falls under E4M3's range and is flushed.
+    let x = Var::from_tensor(&t(vec![1000.0, 1e-4, 1.0, -2.0], &[1, 4])).unwrap();
+    {
+        let _s = fp8_autocast(true, ComputeMode::Fp8Current(CurrentScaling::default()));
+        layer
+            .forward(x.as_tensor())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+    }
+    let [input, weight, grad] = layer.last_cast_stats().unwrap();
+    let input = input.unwrap();
+    assert_eq!((input.saturated, input.flushed), (0, 1));
+    assert_eq!(weight.unwrap().saturated, 0);
+    assert!(grad.is_some(), "the backward's cast is recorded too");
+}

@@ -2,7 +2,7 @@
 //! products run in FP8 inside an [`fp8_autocast`](super::fp8_autocast) scope.
 
 use super::linear_op::{
-    cast, Fp8LinearOp, LayerScaling, Plan, Role, Saved, Scaling, SharedScaling,
+    cast, Fp8LinearOp, LastCasts, LayerScaling, Plan, Role, Saved, Scaling, SharedScaling,
 };
 use super::mode::{current_mode, current_step, ComputeMode};
 use super::registry::LinearParts;
@@ -50,6 +50,7 @@ pub struct Linear {
     sink: Arc<Mutex<Option<GradSink>>>,
     saved_bytes: Arc<Mutex<usize>>,
     high_precision: Arc<std::sync::atomic::AtomicBool>,
+    casts: LastCasts,
 }
 
 impl Linear {
@@ -87,6 +88,7 @@ impl Linear {
             sink: Arc::downgrade(&self.sink),
             saved_bytes: Arc::downgrade(&self.saved_bytes),
             high_precision: Arc::downgrade(&self.high_precision),
+            casts: Arc::downgrade(&self.casts),
         }
     }
 
@@ -101,6 +103,7 @@ impl Linear {
             sink: p.sink.upgrade()?,
             saved_bytes: p.saved_bytes.upgrade()?,
             high_precision: p.high_precision.upgrade()?,
+            casts: p.casts.upgrade()?,
         })
     }
 
@@ -114,6 +117,7 @@ impl Linear {
             sink: Arc::default(),
             saved_bytes: Arc::default(),
             high_precision: Arc::default(),
+            casts: Arc::default(),
         }
     }
 
@@ -170,6 +174,29 @@ impl Linear {
                 op: "Linear::scaling_state",
             })?
             .clone())
+    }
+
+    /// What the layer's last FP8 casts of its input, weight and output
+    /// gradient saturated and flushed (any FP8 mode; `None` for a role not
+    /// cast yet). A host read: telemetry, not for the training step.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`]; candle's.
+    pub fn last_cast_stats(&self) -> Result<[Option<crate::CastStats>; 3]> {
+        let casts = self
+            .casts
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::last_cast_stats",
+            })?
+            .clone();
+        let mut out = [None; 3];
+        for (o, m) in out.iter_mut().zip(casts.iter()) {
+            if let Some(m) = m {
+                *o = m.last_cast_stats()?;
+            }
+        }
+        Ok(out)
     }
 
     /// Replaces the delayed-scaling state (checkpoints).
@@ -317,13 +344,22 @@ impl Linear {
                     &self.scaling,
                     Role::Weight,
                     step,
+                    &self.casts,
                 )?,
             })
         } else {
             None
         };
         let xq = if fprop || wgrad {
-            Some(cast(x, fwd, &scaling, &self.scaling, Role::Input, step)?)
+            Some(cast(
+                x,
+                fwd,
+                &scaling,
+                &self.scaling,
+                Role::Input,
+                step,
+                &self.casts,
+            )?)
         } else {
             None
         };
@@ -369,6 +405,7 @@ impl Linear {
                 scaling,
             },
             state: self.scaling.clone(),
+            casts: self.casts.clone(),
             step,
             sink,
             name: self.name.clone(),

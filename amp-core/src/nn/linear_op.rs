@@ -97,10 +97,30 @@ impl LayerScaling {
 /// A layer's delayed-scaling state, shared with its pending backward ops.
 pub(crate) type SharedScaling = Arc<Mutex<Option<LayerScaling>>>;
 
+/// The metadata of a layer's last cast of each role (input, weight, output
+/// gradient), in every FP8 mode: precision telemetry.
+pub(crate) type LastCasts = Arc<Mutex<[Option<ScalingMeta>; 3]>>;
+
 /// Casts `x` to FP8 for `role` at `step`. Delayed scaling: the first cast of
 /// a role in a new step first rolls its history and takes the next scale
 /// (amaxes up to the previous step); every cast records its amax and counts.
 pub(crate) fn cast(
+    x: &Tensor,
+    format: Fp8Format,
+    scaling: &Scaling,
+    state: &SharedScaling,
+    role: Role,
+    step: u64,
+    casts: &LastCasts,
+) -> Result<ScalingTensor> {
+    let q = cast_scaled(x, format, scaling, state, role, step)?;
+    casts.lock().map_err(|_| Error::Poisoned {
+        op: "fp8 linear cast",
+    })?[role as usize] = Some(q.meta().clone());
+    Ok(q)
+}
+
+fn cast_scaled(
     x: &Tensor,
     format: Fp8Format,
     scaling: &Scaling,
@@ -171,6 +191,7 @@ pub(crate) struct Fp8LinearOp {
     pub w_saved: Saved,
     pub plan: Plan,
     pub state: SharedScaling,
+    pub casts: LastCasts,
     pub step: u64,
     pub sink: Option<GradSink>,
     pub name: String,
@@ -196,6 +217,7 @@ impl Fp8LinearOp {
                 &self.state,
                 Role::GradOutput,
                 self.step,
+                &self.casts,
             )?)
         } else {
             None

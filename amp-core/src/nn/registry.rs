@@ -22,6 +22,7 @@ pub(crate) struct LinearParts {
     pub(crate) sink: Weak<Mutex<Option<GradSink>>>,
     pub(crate) saved_bytes: Weak<Mutex<usize>>,
     pub(crate) high_precision: Weak<std::sync::atomic::AtomicBool>,
+    pub(crate) casts: Weak<Mutex<[Option<crate::meta::ScalingMeta>; 3]>>,
 }
 
 impl LinearParts {
