@@ -169,6 +169,16 @@ impl AmpContext {
             ("adam".to_string(), json(&opt.inner().config().adam)?),
             ("scaler".to_string(), json(opt.inner().scaler())?),
             ("layer_meta".to_string(), json(&layer_meta)?),
+            (
+                "param_steps".to_string(),
+                json(
+                    &opt.inner()
+                        .params()
+                        .iter()
+                        .map(|p| (p.name.clone(), p.step))
+                        .collect::<BTreeMap<_, _>>(),
+                )?,
+            ),
         ]);
         let views = out
             .iter()
@@ -215,6 +225,8 @@ impl AmpContext {
             .map_err(|_| err(path, "metadata `step` is not a number"))?;
         let scaler: LossScaler = serde_json::from_str(field("scaler")?)
             .map_err(|e| err(path, format!("metadata `scaler`: {e}")))?;
+        let param_steps: BTreeMap<String, u64> = serde_json::from_str(field("param_steps")?)
+            .map_err(|e| err(path, format!("metadata `param_steps`: {e}")))?;
         let layer_meta: BTreeMap<String, u64> = serde_json::from_str(field("layer_meta")?)
             .map_err(|e| err(path, format!("metadata `layer_meta`: {e}")))?;
         let mut reader = Reader {
@@ -318,6 +330,7 @@ impl AmpContext {
             }
             p.exp_avg = m;
             p.exp_avg_sq = v;
+            p.step = param_steps.get(&p.name).copied().unwrap_or(step);
         }
         for (layer, state) in self.linears().iter().zip(layers) {
             layer.set_scaling_state(state)?;

@@ -127,7 +127,8 @@ impl AdamStep {
 /// ```
 #[derive(Debug)]
 pub struct AdamW {
-    vars: Vec<(Var, Vec<f32>, Vec<f32>)>,
+    /// Each variable with its moments and its own step count (PyTorch's).
+    vars: Vec<(Var, Vec<f32>, Vec<f32>, u64)>,
     config: AdamWConfig,
     step: u64,
 }
@@ -140,8 +141,7 @@ impl AdamW {
 
     fn step_inner(&mut self, grads: &GradStore) -> Result<()> {
         self.step += 1;
-        let k = self.config.at_step(self.config.lr, self.step);
-        for (var, m, v) in &mut self.vars {
+        for (var, m, v, step) in &mut self.vars {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
@@ -155,6 +155,8 @@ impl AdamW {
             }
             let shape = var.shape().clone();
             let mut p = flat(var.as_tensor())?;
+            *step += 1;
+            let k = self.config.at_step(self.config.lr, *step);
             k.update(&mut p, &flat(g)?, 1.0, m, v);
             var.set(&Tensor::from_vec(p, shape, var.device())?.to_dtype(var.dtype())?)?;
         }
@@ -179,7 +181,7 @@ impl candle_nn::Optimizer for AdamW {
             .filter(|v| v.dtype().is_float())
             .map(|v| {
                 let n = v.elem_count();
-                (v, vec![0f32; n], vec![0f32; n])
+                (v, vec![0f32; n], vec![0f32; n], 0)
             })
             .collect();
         Ok(Self {

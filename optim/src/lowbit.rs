@@ -55,6 +55,10 @@ pub struct ParamState {
     pub exp_avg: State,
     /// Second moment.
     pub exp_avg_sq: State,
+    /// Updates applied to this parameter (PyTorch's per-parameter `step`:
+    /// the bias correction's exponent; a parameter without a gradient in a
+    /// step does not advance).
+    pub step: u64,
 }
 
 /// What a step did.
@@ -129,6 +133,7 @@ impl LowBitAdamW {
                 slot,
                 exp_avg: State::zeros(m_format, &shape, &device)?,
                 exp_avg_sq: State::zeros(v_format, &shape, &device)?,
+                step: 0,
             });
         }
         Ok(Self {
@@ -324,14 +329,13 @@ impl LowBitAdamW {
         let grad_mul = (inv_scale * clip) as f32;
         // Pass 2: the update.
         self.step += 1;
-        let k = self
-            .config
-            .adam
-            .at_step(self.schedule.lr(self.step), self.step);
+        let lr = self.schedule.lr(self.step);
         for p in &mut self.params {
             let Some(g) = grads.get(&p.name) else {
                 continue;
             };
+            p.step += 1;
+            let k = self.config.adam.at_step(lr, p.step);
             update_param(p, g, k, grad_mul, &self.scratch)?;
         }
         self.scaler.update(false);
