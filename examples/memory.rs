@@ -143,15 +143,14 @@ fn main() -> Result<()> {
             model.forward(&tokens)?.sqr()?.mean_all()?
         };
         opt.backward_step(&loss)?;
-        let r = amp.memory_report(&opt)?;
+        let mut r = amp.memory_report(&opt)?;
+        if let Some(base) = &o0 {
+            r = r.with_baseline(base);
+        }
         if args.json {
             println!("{}", r.to_json()?);
         } else {
-            println!("{} ({} layers, width {}):\n{r}", args.size, layers, d);
-            if let Some(base) = &o0 {
-                println!("  persistent total vs O0: {:.3}", r.ratio_to(base));
-            }
-            println!();
+            println!("{} ({} layers, width {}):\n{r}\n", args.size, layers, d);
         }
         if level == Level::O0 {
             o0 = Some(r);

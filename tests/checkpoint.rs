@@ -148,6 +148,7 @@ fn resume_is_bit_exact_at_every_level() {
         rctx.save(&b, &ropt).unwrap();
         let (ca, cb) = (contents(&a), contents(&b));
         assert!(ca.0.len() > 10, "{level}: {} tensors", ca.0.len());
+        assert_eq!(ca.0.len(), cb.0.len(), "{level}: same tensors");
         for ((na, da), (nb, db)) in ca.0.iter().zip(&cb.0) {
             assert_eq!(na, nb, "{level}");
             assert!(da == db, "{level}: tensor {na} differs after resume");
@@ -273,5 +274,47 @@ fn a_checkpoint_loads_at_another_level_and_exports_as_plain_safetensors() {
                 assert!((a - b).abs() <= tol * b.abs(), "{name}: {a} vs {b}");
             }
         }
+    }
+}
+
+/// Rewrites one metadata entry of a checkpoint file.
+fn with_metadata(src: &PathBuf, key: &str, value: &str) -> PathBuf {
+    let bytes = std::fs::read(src).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+    let mut meta = header.metadata().clone().unwrap();
+    meta.insert(key.to_string(), value.to_string());
+    let views: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
+    let out = safetensors::tensor::serialize(views, Some(meta)).unwrap();
+    let p = tmp(&format!("meta-{key}.safetensors"));
+    std::fs::write(&p, out).unwrap();
+    p
+}
+
+#[test]
+fn bad_metadata_is_refused_before_anything_changes() {
+    let (model, ctx, mut opt) = build(8, Level::O3);
+    train(&model, &ctx, &mut opt, 0..2);
+    let good = tmp("meta-good.safetensors");
+    ctx.save(&good, &opt).unwrap();
+    for (key, value, says) in [
+        ("level", "O9", "level"),
+        ("version", "99", "version"),
+        ("step", "18446744073709551615", "step"),
+        (
+            "scaler",
+            r#"{"config":{"static":{"scale":0.0}},"scale":0.0,"growth_tracker":0}"#,
+            "scaler",
+        ),
+        ("param_steps", "{}", "no step"),
+        ("format", "something-else", "not a candle-amp checkpoint"),
+    ] {
+        let p = with_metadata(&good, key, value);
+        let before = contents(&good);
+        let e = ctx.load(&p, &mut opt).unwrap_err().to_string();
+        assert!(e.contains(says), "{key}={value}: {e}");
+        let after = tmp("meta-after.safetensors");
+        ctx.save(&after, &opt).unwrap();
+        assert_eq!(contents(&after).0, before.0, "{key}: nothing changed");
     }
 }

@@ -118,32 +118,33 @@ fn memory_report_equals_the_design_table_computed_from_shapes() {
                 8 * other,
                 0,
             ),
+            // O1: FP16 weights (2 scales), FP8 gradients (2 scales), F32 moments.
             Level::O1 => (
                 2 * linear,
                 0,
-                linear + 2 * META,
+                linear,
                 4 * linear,
                 4 * linear,
                 8 * other,
-                2 * META,
+                4 * META,
             ),
             Level::O2 => (
                 2 * linear,
                 0,
-                linear + 2 * META,
+                linear,
                 linear,
                 2 * linear,
                 3 * other,
-                (2 + 2 * n_lin_tensors + 2 * n_other_tensors) * META,
+                (2 + 2 + 2 * n_lin_tensors + 2 * n_other_tensors) * META,
             ),
             Level::O3 => (
                 linear,
                 2 * linear,
-                linear + 2 * META,
+                linear,
                 linear,
                 2 * linear,
                 3 * other,
-                (2 * 2 + 2 * n_lin_tensors + 2 * n_other_tensors) * META,
+                (2 * 2 + 2 + 2 * n_lin_tensors + 2 * n_other_tensors) * META,
             ),
         };
         assert_eq!(r.linear_params, linear, "{level}");
@@ -161,7 +162,8 @@ fn memory_report_equals_the_design_table_computed_from_shapes() {
         );
         assert_eq!(
             (b.other_params, b.other_states, b.scaling_metadata),
-            (4 * other, other_states, meta),
+            // Other parameters' states include their F32 gradients (4 B each).
+            (4 * other, other_states + 4 * other, meta),
             "{level}: {r}"
         );
         let predicted = level.predicted_bytes_per_linear_param(1);
@@ -295,4 +297,55 @@ fn an_excluded_head_stays_f32_and_native() {
     let data = varmap.data().lock().unwrap();
     assert!(!data.contains_key("proj.weight") && data.contains_key("head.weight"));
     let _ = D::Minus1;
+}
+
+#[test]
+fn initialize_refuses_to_run_twice_and_tied_weights_at_low_levels() {
+    let varmap = VarMap::new();
+    let _model = Model::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        4,
+        8,
+        2,
+    );
+    let (_amp, _opt) = initialize(&varmap, AdamWConfig::default(), config(Level::O2)).unwrap();
+    let e = initialize(&varmap, AdamWConfig::default(), config(Level::O2)).unwrap_err();
+    assert!(e.to_string().contains("already initialized"), "{e}");
+    let varmap2 = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap2, DType::F32, &Device::Cpu);
+    let a = nn::linear(4, 4, vb.pp("a")).unwrap();
+    // A second layer over the same Var shares its storage and name.
+    let w = varmap2.data().lock().unwrap()["a.weight"]
+        .as_tensor()
+        .clone();
+    let b = nn::Linear::new("b.weight", w, None).unwrap();
+    assert!(a.weight_slot().same_slot(b.weight_slot()));
+    assert_eq!(b.name(), "a.weight");
+    let (_c, _o) = initialize(&varmap2, AdamWConfig::default(), config(Level::O3)).unwrap();
+    // Tied: a Linear built on a Var that the VarMap knows under another name.
+    let varmap3 = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap3, DType::F32, &Device::Cpu);
+    let emb = vb.get((8, 4), "wte.weight").unwrap();
+    let _head = nn::Linear::new("lm_head.weight", emb, None).unwrap();
+    let e = initialize(&varmap3, AdamWConfig::default(), config(Level::O2)).unwrap_err();
+    assert!(e.to_string().contains("tied weight"), "{e}");
+    // Bad hyperparameters leave the model unconverted (and the map free).
+    let varmap4 = VarMap::new();
+    let m4 = Model::new(
+        VarBuilder::from_varmap(&varmap4, DType::F32, &Device::Cpu),
+        4,
+        8,
+        2,
+    );
+    assert!(initialize(
+        &varmap4,
+        AdamWConfig {
+            lr: -1.0,
+            ..Default::default()
+        },
+        config(Level::O3)
+    )
+    .is_err());
+    assert_eq!(m4.proj.weight_slot().read().unwrap().kind(), "F32");
+    initialize(&varmap4, AdamWConfig::default(), config(Level::O3)).unwrap();
 }

@@ -95,19 +95,53 @@ fn put_state(out: &mut BTreeMap<String, Raw>, name: &str, s: &State) -> Result<(
     }
 }
 
+/// A loaded loss scaler must be usable: a valid rule, a finite positive
+/// scale, a growth tracker below the interval.
+fn check_scaler(s: &LossScaler) -> std::result::Result<(), String> {
+    s.config.validate().map_err(|e| e.to_string())?;
+    if !(s.scale > 0.0 && s.scale.is_finite()) {
+        return Err(format!("scale {} is not finite and positive", s.scale));
+    }
+    if let amp_optim::LossScaling::Dynamic {
+        growth_interval, ..
+    } = s.config
+    {
+        if s.growth_tracker >= growth_interval {
+            return Err(format!(
+                "growth tracker {} is not below the interval {growth_interval}",
+                s.growth_tracker
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file beside it, fsync,
 /// rename. `fail_before_rename` simulates a crash (tests).
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8], fail_before_rename: bool) -> Result<()> {
-    let tmp = path.with_extension("safetensors.tmp");
+    // A temporary name of this process and call, beside the target (same
+    // file system, so the rename is atomic).
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp.{}.{n}", std::process::id()));
     let io = |e: std::io::Error| err(path, e.to_string());
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    drop(f);
+    let written = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
     if fail_before_rename {
+        // A crash here would leave the temporary file; the target is untouched.
         return Err(err(path, "interrupted before rename (simulated)"));
     }
-    std::fs::rename(&tmp, path).map_err(io)?;
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         // Persist the rename itself; not every platform can open a directory.
         if let Ok(d) = std::fs::File::open(dir) {
@@ -219,16 +253,45 @@ impl AmpContext {
         }
         // Saved at another level: values are read whatever their storage and
         // re-encoded in this level's (lossy where this level stores less).
-        let convert = field("level")? != &self.level().to_string();
-        let step: u64 = field("step")?
+        if field("version")? != VERSION {
+            return Err(err(
+                path,
+                format!(
+                    "format version {}, this build reads {VERSION}",
+                    field("version")?
+                ),
+            ));
+        }
+        let saved_level: crate::Level = field("level")?
             .parse()
-            .map_err(|_| err(path, "metadata `step` is not a number"))?;
+            .map_err(|e: String| err(path, format!("metadata `level`: {e}")))?;
+        let convert = saved_level != self.level();
+        // Counters far beyond any run are corrupt (and would overflow).
+        const MAX_COUNT: u64 = 1 << 53;
+        let count = |what: &str, v: u64| -> Result<u64> {
+            if v > MAX_COUNT {
+                Err(err(path, format!("metadata `{what}`: {v} is out of range")))
+            } else {
+                Ok(v)
+            }
+        };
+        let step: u64 = count(
+            "step",
+            field("step")?
+                .parse()
+                .map_err(|_| err(path, "metadata `step` is not a number"))?,
+        )?;
         let scaler: LossScaler = serde_json::from_str(field("scaler")?)
             .map_err(|e| err(path, format!("metadata `scaler`: {e}")))?;
+        check_scaler(&scaler)
+            .map_err(|reason| err(path, format!("metadata `scaler`: {reason}")))?;
         let param_steps: BTreeMap<String, u64> = serde_json::from_str(field("param_steps")?)
             .map_err(|e| err(path, format!("metadata `param_steps`: {e}")))?;
         let layer_meta: BTreeMap<String, u64> = serde_json::from_str(field("layer_meta")?)
             .map_err(|e| err(path, format!("metadata `layer_meta`: {e}")))?;
+        for (k, v) in param_steps.iter().chain(&layer_meta) {
+            count(k, *v)?;
+        }
         let mut reader = Reader {
             st: &st,
             path,
@@ -293,8 +356,21 @@ impl AmpContext {
                 } else {
                     recipe.fp8_format.forward().into()
                 };
-                let updates = layer_meta.get(&name).copied().unwrap_or(0);
-                metas.push(reader.meta(&name, qtype)?.with_updates(updates));
+                let updates = *layer_meta
+                    .get(&name)
+                    .ok_or_else(|| err(path, format!("metadata for `{name}` missing")))?;
+                let meta = reader.meta(&name, qtype)?.with_updates(updates);
+                if meta.amax_history().elem_count() != recipe.amax_history_len {
+                    return Err(err(
+                        path,
+                        format!(
+                            "`{name}`: amax history of {}, the recipe's is {}",
+                            meta.amax_history().elem_count(),
+                            recipe.amax_history_len
+                        ),
+                    ));
+                }
+                metas.push(meta);
             }
             let flags = [used & 4 != 0, used & 2 != 0, used & 1 != 0];
             let [input, weight, grad_output] =
@@ -319,8 +395,29 @@ impl AmpContext {
                 format!("{} unexpected tensor(s), e.g. `{first}`", extra.len()),
             ));
         }
+        let mut steps = Vec::with_capacity(staged.len());
+        for (p, (weight, _, _)) in opt.inner().params().iter().zip(&mut staged) {
+            steps.push(
+                *param_steps
+                    .get(&p.name)
+                    .ok_or_else(|| err(path, format!("metadata: no step for `{}`", p.name)))?,
+            );
+            // Give an F32 value the Var's own dtype now, so that applying
+            // cannot fail half way.
+            if let (Weight::F32(v), Weight::F32(cur)) = (&*weight, &*p.slot.read()?) {
+                *weight = Weight::F32(candle_core::Var::from_tensor(
+                    &v.as_tensor().to_dtype(cur.dtype())?,
+                )?);
+            }
+        }
         // All checked: apply.
-        for (p, (weight, m, v)) in opt.inner_mut().params_mut().iter_mut().zip(staged) {
+        for ((p, (weight, m, v)), step) in opt
+            .inner_mut()
+            .params_mut()
+            .iter_mut()
+            .zip(staged)
+            .zip(steps)
+        {
             match weight {
                 Weight::F32(var) => match &*p.slot.read()? {
                     Weight::F32(cur) => cur.set(var.as_tensor())?,
@@ -330,7 +427,7 @@ impl AmpContext {
             }
             p.exp_avg = m;
             p.exp_avg_sq = v;
-            p.step = param_steps.get(&p.name).copied().unwrap_or(step);
+            p.step = step;
         }
         for (layer, state) in self.linears().iter().zip(layers) {
             layer.set_scaling_state(state)?;

@@ -61,7 +61,8 @@ impl AmpContext {
 pub struct AmpOptimizer {
     pub(crate) opt: LowBitAdamW,
     pub(crate) sink: GradSink,
-    pub(crate) last_grad_bytes: usize,
+    /// Last step's gradient bytes: Linear data, Linear scales, others.
+    pub(crate) last_grad_bytes: [usize; 3],
     pub(crate) linear_names: Vec<String>,
 }
 
@@ -73,15 +74,22 @@ impl AmpOptimizer {
     /// The optimizer's, candle's.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
         let grads = self.opt.backward(loss, Some(&self.sink))?;
-        self.last_grad_bytes = self
-            .linear_names
-            .iter()
-            .filter_map(|n| grads.get(n))
-            .map(|g| match g {
-                Grad::F32(t) => t.elem_count() * t.dtype().size_in_bytes(),
-                Grad::Scaled(t) => t.nbytes(),
-            })
-            .sum();
+        // What the gradients of this step hold, by class: Linear data, their
+        // scales, and the F32 gradients of every other parameter.
+        let (mut data, mut meta, mut other) = (0, 0, 0);
+        for (name, g) in &grads.0 {
+            let (d, m) = match g {
+                Grad::F32(t) => (t.elem_count() * t.dtype().size_in_bytes(), 0),
+                Grad::Scaled(t) => (t.nbytes() - t.meta().nbytes(), t.meta().nbytes()),
+            };
+            if self.linear_names.iter().any(|n| n == name) {
+                data += d;
+                meta += m;
+            } else {
+                other += d + m;
+            }
+        }
+        self.last_grad_bytes = [data, meta, other];
         Ok(self.opt.step(&grads)?)
     }
 
@@ -100,6 +108,31 @@ fn low_bit(values: &Tensor, qtype: QType) -> Result<ScalingTensor> {
     Ok(ScalingTensor::quantize(values, qtype, &CurrentScaling::default())?.0)
 }
 
+/// The entry `initialize` leaves in a `VarMap` it has converted.
+pub const INITIALIZED_MARK: &str = "__candle_amp.initialized";
+
+/// Marks a `VarMap` as initialized; a second `initialize` of the same map
+/// is an error (its converted weights have left the map, so it would build
+/// an optimizer that silently skips them).
+fn claim(varmap: &candle_nn::VarMap) -> Result<()> {
+    let mut data = varmap
+        .data()
+        .lock()
+        .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?;
+    if data.contains_key(INITIALIZED_MARK) {
+        return Err(crate::Error::Config {
+            field: "varmap".into(),
+            reason: "this VarMap was already initialized: build the model anew for another level"
+                .into(),
+        });
+    }
+    data.insert(
+        INITIALIZED_MARK.into(),
+        candle_core::Var::zeros(1, candle_core::DType::U8, &candle_core::Device::Cpu)?,
+    );
+    Ok(())
+}
+
 /// Converts every Linear weight in `varmap` (layers built with `amp::nn`) to
 /// the level's storage, attaches the gradient sink where the level keeps
 /// FP8 gradients, and builds the optimizer over all parameters with the
@@ -115,6 +148,8 @@ pub fn initialize(
     config: AmpConfig,
 ) -> Result<(AmpContext, AmpOptimizer)> {
     amp_core::config::Validate::validate(&config)?;
+    adam.validate()?;
+    claim(varmap)?;
     let policy = config.level.policy();
     let sink = GradSink::new();
     let mut vars: Vec<(String, candle_core::Var)> = {
@@ -122,7 +157,10 @@ pub fn initialize(
             .data()
             .lock()
             .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?;
-        data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+        data.iter()
+            .filter(|(n, _)| n.as_str() != INITIALIZED_MARK)
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect()
     };
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut params = Vec::with_capacity(vars.len());
@@ -139,6 +177,24 @@ pub fn initialize(
         match layer {
             Some(layer) if !config.is_high_precision(&name) => {
                 let slot = layer.weight_slot().clone();
+                let converts = policy.linear_weight != WeightStorage::F32
+                    || policy.linear_grad != GradStorage::F32;
+                if !matches!(&*slot.read()?, Weight::F32(_)) {
+                    return Err(crate::Error::Config {
+                        field: name,
+                        reason: "this Linear weight was converted by an earlier initialize: build the model anew".into(),
+                    });
+                }
+                if converts && layer.name() != name {
+                    return Err(crate::Error::Config {
+                        field: name.clone(),
+                        reason: format!(
+                            "the Linear layer `{}` uses this weight under another name (a tied weight): \
+                             keep it in high precision (`high_precision`) or untie it",
+                            layer.name()
+                        ),
+                    });
+                }
                 let value = var.as_tensor();
                 match policy.linear_weight {
                     WeightStorage::F32 => {}
@@ -198,7 +254,7 @@ pub fn initialize(
         AmpOptimizer {
             opt,
             sink,
-            last_grad_bytes: 0,
+            last_grad_bytes: [0; 3],
             linear_names,
         },
     ))

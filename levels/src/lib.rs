@@ -19,7 +19,7 @@ mod level;
 mod report;
 
 pub use config::{matches, AmpConfig, Compute};
-pub use context::{initialize, AmpContext, AmpOptimizer};
+pub use context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};
 pub use error::{Error, Result};
 pub use export::ExportDType;
 pub use level::{state_bytes, GradStorage, Level, Policy, WeightStorage};

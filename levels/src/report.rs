@@ -23,7 +23,7 @@ pub struct Categories {
     pub second_moments: usize,
     /// Every other parameter (embeddings, norms, biases).
     pub other_params: usize,
-    /// Their Adam moments.
+    /// Their Adam moments and their (F32) gradients of the last step.
     pub other_states: usize,
     /// Scales, scale inverses and amax histories (tensors' and layers').
     pub scaling_metadata: usize,
@@ -47,6 +47,9 @@ pub struct MemoryReport {
     pub measured_bytes_per_linear_param: f64,
     /// What the level's table predicts (one rank, no metadata).
     pub predicted_bytes_per_linear_param: f64,
+    /// Persistent total relative to the same model at O0, once a baseline
+    /// is given ([`with_baseline`](Self::with_baseline)).
+    pub ratio_to_o0: Option<f64>,
 }
 
 fn split(t: &ScalingTensor) -> (usize, usize) {
@@ -106,8 +109,11 @@ impl MemoryReport {
             }
             b.activations_saved += layer.saved_bytes()?;
         }
+        let [grad_data, grad_meta, other_grads] = opt.last_grad_bytes;
+        linear_meta += grad_meta;
         b.scaling_metadata += linear_meta;
-        b.weight_gradients = opt.last_grad_bytes;
+        b.weight_gradients = grad_data;
+        b.other_states += other_grads;
         let per_linear = b.linear_weights
             + b.master_weights
             + b.weight_gradients
@@ -121,6 +127,7 @@ impl MemoryReport {
             bytes: b,
             measured_bytes_per_linear_param: per_linear as f64 / linear_params.max(1) as f64,
             predicted_bytes_per_linear_param: ctx.level().predicted_bytes_per_linear_param(1),
+            ratio_to_o0: None,
         })
     }
 
@@ -135,6 +142,12 @@ impl MemoryReport {
             + b.other_params
             + b.other_states
             + b.scaling_metadata
+    }
+
+    /// The same report with its ratio to the same model's O0 report.
+    pub fn with_baseline(mut self, o0: &MemoryReport) -> Self {
+        self.ratio_to_o0 = Some(self.ratio_to(o0));
+        self
     }
 
     /// Persistent bytes relative to a baseline (the same model at O0).
@@ -183,6 +196,10 @@ impl std::fmt::Display for MemoryReport {
             f,
             "  bytes per linear parameter: {:.3} measured, {:.1} predicted",
             self.measured_bytes_per_linear_param, self.predicted_bytes_per_linear_param
-        )
+        )?;
+        match self.ratio_to_o0 {
+            Some(r) => write!(f, "\n  persistent total vs O0: {r:.3}"),
+            None => Ok(()),
+        }
     }
 }

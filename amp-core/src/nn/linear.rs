@@ -68,16 +68,26 @@ impl Linear {
                 got: weight.shape().clone(),
             });
         }
-        let tracked = weight.is_variable();
-        let layer = Self::from_slot(
+        if weight.is_variable() {
+            // A second layer over the same Var shares the first one's slot,
+            // scaling state, sink and name: one weight, one storage.
+            if let Some(mut existing) = super::registry::registered_linear(weight.id()) {
+                existing.bias = bias;
+                return Ok(existing);
+            }
+            let layer = Self::from_slot(
+                name,
+                WeightSlot::new(Weight::F32(Var::from_tensor(&weight)?)),
+                bias,
+            );
+            super::registry::register(weight.id(), layer.parts());
+            return Ok(layer);
+        }
+        Ok(Self::from_slot(
             name,
             WeightSlot::new(Weight::F32(Var::from_tensor(&weight)?)),
             bias,
-        );
-        if tracked {
-            super::registry::register(weight.id(), layer.parts());
-        }
-        Ok(layer)
+        ))
     }
 
     fn parts(&self) -> LinearParts {
