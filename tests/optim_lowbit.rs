@@ -370,35 +370,3 @@ fn bad_gradients_and_params_are_named_errors() {
     .unwrap_err();
     assert!(matches!(e, Error::DuplicateName(_)));
 }
-
-#[test]
-fn a_parameter_without_a_gradient_keeps_its_own_step_count() {
-    // PyTorch keeps `step` per parameter: the bias correction of a parameter
-    // that missed a step uses its own count.
-    let zero = || Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap();
-    let (a, b) = (slot("F32", &zero()), slot("F16", &zero()));
-    let cfg = LowBitAdamWConfig {
-        exp_avg: StateFormat::F32,
-        exp_avg_sq: StateFormat::F32,
-        ..Default::default()
-    };
-    let mut opt = LowBitAdamW::new(vec![("a".into(), a), ("b".into(), b.clone())], cfg).unwrap();
-    let g = || Grad::F32(t(vec![1.0, -2.0, 0.5], &[3]));
-    for with_b in [true, false, true] {
-        let mut grads = Grads::new();
-        grads.insert("a", g());
-        if with_b {
-            grads.insert("b", g());
-        }
-        opt.step(&grads).unwrap();
-    }
-    let steps: Vec<u64> = opt.params().iter().map(|p| p.step).collect();
-    assert_eq!(steps, [3, 2]);
-    assert_eq!(opt.step_count(), 3);
-    // b's second update used bias correction of step 2: with a constant
-    // gradient every Adam step moves by lr * sign(g) (m̂ / sqrt(v̂) = ±1).
-    let bv: Vec<f32> = b.read().unwrap().master_f32().unwrap().to_vec1().unwrap();
-    for (x, s) in bv.iter().zip([-1.0f32, 1.0, -1.0]) {
-        assert!((x - 2.0 * 1e-3 * s).abs() < 2e-6, "{bv:?}");
-    }
-}

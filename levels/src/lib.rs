@@ -10,6 +10,7 @@
 mod checkpoint;
 #[cfg(test)]
 mod checkpoint_tests;
+mod ckpt_load;
 mod ckpt_reader;
 mod config;
 mod context;

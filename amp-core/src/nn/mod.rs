@@ -39,6 +39,7 @@
 //! ```
 
 mod build;
+mod forward;
 mod linear;
 mod linear_op;
 mod mode;

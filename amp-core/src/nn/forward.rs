@@ -1,0 +1,206 @@
+//! The forward pass of `amp::nn::Linear`: checks, the native path, and the
+//! FP8 path through the autograd op.
+
+use super::linear::Linear;
+use super::linear_op::{cast, Fp8LinearOp, Plan, Role, Saved, Scaling};
+use super::mode::{current_mode, current_step, ComputeMode};
+use crate::error::{Error, Result};
+use crate::gemm::fp8_gemm;
+use crate::weight::Weight;
+use candle_core::{DType, Tensor, Var};
+use std::sync::Mutex;
+
+impl Linear {
+    fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
+        const OP: &str = "Linear::forward";
+        if !x.dtype().is_float() {
+            return Err(Error::DType {
+                op: OP,
+                expected: "a float dtype",
+                got: x.dtype(),
+            });
+        }
+        if x.rank() == 0 || x.dims()[x.rank() - 1] != in_dim {
+            return Err(Error::Shape {
+                op: OP,
+                lhs: x.shape().clone(),
+                rhs: (in_dim,).into(),
+            });
+        }
+        if !x.device().same_device(self.weight.read()?.device()) {
+            return Err(Error::Device {
+                op: OP,
+                lhs: x.device().location(),
+                rhs: self.weight.read()?.device().location(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The forward pass; see the type's docs.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the input's last dimension is not `in`,
+    /// [`Error::DType`] for a non-float input, [`Error::Device`] when input
+    /// and weight are on different devices, [`Error::Unsupported`] for a
+    /// low-bit weight without a gradient sink.
+    pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(x, in_dim)?;
+        let mode = if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        };
+        let y = match (&mode, &weight) {
+            (ComputeMode::Native, Weight::F32(var)) => {
+                *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+                    op: "Linear::forward",
+                })? = 0;
+                let w = var.as_tensor().to_dtype(x.dtype())?;
+                x.broadcast_matmul(&w.t()?)?
+            }
+            _ => {
+                let mut out_dims = x.dims().to_vec();
+                let last = out_dims.len() - 1;
+                out_dims[last] = out_dim;
+                let x2 = x.reshape(((), in_dim))?.contiguous()?;
+                self.scaled_forward(&x2, &weight, &mode)?
+                    .reshape(out_dims)?
+            }
+        };
+        match &self.bias {
+            Some(b) => Ok(y.broadcast_add(&b.to_dtype(y.dtype())?)?),
+            None => Ok(y),
+        }
+    }
+
+    /// Forward of a 2-D input through the custom op (FP8 mode, or a low-bit
+    /// weight in native mode).
+    fn scaled_forward(&self, x: &Tensor, weight: &Weight, mode: &ComputeMode) -> Result<Tensor> {
+        let sink = self
+            .sink
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::forward",
+            })?
+            .clone();
+        if sink.is_none() && !matches!(weight, Weight::F32(_)) {
+            return Err(Error::Unsupported {
+                op: "Linear::forward",
+                what: format!(
+                    "`{}` has a {} weight but no gradient sink",
+                    self.name,
+                    weight.kind()
+                ),
+            });
+        }
+        let (scaling, fprop, dgrad, wgrad, fmt) = match mode {
+            ComputeMode::Native => (
+                Scaling::Current(Default::default()),
+                false,
+                false,
+                false,
+                Default::default(),
+            ),
+            ComputeMode::Fp8Current(r) => {
+                (Scaling::Current(r.clone()), true, true, true, r.fp8_format)
+            }
+            ComputeMode::Fp8Delayed(r) => {
+                let o = r.override_linear_precision;
+                (
+                    Scaling::Delayed(r.clone()),
+                    !o.fprop,
+                    !o.dgrad,
+                    !o.wgrad,
+                    r.fp8_format,
+                )
+            }
+        };
+        let step = current_step();
+        let fwd = fmt.forward();
+        // Native copies where a GEMM runs natively.
+        let w_native = || -> Result<Tensor> { Ok(weight.master_f32()?.to_dtype(x.dtype())?) };
+        let wq = if fprop || dgrad {
+            Some(match weight {
+                // O3: the stored FP8 copy is the GEMM operand as it is.
+                Weight::Fp8 { weight: w8, .. } if w8.qtype() == fwd.into() => w8.clone(),
+                _ => cast(
+                    &weight.master_f32()?,
+                    fwd,
+                    &scaling,
+                    &self.scaling,
+                    Role::Weight,
+                    step,
+                    &self.casts,
+                )?,
+            })
+        } else {
+            None
+        };
+        let xq = if fprop || wgrad {
+            Some(cast(
+                x,
+                fwd,
+                &scaling,
+                &self.scaling,
+                Role::Input,
+                step,
+                &self.casts,
+            )?)
+        } else {
+            None
+        };
+        let y = match (&xq, &wq) {
+            // A saturating cast hides inf: a non-finite input amax makes the
+            // output NaN (x 1 when finite), never silently finite.
+            (Some(xq), Some(wq)) if fprop => {
+                let flag = ((xq.meta().amax()? * 0.0)? + 1.0)?.to_dtype(x.dtype())?;
+                fp8_gemm(xq, wq, x.dtype())?.broadcast_mul(&flag)?
+            }
+            _ => x.matmul(&w_native()?.t()?)?,
+        };
+        let x_saved = match xq {
+            Some(xq) if wgrad => Saved::Fp8(xq),
+            _ => Saved::Native(x.clone()),
+        };
+        let w_saved = match wq {
+            Some(wq) if dgrad => Saved::Fp8(wq),
+            _ => Saved::Native(w_native()?),
+        };
+        *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::forward",
+        })? = x_saved.nbytes() + w_saved.nbytes();
+        // The op's second argument: the weight's Var when its gradient goes
+        // to candle's GradStore; otherwise a tracked one-element placeholder,
+        // so candle runs the backward (and feeds the sink) even when `x` is
+        // plain data, as for the first layer of a model.
+        let w_arg = match weight {
+            Weight::F32(var) if sink.is_none() => var.as_tensor().clone(),
+            _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
+        };
+        if !x.track_op() && !w_arg.track_op() {
+            return Ok(y);
+        }
+        let op = Fp8LinearOp {
+            y: Mutex::new(Some(y)),
+            x_saved,
+            w_saved,
+            plan: Plan {
+                dgrad,
+                wgrad,
+                bwd_format: fmt.backward(),
+                scaling,
+            },
+            state: self.scaling.clone(),
+            casts: self.casts.clone(),
+            step,
+            sink,
+            name: self.name.clone(),
+            x_dtype: x.dtype(),
+            w_dtype: w_arg.dtype(),
+        };
+        Ok(x.apply_op2(&w_arg, op)?)
+    }
+}
