@@ -349,3 +349,53 @@ fn initialize_refuses_to_run_twice_and_tied_weights_at_low_levels() {
     assert_eq!(m4.proj.weight_slot().read().unwrap().kind(), "F32");
     initialize(&varmap4, AdamWConfig::default(), config(Level::O3)).unwrap();
 }
+
+#[test]
+fn evaluate_leaves_the_delayed_scaling_state_as_it_was() {
+    let varmap = VarMap::new();
+    let model = Model::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        8,
+        16,
+        4,
+    );
+    seed(&varmap);
+    let cfg = AmpConfig {
+        compute: Compute::Fp8Delayed {
+            recipe: amp::DelayedScaling::default(),
+        },
+        ..config(Level::O2)
+    };
+    let (amp, mut opt) = initialize(&varmap, AdamWConfig::default(), cfg).unwrap();
+    let x = randt(&[32, 8], 7, 1.0);
+    let loss = {
+        let _fp8 = amp.autocast();
+        model.forward(&x).sqr().unwrap().mean_all().unwrap()
+    };
+    opt.backward_step(&loss).unwrap();
+    // every scale and amax history of every layer
+    let snapshot = || -> Vec<Vec<f32>> {
+        let mut out = vec![];
+        for layer in amp.linears() {
+            let s = layer.scaling_state().unwrap().unwrap();
+            for m in [&s.input, &s.weight, &s.grad_output] {
+                out.push(m.scale().to_vec1().unwrap());
+                out.push(m.amax_history().to_vec1().unwrap());
+            }
+        }
+        out
+    };
+    let before = snapshot();
+    let big = (&x * 50.0).unwrap(); // another amax
+    let y = amp
+        .evaluate(|| -> Result<Tensor, amp::levels::Error> { Ok(model.forward(&big)) })
+        .unwrap();
+    assert_eq!(y.dims(), [32, 4]);
+    assert_eq!(snapshot(), before);
+    // the same forward in a plain scope changes the state: the check can fail
+    {
+        let _fp8 = amp.autocast();
+        model.forward(&big);
+    }
+    assert_ne!(snapshot(), before);
+}

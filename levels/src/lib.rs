@@ -15,6 +15,7 @@ mod ckpt_reader;
 mod config;
 mod context;
 mod error;
+mod eval;
 mod export;
 mod level;
 mod report;

@@ -1,0 +1,278 @@
+//! Train a small GPT on the bundled corpus at any level, or compare levels
+//! side by side: the README's main job.
+//!
+//! ```sh
+//! cargo run --release --example gpt                              # O0, tiny, CPU
+//! cargo run --release --example gpt -- --level O2 --sample 200
+//! cargo run --release --example gpt -- --compare O0,O1,O2,O3     # out/compare.md, loss.svg, memory.svg
+//! ```
+
+mod data;
+mod model;
+mod report;
+mod train;
+
+use amp::levels::{Compute, ExportDType, Level};
+use amp::{CurrentScaling, DelayedScaling};
+use anyhow::{Context, Result};
+use candle_core::Device;
+use clap::{CommandFactory, Parser, ValueEnum};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use train::{train, TrainConfig};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ComputeArg {
+    Native,
+    Fp8Current,
+    Fp8Delayed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ExportArg {
+    F32,
+    Bf16,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a GPT on the bundled corpus with candle-amp at any optimization level")]
+struct Args {
+    /// Optimization level.
+    #[arg(long, default_value = "O0")]
+    level: Level,
+    /// Compute path of the matrix products [default: native at O0, fp8-current above].
+    #[arg(long, value_enum)]
+    compute: Option<ComputeArg>,
+    /// Transformer Engine DelayedScaling recipe (JSON or TOML); implies fp8-delayed.
+    #[arg(long)]
+    recipe: Option<PathBuf>,
+    /// Model size: tiny, 125m, 350m, 760m, 1.3b.
+    #[arg(long, default_value = "tiny")]
+    size: String,
+    /// Optimizer steps in all.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Stop after this step (with --save; --resume goes on), the schedule still spanning --steps.
+    #[arg(long)]
+    stop_at: Option<u64>,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    /// Tokens per sequence (the model's context).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(2..))]
+    seq: u64,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Warmup steps.
+    #[arg(long, default_value_t = 20)]
+    warmup: u64,
+    /// Seed of the weights, the batches and the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Validation every this many steps.
+    #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(u64).range(1..))]
+    eval_every: u64,
+    /// Linear weights kept in high precision (name patterns, `*` wildcard).
+    #[arg(long, value_delimiter = ',')]
+    high_precision: Vec<String>,
+    /// Model vocabulary (tokens are bytes; more only to match GPU benchmark shapes).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(256..))]
+    vocab: u64,
+    /// Train on this text file instead of the bundled corpus.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Write a checkpoint (safetensors, every scale) at the end.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Start from a checkpoint (of any level).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Export the trained model as plain safetensors (GPT-2 tensor names).
+    #[arg(long)]
+    export: Option<PathBuf>,
+    /// Dtype of the export.
+    #[arg(long, value_enum, default_value = "f32")]
+    export_dtype: ExportArg,
+    /// Generate this many characters at the end.
+    #[arg(long, default_value_t = 0)]
+    sample: usize,
+    /// Text the sample continues.
+    #[arg(long, default_value = "And God said")]
+    prompt: String,
+    /// Print one JSON summary line per run at the end (no progress bar).
+    #[arg(long)]
+    json: bool,
+    /// Run each of these levels in turn on the same data and seed.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<Level>,
+    /// CPU threads for candle's kernels (0: candle's default, every core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Folder for the comparison's table and plots.
+    #[arg(long, default_value = "out")]
+    out: PathBuf,
+}
+
+/// A usage error: clap's format, exit code 2.
+fn usage(msg: impl std::fmt::Display) -> ! {
+    Args::command()
+        .error(clap::error::ErrorKind::ValueValidation, msg)
+        .exit()
+}
+
+fn compute_for(args: &Args, level: Level) -> Compute {
+    if let Some(path) = &args.recipe {
+        return match DelayedScaling::from_path(path) {
+            Ok(recipe) => Compute::Fp8Delayed { recipe },
+            Err(e) => usage(format!("--recipe {}: {e}", path.display())),
+        };
+    }
+    match args.compute {
+        Some(ComputeArg::Native) => Compute::Native,
+        Some(ComputeArg::Fp8Current) => Compute::Fp8Current {
+            recipe: CurrentScaling::default(),
+        },
+        Some(ComputeArg::Fp8Delayed) => Compute::Fp8Delayed {
+            recipe: DelayedScaling::default(),
+        },
+        None if level == Level::O0 => Compute::Native,
+        None => Compute::Fp8Current {
+            recipe: CurrentScaling::default(),
+        },
+    }
+}
+
+fn device(name: &str) -> Device {
+    let ordinal = match name {
+        "cpu" => return Device::Cpu,
+        "cuda" => Some(0),
+        other => other.strip_prefix("cuda:").and_then(|n| n.parse().ok()),
+    };
+    let Some(ordinal) = ordinal else {
+        usage(format!("--device `{name}`: cpu, cuda or cuda:N"))
+    };
+    Device::new_cuda(ordinal).unwrap_or_else(|e| {
+        usage(format!(
+            "--device {name}: {e} (build with `--features cuda` on a machine with a GPU)"
+        ))
+    })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.threads > 0 {
+        // Read by candle when its thread pool starts, before any op runs;
+        // nothing else runs yet, so setting the environment is safe here.
+        std::env::set_var("CANDLE_NUM_THREADS", args.threads.to_string());
+        std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
+    }
+    if args.recipe.is_some() && !matches!(args.compute, None | Some(ComputeArg::Fp8Delayed)) {
+        usage("--recipe is a delayed-scaling recipe: it goes with --compute fp8-delayed");
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        usage(format!("--lr {}: must be finite and positive", args.lr));
+    }
+    if let Err(e) = model::GptConfig::named(&args.size, args.vocab as usize, args.seq as usize) {
+        usage(format!("--size: {e}"));
+    }
+    let corpus = match &args.data {
+        Some(path) => {
+            data::Corpus::from_path(path).unwrap_or_else(|e| usage(format!("--data: {e:#}")))
+        }
+        None => data::Corpus::bundled(),
+    };
+    let val_len = corpus.tokens(data::Split::Val).len() as u64;
+    if args.seq + 1 >= val_len {
+        usage(format!(
+            "--seq {}: the validation split has only {val_len} tokens",
+            args.seq
+        ));
+    }
+    let levels = if args.compare.is_empty() {
+        vec![args.level]
+    } else {
+        args.compare.clone()
+    };
+    let base = TrainConfig {
+        size: args.size.clone(),
+        vocab: args.vocab as usize,
+        steps: args.steps,
+        stop_at: args.stop_at,
+        batch: args.batch as usize,
+        seq: args.seq as usize,
+        lr: args.lr,
+        warmup: args.warmup.min(args.steps),
+        seed: args.seed,
+        eval_every: args.eval_every,
+        high_precision: args.high_precision.clone(),
+        device: device(&args.device),
+        save: args.save.clone(),
+        resume: args.resume.clone(),
+        export: args.export.clone().map(|p| {
+            let dtype = match args.export_dtype {
+                ExportArg::F32 => ExportDType::F32,
+                ExportArg::Bf16 => ExportDType::BF16,
+            };
+            (p, dtype)
+        }),
+        sample: args.sample,
+        prompt: args.prompt.clone(),
+        progress: !args.json && std::io::stdout().is_terminal(),
+        ..Default::default()
+    };
+    if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {
+        usage("--save, --resume and --export take one run: leave them out of --compare");
+    }
+    let mut runs = Vec::new();
+    for &level in &levels {
+        let cfg = TrainConfig {
+            level,
+            compute: compute_for(&args, level),
+            ..base.clone()
+        };
+        let s = train(&cfg, &corpus)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&s)?);
+        } else {
+            print_summary(&s);
+        }
+        runs.push(s);
+    }
+    if levels.len() > 1 {
+        std::fs::create_dir_all(&args.out)
+            .with_context(|| format!("creating {}", args.out.display()))?;
+        let table = report::markdown(&runs);
+        std::fs::write(args.out.join("compare.md"), &table)?;
+        report::loss_svg(&runs, &args.out.join("loss.svg"))?;
+        report::memory_svg(&runs, &args.out.join("memory.svg"))?;
+        if !args.json {
+            println!("{table}");
+            println!(
+                "wrote {0}/compare.md, {0}/loss.svg, {0}/memory.svg",
+                args.out.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn print_summary(s: &train::Summary) {
+    println!(
+        "{} {} {} ({} params, {} steps of {}x{} tokens on {}):",
+        s.level, s.compute, s.size, s.params, s.steps, s.batch, s.seq, s.device
+    );
+    println!(
+        "  loss {:.4} -> {:.4}, validation {:.4}, {:.0} tokens/s, {} skipped, {:.1} s",
+        s.first_loss, s.final_loss, s.val_loss, s.tokens_per_s, s.skipped_steps, s.wall_s
+    );
+    if let Some(m) = &s.memory {
+        println!("  {}", m.to_string().replace('\n', "\n  "));
+    }
+    if let Some(text) = &s.sample {
+        println!("  sample:\n{text}\n");
+    }
+}

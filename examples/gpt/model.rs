@@ -1,0 +1,273 @@
+//! A decoder-only GPT (pre-LayerNorm, causal self-attention, GELU MLP,
+//! learned positions, output head) built from `amp::nn` layers. Its code
+//! does not change with the level: `amp::initialize` converts the Linear
+//! weights in place.
+//!
+//! Parameter names follow GPT-2 (`wte`, `wpe`, `h.{i}.ln_1`,
+//! `h.{i}.attn.c_attn`, `h.{i}.attn.c_proj`, `h.{i}.ln_2`, `h.{i}.mlp.c_fc`,
+//! `h.{i}.mlp.c_proj`, `ln_f`, `lm_head`), so an export reads like a GPT-2
+//! checkpoint. Linear weights are `[out, in]` (`nn.Linear`'s layout, which
+//! `candle_nn::linear` reads); Hugging Face's GPT-2 `Conv1D` stores the
+//! transpose.
+
+use amp::nn::{self, LayerNorm, Linear};
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, VarBuilder, VarMap};
+use rand::SeedableRng;
+use rand_distr::Distribution;
+
+/// The shape of a GPT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct GptConfig {
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block.
+    pub n_head: usize,
+    /// Width.
+    pub n_embd: usize,
+    /// Vocabulary (256 for the byte-level tokenizer).
+    pub vocab: usize,
+    /// Context length (learned positions).
+    pub ctx: usize,
+}
+
+/// The sizes by name: `tiny` trains on two CPU cores in minutes; the others
+/// are GPT-2/3 shapes (layers, heads, width) as `torch_gpt.py` uses them.
+pub const SIZES: [(&str, usize, usize, usize); 5] = [
+    ("tiny", 4, 4, 128),
+    ("125m", 12, 12, 768),
+    ("350m", 24, 16, 1024),
+    ("760m", 24, 16, 1536),
+    ("1.3b", 24, 32, 2048),
+];
+
+impl GptConfig {
+    /// The named size with a vocabulary and a context length.
+    ///
+    /// # Errors
+    /// An unknown name, a zero vocabulary or context.
+    pub fn named(size: &str, vocab: usize, ctx: usize) -> Result<Self> {
+        let Some(&(_, n_layer, n_head, n_embd)) = SIZES.iter().find(|s| s.0 == size) else {
+            let names: Vec<&str> = SIZES.iter().map(|s| s.0).collect();
+            bail!("unknown size `{size}`: one of {}", names.join(", "));
+        };
+        if vocab == 0 || ctx == 0 {
+            bail!("vocabulary ({vocab}) and context ({ctx}) must be positive");
+        }
+        Ok(Self {
+            n_layer,
+            n_head,
+            n_embd,
+            vocab,
+            ctx,
+        })
+    }
+
+    /// Parameters in all.
+    pub fn params(&self) -> usize {
+        let d = self.n_embd;
+        let block =
+            2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+        (self.vocab + self.ctx) * d + self.n_layer * block + 2 * d + d * self.vocab
+    }
+}
+
+struct Block {
+    ln_1: LayerNorm,
+    c_attn: Linear,
+    c_proj: Linear,
+    ln_2: LayerNorm,
+    c_fc: Linear,
+    mlp_proj: Linear,
+}
+
+/// The model.
+pub struct Gpt {
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    lm_head: Linear,
+    cfg: GptConfig,
+}
+
+const LN_EPS: f64 = 1e-5;
+
+impl Gpt {
+    /// Builds the layers through `vb` (their weights are initialised by
+    /// [`init_weights`], not here).
+    ///
+    /// # Errors
+    /// A width that the heads do not divide, candle's.
+    pub fn new(cfg: GptConfig, vb: VarBuilder) -> Result<Self> {
+        let d = cfg.n_embd;
+        if cfg.n_head == 0 || d % cfg.n_head != 0 {
+            bail!("width {d} is not a multiple of the {} heads", cfg.n_head);
+        }
+        let emb = |n: usize, name: &str| -> Result<Embedding> {
+            Ok(Embedding::new(vb.pp(name).get((n, d), "weight")?, d))
+        };
+        let blocks = (0..cfg.n_layer)
+            .map(|i| -> Result<Block> {
+                let b = vb.pp(format!("h.{i}"));
+                Ok(Block {
+                    ln_1: nn::layer_norm(d, LN_EPS, b.pp("ln_1"))?,
+                    c_attn: nn::linear(d, 3 * d, b.pp("attn.c_attn"))?,
+                    c_proj: nn::linear(d, d, b.pp("attn.c_proj"))?,
+                    ln_2: nn::layer_norm(d, LN_EPS, b.pp("ln_2"))?,
+                    c_fc: nn::linear(d, 4 * d, b.pp("mlp.c_fc"))?,
+                    mlp_proj: nn::linear(4 * d, d, b.pp("mlp.c_proj"))?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            wte: emb(cfg.vocab, "wte")?,
+            wpe: emb(cfg.ctx, "wpe")?,
+            blocks,
+            ln_f: nn::layer_norm(d, LN_EPS, vb.pp("ln_f"))?,
+            lm_head: nn::linear_no_bias(d, cfg.vocab, vb.pp("lm_head"))?,
+            cfg,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// Logits `[batch, seq, vocab]` of tokens `[batch, seq]` (u32).
+    ///
+    /// # Errors
+    /// A sequence longer than the context, candle's.
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        if t > self.cfg.ctx {
+            bail!(
+                "sequence of {t} tokens is longer than the context ({})",
+                self.cfg.ctx
+            );
+        }
+        let dev = tokens.device();
+        let pos = Tensor::arange(0u32, t as u32, dev)?;
+        let mut h = self
+            .wte
+            .forward(tokens)?
+            .broadcast_add(&self.wpe.forward(&pos)?)?;
+        let mask = causal_mask(t, dev)?;
+        for blk in &self.blocks {
+            let a = self.attention(blk, &blk.ln_1.forward(&h)?, &mask, b, t)?;
+            h = (h + a)?;
+            let m = blk.c_fc.forward(&blk.ln_2.forward(&h)?)?.gelu()?;
+            h = (h + blk.mlp_proj.forward(&m)?)?;
+        }
+        Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
+    }
+
+    fn attention(
+        &self,
+        blk: &Block,
+        x: &Tensor,
+        mask: &Tensor,
+        b: usize,
+        t: usize,
+    ) -> Result<Tensor> {
+        let (d, heads) = (self.cfg.n_embd, self.cfg.n_head);
+        let hd = d / heads;
+        let qkv = blk.c_attn.forward(x)?;
+        let split = |i: usize| -> Result<Tensor> {
+            Ok(qkv
+                .narrow(D::Minus1, i * d, d)?
+                .reshape((b, t, heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let att = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
+        // softmax from differentiable ops (candle_nn::ops::softmax composes them)
+        let att = candle_nn::ops::softmax(&att.broadcast_add(mask)?, D::Minus1)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        Ok(blk.c_proj.forward(&y)?)
+    }
+
+    /// Mean cross-entropy of next-token prediction.
+    ///
+    /// # Errors
+    /// Shapes that disagree, candle's.
+    pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(x)?;
+        let (b, t, v) = logits.dims3()?;
+        Ok(candle_nn::loss::cross_entropy(
+            &logits.reshape((b * t, v))?,
+            &y.reshape(b * t)?,
+        )?)
+    }
+}
+
+/// `[t, t]`: 0 on and below the diagonal, -inf above.
+fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(m, (t, t), dev)?)
+}
+
+/// GPT-2's initialisation, reproducible from `seed` (candle's CPU generator
+/// cannot be seeded): weights of Linear layers and embeddings N(0, 0.02),
+/// the residual projections (`c_proj`) N(0, 0.02 / sqrt(2 * n_layer)),
+/// biases 0, LayerNorm scales 1. Each parameter draws from its own stream
+/// (seed and name), so the values do not depend on the order of names.
+///
+/// # Errors
+/// A parameter this model does not have, candle's.
+pub fn init_weights(varmap: &VarMap, cfg: &GptConfig, seed: u64) -> Result<()> {
+    let data = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("the VarMap's lock is poisoned"))?;
+    let resid_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
+    for (name, var) in data.iter() {
+        let n = var.elem_count();
+        let values: Vec<f32> = if name.ends_with(".bias") {
+            vec![0.0; n]
+        } else if name.starts_with("ln_") || name.contains(".ln_") {
+            vec![1.0; n]
+        } else {
+            let std = if name.ends_with("c_proj.weight") {
+                resid_std
+            } else {
+                0.02
+            };
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ fnv1a(name));
+            let normal = rand_distr::Normal::new(0.0, std as f32)?;
+            (0..n).map(|_| normal.sample(&mut rng)).collect()
+        };
+        let t = Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
+/// FNV-1a of a name: a stable per-parameter stream id.
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The model on `dev` with its `VarMap`, initialised from `seed`.
+///
+/// # Errors
+/// As [`Gpt::new`] and [`init_weights`].
+pub fn build(cfg: GptConfig, seed: u64, dev: &Device) -> Result<(Gpt, VarMap)> {
+    let varmap = VarMap::new();
+    let model = Gpt::new(cfg, VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
+    init_weights(&varmap, &cfg, seed)?;
+    Ok((model, varmap))
+}

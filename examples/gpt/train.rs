@@ -1,0 +1,347 @@
+//! The training run: build, initialize at a level, train with a progress
+//! bar, evaluate, report memory, save, export, sample. [`train`] is what
+//! the CLI and the end-to-end test call.
+
+use crate::data::{decode, encode, Corpus, Split};
+use crate::model::{build, Gpt, GptConfig};
+use amp::levels::{initialize, AmpConfig, AmpContext, Compute, ExportDType, Level, MemoryReport};
+use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor, D};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rand::SeedableRng;
+use rand_distr::Distribution;
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Everything one run needs.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Model size by name (`model::SIZES`).
+    pub size: String,
+    /// Vocabulary of the model (256 for bytes; larger only to match the
+    /// shapes of GPU benchmarks).
+    pub vocab: usize,
+    /// The level.
+    pub level: Level,
+    /// The compute path.
+    pub compute: Compute,
+    /// Linear weights (name patterns) kept in high precision.
+    pub high_precision: Vec<String>,
+    /// Optimizer steps in all (a resumed run continues to this); the
+    /// learning-rate schedule spans them.
+    pub steps: u64,
+    /// Stop after this step (save, then resume later to go on).
+    pub stop_at: Option<u64>,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence (also the model's context).
+    pub seq: usize,
+    /// Peak learning rate (linear warmup, cosine decay to a tenth).
+    pub lr: f64,
+    /// Warmup steps.
+    pub warmup: u64,
+    /// AdamW's decoupled weight decay.
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this.
+    pub max_grad_norm: Option<f64>,
+    /// Seed of the weights, the batches and the sampler.
+    pub seed: u64,
+    /// Validation every this many steps (and after the last).
+    pub eval_every: u64,
+    /// Batches per validation.
+    pub eval_batches: usize,
+    /// Where to run.
+    pub device: Device,
+    /// Write a checkpoint here at the end.
+    pub save: Option<PathBuf>,
+    /// Start from this checkpoint.
+    pub resume: Option<PathBuf>,
+    /// Export the trained weights here.
+    pub export: Option<(PathBuf, ExportDType)>,
+    /// Characters to generate at the end.
+    pub sample: usize,
+    /// Text the sample continues.
+    pub prompt: String,
+    /// Draw a progress bar.
+    pub progress: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            size: "tiny".into(),
+            vocab: crate::data::VOCAB,
+            level: Level::O0,
+            compute: Compute::Native,
+            high_precision: Vec::new(),
+            steps: 300,
+            stop_at: None,
+            batch: 16,
+            seq: 64,
+            lr: 3e-3,
+            warmup: 20,
+            weight_decay: 0.1,
+            max_grad_norm: Some(1.0),
+            seed: 0,
+            eval_every: 50,
+            eval_batches: 8,
+            device: Device::Cpu,
+            save: None,
+            resume: None,
+            export: None,
+            sample: 0,
+            prompt: "And God said".into(),
+            progress: false,
+        }
+    }
+}
+
+/// The name of a compute path on the command line.
+pub fn compute_name(c: &Compute) -> &'static str {
+    match c {
+        Compute::Native => "native",
+        Compute::Fp8Current { .. } => "fp8-current",
+        Compute::Fp8Delayed { .. } => "fp8-delayed",
+    }
+}
+
+/// What a run did: the `--json` line, and the curves for the plots.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub level: String,
+    pub compute: String,
+    pub size: String,
+    pub params: usize,
+    pub linear_params: usize,
+    pub steps: u64,
+    pub batch: usize,
+    pub seq: usize,
+    pub seed: u64,
+    /// Loss of this run's first step.
+    pub first_loss: f32,
+    /// Loss of its last step.
+    pub final_loss: f32,
+    /// Mean validation loss after the last step.
+    pub val_loss: f32,
+    /// Training tokens per second (evaluation excluded).
+    pub tokens_per_s: f64,
+    pub bytes_per_linear_param: f64,
+    pub predicted_bytes_per_linear_param: f64,
+    /// Persistent bytes by category (weights, masters, gradients, moments,
+    /// other parameters and their states, scaling metadata) and `total`.
+    pub persistent_bytes: serde_json::Value,
+    pub activations_saved_bytes: usize,
+    pub skipped_steps: u64,
+    pub device: String,
+    pub wall_s: f64,
+    /// (step, training loss) of every step of this run.
+    #[serde(skip)]
+    pub train_curve: Vec<(u64, f32)>,
+    /// (step, validation loss).
+    #[serde(skip)]
+    pub val_curve: Vec<(u64, f32)>,
+    #[serde(skip)]
+    pub memory: Option<MemoryReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sample: Option<String>,
+}
+
+/// Trains one model as `cfg` says on `corpus`.
+///
+/// # Errors
+/// A bad config (sequence longer than the split, unknown size), a corrupt
+/// or mismatched checkpoint, I/O, candle's.
+pub fn train(cfg: &TrainConfig, corpus: &Corpus) -> Result<Summary> {
+    let t0 = Instant::now();
+    let gcfg = GptConfig::named(&cfg.size, cfg.vocab, cfg.seq)?;
+    if cfg.batch == 0 || cfg.seq < 2 || cfg.steps == 0 {
+        bail!("batch, steps and seq must be positive (seq at least 2)");
+    }
+    let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
+    let amp_cfg = AmpConfig {
+        level: cfg.level,
+        compute: cfg.compute.clone(),
+        high_precision: cfg.high_precision.clone(),
+        max_grad_norm: cfg.max_grad_norm,
+        ..Default::default()
+    };
+    let adam = AdamWConfig {
+        lr: cfg.lr,
+        beta2: 0.95,
+        weight_decay: cfg.weight_decay,
+        ..Default::default()
+    };
+    let (amp, mut opt) = initialize(&varmap, adam, amp_cfg)?;
+    opt.inner_mut().set_schedule(WarmupCosine {
+        peak: cfg.lr,
+        min: cfg.lr / 10.0,
+        warmup: cfg.warmup,
+        total: cfg.steps,
+    });
+    if let Some(path) = &cfg.resume {
+        amp.load(path, &mut opt)
+            .with_context(|| format!("resuming from {}", path.display()))?;
+    }
+    let start = opt.inner().step_count();
+    let end = cfg.stop_at.unwrap_or(cfg.steps).min(cfg.steps);
+    if start >= end {
+        bail!("the checkpoint is at step {start}: nothing left to do before step {end}");
+    }
+    let bar = progress_bar(cfg, start);
+    let (mut train_curve, mut val_curve) = (Vec::new(), Vec::new());
+    let (mut skipped, mut train_secs) = (0u64, 0.0f64);
+    for step in start..end {
+        let t = Instant::now();
+        let (x, y) = corpus.batch(
+            Split::Train,
+            step,
+            cfg.seed,
+            cfg.batch,
+            cfg.seq,
+            &cfg.device,
+        )?;
+        let loss = {
+            let _fp8 = amp.autocast();
+            model.loss(&x, &y)?
+        };
+        let value = loss.to_scalar::<f32>()?;
+        if let StepOutcome::Skipped = opt.backward_step(&loss)? {
+            skipped += 1;
+        }
+        train_secs += t.elapsed().as_secs_f64();
+        train_curve.push((step + 1, value));
+        let done = step + 1;
+        if done % cfg.eval_every.max(1) == 0 || done == end {
+            val_curve.push((done, evaluate(&model, &amp, corpus, cfg)?));
+        }
+        let tps = (done - start) as f64 * (cfg.batch * cfg.seq) as f64 / train_secs.max(1e-9);
+        bar.set_message(format!("loss {value:.3}  {tps:.0} tok/s"));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let report = amp.memory_report(&opt)?;
+    if let Some(path) = &cfg.save {
+        amp.save(path, &opt)
+            .with_context(|| format!("saving {}", path.display()))?;
+    }
+    if let Some((path, dtype)) = &cfg.export {
+        amp.export(path, &opt, *dtype)
+            .with_context(|| format!("exporting {}", path.display()))?;
+    }
+    let sample = if cfg.sample > 0 {
+        Some(amp.evaluate(|| generate(&model, &cfg.prompt, cfg.sample, cfg.seed, &cfg.device))?)
+    } else {
+        None
+    };
+    let tokens = (end - start) as f64 * (cfg.batch * cfg.seq) as f64;
+    Ok(Summary {
+        level: cfg.level.to_string(),
+        compute: compute_name(&cfg.compute).into(),
+        size: cfg.size.clone(),
+        params: gcfg.params(),
+        linear_params: report.linear_params,
+        steps: end,
+        batch: cfg.batch,
+        seq: cfg.seq,
+        seed: cfg.seed,
+        first_loss: train_curve.first().map_or(f32::NAN, |p| p.1),
+        final_loss: train_curve.last().map_or(f32::NAN, |p| p.1),
+        val_loss: val_curve.last().map_or(f32::NAN, |p| p.1),
+        tokens_per_s: tokens / train_secs.max(1e-9),
+        bytes_per_linear_param: report.measured_bytes_per_linear_param,
+        predicted_bytes_per_linear_param: report.predicted_bytes_per_linear_param,
+        persistent_bytes: persistent_json(&report),
+        activations_saved_bytes: report.bytes.activations_saved,
+        skipped_steps: skipped,
+        device: device_name(&cfg.device),
+        wall_s: t0.elapsed().as_secs_f64(),
+        train_curve,
+        val_curve,
+        memory: Some(report),
+        sample,
+    })
+}
+
+fn progress_bar(cfg: &TrainConfig, start: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(
+        Some(cfg.stop_at.unwrap_or(cfg.steps).min(cfg.steps)),
+        if cfg.progress {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    let style = ProgressStyle::with_template(
+        "{prefix} [{elapsed_precise}] {bar:30.cyan/blue} {pos}/{len} {msg} (ETA {eta})",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style.progress_chars("=> "));
+    bar.set_prefix(format!("{} {}", cfg.level, compute_name(&cfg.compute)));
+    bar.set_position(start);
+    bar
+}
+
+/// Mean loss over the fixed validation batches, in the run's compute mode,
+/// leaving the layers' scaling state as it was ([`AmpContext::evaluate`]).
+fn evaluate(model: &Gpt, amp: &AmpContext, corpus: &Corpus, cfg: &TrainConfig) -> Result<f32> {
+    amp.evaluate(|| {
+        let mut sum = 0.0;
+        for i in 0..cfg.eval_batches as u64 {
+            let (x, y) = corpus.batch(Split::Val, i, cfg.seed, cfg.batch, cfg.seq, &cfg.device)?;
+            sum += model.loss(&x, &y)?.to_scalar::<f32>()?;
+        }
+        Ok(sum / cfg.eval_batches.max(1) as f32)
+    })
+}
+
+/// `n` bytes continuing `prompt`, sampled at temperature 0.8 from a
+/// generator seeded with `seed`.
+///
+/// # Errors
+/// candle's.
+pub fn generate(model: &Gpt, prompt: &str, n: usize, seed: u64, dev: &Device) -> Result<String> {
+    const TEMPERATURE: f64 = 0.8;
+    let ctx = model.config().ctx;
+    let mut tokens = encode(prompt.as_bytes());
+    if tokens.is_empty() {
+        tokens.push(b'\n' as u32);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for _ in 0..n {
+        let window = &tokens[tokens.len().saturating_sub(ctx)..];
+        let x = Tensor::new(window, dev)?.unsqueeze(0)?;
+        let logits = model.forward(&x)?.squeeze(0)?.get(window.len() - 1)?;
+        let probs = candle_nn::ops::softmax(&(logits / TEMPERATURE)?, D::Minus1)?;
+        let probs: Vec<f32> = probs.to_vec1()?;
+        let pick = rand::distr::weighted::WeightedIndex::new(&probs)
+            .context("the model's output is not a distribution (non-finite logits)")?;
+        tokens.push(pick.sample(&mut rng) as u32);
+    }
+    Ok(decode(&tokens))
+}
+
+fn persistent_json(r: &MemoryReport) -> serde_json::Value {
+    let b = &r.bytes;
+    serde_json::json!({
+        "linear_weights": b.linear_weights,
+        "master_weights": b.master_weights,
+        "weight_gradients": b.weight_gradients,
+        "first_moments": b.first_moments,
+        "second_moments": b.second_moments,
+        "other_params": b.other_params,
+        "other_states": b.other_states,
+        "scaling_metadata": b.scaling_metadata,
+        "total": r.persistent_total(),
+    })
+}
+
+/// `cpu` or `cuda:N`.
+pub fn device_name(dev: &Device) -> String {
+    match dev.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
