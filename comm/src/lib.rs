@@ -44,7 +44,5 @@ pub use fp8_reduce::{
     fp8_all_gather, fp8_all_reduce, fp8_reduce_scatter, Fp8ReduceConfig, Fp8Reduced, Grad,
     ReducedShard,
 };
-pub use in_process::{
-    run_ranks, run_ranks_each, run_ranks_with, InProcessComm, InProcessConfig,
-};
+pub use in_process::{run_ranks, run_ranks_each, run_ranks_with, InProcessComm, InProcessConfig};
 pub use shard::{shard_len, shard_range};

@@ -39,7 +39,11 @@ fn reductions_match_direct_computation() {
                 .map(|i| (0..world).map(|r| input(r, len)[i]).sum())
                 .collect();
             let max: Vec<f32> = (0..len)
-                .map(|i| (0..world).map(|r| input(r, len)[i]).fold(f32::MIN, f32::max))
+                .map(|i| {
+                    (0..world)
+                        .map(|r| input(r, len)[i])
+                        .fold(f32::MIN, f32::max)
+                })
                 .collect();
             let b = bounds(len, world);
             let out = run_ranks(world, |comm| {
@@ -58,11 +62,19 @@ fn reductions_match_direct_computation() {
                 let own = (hi - lo) as u64;
                 assert_eq!(s, sum, "sum N={world} len={len} rank {r}");
                 assert_eq!(m, max, "max N={world} len={len} rank {r}");
-                assert_eq!(rs, &sum[lo..hi], "reduce_scatter N={world} len={len} rank {r}");
+                assert_eq!(
+                    rs,
+                    &sum[lo..hi],
+                    "reduce_scatter N={world} len={len} rank {r}"
+                );
                 let len = len as u64;
                 let n = world as u64;
                 assert_eq!(rs_bytes, 4 * (len - own), "reduce_scatter bytes");
-                assert_eq!(ar_bytes, 4 * (len - own + (n - 1) * own), "all_reduce bytes");
+                assert_eq!(
+                    ar_bytes,
+                    4 * (len - own + (n - 1) * own),
+                    "all_reduce bytes"
+                );
             }
         }
     }
@@ -73,7 +85,11 @@ fn all_reduce_keeps_the_shape_and_sends_the_ring_bytes() {
     let out = run_ranks(4, |comm| {
         let x = Tensor::ones((3, 8), DType::F32, &Device::Cpu)?;
         let y = comm.all_reduce_sum(&x)?;
-        Ok::<_, Error>((y.dims().to_vec(), y.sum_all()?.to_scalar::<f32>()?, comm.bytes_sent()))
+        Ok::<_, Error>((
+            y.dims().to_vec(),
+            y.sum_all()?.to_scalar::<f32>()?,
+            comm.bytes_sent(),
+        ))
     })
     .unwrap();
     for (dims, total, bytes) in out {
@@ -144,8 +160,15 @@ fn data_moving_collectives_match_direct_computation() {
                 }
                 let own = (b[r].1 - b[r].0) as u64;
                 let root_bytes = if r == world - 1 { (n - 1) * l * 4 } else { 0 };
-                let a2a: u64 = (0..world).filter(|&j| j != r).map(|j| 4 * (j as u64 + 1)).sum();
-                assert_eq!(bytes, [(n - 1) * l * 4, (n - 1) * own * 4, root_bytes, a2a, 0], "{ctx}");
+                let a2a: u64 = (0..world)
+                    .filter(|&j| j != r)
+                    .map(|j| 4 * (j as u64 + 1))
+                    .sum();
+                assert_eq!(
+                    bytes,
+                    [(n - 1) * l * 4, (n - 1) * own * 4, root_bytes, a2a, 0],
+                    "{ctx}"
+                );
             }
         }
     }
@@ -187,7 +210,10 @@ fn mismatched_shapes_are_an_error_on_every_rank() {
     .unwrap();
     for (r, res) in out.iter().enumerate() {
         match res {
-            Err(Error::Mismatch { op: "all_reduce", detail }) => {
+            Err(Error::Mismatch {
+                op: "all_reduce",
+                detail,
+            }) => {
                 assert!(detail.contains("rank 2"), "rank {r}: {detail}")
             }
             other => panic!("rank {r}: {other:?}"),
@@ -216,11 +242,25 @@ fn different_collectives_are_an_error_on_every_rank() {
 #[test]
 fn a_local_argument_error_fails_the_rank_and_breaks_the_others() {
     let out = run_ranks_each(3, &short(), |comm| {
-        let dtype = if comm.rank() == 1 { DType::U8 } else { DType::F32 };
+        let dtype = if comm.rank() == 1 {
+            DType::U8
+        } else {
+            DType::F32
+        };
         comm.all_reduce_sum(&Tensor::zeros(5, dtype, &Device::Cpu)?)
     })
     .unwrap();
-    assert!(matches!(out[1], Err(Error::DType { op: "all_reduce", .. })), "{:?}", out[1]);
+    assert!(
+        matches!(
+            out[1],
+            Err(Error::DType {
+                op: "all_reduce",
+                ..
+            })
+        ),
+        "{:?}",
+        out[1]
+    );
     for r in [0, 2] {
         assert!(
             matches!(out[r], Err(Error::PeerFailed { rank: 1, .. })),

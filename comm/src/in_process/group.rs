@@ -11,9 +11,10 @@
 //! mismatch) is recorded once and turns every pending and later wait of
 //! every rank into an error.
 
+use super::agree::check_agree;
 use crate::communicator::ReduceOp;
 use crate::error::{Error, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -159,7 +160,14 @@ impl Group {
     }
 
     /// The error a rank waiting in `round` reports for the group's failure.
-    fn failure_error(&self, f: &Failure, op: &'static str, rank: usize, round: u64, since: Instant) -> Error {
+    fn failure_error(
+        &self,
+        f: &Failure,
+        op: &'static str,
+        rank: usize,
+        round: u64,
+        since: Instant,
+    ) -> Error {
         match &f.kind {
             FailureKind::Timeout { missing } if f.round == round && f.rank != rank => {
                 Error::Timeout {
@@ -209,7 +217,9 @@ impl Group {
             drop(st);
             let err = Error::InvalidArgument {
                 op,
-                what: format!("rank {rank} is already in a collective (one call at a time per rank)"),
+                what: format!(
+                    "rank {rank} is already in a collective (one call at a time per rank)"
+                ),
             };
             return Err(self.fail_with(rank, err));
         }
@@ -242,9 +252,8 @@ impl Group {
                 let (g, in_time) = self.wait(st, deadline);
                 st = g;
                 if !in_time && st.round == my_round && st.failure.is_none() {
-                    let missing: Vec<usize> = (0..self.world)
-                        .filter(|&r| st.slots[r].is_none())
-                        .collect();
+                    let missing: Vec<usize> =
+                        (0..self.world).filter(|&r| st.slots[r].is_none()).collect();
                     st.slots[rank] = None;
                     st.failure = Some(Failure {
                         rank,
@@ -317,61 +326,4 @@ impl Group {
             }
         }
     }
-}
-
-fn describe(t: &Tensor) -> (DType, Vec<usize>) {
-    (t.dtype(), t.dims().to_vec())
-}
-
-/// Checks that the deposits of one round fit together; the error says how not.
-fn check_agree(deposits: &[Deposit]) -> std::result::Result<(), String> {
-    let Some(first) = deposits.first() else {
-        return Ok(());
-    };
-    for (r, d) in deposits.iter().enumerate() {
-        if d.op != first.op || d.call != first.call {
-            return Err(format!(
-                "rank 0 called {} ({:?}), rank {r} called {} ({:?})",
-                first.op, first.call, d.op, d.call
-            ));
-        }
-    }
-    match first.call {
-        Call::AllToAll => {
-            for (i, d) in deposits.iter().enumerate() {
-                for (j, chunk) in d.tensors.iter().enumerate() {
-                    let own = deposits.get(j).and_then(|dj| dj.tensors.get(j));
-                    if own.map(describe) != Some(describe(chunk)) {
-                        return Err(format!(
-                            "rank {i} sends rank {j} a chunk of {:?}, rank {j} keeps {:?}",
-                            describe(chunk),
-                            own.map(describe)
-                        ));
-                    }
-                }
-            }
-        }
-        Call::AllGatherShards { .. } => {
-            for (r, d) in deposits.iter().enumerate() {
-                let (a, b) = (d.tensors.first(), first.tensors.first());
-                if a.map(Tensor::dtype) != b.map(Tensor::dtype) {
-                    return Err(format!(
-                        "rank 0 passes {:?}, rank {r} {:?}",
-                        b.map(Tensor::dtype),
-                        a.map(Tensor::dtype)
-                    ));
-                }
-            }
-        }
-        Call::ReduceScatter(_) | Call::AllGather | Call::Broadcast { .. } | Call::Barrier => {
-            let want: Vec<_> = first.tensors.iter().map(describe).collect();
-            for (r, d) in deposits.iter().enumerate() {
-                let got: Vec<_> = d.tensors.iter().map(describe).collect();
-                if got != want {
-                    return Err(format!("rank 0 passes {want:?}, rank {r} {got:?}"));
-                }
-            }
-        }
-    }
-    Ok(())
 }

@@ -10,6 +10,7 @@
 //! returned, with an error or not, while others still call collectives),
 //! when its thread panics, or when it times out waiting for others.
 
+mod agree;
 mod group;
 mod reduce;
 mod run;
@@ -41,8 +42,25 @@ impl Default for InProcessConfig {
     }
 }
 
-/// One rank of an in-process group; move each into its own thread (or use
-/// [`run_ranks`]). Dropping it tells the others this rank has left.
+/// One rank of an in-process group: `N` ranks as threads of one process.
+/// Make the group with [`group`](Self::group) and move each communicator
+/// into its own thread, or let [`run_ranks`] do it.
+///
+/// Tensors must live on the CPU ([`Error::UnsupportedDevice`] otherwise).
+/// Every wait has a timeout ([`InProcessConfig::timeout`], 60 s by
+/// default), after which the waiting ranks report [`Error::Timeout`]
+/// naming the ranks that did not arrive. The first failure of any rank
+/// breaks the group: every pending and later collective of every rank
+/// returns an error ([`Error::PeerFailed`], or the `Timeout` or
+/// [`Error::Mismatch`] itself for the ranks in that collective). A rank
+/// fails when a collective of it returns an error, when its communicator
+/// is dropped (its thread returned, with an error or not, while the others
+/// still call collectives), when its thread panics, or when it times out.
+/// Dropping all communicators after the last collective is the normal end.
+///
+/// Each rank reduces its own chunk (reduce-scatter) and the chunks are
+/// gathered, so an all-reduce costs every rank `O(L)` work; sums run in
+/// rank order and every rank receives the bitwise same result.
 pub struct InProcessComm {
     group: Arc<Group>,
     rank: usize,
