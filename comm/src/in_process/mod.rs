@@ -337,3 +337,29 @@ impl Communicator for InProcessComm {
         self.bytes.store(0, Ordering::Relaxed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fp8_reduce::{fp8_all_reduce, Fp8ReduceConfig};
+
+    #[test]
+    fn communicators_can_be_shared_and_used_as_trait_objects() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<InProcessComm>();
+        let out = run_ranks(2, |comm| {
+            let dynamic: Box<dyn Communicator + Send + Sync> = Box::new(comm);
+            let g = Tensor::new(&[1.0f32, 2.0], &Device::Cpu)?;
+            let r = fp8_all_reduce(dynamic.as_ref(), &g, &Fp8ReduceConfig::default())?;
+            Ok::<_, Error>(r.grad.dequantize(DType::F32)?.to_vec1::<f32>()?)
+        })
+        .unwrap();
+        assert_eq!(out, [[1.0, 2.0], [1.0, 2.0]]);
+    }
+
+    #[test]
+    fn an_empty_group_is_refused() {
+        let err = InProcessComm::group(0).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    }
+}
