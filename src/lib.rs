@@ -11,8 +11,9 @@
 //!   of [`nn`] (FP8 `Linear`, `LayerNorm`, `LayerNormLinear`, `LayerNormMLP`,
 //!   the `fp8_autocast` scope);
 //! - [`optim`]: AdamW, low-bit AdamW, loss scaling, schedules;
-//! - `amp-comm`, `amp-levels`: communication and the optimization levels
-//!   O0-O3 (in progress).
+//! - [`comm`]: the `Communicator` trait, an in-process backend (ranks as
+//!   threads) and FP8 gradient all-reduce;
+//! - `amp-levels`: the optimization levels O0-O3 (in progress).
 //!
 //! ```
 //! use amp::{CurrentScaling, QType, ScalingTensor};
@@ -34,6 +35,12 @@ pub use amp_levels::{
 /// Optimization levels: the policy table, config, report (`amp-levels`).
 pub mod levels {
     pub use amp_levels::*;
+}
+
+/// Communication: the `Communicator` trait, the in-process backend, FP8
+/// gradient all-reduce (`amp-comm`).
+pub mod comm {
+    pub use amp_comm::*;
 }
 
 /// Optimizers: AdamW, low-bit AdamW, loss scaling, schedules (`amp-optim`).

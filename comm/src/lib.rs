@@ -1,6 +1,48 @@
 //! # amp-comm
 //!
-//! Communication for candle-amp: the `Communicator` trait, an in-process
-//! backend, NCCL, and FP8 gradient all-reduce. Under construction: see the
-//! project's issues.
+//! Communication for candle-amp: the [`Communicator`] trait (all-reduce,
+//! reduce-scatter, all-gather, broadcast, all-to-all, barrier on candle
+//! tensors, with a count of the bytes each rank sends), an in-process
+//! backend ([`InProcessComm`]: `N` ranks as threads, CPU tensors), and the
+//! FP8 gradient all-reduce of DESIGN.md 4 ([`fp8_all_reduce`]: one scale
+//! agreed by all ranks, FP8 on the wire, F32 accumulation) with its two
+//! halves for ZeRO ([`fp8_reduce_scatter`], [`fp8_all_gather`]).
+//!
+//! Uneven sizes follow [`shard_range`]: chunks in rank order, the first
+//! `len % N` ranks one element longer. No backend hangs: a rank that does
+//! not arrive in time is named in [`Error::Timeout`], and a rank that fails
+//! breaks the group ([`Error::PeerFailed`] on every other rank).
+//!
+//! ```
+//! use amp_comm::{run_ranks, Communicator};
+//! use candle_core::{Device, Tensor};
+//! // Two ranks, two threads: each adds its vector to the other's.
+//! let sums = run_ranks(2, |comm| {
+//!     let x = Tensor::new(&[comm.rank() as f32 + 1.0, 10.0], &Device::Cpu)?;
+//!     let sum = comm.all_reduce_sum(&x)?;
+//!     Ok::<_, amp_comm::Error>((sum.to_vec1::<f32>()?, comm.bytes_sent()))
+//! })?;
+//! assert_eq!(sums[0], (vec![3.0, 20.0], 8)); // ring: 2 (N-1)/N * 2 elements * 4 bytes
+//! assert_eq!(sums[1], (vec![3.0, 20.0], 8));
+//! # Ok::<(), amp_comm::Error>(())
+//! ```
+//!
+//! # Features
+//! None yet: the build is CPU only. An NCCL backend (feature `nccl`)
+//! implements the same trait in a later release.
 #![warn(missing_docs)]
+
+mod communicator;
+mod error;
+mod fp8_reduce;
+mod in_process;
+mod shard;
+
+pub use communicator::{Communicator, ReduceOp};
+pub use error::{Error, Result};
+pub use fp8_reduce::{
+    fp8_all_gather, fp8_all_reduce, fp8_reduce_scatter, Fp8ReduceConfig, Fp8Reduced, Grad,
+    ReducedShard,
+};
+pub use in_process::{run_ranks, run_ranks_each, run_ranks_with, InProcessComm, InProcessConfig};
+pub use shard::{shard_len, shard_range};

@@ -1,0 +1,290 @@
+//! FP8 gradient all-reduce with one agreed scale, F32 accumulation, and
+//! its two halves for ZeRO ([`fp8_reduce_scatter`], [`fp8_all_gather`]).
+//!
+//! [`fp8_all_reduce`] on every rank:
+//! 1. its gradient's amax (NaN counted as inf), all-reduced with max: every
+//!    rank holds the same global amax;
+//! 2. one scale from it by `scale_rule` (MS-AMP's power of two by default)
+//!    and `margin`, computed by every rank from the same number, so
+//!    bitwise identical; the gradient is quantized with it;
+//! 3. the codes, cut by [`shard_range`], are exchanged with
+//!    [`all_to_all`](Communicator::all_to_all): rank r receives chunk r of
+//!    every rank, as `U8` (the reduce-scatter pattern);
+//! 4. the received chunks are decoded and summed in F32, in rank order
+//!    (never in FP8), then divided by `N` when `average` is set;
+//! 5. a fresh scale for the result, agreed as in 1-2 from the chunks'
+//!    amaxes (one F32 all-reduce max), quantizes each rank's chunk;
+//! 6. the FP8 chunks are all-gathered ([`all_gather_shards`]).
+//!
+//! **Headroom.** MS-AMP sums FP8 on the wire, so it must scale the
+//! gradient down by the world size to keep the sum from saturating. Here
+//! the sum is F32 and step 5 picks a new scale from the sum's own amax, so
+//! nothing can saturate and no headroom is needed: the default `margin` is
+//! 0, which keeps the gradients' small values out of the subnormals. A
+//! `margin` can still be set (the scale is divided by `2^margin`).
+//!
+//! **Wire bytes** (as [`Communicator`] counts them; `L` elements, `N`
+//! ranks, `s_r` = this rank's chunk): `L - s_r` bytes of codes in step 3,
+//! `(N - 1) * s_r` in step 6, plus two one-element F32 all-reduces (the
+//! amaxes: 4 bytes, or `4 (N - 1)` on rank 0, which owns the element).
+//! An F32 [`all_reduce`](Communicator::all_reduce) of the same gradient
+//! sends `4 (L - s_r + (N - 1) s_r)`: four times the codes.
+//!
+//! **Non-finite gradients.** When any rank's gradient holds inf or NaN, the
+//! agreed amax is inf on every rank, [`Fp8Reduced::is_finite`] is false on
+//! every rank and the result is meaningless: skip the step. The exchange
+//! still runs (with scale 1), so all ranks stay in step.
+//!
+//! [`all_gather_shards`]: Communicator::all_gather_shards
+
+use crate::communicator::Communicator;
+use crate::error::{Error, Result};
+use crate::shard::shard_range;
+use amp_core::{AmaxComputeAlgo, QType, ScaleRule, ScalingMeta, ScalingTensor};
+use candle_core::{DType, Shape, Tensor};
+use std::ops::Range;
+
+/// Settings of the FP8 reductions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8ReduceConfig {
+    /// The format on the wire and of the result (E4M3 or E5M2; F16 works too).
+    pub qtype: QType,
+    /// Divide the sum by the world size (data parallelism's mean gradient).
+    pub average: bool,
+    /// How a scale follows from an amax.
+    pub scale_rule: ScaleRule,
+    /// Extra headroom: scales are divided by `2^margin` (0 needs none, see
+    /// the module docs).
+    pub margin: u32,
+}
+
+impl Default for Fp8ReduceConfig {
+    fn default() -> Self {
+        Self {
+            qtype: QType::E4M3,
+            average: true,
+            scale_rule: ScaleRule::PowerOfTwo,
+            margin: 0,
+        }
+    }
+}
+
+/// A gradient as the layers hand it over: a float tensor (F32, F16, BF16),
+/// or an FP8 [`ScalingTensor`] with its own per-rank scale (the FP8
+/// Linear's weight gradient).
+#[derive(Debug, Clone, Copy)]
+pub enum Grad<'a> {
+    /// A float tensor.
+    Tensor(&'a Tensor),
+    /// A scaled tensor; it is decoded with its own scale first.
+    Scaled(&'a ScalingTensor),
+}
+
+impl<'a> From<&'a Tensor> for Grad<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        Self::Tensor(t)
+    }
+}
+
+impl<'a> From<&'a ScalingTensor> for Grad<'a> {
+    fn from(t: &'a ScalingTensor) -> Self {
+        Self::Scaled(t)
+    }
+}
+
+/// This rank's chunk of a reduced gradient, in F32 (what a ZeRO rank's
+/// optimizer updates).
+#[derive(Debug, Clone)]
+pub struct ReducedShard {
+    /// The chunk: 1-D F32, elements `range` of the flat sum (or mean).
+    pub shard: Tensor,
+    /// Which elements of the flat gradient the chunk holds.
+    pub range: Range<usize>,
+    /// The gradient's shape.
+    pub shape: Shape,
+    /// The agreed amax of the inputs (F32, one element, bitwise the same
+    /// on every rank; inf when any rank's gradient held inf or NaN).
+    pub amax: Tensor,
+}
+
+/// A reduced (or gathered) tensor in FP8, the same on every rank.
+#[derive(Debug, Clone)]
+pub struct Fp8Reduced {
+    /// The result; its scale is bitwise the same on every rank and its
+    /// metadata's amax is the agreed amax of the result.
+    pub grad: ScalingTensor,
+    /// The largest agreed amax of the call (inputs and result; F32, one
+    /// element, the same on every rank): inf when anything was not finite.
+    pub amax: Tensor,
+}
+
+fn is_finite_amax(amax: &Tensor) -> Result<bool> {
+    let v = amax.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.iter().all(|a| a.is_finite()))
+}
+
+impl ReducedShard {
+    /// Whether every rank's gradient was finite (a host read of the agreed
+    /// amax: once per step, as a loss scaler's check).
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn is_finite(&self) -> Result<bool> {
+        is_finite_amax(&self.amax)
+    }
+}
+
+impl Fp8Reduced {
+    /// Whether every rank's gradient and the result were finite (a host
+    /// read of the agreed amax). False on every rank alike: skip the step.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn is_finite(&self) -> Result<bool> {
+        is_finite_amax(&self.amax)
+    }
+}
+
+/// `max |x|` of a float tensor as a 1-element F32 tensor, NaN turned into inf.
+fn local_amax(x: &Tensor, qtype: QType) -> Result<Tensor> {
+    // The amax comes from amp-core's fused cast; its codes are discarded.
+    let unit = ScalingMeta::new(qtype, 1, x.device())?;
+    let (_, amax) = ScalingTensor::quantize_with(x, &unit)?;
+    let inf = Tensor::full(f32::INFINITY, amax.shape(), amax.device())?;
+    Ok(amax.ne(&amax)?.where_cond(&inf, &amax)?)
+}
+
+/// One metadata every rank derives from the all-reduced max of `amax`;
+/// its amax history holds that global amax.
+fn agreed_meta<C: Communicator + ?Sized>(
+    comm: &C,
+    amax: &Tensor,
+    cfg: &Fp8ReduceConfig,
+) -> Result<ScalingMeta> {
+    let global = comm.all_reduce_max(amax)?;
+    let mut meta = ScalingMeta::new(cfg.qtype, 1, comm.device())?;
+    meta.record_amax(&global)?;
+    meta.update_scale(cfg.scale_rule, AmaxComputeAlgo::MostRecent, cfg.margin)?;
+    Ok(ScalingMeta::from_parts(
+        cfg.qtype,
+        meta.scale().clone(),
+        meta.scale_inv().clone(),
+        global,
+    )?)
+}
+
+/// Steps 1-4 of [`fp8_all_reduce`]: this rank's chunk
+/// (`shard_range(L, rank, N)`) of the sum (or mean) of every rank's
+/// `grad`, exchanged as FP8 with one agreed scale, summed in F32.
+///
+/// # Errors
+/// [`Error::DType`] for a gradient that is not a float tensor, and the
+/// communicator's errors (every rank must call it with the same shape).
+pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
+    comm: &C,
+    grad: impl Into<Grad<'a>>,
+    cfg: &Fp8ReduceConfig,
+) -> Result<ReducedShard> {
+    let x = match grad.into() {
+        Grad::Tensor(t) => match t.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => t.clone(),
+            got => {
+                return Err(Error::DType {
+                    op: "fp8_reduce_scatter",
+                    expected: "F32, F16, BF16 or a ScalingTensor",
+                    got,
+                })
+            }
+        },
+        Grad::Scaled(s) => s.dequantize(DType::F32)?,
+    };
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let shape = x.shape().clone();
+    let len = x.elem_count();
+    let flat = x.flatten_all()?;
+    let meta = agreed_meta(comm, &local_amax(&flat, cfg.qtype)?, cfg)?;
+    let (q, _) = ScalingTensor::quantize_with(&flat, &meta)?;
+    let chunks = (0..n)
+        .map(|j| {
+            let r = shard_range(len, j, n);
+            q.data().narrow(0, r.start, r.len())
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let range = shard_range(len, rank, n);
+    let mut sum = Tensor::zeros(range.len(), DType::F32, comm.device())?;
+    for (i, codes) in comm.all_to_all(&chunks)?.into_iter().enumerate() {
+        let part = ScalingTensor::from_parts(codes, meta.clone())?.dequantize(DType::F32)?;
+        // Rank order, from rank 0's values (not 0 + x: keeps -0.0).
+        sum = if i == 0 { part } else { (sum + part)? };
+    }
+    if cfg.average && n > 1 {
+        sum = (sum / n as f64)?;
+    }
+    Ok(ReducedShard {
+        shard: sum,
+        range,
+        shape,
+        amax: meta.amax()?,
+    })
+}
+
+/// Steps 5-6 of [`fp8_all_reduce`] (and ZeRO's weight all-gather): every
+/// rank passes its chunk (`shard_range(L, rank, N)` of a tensor of
+/// `shape`, float), all agree on one scale from the chunks' amaxes, and
+/// every rank gets the whole tensor as FP8 with that scale.
+///
+/// # Errors
+/// As [`fp8_reduce_scatter`]; a chunk of the wrong length gives the
+/// communicator's `InvalidArgument`.
+pub fn fp8_all_gather<C: Communicator + ?Sized>(
+    comm: &C,
+    shard: &Tensor,
+    shape: impl Into<Shape>,
+    cfg: &Fp8ReduceConfig,
+) -> Result<Fp8Reduced> {
+    let shape = shape.into();
+    let flat = shard.flatten_all()?;
+    let meta = agreed_meta(comm, &local_amax(&flat, cfg.qtype)?, cfg)?;
+    let (q, _) = ScalingTensor::quantize_with(&flat, &meta)?;
+    let codes = comm
+        .all_gather_shards(q.data(), shape.elem_count())?
+        .reshape(shape)?;
+    let amax = meta.amax()?;
+    Ok(Fp8Reduced {
+        grad: ScalingTensor::from_parts(codes, meta)?,
+        amax,
+    })
+}
+
+/// The sum (or, with `cfg.average`, the mean) of every rank's `grad`, as
+/// FP8 with one scale shared by all ranks; FP8 on the wire, F32
+/// accumulation (see the module docs for the steps, bytes and headroom).
+/// Every rank must call it with a gradient of the same shape.
+///
+/// ```
+/// use amp_comm::{fp8_all_reduce, run_ranks, Fp8ReduceConfig};
+/// use candle_core::{DType, Device, Tensor};
+/// let out = run_ranks(2, |comm| {
+///     let g = Tensor::new(&[1.0f32, -2.0, 0.5], &Device::Cpu)?;
+///     let r = fp8_all_reduce(&comm, &g, &Fp8ReduceConfig::default())?; // mean
+///     Ok::<_, amp_comm::Error>((r.is_finite()?, r.grad.dequantize(DType::F32)?.to_vec1::<f32>()?))
+/// })?;
+/// assert_eq!(out[0], (true, vec![1.0, -2.0, 0.5]));
+/// assert_eq!(out[0], out[1]);
+/// # Ok::<(), amp_comm::Error>(())
+/// ```
+///
+/// # Errors
+/// As [`fp8_reduce_scatter`].
+pub fn fp8_all_reduce<'a, C: Communicator + ?Sized>(
+    comm: &C,
+    grad: impl Into<Grad<'a>>,
+    cfg: &Fp8ReduceConfig,
+) -> Result<Fp8Reduced> {
+    let reduced = fp8_reduce_scatter(comm, grad, cfg)?;
+    let gathered = fp8_all_gather(comm, &reduced.shard, reduced.shape, cfg)?;
+    Ok(Fp8Reduced {
+        amax: reduced.amax.maximum(&gathered.amax)?,
+        grad: gathered.grad,
+    })
+}
