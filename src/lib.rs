@@ -29,7 +29,8 @@
 pub use amp_core::*;
 
 pub use amp_levels::{
-    initialize, AmpConfig, AmpContext, AmpOptimizer, Compute, Level, MemoryReport,
+    initialize, initialize_distributed, AmpConfig, AmpContext, AmpOptimizer, Compute, Level,
+    MemoryReport,
 };
 
 /// Optimization levels: the policy table, config, report (`amp-levels`).

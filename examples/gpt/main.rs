@@ -10,6 +10,7 @@
 mod data;
 mod model;
 mod report;
+mod sample;
 mod train;
 
 use amp::levels::{Compute, ExportDType, Level};
@@ -109,6 +110,9 @@ struct Args {
     /// Run each of these levels in turn on the same data and seed.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<Level>,
+    /// Data-parallel ranks (threads, in-process backend); --batch stays the global batch.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    world_size: u64,
     /// CPU threads for candle's kernels (0: candle's default, every core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -192,6 +196,12 @@ fn main() -> Result<()> {
             args.seq
         ));
     }
+    if args.batch % args.world_size != 0 {
+        usage(format!(
+            "--batch {} does not split over --world-size {}",
+            args.batch, args.world_size
+        ));
+    }
     let levels = if args.compare.is_empty() {
         vec![args.level]
     } else {
@@ -222,6 +232,7 @@ fn main() -> Result<()> {
         sample: args.sample,
         prompt: args.prompt.clone(),
         progress: !args.json && std::io::stdout().is_terminal(),
+        world_size: args.world_size as usize,
         ..Default::default()
     };
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {

@@ -2,17 +2,21 @@
 //! bar, evaluate, report memory, save, export, sample. [`train`] is what
 //! the CLI and the end-to-end test call.
 
-use crate::data::{decode, encode, Corpus, Split};
+use crate::data::{Corpus, Split};
 use crate::model::{build, Gpt, GptConfig};
-use amp::levels::{initialize, AmpConfig, AmpContext, Compute, ExportDType, Level, MemoryReport};
+use crate::sample::generate;
+use amp::comm::Communicator;
+use amp::levels::{
+    initialize, initialize_distributed, AmpConfig, AmpContext, Compute, ExportDType, Level,
+    MemoryReport,
+};
 use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor, D};
+use candle_core::{Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use rand::SeedableRng;
-use rand_distr::Distribution;
 use serde::Serialize;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Everything one run needs.
@@ -66,6 +70,9 @@ pub struct TrainConfig {
     pub prompt: String,
     /// Draw a progress bar.
     pub progress: bool,
+    /// Data-parallel ranks (threads of this process, the in-process
+    /// backend); each takes `batch / world_size` sequences of every batch.
+    pub world_size: usize,
 }
 
 impl Default for TrainConfig {
@@ -94,6 +101,7 @@ impl Default for TrainConfig {
             sample: 0,
             prompt: "And God said".into(),
             progress: false,
+            world_size: 1,
         }
     }
 }
@@ -135,6 +143,10 @@ pub struct Summary {
     pub activations_saved_bytes: usize,
     pub skipped_steps: u64,
     pub device: String,
+    /// Data-parallel ranks; memory figures are per rank.
+    pub world_size: usize,
+    /// Bytes rank 0 sent to other ranks per step (gradient averaging).
+    pub wire_bytes_per_step: f64,
     pub wall_s: f64,
     /// (step, training loss) of every step of this run.
     #[serde(skip)]
@@ -148,16 +160,43 @@ pub struct Summary {
     pub sample: Option<String>,
 }
 
-/// Trains one model as `cfg` says on `corpus`.
+/// Trains one model as `cfg` says on `corpus`; with `world_size` N > 1,
+/// N data-parallel ranks as threads (rank 0's summary is returned).
 ///
 /// # Errors
-/// A bad config (sequence longer than the split, unknown size), a corrupt
-/// or mismatched checkpoint, I/O, candle's.
+/// A bad config (sequence longer than the split, unknown size, a batch the
+/// ranks do not divide), a corrupt or mismatched checkpoint, I/O, a failed
+/// rank, candle's.
 pub fn train(cfg: &TrainConfig, corpus: &Corpus) -> Result<Summary> {
+    if cfg.world_size <= 1 {
+        return train_rank(cfg, corpus, None);
+    }
+    if cfg.batch % cfg.world_size != 0 {
+        bail!(
+            "a batch of {} does not split over {} ranks",
+            cfg.batch,
+            cfg.world_size
+        );
+    }
+    let mut runs = amp::comm::run_ranks(cfg.world_size, |comm| {
+        train_rank(cfg, corpus, Some(Arc::new(comm)))
+    })?;
+    Ok(runs.swap_remove(0))
+}
+
+/// One rank's run (`comm` is `None` for a single process).
+pub fn train_rank(
+    cfg: &TrainConfig,
+    corpus: &Corpus,
+    comm: Option<Arc<dyn Communicator>>,
+) -> Result<Summary> {
     let t0 = Instant::now();
     let gcfg = GptConfig::named(&cfg.size, cfg.vocab, cfg.seq)?;
-    if cfg.batch == 0 || cfg.seq < 2 || cfg.steps == 0 {
-        bail!("batch, steps and seq must be positive (seq at least 2)");
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
+    if cfg.batch == 0 || cfg.seq < 2 || cfg.steps == 0 || cfg.batch % world != 0 {
+        bail!(
+            "batch, steps and seq must be positive (seq at least 2, batch a multiple of the ranks)"
+        );
     }
     let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
     let amp_cfg = AmpConfig {
@@ -173,7 +212,20 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus) -> Result<Summary> {
         weight_decay: cfg.weight_decay,
         ..Default::default()
     };
-    let (amp, mut opt) = initialize(&varmap, adam, amp_cfg)?;
+    let (amp, mut opt) = match &comm {
+        Some(c) => initialize_distributed(&varmap, adam, amp_cfg, c.clone())?,
+        None => initialize(&varmap, adam, amp_cfg)?,
+    };
+    let mean = |x: f32| -> Result<f32> {
+        Ok(match &comm {
+            Some(c) => {
+                let t = Tensor::new(&[x], &cfg.device)?;
+                c.all_reduce_sum(&t)?.to_vec1::<f32>()?[0] / world as f32
+            }
+            None => x,
+        })
+    };
+    let rows = cfg.batch / world;
     opt.inner_mut().set_schedule(WarmupCosine {
         peak: cfg.lr,
         min: cfg.lr / 10.0,
@@ -189,7 +241,8 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus) -> Result<Summary> {
     if start >= end {
         bail!("the checkpoint is at step {start}: nothing left to do before step {end}");
     }
-    let bar = progress_bar(cfg, start);
+    let bar = progress_bar(cfg, start, rank == 0);
+    let sent_before = comm.as_ref().map_or(0, |c| c.bytes_sent());
     let (mut train_curve, mut val_curve) = (Vec::new(), Vec::new());
     let (mut skipped, mut train_secs) = (0u64, 0.0f64);
     for step in start..end {
@@ -202,35 +255,44 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus) -> Result<Summary> {
             cfg.seq,
             &cfg.device,
         )?;
+        let (x, y) = (
+            x.narrow(0, rank * rows, rows)?,
+            y.narrow(0, rank * rows, rows)?,
+        );
         let loss = {
             let _fp8 = amp.autocast();
             model.loss(&x, &y)?
         };
-        let value = loss.to_scalar::<f32>()?;
         if let StepOutcome::Skipped = opt.backward_step(&loss)? {
             skipped += 1;
         }
+        let value = mean(loss.to_scalar::<f32>()?)?;
         train_secs += t.elapsed().as_secs_f64();
         train_curve.push((step + 1, value));
         let done = step + 1;
         if done % cfg.eval_every.max(1) == 0 || done == end {
-            val_curve.push((done, evaluate(&model, &amp, corpus, cfg)?));
+            val_curve.push((
+                done,
+                mean(evaluate(&model, &amp, corpus, cfg, rank, world)?)?,
+            ));
         }
         let tps = (done - start) as f64 * (cfg.batch * cfg.seq) as f64 / train_secs.max(1e-9);
         bar.set_message(format!("loss {value:.3}  {tps:.0} tok/s"));
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let wire = comm.as_ref().map_or(0, |c| c.bytes_sent()) - sent_before;
     let report = amp.memory_report(&opt)?;
-    if let Some(path) = &cfg.save {
+    // the replicas are identical: rank 0 writes for all
+    if let (Some(path), 0) = (&cfg.save, rank) {
         amp.save(path, &opt)
             .with_context(|| format!("saving {}", path.display()))?;
     }
-    if let Some((path, dtype)) = &cfg.export {
+    if let (Some((path, dtype)), 0) = (&cfg.export, rank) {
         amp.export(path, &opt, *dtype)
             .with_context(|| format!("exporting {}", path.display()))?;
     }
-    let sample = if cfg.sample > 0 {
+    let sample = if cfg.sample > 0 && rank == 0 {
         Some(amp.evaluate(|| generate(&model, &cfg.prompt, cfg.sample, cfg.seed, &cfg.device))?)
     } else {
         None
@@ -256,6 +318,8 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus) -> Result<Summary> {
         activations_saved_bytes: report.bytes.activations_saved,
         skipped_steps: skipped,
         device: device_name(&cfg.device),
+        world_size: world,
+        wire_bytes_per_step: wire as f64 / (end - start) as f64,
         wall_s: t0.elapsed().as_secs_f64(),
         train_curve,
         val_curve,
@@ -264,10 +328,10 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus) -> Result<Summary> {
     })
 }
 
-fn progress_bar(cfg: &TrainConfig, start: u64) -> ProgressBar {
+fn progress_bar(cfg: &TrainConfig, start: u64, shown: bool) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(
         Some(cfg.stop_at.unwrap_or(cfg.steps).min(cfg.steps)),
-        if cfg.progress {
+        if cfg.progress && shown {
             ProgressDrawTarget::stderr()
         } else {
             ProgressDrawTarget::hidden()
@@ -283,43 +347,30 @@ fn progress_bar(cfg: &TrainConfig, start: u64) -> ProgressBar {
     bar
 }
 
-/// Mean loss over the fixed validation batches, in the run's compute mode,
-/// leaving the layers' scaling state as it was ([`AmpContext::evaluate`]).
-fn evaluate(model: &Gpt, amp: &AmpContext, corpus: &Corpus, cfg: &TrainConfig) -> Result<f32> {
+/// Mean loss over the fixed validation batches (this rank's rows of each),
+/// in the run's compute mode, leaving the layers' scaling state as it was
+/// ([`AmpContext::evaluate`]).
+fn evaluate(
+    model: &Gpt,
+    amp: &AmpContext,
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    rank: usize,
+    world: usize,
+) -> Result<f32> {
+    let rows = cfg.batch / world;
     amp.evaluate(|| {
         let mut sum = 0.0;
         for i in 0..cfg.eval_batches as u64 {
             let (x, y) = corpus.batch(Split::Val, i, cfg.seed, cfg.batch, cfg.seq, &cfg.device)?;
+            let (x, y) = (
+                x.narrow(0, rank * rows, rows)?,
+                y.narrow(0, rank * rows, rows)?,
+            );
             sum += model.loss(&x, &y)?.to_scalar::<f32>()?;
         }
         Ok(sum / cfg.eval_batches.max(1) as f32)
     })
-}
-
-/// `n` bytes continuing `prompt`, sampled at temperature 0.8 from a
-/// generator seeded with `seed`.
-///
-/// # Errors
-/// candle's.
-pub fn generate(model: &Gpt, prompt: &str, n: usize, seed: u64, dev: &Device) -> Result<String> {
-    const TEMPERATURE: f64 = 0.8;
-    let ctx = model.config().ctx;
-    let mut tokens = encode(prompt.as_bytes());
-    if tokens.is_empty() {
-        tokens.push(b'\n' as u32);
-    }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    for _ in 0..n {
-        let window = &tokens[tokens.len().saturating_sub(ctx)..];
-        let x = Tensor::new(window, dev)?.unsqueeze(0)?;
-        let logits = model.forward(&x)?.squeeze(0)?.get(window.len() - 1)?;
-        let probs = candle_nn::ops::softmax(&(logits / TEMPERATURE)?, D::Minus1)?;
-        let probs: Vec<f32> = probs.to_vec1()?;
-        let pick = rand::distr::weighted::WeightedIndex::new(&probs)
-            .context("the model's output is not a distribution (non-finite logits)")?;
-        tokens.push(pick.sample(&mut rng) as u32);
-    }
-    Ok(decode(&tokens))
 }
 
 fn persistent_json(r: &MemoryReport) -> serde_json::Value {

@@ -64,16 +64,22 @@ pub struct AmpOptimizer {
     /// Last step's gradient bytes: Linear data, Linear scales, others.
     pub(crate) last_grad_bytes: [usize; 3],
     pub(crate) linear_names: Vec<String>,
+    /// Data parallelism's group ([`crate::initialize_distributed`]).
+    pub(crate) comm: Option<crate::distributed::Comm>,
 }
 
 impl AmpOptimizer {
     /// Scales the loss, runs backward, gathers the F32 gradients of `Var`
-    /// parameters and the FP8 gradients of the sink, and steps.
+    /// parameters and the FP8 gradients of the sink, averages them over the
+    /// ranks of a data-parallel group (FP8 ones in FP8), and steps.
     ///
     /// # Errors
     /// The optimizer's, candle's.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
-        let grads = self.opt.backward(loss, Some(&self.sink))?;
+        let mut grads = self.opt.backward(loss, Some(&self.sink))?;
+        if let Some(comm) = &self.comm {
+            grads = crate::distributed::average(comm.0.as_ref(), grads)?;
+        }
         // What the gradients of this step hold, by class: Linear data, their
         // scales, and the F32 gradients of every other parameter.
         let (mut data, mut meta, mut other) = (0, 0, 0);
@@ -91,6 +97,13 @@ impl AmpOptimizer {
         }
         self.last_grad_bytes = [data, meta, other];
         Ok(self.opt.step(&grads)?)
+    }
+
+    /// This rank and the number of ranks (`(0, 1)` without a group).
+    pub fn rank_and_world(&self) -> (usize, usize) {
+        self.comm
+            .as_ref()
+            .map_or((0, 1), |c| (c.0.rank(), c.0.world_size()))
     }
 
     /// The low-bit AdamW inside.
@@ -256,6 +269,7 @@ pub fn initialize(
             sink,
             last_grad_bytes: [0; 3],
             linear_names,
+            comm: None,
         },
     ))
 }

@@ -26,6 +26,9 @@ pub enum Error {
     /// An error of the optimizer.
     #[error(transparent)]
     Optim(#[from] amp_optim::Error),
+    /// An error of the communication layer (a failed or missing rank).
+    #[error(transparent)]
+    Comm(#[from] amp_comm::Error),
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

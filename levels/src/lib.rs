@@ -14,6 +14,7 @@ mod ckpt_load;
 mod ckpt_reader;
 mod config;
 mod context;
+mod distributed;
 mod error;
 mod eval;
 mod export;
@@ -22,6 +23,7 @@ mod report;
 
 pub use config::{matches, AmpConfig, Compute};
 pub use context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};
+pub use distributed::initialize_distributed;
 pub use error::{Error, Result};
 pub use export::ExportDType;
 pub use level::{state_bytes, GradStorage, Level, Policy, WeightStorage};
