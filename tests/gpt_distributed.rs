@@ -69,6 +69,7 @@ fn two_ranks_with_half_batches_match_one_rank() -> anyhow::Result<()> {
         (Level::O0, Compute::Native, 1e-4),
         (Level::O1, current(), 3e-3),
         (Level::O2, current(), 3e-3),
+        (Level::O3, current(), 3e-3),
     ] {
         let one = train(&quick(level, compute.clone(), 1), &corpus)?;
         let two = train(&quick(level, compute.clone(), 2), &corpus)?;
@@ -88,6 +89,50 @@ fn two_ranks_with_half_batches_match_one_rank() -> anyhow::Result<()> {
             "{level}: no learning"
         );
     }
+    Ok(())
+}
+
+#[test]
+fn o3_shards_masters_and_moments_over_the_ranks() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    for n in [1, 2, 4] {
+        let cfg = TrainConfig {
+            steps: 3,
+            ..quick(Level::O3, current(), n)
+        };
+        let s = train(&cfg, &corpus)?;
+        // 1 byte FP8 weight + 1 byte FP8 gradient, whole; 2 + 1 + 2 bytes of
+        // master, m and v, a 1/N slice each
+        let predicted = 2.0 + 5.0 / n as f64;
+        assert_eq!(s.predicted_bytes_per_linear_param, predicted, "N = {n}");
+        let excess = (s.bytes_per_linear_param - predicted) * s.linear_params as f64;
+        let meta = s.persistent_bytes["scaling_metadata"]
+            .as_f64()
+            .unwrap_or(-1.0);
+        assert!(
+            excess > -0.5 && excess <= meta + 0.5,
+            "N = {n}: {} bytes per linear parameter, predicted {predicted}",
+            s.bytes_per_linear_param
+        );
+        assert_eq!(
+            s.linear_params, 819_200,
+            "N = {n}: the whole weights are counted"
+        );
+    }
+    // checkpoints of a sharded run: a clear error, not a file of slices
+    let path = std::env::temp_dir().join(format!("amp-zero-{}.safetensors", std::process::id()));
+    let cfg = TrainConfig {
+        steps: 1,
+        save: Some(path.clone()),
+        ..quick(Level::O3, current(), 2)
+    };
+    let e = format!(
+        "{:#}",
+        train(&cfg, &corpus)
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("saved"))?
+    );
+    assert!(e.contains("ZeRO") && !path.exists(), "{e}");
     Ok(())
 }
 
@@ -154,6 +199,45 @@ fn a_rank_that_fails_mid_run_is_an_error_on_every_rank() -> anyhow::Result<()> {
                 Err(e) => format!("{e:#}"),
             };
             assert!(e.contains("rank 1"), "panics {panics}, rank {rank}: {e}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn an_overflow_on_one_rank_skips_the_step_on_every_rank() -> anyhow::Result<()> {
+    use amp::optim::StepOutcome;
+    let corpus = data::Corpus::bundled();
+    let gcfg = model::GptConfig::named("tiny", 256, 16)?;
+    for level in [Level::O2, Level::O3] {
+        let outcomes = amp::comm::run_ranks(2, |comm| -> anyhow::Result<Vec<bool>> {
+            let rank = comm.rank();
+            let (gpt, varmap) = model::build(gcfg, 0, &Device::Cpu)?;
+            let cfg = AmpConfig {
+                compute: current(),
+                ..AmpConfig::level(level)
+            };
+            let (amp, mut opt) =
+                initialize_distributed(&varmap, AdamWConfig::default(), cfg, Arc::new(comm))?;
+            let mut applied = vec![];
+            for step in 0..3u64 {
+                let (x, y) = corpus.batch(data::Split::Train, step, 0, 2, 16, &Device::Cpu)?;
+                let mut loss = {
+                    let _fp8 = amp.autocast();
+                    gpt.loss(&x, &y)?
+                };
+                if step == 1 && rank == 1 {
+                    loss = (loss * f64::INFINITY)?; // an overflow on one rank only
+                }
+                applied.push(matches!(
+                    opt.backward_step(&loss)?,
+                    StepOutcome::Applied { .. }
+                ));
+            }
+            Ok(applied)
+        })?;
+        for (rank, a) in outcomes.iter().enumerate() {
+            assert_eq!(a, &[true, false, true], "{level} rank {rank}");
         }
     }
     Ok(())

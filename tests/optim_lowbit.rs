@@ -158,7 +158,7 @@ fn snapshot(opt: &LowBitAdamW) -> Vec<u8> {
     for p in opt.params() {
         match &*p.slot.read().unwrap() {
             Weight::F32(v) => bytes(v.as_tensor(), &mut out),
-            Weight::F16(s) => scaled(s, &mut out),
+            Weight::F16(s) | Weight::Fp8Gathered(s) => scaled(s, &mut out),
             Weight::Fp8 { weight, master } => {
                 scaled(weight, &mut out);
                 scaled(master, &mut out);

@@ -20,18 +20,25 @@ pub enum Weight {
         /// What the optimizer updates.
         master: ScalingTensor,
     },
+    /// FP8 working copy whose master is sharded across data-parallel ranks
+    /// (O3 with ZeRO): the optimizer holds this rank's slice of the master
+    /// and the copy is all-gathered after every step.
+    Fp8Gathered(ScalingTensor),
 }
 
 impl Weight {
     /// The value the optimizer updates, as F32: the `Var`, the FP16 copy or
-    /// the FP16 master.
+    /// the FP16 master; for a gathered FP8 copy (whose master is sharded),
+    /// the FP8 values.
     ///
     /// # Errors
     /// Only candle's.
     pub fn master_f32(&self) -> Result<Tensor> {
         match self {
             Self::F32(v) => Ok(v.as_tensor().clone()),
-            Self::F16(t) | Self::Fp8 { master: t, .. } => t.dequantize(DType::F32),
+            Self::F16(t) | Self::Fp8 { master: t, .. } | Self::Fp8Gathered(t) => {
+                t.dequantize(DType::F32)
+            }
         }
     }
 
@@ -39,7 +46,7 @@ impl Weight {
     pub fn shape(&self) -> &Shape {
         match self {
             Self::F32(v) => v.shape(),
-            Self::F16(t) | Self::Fp8 { master: t, .. } => t.shape(),
+            Self::F16(t) | Self::Fp8 { master: t, .. } | Self::Fp8Gathered(t) => t.shape(),
         }
     }
 
@@ -47,7 +54,7 @@ impl Weight {
     pub fn device(&self) -> &candle_core::Device {
         match self {
             Self::F32(v) => v.device(),
-            Self::F16(t) | Self::Fp8 { master: t, .. } => t.device(),
+            Self::F16(t) | Self::Fp8 { master: t, .. } | Self::Fp8Gathered(t) => t.device(),
         }
     }
 
@@ -55,7 +62,7 @@ impl Weight {
     pub fn nbytes(&self) -> usize {
         match self {
             Self::F32(v) => v.elem_count() * 4,
-            Self::F16(t) => t.nbytes(),
+            Self::F16(t) | Self::Fp8Gathered(t) => t.nbytes(),
             Self::Fp8 { weight, master } => weight.nbytes() + master.nbytes(),
         }
     }
@@ -66,6 +73,7 @@ impl Weight {
             Self::F32(_) => "F32",
             Self::F16(_) => "F16",
             Self::Fp8 { .. } => "FP8+F16",
+            Self::Fp8Gathered(_) => "FP8 (master sharded)",
         }
     }
 }

@@ -142,9 +142,13 @@ impl AmpContext {
         opt: &AmpOptimizer,
         fail_before_rename: bool,
     ) -> Result<()> {
+        if !opt.shards.is_empty() {
+            return Err(crate::zero::unsupported("save"));
+        }
         let mut out = BTreeMap::new();
         for p in opt.inner().params() {
             match &*p.slot.read()? {
+                Weight::Fp8Gathered(_) => return Err(crate::zero::unsupported("save")),
                 Weight::F32(v) => put(&mut out, p.name.clone(), v.as_tensor(), None)?,
                 Weight::F16(t) => put_scaled(&mut out, &p.name, t)?,
                 Weight::Fp8 { weight, master } => {

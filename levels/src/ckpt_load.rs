@@ -22,6 +22,9 @@ impl AmpContext {
     /// # Errors
     /// [`Error::Checkpoint`] naming what is wrong.
     pub fn load(&self, path: impl AsRef<Path>, opt: &mut AmpOptimizer) -> Result<()> {
+        if !opt.shards.is_empty() {
+            return Err(crate::zero::unsupported("load"));
+        }
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| err(path, e.to_string()))?;
         let st = SafeTensors::deserialize(&bytes)
@@ -92,6 +95,7 @@ impl AmpContext {
                 reader.converted(p, &w)?
             } else {
                 let weight = match &*w {
+                    Weight::Fp8Gathered(_) => return Err(crate::zero::unsupported("load")),
                     Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
                         &reader.plain(&p.name, v.shape())?,
                     )?),

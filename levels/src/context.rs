@@ -16,6 +16,8 @@ pub struct AmpContext {
     pub(crate) config: AmpConfig,
     pub(crate) linears: Vec<Linear>,
     pub(crate) linear_names: Vec<String>,
+    /// Data-parallel ranks (1 without a group).
+    pub(crate) world: usize,
 }
 
 impl AmpContext {
@@ -66,6 +68,9 @@ pub struct AmpOptimizer {
     pub(crate) linear_names: Vec<String>,
     /// Data parallelism's group ([`crate::initialize_distributed`]).
     pub(crate) comm: Option<crate::distributed::Comm>,
+    /// O3 with more than one rank: the Linear weights whose master and
+    /// moments this rank holds a slice of.
+    pub(crate) shards: Vec<crate::zero::Shard>,
 }
 
 impl AmpOptimizer {
@@ -76,10 +81,7 @@ impl AmpOptimizer {
     /// # Errors
     /// The optimizer's, candle's.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
-        let mut grads = self.opt.backward(loss, Some(&self.sink))?;
-        if let Some(comm) = &self.comm {
-            grads = crate::distributed::average(comm.0.as_ref(), grads)?;
-        }
+        let grads = self.opt.backward(loss, Some(&self.sink))?;
         // What the gradients of this step hold, by class: Linear data, their
         // scales, and the F32 gradients of every other parameter.
         let (mut data, mut meta, mut other) = (0, 0, 0);
@@ -96,7 +98,33 @@ impl AmpOptimizer {
             }
         }
         self.last_grad_bytes = [data, meta, other];
-        Ok(self.opt.step(&grads)?)
+        let Some(comm) = &self.comm else {
+            return Ok(self.opt.step(&grads)?);
+        };
+        let comm = comm.0.as_ref();
+        let grads = crate::distributed::average(comm, grads, &self.shards)?;
+        let shards = &self.shards;
+        let outcome = self.opt.step_partitioned(
+            &grads,
+            &|name| shards.iter().any(|s| s.name == name),
+            &mut |part_sq| {
+                if shards.is_empty() {
+                    return Ok(part_sq);
+                }
+                let t = Tensor::new(&[part_sq as f32], comm.device())?;
+                let sum = comm
+                    .all_reduce_sum(&t)
+                    .map_err(|e| amp_optim::Error::Config {
+                        field: "data parallelism",
+                        reason: e.to_string(),
+                    })?;
+                Ok(sum.to_vec1::<f32>()?[0] as f64)
+            },
+        )?;
+        if let StepOutcome::Applied { .. } = outcome {
+            crate::zero::gather(comm, &self.opt, &self.shards)?;
+        }
+        Ok(outcome)
     }
 
     /// This rank and the number of ranks (`(0, 1)` without a group).
@@ -160,6 +188,18 @@ pub fn initialize(
     adam: AdamWConfig,
     config: AmpConfig,
 ) -> Result<(AmpContext, AmpOptimizer)> {
+    initialize_sharded(varmap, adam, config, (0, 1))
+}
+
+/// [`initialize`] for `rank` of `world` data-parallel ranks: at O3 with
+/// more than one rank, each Linear weight's master and moments are this
+/// rank's slice ([`crate::zero`]).
+pub(crate) fn initialize_sharded(
+    varmap: &candle_nn::VarMap,
+    adam: AdamWConfig,
+    config: AmpConfig,
+    (rank, world): (usize, usize),
+) -> Result<(AmpContext, AmpOptimizer)> {
     amp_core::config::Validate::validate(&config)?;
     adam.validate()?;
     claim(varmap)?;
@@ -178,6 +218,7 @@ pub fn initialize(
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut params = Vec::with_capacity(vars.len());
     let (mut linears, mut linear_names, mut removed) = (vec![], vec![], vec![]);
+    let mut shards = vec![];
     for (name, var) in vars {
         let moments = |(m, v): (StateFormat, StateFormat)| {
             if config.keeps_f32_moments(&name) {
@@ -209,13 +250,28 @@ pub fn initialize(
                     });
                 }
                 let value = var.as_tensor();
+                let mut param_slot = slot.clone();
                 match policy.linear_weight {
                     WeightStorage::F32 => {}
                     WeightStorage::F16 => slot.replace(Weight::F16(low_bit(value, QType::F16)?))?,
-                    WeightStorage::Fp8WithMaster => slot.replace(Weight::Fp8 {
-                        weight: low_bit(value, QType::E4M3)?,
-                        master: low_bit(value, QType::F16)?,
-                    })?,
+                    WeightStorage::Fp8WithMaster => {
+                        match crate::zero::master_slice(value, rank, world)? {
+                            Some((master, range)) if world > 1 => {
+                                slot.replace(Weight::Fp8Gathered(low_bit(value, QType::E4M3)?))?;
+                                param_slot = WeightSlot::new(Weight::F16(master));
+                                shards.push(crate::zero::Shard {
+                                    name: name.clone(),
+                                    layer: slot.clone(),
+                                    range,
+                                    shape: value.shape().clone(),
+                                });
+                            }
+                            _ => slot.replace(Weight::Fp8 {
+                                weight: low_bit(value, QType::E4M3)?,
+                                master: low_bit(value, QType::F16)?,
+                            })?,
+                        }
+                    }
                 }
                 if policy.linear_weight != WeightStorage::F32 {
                     removed.push(name.clone());
@@ -227,7 +283,7 @@ pub fn initialize(
                 })?;
                 layer.set_high_precision(false);
                 let (m, v) = moments(policy.linear_moments);
-                params.push((name.clone(), slot, m, v));
+                params.push((name.clone(), param_slot, m, v));
                 linear_names.push(name);
                 linears.push(layer);
             }
@@ -261,6 +317,7 @@ pub fn initialize(
         config,
         linears,
         linear_names: linear_names.clone(),
+        world,
     };
     Ok((
         ctx,
@@ -270,6 +327,7 @@ pub fn initialize(
             last_grad_bytes: [0; 3],
             linear_names,
             comm: None,
+            shards,
         },
     ))
 }

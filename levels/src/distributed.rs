@@ -14,8 +14,9 @@
 //! non-finite on every rank after the reduction, and every rank skips.
 
 use crate::config::AmpConfig;
-use crate::context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};
+use crate::context::{initialize_sharded, AmpContext, AmpOptimizer, INITIALIZED_MARK};
 use crate::error::Result;
+use crate::zero::{reduce_scatter, Shard};
 use amp_comm::{fp8_all_reduce, Communicator, Fp8ReduceConfig};
 use amp_optim::{AdamWConfig, Grad, Grads};
 use candle_core::Tensor;
@@ -31,12 +32,14 @@ impl std::fmt::Debug for Comm {
     }
 }
 
-/// [`initialize`] for one rank of a data-parallel group: every parameter
-/// is first broadcast from rank 0 (candle's CPU generator cannot be
-/// seeded, so replicas built apart start apart), then converted as the
-/// level says; [`AmpOptimizer::backward_step`] averages the gradients over
-/// the ranks before it steps. Each rank calls this with its own model,
-/// built by the same code.
+/// [`initialize`](crate::initialize) for one rank of a data-parallel
+/// group: every parameter is first broadcast from rank 0 (candle's CPU
+/// generator cannot be seeded, so replicas built apart start apart), then
+/// converted as the level says (at O3 with ZeRO: this rank's slice of each
+/// Linear weight's master and moments, [`crate::zero`]);
+/// [`AmpOptimizer::backward_step`] averages the gradients over the ranks
+/// before it steps. Each rank calls this with its own model, built by the
+/// same code.
 ///
 /// # Errors
 /// As [`initialize`]; the communicator's ([`crate::Error::Comm`]), e.g. a
@@ -48,7 +51,8 @@ pub fn initialize_distributed(
     comm: Arc<dyn Communicator>,
 ) -> Result<(AmpContext, AmpOptimizer)> {
     broadcast_vars(varmap, comm.as_ref())?;
-    let (ctx, mut opt) = initialize(varmap, adam, config)?;
+    let (ctx, mut opt) =
+        initialize_sharded(varmap, adam, config, (comm.rank(), comm.world_size()))?;
     opt.comm = Some(Comm(comm));
     Ok((ctx, opt))
 }
@@ -73,8 +77,9 @@ fn broadcast_vars(varmap: &candle_nn::VarMap, comm: &dyn Communicator) -> Result
     Ok(())
 }
 
-/// The mean of every rank's gradients, with FP8 ones reduced in FP8.
-pub(crate) fn average(comm: &dyn Communicator, grads: Grads) -> Result<Grads> {
+/// The mean of every rank's gradients, with FP8 ones reduced in FP8; of a
+/// sharded weight, only this rank's slice.
+pub(crate) fn average(comm: &dyn Communicator, grads: Grads, shards: &[Shard]) -> Result<Grads> {
     let n = comm.world_size();
     let mut names: Vec<String> = grads.0.keys().cloned().collect();
     names.sort();
@@ -82,16 +87,26 @@ pub(crate) fn average(comm: &dyn Communicator, grads: Grads) -> Result<Grads> {
     let mut out = Grads::new();
     let mut dense: Vec<(String, Tensor)> = Vec::new();
     for name in names {
-        match grads.remove(&name) {
-            Some(Grad::Scaled(t)) => {
+        let shard = shards.iter().find(|s| s.name == name);
+        match (grads.remove(&name), shard) {
+            (Some(Grad::Scaled(t)), Some(shard)) => {
+                out.insert(name, reduce_scatter(comm, &t, shard)?);
+            }
+            (Some(Grad::Scaled(t)), None) => {
                 let cfg = Fp8ReduceConfig {
                     qtype: t.qtype(),
                     ..Default::default()
                 };
                 out.insert(name, Grad::Scaled(fp8_all_reduce(comm, &t, &cfg)?.grad));
             }
-            Some(Grad::F32(t)) => dense.push((name, t)),
-            None => {}
+            (Some(Grad::F32(_)), Some(_)) => {
+                return Err(crate::Error::Config {
+                    field: name,
+                    reason: "a sharded weight needs its FP8 gradient from the layer's sink".into(),
+                })
+            }
+            (Some(Grad::F32(t)), None) => dense.push((name, t)),
+            (None, _) => {}
         }
     }
     if !dense.is_empty() {

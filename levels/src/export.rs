@@ -31,6 +31,9 @@ impl AmpContext {
         opt: &AmpOptimizer,
         dtype: ExportDType,
     ) -> Result<()> {
+        if !opt.shards.is_empty() {
+            return Err(crate::zero::unsupported("export"));
+        }
         let path = path.as_ref();
         let mut out = BTreeMap::new();
         for p in opt.inner().params() {

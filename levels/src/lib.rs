@@ -20,6 +20,7 @@ mod eval;
 mod export;
 mod level;
 mod report;
+mod zero;
 
 pub use config::{matches, AmpConfig, Compute};
 pub use context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};

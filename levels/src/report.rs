@@ -57,6 +57,17 @@ fn split(t: &ScalingTensor) -> (usize, usize) {
     (t.nbytes() - meta, meta)
 }
 
+/// Data and metadata bytes of a scaled storage.
+fn split_weight(w: &Weight) -> Result<(usize, usize)> {
+    match w {
+        Weight::F16(t) | Weight::Fp8Gathered(t) => Ok(split(t)),
+        other => Err(crate::Error::Config {
+            field: "weight".into(),
+            reason: format!("a sharded weight stored as {}", other.kind()),
+        }),
+    }
+}
+
 fn state(s: &State) -> (usize, usize) {
     match s {
         State::F32(t) => (t.elem_count() * 4, 0),
@@ -76,7 +87,19 @@ impl MemoryReport {
             let w = p.slot.read()?;
             let (m, mm) = state(&p.exp_avg);
             let (v, vm) = state(&p.exp_avg_sq);
-            if ctx.is_linear(&p.name) {
+            if let Some(shard) = opt.shards.iter().find(|s| s.name == p.name) {
+                // ZeRO: the whole FP8 copy (the layer's) and this rank's slice
+                // of the master (the optimizer's parameter)
+                linear_params += shard.shape.elem_count();
+                let (d, meta) = split_weight(&*shard.layer.read()?)?;
+                let (dm, metam) = split_weight(&w)?;
+                b.linear_weights += d;
+                b.master_weights += dm;
+                linear_meta += meta + metam;
+                b.first_moments += m;
+                b.second_moments += v;
+                linear_meta += mm + vm;
+            } else if ctx.is_linear(&p.name) {
                 linear_params += w.shape().elem_count();
                 match &*w {
                     Weight::F32(var) => b.linear_weights += var.elem_count() * 4,
@@ -91,6 +114,11 @@ impl MemoryReport {
                         b.linear_weights += d;
                         b.master_weights += dm;
                         linear_meta += meta + metam;
+                    }
+                    Weight::Fp8Gathered(t) => {
+                        let (d, meta) = split(t);
+                        b.linear_weights += d;
+                        linear_meta += meta;
                     }
                 }
                 b.first_moments += m;
@@ -126,7 +154,9 @@ impl MemoryReport {
             other_params,
             bytes: b,
             measured_bytes_per_linear_param: per_linear as f64 / linear_params.max(1) as f64,
-            predicted_bytes_per_linear_param: ctx.level().predicted_bytes_per_linear_param(1),
+            predicted_bytes_per_linear_param: ctx.level().predicted_bytes_per_linear_param(
+                if opt.shards.is_empty() { 1 } else { ctx.world },
+            ),
             ratio_to_o0: None,
         })
     }

@@ -282,6 +282,24 @@ impl LowBitAdamW {
     /// [`Error::GradShape`] or [`Error::UnknownParam`], checked for every
     /// gradient before anything changes.
     pub fn step(&mut self, grads: &Grads) -> Result<StepOutcome> {
+        self.step_partitioned(grads, &|_| false, &mut |s| Ok(s))
+    }
+
+    /// [`step`](Self::step) where some parameters are partitioned across
+    /// data-parallel ranks (ZeRO: each rank holds and updates its slice):
+    /// the squared gradient norm of the parameters for which
+    /// `partitioned(name)` holds is summed over the ranks by `reduce`, which
+    /// every rank calls exactly once per step, so that all ranks clip by
+    /// the same global norm and skip the same steps.
+    ///
+    /// # Errors
+    /// As [`step`](Self::step); `reduce`'s.
+    pub fn step_partitioned(
+        &mut self,
+        grads: &Grads,
+        partitioned: &dyn Fn(&str) -> bool,
+        reduce: &mut dyn FnMut(f64) -> Result<f64>,
+    ) -> Result<StepOutcome> {
         // Pass 1: shapes, finiteness and the global norm, decoding each
         // gradient on the fly.
         if let Some(name) = grads
@@ -291,7 +309,7 @@ impl LowBitAdamW {
         {
             return Err(Error::UnknownParam(name.clone()));
         }
-        let mut sum_sq = 0f64;
+        let (mut sum_sq, mut part_sq) = (0f64, 0f64);
         for p in &self.params {
             let Some(g) = grads.get(&p.name) else {
                 continue;
@@ -305,8 +323,13 @@ impl LowBitAdamW {
                     got: g.shape().clone(),
                 });
             }
+            let acc = if partitioned(&p.name) {
+                &mut part_sq
+            } else {
+                &mut sum_sq
+            };
             if !g.source_is_finite()? {
-                sum_sq = f64::INFINITY;
+                *acc = f64::INFINITY;
             }
             let (data, scale_inv, q) = match g {
                 Grad::F32(t) => f32_stream(t)?,
@@ -314,8 +337,9 @@ impl LowBitAdamW {
             };
             let [part] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
                 .map_err(|_| kernel_error("sum of squares"))?;
-            sum_sq += part.to_vec1::<f64>()?.iter().sum::<f64>();
+            *acc += part.to_vec1::<f64>()?.iter().sum::<f64>();
         }
+        sum_sq += reduce(part_sq)?;
         if !sum_sq.is_finite() {
             self.scaler.update(true);
             return Ok(StepOutcome::Skipped);

@@ -81,6 +81,15 @@ pub(crate) fn update_param(
         Weight::F32(var) => (f32_stream(var.as_tensor())?, false),
         Weight::F16(t) => (scaled_stream(t), false),
         Weight::Fp8 { master, .. } => (scaled_stream(master), true),
+        Weight::Fp8Gathered(_) => {
+            return Err(Error::Config {
+                field: "weight",
+                reason: format!(
+                    "`{}` is a gathered FP8 copy: its master is a shard, update that",
+                    p.name
+                ),
+            })
+        }
     };
     let g = match g {
         Grad::F32(t) => f32_stream(t)?,

@@ -125,7 +125,11 @@ impl Linear {
         let wq = if fprop || dgrad {
             Some(match weight {
                 // O3: the stored FP8 copy is the GEMM operand as it is.
-                Weight::Fp8 { weight: w8, .. } if w8.qtype() == fwd.into() => w8.clone(),
+                Weight::Fp8 { weight: w8, .. } | Weight::Fp8Gathered(w8)
+                    if w8.qtype() == fwd.into() =>
+                {
+                    w8.clone()
+                }
                 _ => cast(
                     &weight.master_f32()?,
                     fwd,

@@ -1,0 +1,94 @@
+//! ZeRO for O3 (DESIGN.md 4): each data-parallel rank keeps `1/N` of every
+//! Linear weight's FP16 master and Adam moments (its [`shard_range`] of the
+//! flat weight), and the whole FP8 copy the GEMMs read.
+//!
+//! A step: the FP8 weight gradient is reduce-scattered in FP8
+//! ([`fp8_reduce_scatter`]: one agreed scale, F32 sums), each rank updates
+//! its slice of the master and the moments, the global gradient norm sums
+//! the slices' squares over the ranks, and the new FP8 copy is gathered
+//! from the updated slices with one agreed scale ([`fp8_all_gather`]).
+//! Persistent bytes per Linear parameter and rank: 2 + 5/N.
+
+use crate::error::Result;
+use amp_comm::{fp8_all_gather, fp8_reduce_scatter, shard_range, Communicator, Fp8ReduceConfig};
+use amp_core::{QType, ScalingTensor, Weight, WeightSlot};
+use amp_optim::{Grad, LowBitAdamW};
+use candle_core::{Shape, Tensor};
+use std::ops::Range;
+
+/// One Linear weight sharded across the ranks.
+#[derive(Debug, Clone)]
+pub(crate) struct Shard {
+    /// The parameter's name (the optimizer's, for its slice).
+    pub name: String,
+    /// The layer's slot: the gathered FP8 copy.
+    pub layer: WeightSlot,
+    /// This rank's elements of the flat weight.
+    pub range: Range<usize>,
+    /// The whole weight's shape.
+    pub shape: Shape,
+}
+
+/// The slice of `value` (flat) that `rank` of `world` keeps as its FP16
+/// master, or `None` when that slice would be empty (a weight with fewer
+/// elements than ranks stays whole).
+pub(crate) fn master_slice(
+    value: &Tensor,
+    rank: usize,
+    world: usize,
+) -> Result<Option<(ScalingTensor, Range<usize>)>> {
+    let range = shard_range(value.elem_count(), rank, world);
+    if range.is_empty() {
+        return Ok(None);
+    }
+    let slice = value.flatten_all()?.narrow(0, range.start, range.len())?;
+    let (master, _) =
+        ScalingTensor::quantize(&slice, QType::F16, &amp_core::CurrentScaling::default())?;
+    Ok(Some((master, range)))
+}
+
+/// This rank's slice of the mean FP8 gradient, as F32; NaN throughout when
+/// any rank's gradient was not finite (so that every rank skips the step).
+pub(crate) fn reduce_scatter(
+    comm: &dyn Communicator,
+    grad: &ScalingTensor,
+    shard: &Shard,
+) -> Result<Grad> {
+    let cfg = Fp8ReduceConfig {
+        qtype: grad.qtype(),
+        ..Default::default()
+    };
+    let r = fp8_reduce_scatter(comm, grad, &cfg)?;
+    debug_assert_eq!(r.range, shard.range);
+    // amax * 0 is 0, or NaN when the agreed amax is inf: no host read
+    let poison = r.amax.affine(0.0, 0.0)?;
+    Ok(Grad::F32(r.shard.broadcast_add(&poison)?))
+}
+
+/// After an applied step: every shard's FP8 copy gathered from the ranks'
+/// updated master slices, with one agreed scale.
+pub(crate) fn gather(comm: &dyn Communicator, opt: &LowBitAdamW, shards: &[Shard]) -> Result<()> {
+    let cfg = Fp8ReduceConfig::default();
+    for s in shards {
+        let Some(p) = opt.params().iter().find(|p| p.name == s.name) else {
+            return Err(crate::Error::Config {
+                field: s.name.clone(),
+                reason: "the optimizer lost this sharded parameter".into(),
+            });
+        };
+        let master = p.slot.read()?.master_f32()?;
+        let full = fp8_all_gather(comm, &master, s.shape.clone(), &cfg)?.grad;
+        s.layer.replace(Weight::Fp8Gathered(full))?;
+    }
+    Ok(())
+}
+
+/// The error of a checkpoint operation on a sharded run.
+pub(crate) fn unsupported(op: &str) -> crate::Error {
+    crate::Error::Config {
+        field: op.into(),
+        reason: "this O3 run shards its masters and moments over several ranks (ZeRO); \
+                 its checkpoints are not written or read yet: run at O2, or O3 on one rank"
+            .into(),
+    }
+}
