@@ -183,6 +183,7 @@ where
     if legend {
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
             .draw()
@@ -207,7 +208,7 @@ pub fn memory_svg(runs: &[Summary], path: &Path) -> Result<()> {
         .y_label_area_size(64)
         .build_cartesian_2d(
             (0..runs.len().saturating_sub(1) as i32).into_segmented(),
-            0f64..(top * 1.1).max(1e-3),
+            0f64..(top * 1.5).max(1e-3),
         )
         .map_err(plot_err)?;
     chart
@@ -247,6 +248,7 @@ pub fn memory_svg(runs: &[Summary], path: &Path) -> Result<()> {
     }
     chart
         .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
