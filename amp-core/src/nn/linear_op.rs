@@ -9,7 +9,8 @@ use crate::gemm::fp8_gemm;
 use crate::meta::ScalingMeta;
 use crate::recipe::{CurrentScaling, DelayedScaling};
 use crate::tensor::ScalingTensor;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// How a layer's casts are scaled in an FP8 mode.
@@ -204,6 +205,26 @@ fn wrap(e: Error) -> candle_core::Error {
 }
 
 impl Fp8LinearOp {
+    /// The precomputed output, contiguous (once: a second forward is an error).
+    fn take_y(&self) -> candle_core::Result<Tensor> {
+        let y = self
+            .y
+            .lock()
+            .map_err(|_| {
+                wrap(Error::Poisoned {
+                    op: "amp_fp8_linear",
+                })
+            })?
+            .take()
+            .ok_or_else(|| {
+                wrap(Error::Unsupported {
+                    op: "amp_fp8_linear",
+                    what: "forward run twice".into(),
+                })
+            })?;
+        y.contiguous()
+    }
+
     /// dgrad (when `need_dx`) and wgrad; the weight gradient goes to the sink
     /// (returned `None`) or back to candle.
     fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -285,38 +306,30 @@ impl CustomOp2 for Fp8LinearOp {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self
-            .y
-            .lock()
-            .map_err(|_| {
-                wrap(Error::Poisoned {
-                    op: "amp_fp8_linear",
-                })
-            })?
-            .take()
-            .ok_or_else(|| {
-                wrap(Error::Unsupported {
-                    op: "amp_fp8_linear",
-                    what: "forward run twice".into(),
-                })
-            })?;
+        let y = self.take_y()?;
         let (storage, layout) = y.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(s), Some((0, end))) if end == y.elem_count() => {
-                Ok((s.clone(), y.shape().clone()))
-            }
-            (Storage::Cpu(_), _) => {
-                drop(storage);
-                let y = y.copy()?;
-                let (storage, _) = y.storage_and_layout();
-                match &*storage {
-                    Storage::Cpu(s) => Ok((s.clone(), y.shape().clone())),
-                    _ => Err(wrap(Error::UnsupportedDevice {
-                        op: "amp_fp8_linear",
-                        device: y.device().location(),
-                    })),
-                }
-            }
+        match &*storage {
+            Storage::Cpu(s) => Ok((s.try_clone(layout)?, y.shape().clone())),
+            _ => Err(wrap(Error::UnsupportedDevice {
+                op: "amp_fp8_linear",
+                device: y.device().location(),
+            })),
+        }
+    }
+
+    /// The output computed before the op was applied, copied into the op's
+    /// own storage (candle's custom ops return a fresh storage).
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let y = self.take_y()?;
+        let (storage, layout) = y.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(s) => Ok((s.try_clone(layout)?, y.shape().clone())),
             _ => Err(wrap(Error::UnsupportedDevice {
                 op: "amp_fp8_linear",
                 device: y.device().location(),
