@@ -51,6 +51,11 @@ fn wall_ms(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(t[REPS / 2])
 }
 
+/// Drops a result (its buffer goes back to the pool) and reports success.
+fn done<T>(_: T) -> Result<()> {
+    Ok(())
+}
+
 fn tflops(m: usize, n: usize, k: usize, ms: f64) -> f64 {
     2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12
 }
@@ -76,13 +81,9 @@ fn gemms(dev: &Device, cuda: &CudaDevice) -> Result<()> {
         let (wq, _) = ScalingTensor::quantize(&w, QType::E4M3, &r)?;
         let (xb, wb) = (x.to_dtype(DType::BF16)?, w.to_dtype(DType::BF16)?);
         drop((x, w));
-        let fp8 = event_ms(cuda, || {
-            Ok(drop(fp8_gemm_with(&xq, &wq, DType::BF16, false)?))
-        })?;
-        let fast = event_ms(cuda, || {
-            Ok(drop(fp8_gemm_with(&xq, &wq, DType::BF16, true)?))
-        })?;
-        let bf16 = event_ms(cuda, || Ok(drop(xb.matmul(&wb.t()?)?)))?;
+        let fp8 = event_ms(cuda, || done(fp8_gemm_with(&xq, &wq, DType::BF16, false)?))?;
+        let fast = event_ms(cuda, || done(fp8_gemm_with(&xq, &wq, DType::BF16, true)?))?;
+        let bf16 = event_ms(cuda, || done(xb.matmul(&wb.t()?)?))?;
         println!(
             "BENCH gemm shape={name} m={m} k={k} n={n} fp8_tflops={:.1} fp8_fast_tflops={:.1} bf16_tflops={:.1} fp8_over_bf16={:.2} fp8_fast_over_bf16={:.2}",
             tflops(m, n, k, fp8),
@@ -96,13 +97,9 @@ fn gemms(dev: &Device, cuda: &CudaDevice) -> Result<()> {
             // synchronized call, with the pool releasing at every sync
             // (CUDA's default threshold 0) and keeping freed memory.
             set_pool_release_threshold(dev, 0)?;
-            let release = wall_ms(dev, || {
-                Ok(drop(fp8_gemm_with(&xq, &wq, DType::BF16, false)?))
-            })?;
+            let release = wall_ms(dev, || done(fp8_gemm_with(&xq, &wq, DType::BF16, false)?))?;
             set_pool_release_threshold(dev, u64::MAX)?;
-            let keep = wall_ms(dev, || {
-                Ok(drop(fp8_gemm_with(&xq, &wq, DType::BF16, false)?))
-            })?;
+            let keep = wall_ms(dev, || done(fp8_gemm_with(&xq, &wq, DType::BF16, false)?))?;
             println!(
                 "BENCH pool shape=8192^3 wall_release0_tflops={:.1} wall_keep_tflops={:.1} events_tflops={:.1}",
                 tflops(m, n, k, release),
@@ -138,41 +135,39 @@ fn casts(dev: &Device, cuda: &CudaDevice) -> Result<()> {
     report(
         "quantize_f32_e4m3",
         5.0 * nf,
-        event_ms(cuda, || Ok(drop(ScalingTensor::quantize_with(&x, &meta)?)))?,
+        event_ms(cuda, || done(ScalingTensor::quantize_with(&x, &meta)?))?,
     );
     report(
         "quantize_bf16_e4m3",
         3.0 * nf,
-        event_ms(cuda, || Ok(drop(ScalingTensor::quantize_with(&xb, &meta)?)))?,
+        event_ms(cuda, || done(ScalingTensor::quantize_with(&xb, &meta)?))?,
     );
     let m16 = ScalingMeta::new(QType::F16, 1, dev)?;
     report(
         "quantize_f32_f16",
         6.0 * nf,
-        event_ms(cuda, || Ok(drop(ScalingTensor::quantize_with(&x, &m16)?)))?,
+        event_ms(cuda, || done(ScalingTensor::quantize_with(&x, &m16)?))?,
     );
     report(
         "dequantize_e4m3_bf16",
         3.0 * nf,
-        event_ms(cuda, || Ok(drop(q.dequantize(DType::BF16)?)))?,
+        event_ms(cuda, || done(q.dequantize(DType::BF16)?))?,
     );
     report(
         "dequantize_e4m3_f32",
         5.0 * nf,
-        event_ms(cuda, || Ok(drop(q.dequantize(DType::F32)?)))?,
+        event_ms(cuda, || done(q.dequantize(DType::F32)?))?,
     );
     let r = CurrentScaling::default();
     report(
         "amax+quantize_f32_e4m3 (current scaling)",
         9.0 * nf,
-        event_ms(cuda, || {
-            Ok(drop(ScalingTensor::quantize(&x, QType::E4M3, &r)?))
-        })?,
+        event_ms(cuda, || done(ScalingTensor::quantize(&x, QType::E4M3, &r)?))?,
     );
     report(
         "requantize_e4m3_e5m2 (2 passes)",
         3.0 * nf,
-        event_ms(cuda, || Ok(drop(q.requantize(QType::E5M2, &r)?)))?,
+        event_ms(cuda, || done(q.requantize(QType::E5M2, &r)?))?,
     );
     Ok(())
 }

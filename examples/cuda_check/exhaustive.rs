@@ -7,6 +7,9 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 
+/// Codes (as bits), amax bits, saturated and flushed counts of one cast.
+type Cast = (Vec<u16>, u32, u64, u64);
+
 /// The CPU result of quantizing one chunk, computed in `threads` parts:
 /// codes as bits, amax bits (max over the parts: the kernel's own rule),
 /// saturated and flushed counts.
@@ -16,11 +19,11 @@ fn cpu_quantize(
     threads: usize,
 ) -> Result<(Vec<u16>, u32, u64, u64)> {
     let part = xs.len().div_ceil(threads);
-    let parts: Vec<Result<(Vec<u16>, u32, u64, u64)>> = std::thread::scope(|s| {
+    let parts: Vec<Result<Cast>> = std::thread::scope(|s| {
         let handles: Vec<_> = xs
             .chunks(part)
             .map(|c| {
-                s.spawn(move || -> Result<(Vec<u16>, u32, u64, u64)> {
+                s.spawn(move || -> Result<Cast> {
                     let x = Tensor::from_slice(c, c.len(), &Device::Cpu)?;
                     let (q, amax) = ScalingTensor::quantize_with(&x, meta)?;
                     let codes: Vec<u16> = match q.data().dtype() {
