@@ -2,7 +2,7 @@
 //! FP8 path through the autograd op.
 
 use super::linear::Linear;
-use super::linear_op::{cast, Fp8LinearOp, Plan, Role, Saved, Scaling};
+use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling};
 use super::mode::{current_mode, current_step, ComputeMode};
 use crate::error::{Error, Result};
 use crate::gemm::fp8_gemm_with;
@@ -164,10 +164,11 @@ impl Linear {
         let y = match (&xq, &wq) {
             // A saturating cast hides inf: a non-finite input amax makes the
             // output NaN (x 1 when finite), never silently finite.
+            // The flag rides in x's scale_inv (see `flagged`).
             (Some(xq), Some(wq)) if fprop => {
-                let flag = ((xq.meta().amax()? * 0.0)? + 1.0)?.to_dtype(x.dtype())?;
+                let flag = ((xq.meta().amax()? * 0.0)? + 1.0)?;
                 // Fast accumulation in fprop, as Transformer Engine.
-                fp8_gemm_with(xq, wq, x.dtype(), true)?.broadcast_mul(&flag)?
+                fp8_gemm_with(&flagged(xq, &flag)?, wq, x.dtype(), true)?
             }
             _ => x.matmul(&w_native()?.t()?)?,
         };
