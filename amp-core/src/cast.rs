@@ -12,7 +12,7 @@ use crate::format::F16_MAX;
 use crate::kernel::{scalar, slice, Kernel};
 use crate::qtype::QType;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Layout, Shape};
+use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape};
 use half::{bf16, f16};
 
 /// A float element type a cast reads or writes.
@@ -122,12 +122,12 @@ fn abs_bits(x: f32) -> u32 {
     x.to_bits() & 0x7FFF_FFFF
 }
 
-fn amax_of<T: Float>(xs: &[T]) -> f32 {
+pub(crate) fn amax_of<T: Float>(xs: &[T]) -> f32 {
     let m = xs.iter().fold(0u32, |m, &x| m.max(abs_bits(x.to_f32())));
     f32::from_bits(m)
 }
 
-fn one(v: f32) -> (CpuStorage, Shape) {
+pub(crate) fn one(v: f32) -> (CpuStorage, Shape) {
     (CpuStorage::F32(vec![v]), Shape::from(1usize))
 }
 
@@ -143,6 +143,9 @@ impl Kernel for Amax {
         with_float!(Self::NAME, *x, |s: T| {
             Ok(vec![one(amax_of(slice::<T>(Self::NAME, s, lx)?))])
         })
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::cuda::amax(inputs)
     }
 }
 
@@ -171,6 +174,9 @@ impl Kernel for Quantize {
             (CpuStorage::I64(counts.to_vec()), Shape::from(2usize)),
         ])
     }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::cuda::quantize(self.qtype, inputs)
+    }
 }
 
 /// Block length of the fused loop: small enough to stay in L1, long enough
@@ -191,7 +197,11 @@ fn count_block(xs: &[f32], scale: f32, max: f32, zero: impl Fn(usize) -> bool) -
 }
 
 /// Codes, amax and `[saturated, flushed]`.
-fn quantize_slice<T: Float>(qtype: QType, xs: &[T], scale: f32) -> (CpuStorage, f32, [i64; 2]) {
+pub(crate) fn quantize_slice<T: Float>(
+    qtype: QType,
+    xs: &[T],
+    scale: f32,
+) -> (CpuStorage, f32, [i64; 2]) {
     let mut amax = 0u32;
     let mut counts = [0i64; 2];
     let max = qtype.max();
@@ -284,6 +294,9 @@ impl Kernel for Dequantize {
             }
         };
         Ok(vec![(out, shape)])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::cuda::dequantize(self.qtype, self.dtype, inputs)
     }
 }
 

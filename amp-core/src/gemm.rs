@@ -16,10 +16,19 @@
 //! once by `a.scale_inv * b.scale_inv`, as cuBLASLt applies its scale
 //! pointers. Only the order of the f32 accumulation may differ between
 //! devices.
+//!
+//! # Devices
+//! On CUDA the GEMM runs in cuBLASLt (feature `cuda`; see the CUDA module
+//! for padding, scale pointers and the plan cache), except E5M2 x E5M2,
+//! which cuBLASLt lacks: that pair takes the decode-and-matmul path on the
+//! device. `fast_accum` ([`fp8_gemm_with`]) is cuBLASLt's FAST_ACCUM (Hopper
+//! folds partial sums into F32 less often), which Transformer Engine uses
+//! for fprop; it changes nothing on the CPU.
 
 use crate::cast::{arity, Dequantize};
 use crate::error::{Error, Result};
 use crate::kernel::{launch, Kernel};
+use crate::qtype::QType;
 use crate::tensor::ScalingTensor;
 use candle_core::{DType, Tensor};
 
@@ -34,6 +43,20 @@ const OP: &str = "fp8_gemm";
 /// 2-D, [`Error::Shape`] when `k` differs, [`Error::Device`],
 /// [`Error::DType`] for another output dtype.
 pub fn fp8_gemm(a: &ScalingTensor, b: &ScalingTensor, out_dtype: DType) -> Result<Tensor> {
+    fp8_gemm_with(a, b, out_dtype, false)
+}
+
+/// [`fp8_gemm`] with the choice of fast accumulation (see the module docs).
+///
+/// # Errors
+/// As [`fp8_gemm`]; on CUDA also cuBLASLt's, and [`Error::NotCompiled`]
+/// for CUDA tensors in a build without the `cuda` feature.
+pub fn fp8_gemm_with(
+    a: &ScalingTensor,
+    b: &ScalingTensor,
+    out_dtype: DType,
+    fast_accum: bool,
+) -> Result<Tensor> {
     for t in [a, b] {
         if t.qtype().fp8().is_none() {
             return Err(Error::Unsupported {
@@ -69,6 +92,10 @@ pub fn fp8_gemm(a: &ScalingTensor, b: &ScalingTensor, out_dtype: DType) -> Resul
             expected: "F32, BF16 or F16",
             got: out_dtype,
         });
+    }
+    let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
+    if a.device().is_cuda() && !both_e5m2 {
+        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum);
     }
     let unit = Tensor::ones(1, DType::F32, a.device())?;
     let decode = |t: &ScalingTensor| -> Result<Tensor> {

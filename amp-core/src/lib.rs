@@ -27,13 +27,22 @@
 //! ```
 //!
 //! # Features
-//! None yet: the build is CPU-only and needs no CUDA toolkit. The `cuda`
-//! feature of a later release adds CUDA kernels behind the same ops.
+//! - `cuda`: CUDA bodies of every kernel (scaled casts, amax, requantize,
+//!   scale updates; PTX built by nvcc 13.0 in `build.rs`) and the cuBLASLt
+//!   FP8 GEMM behind [`fp8_gemm`]. Results are bit-identical to the CPU
+//!   kernels (the GEMM up to f32 summation order). Without it the build is
+//!   CPU-only and needs no CUDA toolkit; CUDA tensors then get
+//!   [`Error::NotCompiled`].
 #![warn(missing_docs)]
 
 mod bulk;
 mod cast;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
+mod cuda;
 mod error;
 mod format;
 mod gemm;
@@ -42,15 +51,17 @@ mod meta;
 pub mod nn;
 mod qtype;
 mod recipe;
+mod requantize;
 mod scale;
 mod stats;
 mod tensor;
 mod weight;
 
 pub use cast::F16_NAN_BITS;
+pub use cuda::{keep_freed_memory, set_pool_release_threshold};
 pub use error::{Error, Result};
 pub use format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
-pub use gemm::fp8_gemm;
+pub use gemm::{fp8_gemm, fp8_gemm_with};
 pub use meta::ScalingMeta;
 pub use qtype::QType;
 pub use recipe::{

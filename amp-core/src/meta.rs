@@ -6,7 +6,7 @@ use crate::kernel::{launch, scalar, slice, Kernel};
 use crate::qtype::QType;
 use crate::recipe::{AmaxComputeAlgo, DelayedScaling};
 use crate::scale::ScaleRule;
-use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
 /// Scaling metadata of one tensor (TE's `fp8_meta` entry, MS-AMP's `ScalingMeta`).
 ///
@@ -293,6 +293,9 @@ impl Kernel for RecordAmax {
         }
         Ok(vec![(CpuStorage::F32(history), lh.shape().clone())])
     }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::cuda::record_amax(inputs)
+    }
 }
 
 /// history, scale -> rotated history, new scale, new scale_inv.
@@ -334,5 +337,8 @@ impl Kernel for ScaleUpdate {
             one(scale),
             one(1.0 / scale),
         ])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::cuda::scale_update(self.rule, self.algo, self.margin, self.max, inputs)
     }
 }

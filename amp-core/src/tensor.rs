@@ -6,6 +6,7 @@ use crate::kernel::{launch, Kernel};
 use crate::meta::ScalingMeta;
 use crate::qtype::QType;
 use crate::recipe::{AmaxComputeAlgo, CurrentScaling};
+use crate::requantize::{DecodedAmax, Requantize};
 use candle_core::{DType, Device, Shape, Tensor};
 
 /// A low-precision tensor: `data` holds FP8 codes (`U8`) or FP16 values
@@ -131,12 +132,38 @@ impl ScalingTensor {
 
     /// The same value in another storage type, with a fresh scale from its
     /// amax (current scaling by `recipe`). Equal to quantizing the F32
-    /// dequantized value.
+    /// dequantized value, without writing it (two passes over the codes).
     ///
     /// # Errors
     /// As [`dequantize`](Self::dequantize) and [`quantize`](Self::quantize).
     pub fn requantize(&self, qtype: QType, recipe: &CurrentScaling) -> Result<(Self, Tensor)> {
-        Self::quantize(&self.dequantize(DType::F32)?, qtype, recipe)
+        let from = self.qtype();
+        let scale_inv = self.meta.scale_inv();
+        let [amax] = <[Tensor; 1]>::try_from(launch(
+            &DecodedAmax { qtype: from },
+            &[&self.data, scale_inv],
+        )?)
+        .map_err(|_| arity(DecodedAmax::NAME))?;
+        let mut meta = ScalingMeta::new(qtype, 1, self.device())?;
+        meta.record_amax(&amax)?;
+        meta.update_scale(
+            recipe.scale_rule,
+            AmaxComputeAlgo::MostRecent,
+            recipe.margin,
+        )?;
+        let [data, amax, counts] = <[Tensor; 3]>::try_from(launch(
+            &Requantize { from, to: qtype },
+            &[&self.data, scale_inv, meta.scale()],
+        )?)
+        .map_err(|_| arity(Requantize::NAME))?;
+        let meta = ScalingMeta::from_parts(
+            qtype,
+            meta.scale().clone(),
+            meta.scale_inv().clone(),
+            amax.clone(),
+        )?
+        .with_last_cast(counts);
+        Ok((Self { data, meta }, amax))
     }
 
     /// The transpose of a 2-D tensor (data copied contiguous, same scale):

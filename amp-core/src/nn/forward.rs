@@ -2,10 +2,10 @@
 //! FP8 path through the autograd op.
 
 use super::linear::Linear;
-use super::linear_op::{cast, Fp8LinearOp, Plan, Role, Saved, Scaling};
+use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling};
 use super::mode::{current_mode, current_step, ComputeMode};
 use crate::error::{Error, Result};
-use crate::gemm::fp8_gemm;
+use crate::gemm::fp8_gemm_with;
 use crate::weight::Weight;
 use candle_core::{DType, Tensor, Var};
 use std::sync::Mutex;
@@ -58,8 +58,17 @@ impl Linear {
                 *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
                     op: "Linear::forward",
                 })? = 0;
-                let w = var.as_tensor().to_dtype(x.dtype())?;
-                x.broadcast_matmul(&w.t()?)?
+                // Native compute: BF16 on CUDA (the O0 baseline on the GPU,
+                // as PyTorch autocast), the input's dtype elsewhere.
+                let compute = if x.device().is_cuda() && x.dtype() == DType::F32 {
+                    DType::BF16
+                } else {
+                    x.dtype()
+                };
+                let w = var.as_tensor().to_dtype(compute)?;
+                x.to_dtype(compute)?
+                    .broadcast_matmul(&w.t()?)?
+                    .to_dtype(x.dtype())?
             }
             _ => {
                 let mut out_dims = x.dims().to_vec();
@@ -159,9 +168,11 @@ impl Linear {
         let y = match (&xq, &wq) {
             // A saturating cast hides inf: a non-finite input amax makes the
             // output NaN (x 1 when finite), never silently finite.
+            // The flag rides in x's scale_inv (see `flagged`).
             (Some(xq), Some(wq)) if fprop => {
-                let flag = ((xq.meta().amax()? * 0.0)? + 1.0)?.to_dtype(x.dtype())?;
-                fp8_gemm(xq, wq, x.dtype())?.broadcast_mul(&flag)?
+                let flag = ((xq.meta().amax()? * 0.0)? + 1.0)?;
+                // Fast accumulation in fprop, as Transformer Engine.
+                fp8_gemm_with(&flagged(xq, &flag)?, wq, x.dtype(), true)?
             }
             _ => x.matmul(&w_native()?.t()?)?,
         };

@@ -9,7 +9,8 @@ use crate::gemm::fp8_gemm;
 use crate::meta::ScalingMeta;
 use crate::recipe::{CurrentScaling, DelayedScaling};
 use crate::tensor::ScalingTensor;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// How a layer's casts are scaled in an FP8 mode.
@@ -204,6 +205,26 @@ fn wrap(e: Error) -> candle_core::Error {
 }
 
 impl Fp8LinearOp {
+    /// The precomputed output, contiguous (once: a second forward is an error).
+    fn take_y(&self) -> candle_core::Result<Tensor> {
+        let y = self
+            .y
+            .lock()
+            .map_err(|_| {
+                wrap(Error::Poisoned {
+                    op: "amp_fp8_linear",
+                })
+            })?
+            .take()
+            .ok_or_else(|| {
+                wrap(Error::Unsupported {
+                    op: "amp_fp8_linear",
+                    what: "forward run twice".into(),
+                })
+            })?;
+        y.contiguous()
+    }
+
     /// dgrad (when `need_dx`) and wgrad; the weight gradient goes to the sink
     /// (returned `None`) or back to candle.
     fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -235,28 +256,36 @@ impl Fp8LinearOp {
                 None => Ok(t),
             }
         };
+        // The FP8 GEMMs take the flag in dy's scale_inv (no pass over their
+        // outputs); the native products multiply by it.
+        let dqf = match (&dyq, &flag) {
+            (Some(q), Some(f)) => Some(flagged(q, f)?),
+            _ => None,
+        };
         // dgrad: dx = dy · W, i.e. fp8_gemm(dy [m, out], Wᵀ [in, out]).
         let dx = if need_dx {
-            Some(finite(match (&dyq, &self.w_saved) {
+            Some(match (&dqf, &self.w_saved) {
                 (Some(dq), Saved::Fp8(wq)) if p.dgrad => fp8_gemm(dq, &wq.t()?, self.x_dtype)?,
-                (_, Saved::Native(w)) => dy.matmul(&w.to_dtype(dy.dtype())?)?,
-                (_, Saved::Fp8(wq)) => dy.matmul(&wq.dequantize(dy.dtype())?)?,
-            })?)
+                (_, Saved::Native(w)) => finite(dy.matmul(&w.to_dtype(dy.dtype())?)?)?,
+                (_, Saved::Fp8(wq)) => finite(dy.matmul(&wq.dequantize(dy.dtype())?)?)?,
+            })
         } else {
             None
         };
         // wgrad: dW = dyᵀ · x, i.e. fp8_gemm(dyᵀ [out, m], xᵀ [in, m]).
-        let dw = finite(match (&dyq, &self.x_saved) {
+        let dw = match (&dqf, &self.x_saved) {
             (Some(dq), Saved::Fp8(xq)) if p.wgrad => fp8_gemm(&dq.t()?, &xq.t()?, DType::F32)?,
-            (_, Saved::Native(x)) => dy
-                .t()?
-                .matmul(&x.to_dtype(dy.dtype())?)?
-                .to_dtype(DType::F32)?,
-            (_, Saved::Fp8(xq)) => dy
-                .t()?
-                .matmul(&xq.dequantize(dy.dtype())?)?
-                .to_dtype(DType::F32)?,
-        })?;
+            (_, Saved::Native(x)) => finite(
+                dy.t()?
+                    .matmul(&x.to_dtype(dy.dtype())?)?
+                    .to_dtype(DType::F32)?,
+            )?,
+            (_, Saved::Fp8(xq)) => finite(
+                dy.t()?
+                    .matmul(&xq.dequantize(dy.dtype())?)?
+                    .to_dtype(DType::F32)?,
+            )?,
+        };
         match &self.sink {
             Some(sink) => {
                 sink.add(&self.name, fp8_grad(&dw)?)?;
@@ -265,6 +294,22 @@ impl Fp8LinearOp {
             None => Ok((dx, Some(dw.to_dtype(self.w_dtype)?))),
         }
     }
+}
+
+/// `t` with its scale_inv multiplied by `flag` (1-element F32: 1, or NaN
+/// where a cast's amax was not finite). An FP8 GEMM applies scale_inv to its
+/// result (cuBLASLt through its scale pointers), so the flag reaches every
+/// output element at no extra pass over the output; with flag 1 the
+/// product is bit-identical to the unflagged one.
+pub(crate) fn flagged(t: &ScalingTensor, flag: &Tensor) -> Result<ScalingTensor> {
+    let m = t.meta();
+    let meta = ScalingMeta::from_parts(
+        t.qtype(),
+        m.scale().clone(),
+        (m.scale_inv() * flag)?,
+        m.amax_history().clone(),
+    )?;
+    ScalingTensor::from_parts(t.data().clone(), meta)
 }
 
 /// A weight gradient as the sink keeps it: E4M3 with a power-of-two scale;
@@ -285,38 +330,30 @@ impl CustomOp2 for Fp8LinearOp {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self
-            .y
-            .lock()
-            .map_err(|_| {
-                wrap(Error::Poisoned {
-                    op: "amp_fp8_linear",
-                })
-            })?
-            .take()
-            .ok_or_else(|| {
-                wrap(Error::Unsupported {
-                    op: "amp_fp8_linear",
-                    what: "forward run twice".into(),
-                })
-            })?;
+        let y = self.take_y()?;
         let (storage, layout) = y.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(s), Some((0, end))) if end == y.elem_count() => {
-                Ok((s.clone(), y.shape().clone()))
-            }
-            (Storage::Cpu(_), _) => {
-                drop(storage);
-                let y = y.copy()?;
-                let (storage, _) = y.storage_and_layout();
-                match &*storage {
-                    Storage::Cpu(s) => Ok((s.clone(), y.shape().clone())),
-                    _ => Err(wrap(Error::UnsupportedDevice {
-                        op: "amp_fp8_linear",
-                        device: y.device().location(),
-                    })),
-                }
-            }
+        match &*storage {
+            Storage::Cpu(s) => Ok((s.try_clone(layout)?, y.shape().clone())),
+            _ => Err(wrap(Error::UnsupportedDevice {
+                op: "amp_fp8_linear",
+                device: y.device().location(),
+            })),
+        }
+    }
+
+    /// The output computed before the op was applied, copied into the op's
+    /// own storage (candle's custom ops return a fresh storage).
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let y = self.take_y()?;
+        let (storage, layout) = y.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(s) => Ok((s.try_clone(layout)?, y.shape().clone())),
             _ => Err(wrap(Error::UnsupportedDevice {
                 op: "amp_fp8_linear",
                 device: y.device().location(),

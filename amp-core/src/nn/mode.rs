@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// optimization level.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub enum ComputeMode {
-    /// The input's own precision (F32 on the CPU).
+    /// The input's own precision (F32 on the CPU); on CUDA an F32 input
+    /// is multiplied in BF16 (the O0 baseline, as PyTorch autocast).
     #[default]
     Native,
     /// FP8, each cast scaled from its tensor's own amax (MS-AMP; TE's

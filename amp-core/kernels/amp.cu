@@ -1,0 +1,381 @@
+// candle-amp CUDA kernels: scaled FP8/FP16 casts with amax and counts,
+// dequantize, amax, requantize, amax history and scale update.
+//
+// Every result is bit-identical to the CPU kernels of amp-core (cast.rs,
+// meta.rs, scale.rs); the rules they must reproduce:
+//   quantize:   code = encode(f32(x) * scale), one IEEE f32 product (no FMA
+//               is possible: there is no add), encode = RNE, saturate to
+//               +-max (inf too), NaN -> 0x7F (FP8) / 0x7FFF (FP16);
+//               amax = max of |f32(x)| as bits (NaN propagates, its payload
+//               included); saturated = |x*scale| > max; flushed = x != 0,
+//               not NaN, encoded as (+-)0.
+//   dequantize: y = out_dtype(decode(code) * scale_inv); NaN codes decode to
+//               0x7FFFFFFF; NaN outputs take the CPU's bit patterns.
+// Built by build.rs with nvcc 13.0 (PTX ISA 9.0, which the device's CUDA 13.0
+// driver loads) without fast-math: IEEE division and no flush to zero.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#define CANONICAL_NAN 0x7FFFFFFFu
+#define RUST_F32_NAN 0x7FC00000u
+#define F16_NAN 0x7FFFu
+#define F16_MAX 65504.0f
+
+// ---------------------------------------------------------------- formats --
+// FMT: 0 = E4M3, 1 = E5M2, 2 = F16 (the QType order).
+template <int FMT> struct Fmt;
+template <> struct Fmt<0> {
+    typedef uint8_t code_t;
+    static constexpr float MAX = 448.0f;
+    static __device__ __forceinline__ uint8_t encode(float v) {
+        if (isnan(v)) return 0x7F;
+        return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    }
+    static __device__ __forceinline__ float decode(uint8_t c) {
+        if ((c & 0x7F) == 0x7F) return __uint_as_float(CANONICAL_NAN);
+        return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
+    }
+    static __device__ __forceinline__ bool is_zero(uint8_t c) { return (c & 0x7F) == 0; }
+};
+template <> struct Fmt<1> {
+    typedef uint8_t code_t;
+    static constexpr float MAX = 57344.0f;
+    static __device__ __forceinline__ uint8_t encode(float v) {
+        if (isnan(v)) return 0x7F;
+        return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+    }
+    static __device__ __forceinline__ float decode(uint8_t c) {
+        if ((c & 0x7F) > 0x7C) return __uint_as_float(CANONICAL_NAN);
+        return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
+    }
+    static __device__ __forceinline__ bool is_zero(uint8_t c) { return (c & 0x7F) == 0; }
+};
+template <> struct Fmt<2> {
+    typedef uint16_t code_t;
+    static constexpr float MAX = F16_MAX;
+    static __device__ __forceinline__ uint16_t encode(float v) {
+        if (isnan(v)) return F16_NAN;
+        return __half_as_ushort(__float2half_rn(fminf(fmaxf(v, -F16_MAX), F16_MAX)));
+    }
+    static __device__ __forceinline__ float decode(uint16_t c) {
+        if ((c & 0x7FFF) > 0x7C00) return __uint_as_float(CANONICAL_NAN);
+        return __half2float(__ushort_as_half(c));
+    }
+    static __device__ __forceinline__ bool is_zero(uint16_t c) { return (c & 0x7FFF) == 0; }
+};
+
+// ----------------------------------------------------- input conversions --
+// The CPU's `half` conversions: bf16 is a shift; an f16 NaN keeps its sign and
+// payload and is quieted (what both half's software path and F16C do).
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) {
+    return __uint_as_float(((uint32_t)__bfloat16_as_ushort(v)) << 16);
+}
+__device__ __forceinline__ float to_f32(__half v) {
+    uint32_t h = __half_as_ushort(v);
+    if ((h & 0x7FFF) > 0x7C00)
+        return __uint_as_float(((h & 0x8000u) << 16) | 0x7FC00000u | ((h & 0x3FFu) << 13));
+    return __half2float(v);
+}
+
+// Output conversions with the CPU's NaN bits (the only NaN here is the
+// canonical f32 one, or a NaN product of it).
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(double* p, float v) {
+    // x86 cvtss2sd of 0x7FFFFFFF
+    if (isnan(v)) *p = __longlong_as_double(0x7FFFFFFFE0000000ll);
+    else *p = (double)v;
+}
+__device__ __forceinline__ void store(__half* p, float v) {
+    if (isnan(v)) *p = __ushort_as_half((uint16_t)(((__float_as_uint(v) >> 16) & 0x8000u) | F16_NAN));
+    else *p = __float2half_rn(v);
+}
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) {
+    // half's bf16::from_f32 for NaN: (bits >> 16) | 0x40
+    if (isnan(v)) *p = __ushort_as_bfloat16((uint16_t)((__float_as_uint(v) >> 16) | 0x40u));
+    else *p = __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+// ------------------------------------------------------------ reductions --
+// Folds a thread's amax bits and counts into the block, then one atomic each.
+__device__ __forceinline__ void block_flush(uint32_t amax, unsigned long long sat,
+                                            unsigned long long flush, uint32_t* amax_out,
+                                            unsigned long long* counts) {
+    __shared__ uint32_t s_amax[32];
+    __shared__ unsigned long long s_sat[32], s_flush[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        sat += __shfl_xor_sync(0xFFFFFFFFu, sat, o);
+        flush += __shfl_xor_sync(0xFFFFFFFFu, flush, o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { s_amax[warp] = amax; s_sat[warp] = sat; s_flush[warp] = flush; }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        amax = lane < nw ? s_amax[lane] : 0u;
+        sat = lane < nw ? s_sat[lane] : 0ull;
+        flush = lane < nw ? s_flush[lane] : 0ull;
+        for (int o = 16; o > 0; o >>= 1) {
+            amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+            sat += __shfl_xor_sync(0xFFFFFFFFu, sat, o);
+            flush += __shfl_xor_sync(0xFFFFFFFFu, flush, o);
+        }
+        if (lane == 0) {
+            if (amax_out) atomicMax(amax_out, amax);
+            if (counts) {
+                if (sat) atomicAdd(&counts[0], sat);
+                if (flush) atomicAdd(&counts[1], flush);
+            }
+        }
+    }
+}
+
+// Elements per thread per step of the vector path: 16-byte loads and stores.
+#define VEC 16
+
+template <typename T> struct Vec16;  // VEC inputs as 16-byte words
+template <> struct Vec16<float> { uint4 w[4]; };
+template <> struct Vec16<__half> { uint4 w[2]; };
+template <> struct Vec16<__nv_bfloat16> { uint4 w[2]; };
+
+// --------------------------------------------------------------- quantize --
+// One element: encode, and fold amax and counts.
+template <int FMT>
+__device__ __forceinline__ typename Fmt<FMT>::code_t quantize_one(float x, float scale, uint32_t& amax,
+                                                                  unsigned long long& sat,
+                                                                  unsigned long long& flush) {
+    amax = max(amax, abs_bits(x));
+    const float v = x * scale;
+    const typename Fmt<FMT>::code_t c = Fmt<FMT>::encode(v);
+    sat += fabsf(v) > Fmt<FMT>::MAX;
+    flush += (x != 0.0f && !isnan(x) && Fmt<FMT>::is_zero(c));
+    return c;
+}
+
+// x[n] -> codes[n], amax (as u32 bits, zeroed by the caller), counts[2]
+// (zeroed by the caller). `vec`: both pointers 16-byte aligned, so the
+// first n / VEC * VEC elements go through 16-byte accesses.
+template <typename T, int FMT>
+__device__ void quantize_impl(const T* __restrict__ x, const float* __restrict__ scale_p,
+                              typename Fmt<FMT>::code_t* __restrict__ out, size_t n, int vec,
+                              uint32_t* amax_out, unsigned long long* counts) {
+    typedef typename Fmt<FMT>::code_t C;
+    const float scale = *scale_p;
+    uint32_t amax = 0;
+    unsigned long long sat = 0, flush = 0;
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t done = 0;
+    if (vec) {
+        const size_t nv = n / VEC;
+        for (size_t i = tid; i < nv; i += stride) {
+            Vec16<T> in;
+            const uint4* src = reinterpret_cast<const uint4*>(x + i * VEC);
+#pragma unroll
+            for (int j = 0; j < (int)(sizeof(in.w) / 16); j++) in.w[j] = __ldcs(src + j);
+            const T* xs = reinterpret_cast<const T*>(in.w);
+            __align__(16) C cs[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) cs[j] = quantize_one<FMT>(to_f32(xs[j]), scale, amax, sat, flush);
+            uint4* dst = reinterpret_cast<uint4*>(out + i * VEC);
+            const uint4* cw = reinterpret_cast<const uint4*>(cs);
+#pragma unroll
+            for (int j = 0; j < (int)(sizeof(cs) / 16); j++) __stcs(dst + j, cw[j]);
+        }
+        done = nv * VEC;
+    }
+    for (size_t i = done + tid; i < n; i += stride) out[i] = quantize_one<FMT>(to_f32(x[i]), scale, amax, sat, flush);
+    block_flush(amax, sat, flush, amax_out, counts);
+}
+
+#define QUANTIZE(TN, T, FN, FMT)                                                                       \
+    extern "C" __global__ void quantize_##TN##_##FN(const T* x, const float* scale,                    \
+                                                    Fmt<FMT>::code_t* out, size_t n, int vec,          \
+                                                    uint32_t* amax, unsigned long long* counts) {      \
+        quantize_impl<T, FMT>(x, scale, out, n, vec, amax, counts);                                    \
+    }
+QUANTIZE(f32, float, e4m3, 0)
+QUANTIZE(f32, float, e5m2, 1)
+QUANTIZE(f32, float, f16, 2)
+QUANTIZE(bf16, __nv_bfloat16, e4m3, 0)
+QUANTIZE(bf16, __nv_bfloat16, e5m2, 1)
+QUANTIZE(bf16, __nv_bfloat16, f16, 2)
+QUANTIZE(f16, __half, e4m3, 0)
+QUANTIZE(f16, __half, e5m2, 1)
+QUANTIZE(f16, __half, f16, 2)
+
+// ------------------------------------------------------------------- amax --
+template <typename T>
+__device__ void amax_impl(const T* __restrict__ x, size_t n, int vec, uint32_t* amax_out) {
+    uint32_t amax = 0;
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t done = 0;
+    if (vec) {
+        const size_t nv = n / VEC;
+        for (size_t i = tid; i < nv; i += stride) {
+            Vec16<T> in;
+            const uint4* src = reinterpret_cast<const uint4*>(x + i * VEC);
+#pragma unroll
+            for (int j = 0; j < (int)(sizeof(in.w) / 16); j++) in.w[j] = __ldg(src + j);
+            const T* xs = reinterpret_cast<const T*>(in.w);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) amax = max(amax, abs_bits(to_f32(xs[j])));
+        }
+        done = nv * VEC;
+    }
+    for (size_t i = done + tid; i < n; i += stride) amax = max(amax, abs_bits(to_f32(x[i])));
+    block_flush(amax, 0, 0, amax_out, nullptr);
+}
+
+extern "C" __global__ void amax_f32(const float* x, size_t n, int vec, uint32_t* amax) { amax_impl(x, n, vec, amax); }
+extern "C" __global__ void amax_bf16(const __nv_bfloat16* x, size_t n, int vec, uint32_t* amax) { amax_impl(x, n, vec, amax); }
+extern "C" __global__ void amax_f16(const __half* x, size_t n, int vec, uint32_t* amax) { amax_impl(x, n, vec, amax); }
+
+// ------------------------------------------------------------- dequantize --
+template <int FMT, typename O>
+__device__ void dequantize_impl(const typename Fmt<FMT>::code_t* __restrict__ q,
+                                const float* __restrict__ scale_inv_p, O* __restrict__ out, size_t n) {
+    const float scale_inv = *scale_inv_p;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += stride)
+        store(out + i, Fmt<FMT>::decode(q[i]) * scale_inv);
+}
+
+#define DEQUANTIZE(FN, FMT, ON, O)                                                                     \
+    extern "C" __global__ void dequantize_##FN##_##ON(const Fmt<FMT>::code_t* q, const float* scale_inv, \
+                                                      O* out, size_t n) {                              \
+        dequantize_impl<FMT, O>(q, scale_inv, out, n);                                                 \
+    }
+DEQUANTIZE(e4m3, 0, f32, float)
+DEQUANTIZE(e4m3, 0, f16, __half)
+DEQUANTIZE(e4m3, 0, bf16, __nv_bfloat16)
+DEQUANTIZE(e4m3, 0, f64, double)
+DEQUANTIZE(e5m2, 1, f32, float)
+DEQUANTIZE(e5m2, 1, f16, __half)
+DEQUANTIZE(e5m2, 1, bf16, __nv_bfloat16)
+DEQUANTIZE(e5m2, 1, f64, double)
+DEQUANTIZE(f16, 2, f32, float)
+DEQUANTIZE(f16, 2, f16, __half)
+DEQUANTIZE(f16, 2, bf16, __nv_bfloat16)
+DEQUANTIZE(f16, 2, f64, double)
+
+// ------------------------------------------------------------ requantize --
+// Pass 1: amax of y = decode(q) * scale_inv. Pass 2 (after the scale update):
+// codes of y * scale, with y's amax and counts: the same bits as quantizing
+// the F32 dequantized tensor, without writing it.
+template <int FMT>
+__device__ void decoded_amax_impl(const typename Fmt<FMT>::code_t* __restrict__ q,
+                                  const float* __restrict__ scale_inv_p, size_t n, uint32_t* amax_out) {
+    const float scale_inv = *scale_inv_p;
+    uint32_t amax = 0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += stride)
+        amax = max(amax, abs_bits(Fmt<FMT>::decode(q[i]) * scale_inv));
+    block_flush(amax, 0, 0, amax_out, nullptr);
+}
+
+template <int FROM, int TO>
+__device__ void requantize_impl(const typename Fmt<FROM>::code_t* __restrict__ q,
+                                const float* __restrict__ scale_inv_p, const float* __restrict__ scale_p,
+                                typename Fmt<TO>::code_t* __restrict__ out, size_t n, uint32_t* amax_out,
+                                unsigned long long* counts) {
+    const float scale_inv = *scale_inv_p, scale = *scale_p;
+    uint32_t amax = 0;
+    unsigned long long sat = 0, flush = 0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * scale_inv, scale, amax, sat, flush);
+    block_flush(amax, sat, flush, amax_out, counts);
+}
+
+#define DECODED_AMAX(FN, FMT)                                                                          \
+    extern "C" __global__ void decoded_amax_##FN(const Fmt<FMT>::code_t* q, const float* scale_inv,    \
+                                                 size_t n, uint32_t* amax) {                           \
+        decoded_amax_impl<FMT>(q, scale_inv, n, amax);                                                 \
+    }
+DECODED_AMAX(e4m3, 0)
+DECODED_AMAX(e5m2, 1)
+DECODED_AMAX(f16, 2)
+
+#define REQUANTIZE(FN, FROM, TN, TO)                                                                   \
+    extern "C" __global__ void requantize_##FN##_##TN(const Fmt<FROM>::code_t* q, const float* scale_inv, \
+                                                      const float* scale, Fmt<TO>::code_t* out, size_t n, \
+                                                      uint32_t* amax, unsigned long long* counts) {    \
+        requantize_impl<FROM, TO>(q, scale_inv, scale, out, n, amax, counts);                          \
+    }
+REQUANTIZE(e4m3, 0, e4m3, 0)
+REQUANTIZE(e4m3, 0, e5m2, 1)
+REQUANTIZE(e4m3, 0, f16, 2)
+REQUANTIZE(e5m2, 1, e4m3, 0)
+REQUANTIZE(e5m2, 1, e5m2, 1)
+REQUANTIZE(e5m2, 1, f16, 2)
+REQUANTIZE(f16, 2, e4m3, 0)
+REQUANTIZE(f16, 2, e5m2, 1)
+REQUANTIZE(f16, 2, f16, 2)
+
+// ------------------------------------------------ amax history and scale --
+__device__ __forceinline__ float pow2(int e) {
+    if (e < -126) return 0.0f;
+    if (e > 127) return __uint_as_float(0x7F800000u);
+    return __uint_as_float((uint32_t)(e + 127) << 23);
+}
+
+// ScaleRule::compute of scale.rs. rule: 0 = Te, 1 = PowerOfTwo.
+__device__ float compute_scale(int rule, float amax, float prev, float max, unsigned margin) {
+    if (!(amax > 0.0f && isfinite(amax) && max > 0.0f && isfinite(max))) return prev;
+    float s;
+    if (rule == 0) {
+        s = (max / amax) / pow2((int)min(margin, 255u));
+        if (isinf(s)) s = 3.40282347e+38f;
+    } else {
+        const double q = (double)max / (double)amax;
+        long long e = (long long)((__double_as_longlong(q) >> 52) & 0x7FF) - 1023;
+        e -= (long long)margin;
+        e = e < -126 ? -126 : (e > 127 ? 127 : e);
+        s = pow2((int)e);
+    }
+    return (s >= 1.17549435e-38f && isfinite(s)) ? s : prev;
+}
+
+// history[0] = max(history[0], amax), NaN if either is NaN (Rust's f32::NAN).
+extern "C" __global__ void record_amax(const float* hist, const float* amax, float* out, int len) {
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        float v = hist[i];
+        if (i == 0) {
+            const float a = *amax;
+            v = (isnan(v) || isnan(a)) ? __uint_as_float(RUST_F32_NAN) : fmaxf(v, a);
+        }
+        out[i] = v;
+    }
+}
+
+// Reduce the history (algo 0 = max, 1 = most recent), roll it left by one with
+// slot 0 zeroed, and derive the scale (and 1 / scale) from the reduced amax.
+// One block.
+extern "C" __global__ void scale_update(const float* hist, const float* scale, float* out_hist,
+                                        float* out_scale, float* out_scale_inv, int len, int algo,
+                                        int rule, unsigned margin, float max) {
+    if (threadIdx.x == 0) {
+        float amax;
+        if (algo == 0) {
+            amax = 0.0f;
+            for (int i = 0; i < len; i++) {
+                const float a = hist[i];
+                amax = (isnan(amax) || isnan(a)) ? __uint_as_float(RUST_F32_NAN) : fmaxf(amax, a);
+            }
+        } else {
+            amax = len > 0 ? hist[0] : 0.0f;
+        }
+        const float s = compute_scale(rule, amax, *scale, max, margin);
+        *out_scale = s;
+        *out_scale_inv = 1.0f / s;
+    }
+    // rotate_left(1), then slot 0 = 0
+    for (int i = threadIdx.x; i < len; i += blockDim.x) out_hist[i] = i == 0 ? 0.0f : hist[(i + 1) % len];
+}

@@ -1,0 +1,443 @@
+//! The FP8 GEMM on CUDA through cuBLASLt.
+//!
+//! `y [m, n] = (a [m, k] · b [n, k]ᵀ) * a.scale_inv * b.scale_inv`, FP8
+//! inputs (E4M3 or E5M2, not both E5M2: cuBLASLt has no E5M2 x E5M2 kernel),
+//! F32 accumulation, F32, BF16 or F16 output.
+//!
+//! - Layout: Hopper's FP8 tensor cores take only "TN". Row-major `b [n, k]`
+//!   is column-major `k x n`, so cuBLASLt computes `D = op(A) · op(B)` with
+//!   `A = b` (`transa = T`), `B = a` (`transb = N`) and `D` = `y` seen as
+//!   column-major `n x m`: no copy, no transpose.
+//! - Alignment: cuBLASLt's FP8 kernels want every dimension a multiple of
+//!   16 (leading dimensions of 16 bytes). Operands whose `m`, `n` or `k` are
+//!   not are padded with zero codes (MS-AMP does the same) and the output is
+//!   cut back; the padding costs one copy of the operand.
+//! - Scales: `A_SCALE_POINTER` / `B_SCALE_POINTER` point at the operands'
+//!   `scale_inv` tensors on the device (no host read). cuBLASLt refuses a
+//!   scale pointer that is not 16-byte aligned (seen on the H100); such a
+//!   scale is first copied, on the stream, into a 16-byte-aligned slot.
+//! - Per shape (m, n, k, formats, output dtype, fast accumulation) the
+//!   descriptors and the heuristic's first algorithm are made once and
+//!   cached; the 32 MiB workspace is allocated once per device.
+//! - Output buffers come from the stream-ordered pool; creating a context
+//!   raises the default pool's release threshold (see
+//!   [`keep_freed_memory`]) so freed outputs are reused instead of being
+//!   unmapped at every synchronize.
+
+use crate::error::{Error, Result};
+use crate::format::Fp8Format;
+use crate::tensor::ScalingTensor;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
+use candle_core::cuda_backend::cudarc::driver::{
+    self as driver, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId, WrapErr};
+use candle_core::{DType, Device, Storage, Tensor};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+const OP: &str = "fp8_gemm";
+/// cuBLASLt's recommended workspace on Hopper.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// cuBLASLt FP8: dimensions padded to multiples of this.
+const ALIGN: usize = 16;
+
+fn lt_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Unsupported {
+        op: OP,
+        what: format!("cuBLASLt {what}: {e:?}"),
+    }
+}
+
+/// Sets the release threshold of the device's default stream-ordered memory
+/// pool: memory freed to the pool above this many bytes goes back to the
+/// driver at the next synchronization. CUDA's default is 0, which makes every
+/// synchronized step map its outputs again; `u64::MAX` keeps them pooled (as
+/// PyTorch's caching allocator does).
+///
+/// # Errors
+/// [`Error::UnsupportedDevice`] off CUDA; driver errors.
+pub fn set_pool_release_threshold(device: &Device, bytes: u64) -> Result<()> {
+    let Device::Cuda(dev) = device else {
+        return Err(Error::UnsupportedDevice {
+            op: "set_pool_release_threshold",
+            device: device.location(),
+        });
+    };
+    set_threshold(dev, bytes)
+}
+
+/// [`set_pool_release_threshold`] with `u64::MAX`: freed device memory stays
+/// in the pool for reuse.
+///
+/// # Errors
+/// As [`set_pool_release_threshold`].
+pub fn keep_freed_memory(device: &Device) -> Result<()> {
+    set_pool_release_threshold(device, u64::MAX)
+}
+
+fn set_threshold(dev: &CudaDevice, mut bytes: u64) -> Result<()> {
+    use driver::sys as dsys;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    let mut pool: dsys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: plain driver calls with valid out-pointers on a bound context.
+    unsafe {
+        dsys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .w()?;
+        dsys::cuMemPoolSetAttribute(
+            pool,
+            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut bytes as *mut u64 as *mut c_void,
+        )
+        .result()
+        .w()?;
+    }
+    Ok(())
+}
+
+/// Descriptors and the chosen algorithm of one shape.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created by the matching create calls, destroyed once.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// (m, n, k, A format, B format, output dtype, fast accumulation).
+type PlanKey = (usize, usize, usize, Fp8Format, Fp8Format, DType, bool);
+
+/// One device's cuBLASLt state.
+struct LtContext {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    /// Two 16-byte-aligned slots for scales whose own address is not.
+    slots: CudaSlice<f32>,
+    stream: Arc<CudaStream>,
+    plans: HashMap<PlanKey, Plan>,
+}
+
+// SAFETY: the handle and descriptors are host objects of cuBLASLt, which
+// allows a handle to be used from any thread; every use goes through the
+// Mutex around the context, so no two threads touch them at once.
+unsafe impl Send for LtContext {}
+
+impl Drop for LtContext {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+type Contexts = Mutex<HashMap<DeviceId, Arc<Mutex<LtContext>>>>;
+
+fn context(dev: &CudaDevice) -> Result<Arc<Mutex<LtContext>>> {
+    static CONTEXTS: OnceLock<Contexts> = OnceLock::new();
+    let mut map = CONTEXTS
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| Error::Poisoned { op: OP })?;
+    if let Some(c) = map.get(&dev.id()) {
+        return Ok(c.clone());
+    }
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    set_threshold(dev, u64::MAX)?;
+    let handle = lt::create_handle().map_err(|e| lt_err("create handle", e))?;
+    let c = Arc::new(Mutex::new(LtContext {
+        handle,
+        workspace: dev.alloc_zeros::<u8>(WORKSPACE_BYTES)?,
+        slots: dev.alloc_zeros::<f32>(8)?,
+        stream,
+        plans: HashMap::new(),
+    }));
+    map.insert(dev.id(), c.clone());
+    Ok(c)
+}
+
+fn fp8_type(f: Fp8Format) -> sys::cudaDataType_t {
+    match f {
+        Fp8Format::E4M3 => sys::cudaDataType_t::CUDA_R_8F_E4M3,
+        Fp8Format::E5M2 => sys::cudaDataType_t::CUDA_R_8F_E5M2,
+    }
+}
+
+fn out_type(d: DType) -> Result<sys::cudaDataType_t> {
+    match d {
+        DType::F32 => Ok(sys::cudaDataType_t::CUDA_R_32F),
+        DType::BF16 => Ok(sys::cudaDataType_t::CUDA_R_16BF),
+        DType::F16 => Ok(sys::cudaDataType_t::CUDA_R_16F),
+        got => Err(Error::DType {
+            op: OP,
+            expected: "F32, BF16 or F16",
+            got,
+        }),
+    }
+}
+
+/// # Safety
+/// `desc` is a live descriptor; `value` is the attribute's type.
+unsafe fn set_attr<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<()> {
+    lt::set_matmul_desc_attribute(
+        desc,
+        attr,
+        value as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
+    .map_err(|e| lt_err("matmul desc attribute", e))
+}
+
+impl LtContext {
+    /// Descriptors and heuristic for `key`; the scale pointers are set before
+    /// the heuristic, as NVIDIA's samples do.
+    fn plan(&self, key: PlanKey, scales: (u64, u64)) -> Result<Plan> {
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        let (m, n, k, fa, fb, out, fast) = key;
+        // SAFETY: descriptors are created here and owned by the Plan; every
+        // attribute gets a value of its documented type.
+        unsafe {
+            let desc = lt::create_matmul_desc(
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cudaDataType_t::CUDA_R_32F,
+            )
+            .map_err(|e| lt_err("matmul desc", e))?;
+            let t = candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T
+                as i32;
+            let nop = candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
+                as i32;
+            set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &t)?;
+            set_attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &nop)?;
+            set_attr(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &i8::from(fast))?;
+            set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scales.0)?;
+            set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scales.1)?;
+            // A = b: k x n (ld k); B = a: k x m (ld k); D = y: n x m (ld n).
+            let (k64, n64, m64) = (k as u64, n as u64, m as u64);
+            let a = lt::create_matrix_layout(fp8_type(fb), k64, n64, k as i64)
+                .map_err(|e| lt_err("layout A", e))?;
+            let b = lt::create_matrix_layout(fp8_type(fa), k64, m64, k as i64)
+                .map_err(|e| lt_err("layout B", e))?;
+            let d = lt::create_matrix_layout(out_type(out)?, n64, m64, n as i64)
+                .map_err(|e| lt_err("layout D", e))?;
+            let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
+            let ws = WORKSPACE_BYTES as u64;
+            let set = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            );
+            let heur = set
+                .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
+            let _ = lt::destroy_matmul_pref(pref);
+            // The Plan owns the descriptors from here: an error below drops them.
+            let mut plan = Plan {
+                desc,
+                a,
+                b,
+                d,
+                algo: std::mem::zeroed(),
+            };
+            let heur = heur.map_err(|e| {
+                lt_err(
+                    &format!("no algorithm for m={m} n={n} k={k} {fa} x {fb} -> {out:?}"),
+                    e,
+                )
+            })?;
+            plan.algo = heur.algo;
+            Ok(plan)
+        }
+    }
+}
+
+/// Zero codes appended so that each dim of a 2-D U8 tensor is a multiple of 16.
+fn pad(t: &Tensor) -> Result<Tensor> {
+    let (r, c) = t.dims2()?;
+    let mut t = t.clone();
+    if c % ALIGN != 0 {
+        t = t.pad_with_zeros(1, 0, ALIGN - c % ALIGN)?;
+    }
+    if r % ALIGN != 0 {
+        t = t.pad_with_zeros(0, 0, ALIGN - r % ALIGN)?;
+    }
+    Ok(t.contiguous()?)
+}
+
+/// The device address of a contiguous tensor's first element.
+fn address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        return Err(Error::UnsupportedDevice {
+            op: OP,
+            device: t.device().location(),
+        });
+    };
+    let bytes = t.dtype().size_in_bytes() as u64;
+    let base = match s.dtype() {
+        DType::U8 => s.as_cuda_slice::<u8>()?.device_ptr(stream).0,
+        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(stream).0,
+        got => {
+            return Err(Error::DType {
+                op: OP,
+                expected: "U8 codes or an F32 scale",
+                got,
+            })
+        }
+    };
+    Ok(base + bytes * layout.start_offset() as u64)
+}
+
+/// The cuBLASLt FP8 GEMM; see the module docs. Operands: 2-D FP8 tensors
+/// on one CUDA device (checked by the caller), not both E5M2.
+pub(crate) fn fp8_gemm(
+    a: &ScalingTensor,
+    b: &ScalingTensor,
+    out: DType,
+    fast_accum: bool,
+) -> Result<Tensor> {
+    let (Some(fa), Some(fb)) = (a.qtype().fp8(), b.qtype().fp8()) else {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: "FP16 operand".into(),
+        });
+    };
+    if fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2 {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: "cuBLASLt has no E5M2 x E5M2 FP8 GEMM".into(),
+        });
+    }
+    let Device::Cuda(dev) = a.device() else {
+        return Err(Error::UnsupportedDevice {
+            op: OP,
+            device: a.device().location(),
+        });
+    };
+    let m = a.shape().dims2()?.0;
+    let n = b.shape().dims2()?.0;
+    let (ad, bd) = (pad(a.data())?, pad(b.data())?);
+    let (mp, kp) = ad.dims2()?;
+    let np = bd.dims2()?.0;
+    let ctx = context(dev)?;
+    let mut ctx = ctx.lock().map_err(|_| Error::Poisoned { op: OP })?;
+    let stream = ctx.stream.clone();
+    // cuBLASLt's A is our b, its B our a.
+    let mut scales = (
+        address(b.meta().scale_inv(), &stream)?,
+        address(a.meta().scale_inv(), &stream)?,
+    );
+    if scales.0 % 16 != 0 || scales.1 % 16 != 0 {
+        let (slots, _guard) = ctx.slots.device_ptr(&stream);
+        // SAFETY: 4-byte device-to-device copies between live allocations,
+        // ordered on the stream before the GEMM that reads them.
+        unsafe {
+            driver::result::memcpy_dtod_async(slots, scales.0, 4, stream.cu_stream()).w()?;
+            driver::result::memcpy_dtod_async(slots + 16, scales.1, 4, stream.cu_stream()).w()?;
+        }
+        scales = (slots, slots + 16);
+    }
+    let key = (mp, np, kp, fa, fb, out, fast_accum);
+    if !ctx.plans.contains_key(&key) {
+        let plan = ctx.plan(key, scales)?;
+        ctx.plans.insert(key, plan);
+    }
+    let ctx = &*ctx;
+    let plan = ctx.plans.get(&key).ok_or(Error::Poisoned { op: OP })?;
+    // SAFETY: the plan's descriptor is only used under the context's lock.
+    unsafe {
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        set_attr(
+            plan.desc,
+            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+            &scales.0,
+        )?;
+        set_attr(
+            plan.desc,
+            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            &scales.1,
+        )?;
+    }
+    let a_ptr = address(&ad, &stream)?;
+    let b_ptr = address(&bd, &stream)?;
+    let storage = match out {
+        DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr), mp * np)?,
+        DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr), mp * np)?,
+        _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr), mp * np)?,
+    };
+    let y = Tensor::from_storage(
+        Storage::Cuda(storage),
+        (mp, np),
+        candle_core::op::BackpropOp::none(),
+        false,
+    );
+    if (mp, np) == (m, n) {
+        Ok(y)
+    } else {
+        Ok(y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?)
+    }
+}
+
+/// Allocates the output and launches the plan's GEMM on the stream.
+fn run<T: candle_core::cuda_backend::CudaDType + driver::DeviceRepr>(
+    ctx: &LtContext,
+    plan: &Plan,
+    dev: &CudaDevice,
+    (a_ptr, b_ptr): (u64, u64),
+    len: usize,
+) -> Result<CudaStorage> {
+    let stream = &ctx.stream;
+    // SAFETY: cuBLASLt writes every element of D (beta = 0).
+    let mut y = unsafe { dev.alloc::<T>(len)? };
+    {
+        let (y_ptr, _gy) = y.device_ptr_mut(stream);
+        let (ws, _gw) = ctx.workspace.device_ptr(stream);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: pointers to live device memory of the plan's shapes and
+        // types, all on `stream`; C is D's buffer, unread with beta = 0.
+        unsafe {
+            lt::matmul(
+                ctx.handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                b_ptr as *const c_void,
+                plan.a,
+                a_ptr as *const c_void,
+                plan.b,
+                y_ptr as *const c_void,
+                plan.d,
+                y_ptr as *mut c_void,
+                plan.d,
+                &plan.algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+            .map_err(|e| lt_err("matmul", e))?;
+        }
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}

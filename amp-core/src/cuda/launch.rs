@@ -1,0 +1,82 @@
+//! Loading the embedded PTX and launching its kernels on candle's stream.
+
+use crate::error::{Error, Result};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
+use candle_core::Layout;
+
+/// The PTX built from `kernels/amp.cu` by `build.rs`.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/amp.ptx"));
+/// The name of our module in candle's per-device module cache.
+const MODULE: &str = "candle_amp_kernels";
+/// Threads per block (a multiple of 32; the reductions assume it).
+pub(super) const THREADS: u32 = 256;
+/// At most this many blocks: a grid-stride loop covers the rest (8 blocks
+/// of 256 threads fill one SM; 132 SMs on an H100).
+const MAX_BLOCKS: usize = 132 * 8;
+
+/// Our kernel `name`, loaded once per device.
+pub(super) fn func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    Ok(dev
+        .get_or_load_custom_func(name, MODULE, PTX)?
+        .into_cuda_function())
+}
+
+/// A grid for `items` units of work of one thread each.
+pub(super) fn grid(items: usize) -> LaunchConfig {
+    let blocks = items.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block (the small metadata kernels).
+pub(super) fn one_block() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The contiguous elements of a storage, as a view from its start offset.
+pub(super) fn view<'a, T: CudaDType>(
+    op: &'static str,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    let (start, end) = l.contiguous_offsets().ok_or(Error::Unsupported {
+        op,
+        what: "non-contiguous input".into(),
+    })?;
+    Ok(s.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// Whether a view's device address is 16-byte aligned (the vector paths).
+pub(super) fn aligned<T>(
+    v: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
+    dev: &CudaDevice,
+) -> bool {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let stream = dev.cuda_stream();
+    let (ptr, _guard) = v.device_ptr(&stream);
+    ptr % 16 == 0
+}
+
+/// A 1-element F32 input: a scale, scale_inv or amax.
+pub(super) fn scalar<'a>(
+    op: &'static str,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>> {
+    if l.shape().elem_count() != 1 {
+        return Err(Error::Shape {
+            op,
+            lhs: candle_core::Shape::from(1usize),
+            rhs: l.shape().clone(),
+        });
+    }
+    view::<f32>(op, s, l)
+}

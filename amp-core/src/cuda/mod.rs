@@ -1,0 +1,48 @@
+//! The CUDA bodies of amp-core's kernels (feature `cuda`): scaled casts,
+//! amax, requantize, the amax history and scale update, and the cuBLASLt
+//! FP8 GEMM.
+//!
+//! # How the kernels are built and loaded
+//! `kernels/amp.cu` is compiled to PTX by nvcc in `build.rs` (only under this
+//! feature) and embedded in the library; the driver JIT-compiles it once per
+//! process when the first kernel is used (candle's module cache). Chosen over
+//! NVRTC at run time because: the `cuda` build already needs nvcc 13.0
+//! (candle-kernels), so it adds no build requirement; errors in the CUDA C
+//! show up at build time, not in a device run; the binary does not depend on
+//! NVRTC finding `cuda_fp8.h` and libcu++ headers on the device; and nothing
+//! is compiled in the training process. The PTX targets `compute_90`
+//! (Hopper) with nvcc 13.0, PTX ISA 9.0: the device's CUDA 13.0 driver
+//! refuses newer ISAs.
+//!
+//! # Structure
+//! One launch per op, a grid-stride loop of at most 8 blocks of 256 threads
+//! per SM. Quantize reads the input once and writes the codes, the input's
+//! amax and the saturated/flushed counts: each thread folds 16 elements per
+//! step (16-byte loads and stores where both pointers are 16-byte aligned,
+//! element by element otherwise and for the tail), a warp and block
+//! reduction follow, then one atomic per block into outputs zeroed on the
+//! stream. The amax is kept as the bits of `|x|`, so an integer max orders
+//! NaN above inf exactly as the CPU kernel does. FP8 codes come from the
+//! hardware conversion (`cvt.rn.satfinite.e4m3x2.f32`: RNE with saturation,
+//! as the CPU's encode) with NaN mapped to 0x7F first (the hardware keeps
+//! the sign). Dequantize, decoded amax and requantize go element by element.
+//! Requantize is two passes over the codes (amax of the decoded values,
+//! then decode-scale-encode) with the scale update between them; no F32
+//! copy is written. Scale updates are one block. (Branch `cuda-fast-casts`
+//! holds faster versions, not yet run on a GPU: see BENCHMARKS.md.)
+
+//! Scales are read from device memory by the kernels; no op here copies
+//! anything to the host or synchronizes. Unlike the CPU body, quantize
+//! cannot refuse a bad scale without reading it: every constructor of
+//! [`ScalingMeta`](crate::ScalingMeta) and the scale update produce finite
+//! normal scales.
+
+mod cast;
+mod gemm;
+mod launch;
+mod meta;
+
+pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
+pub(crate) use gemm::fp8_gemm;
+pub use gemm::{keep_freed_memory, set_pool_release_threshold};
+pub(crate) use meta::{record_amax, scale_update};

@@ -1,0 +1,69 @@
+//! The CUDA module of a build without the `cuda` feature: the same API,
+//! every call answers [`Error::NotCompiled`]`("cuda")`. (candle's
+//! `dummy_cuda_backend` habit; its `CudaStorage` stands in here.)
+
+use crate::error::{Error, Result};
+use crate::qtype::QType;
+use crate::recipe::AmaxComputeAlgo;
+use crate::scale::ScaleRule;
+use crate::tensor::ScalingTensor;
+use candle_core::{CudaStorage, DType, Device, Layout, Shape, Tensor};
+
+type Inputs<'a> = &'a [(&'a CudaStorage, &'a Layout)];
+type Outputs = Result<Vec<(CudaStorage, Shape)>>;
+
+pub(crate) fn amax(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn quantize(_: QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn dequantize(_: QType, _: DType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn decoded_amax(_: QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn requantize(_: QType, _: QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn record_amax(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn scale_update(
+    _: ScaleRule,
+    _: AmaxComputeAlgo,
+    _: u32,
+    _: f32,
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn fp8_gemm(_: &ScalingTensor, _: &ScalingTensor, _: DType, _: bool) -> Result<Tensor> {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Sets the release threshold of the CUDA device's default memory pool
+/// (built without `cuda`: always [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn set_pool_release_threshold(_: &Device, _: u64) -> Result<()> {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Keeps freed CUDA memory pooled (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn keep_freed_memory(_: &Device) -> Result<()> {
+    Err(Error::NotCompiled("cuda"))
+}

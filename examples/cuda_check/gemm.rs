@@ -1,0 +1,137 @@
+//! The cuBLASLt FP8 GEMM against a float64 product of the decoded inputs
+//! on the GPU, and the FP8 Linear's forward and backward against the CPU.
+
+use crate::util::{rel_err, Rng};
+use amp::nn::{self, fp8_autocast, ComputeMode};
+use amp::{fp8_gemm_with, CurrentScaling, DelayedScaling, QType, ScalingTensor};
+use anyhow::Result;
+use candle_core::{DType, Device, Module, Tensor, Var};
+
+fn quantized(
+    rng: &mut Rng,
+    rows: usize,
+    cols: usize,
+    qtype: QType,
+    dev: &Device,
+) -> Result<ScalingTensor> {
+    let x = Tensor::from_vec(rng.normal(rows * cols), (rows, cols), dev)?;
+    Ok(ScalingTensor::quantize(&x, qtype, &CurrentScaling::default())?.0)
+}
+
+/// Shapes (aligned and not), format pairs, output dtypes, fast accumulation.
+pub fn check(dev: &Device) -> Result<bool> {
+    let mut ok = true;
+    let mut rng = Rng(4242);
+    let shapes = [
+        (256, 512, 384),
+        (100, 72, 40),
+        (1024, 1024, 4096),
+        (8, 16, 16),
+        (333, 4096, 1000),
+    ];
+    let pairs = [
+        (QType::E4M3, QType::E4M3),
+        (QType::E5M2, QType::E4M3),
+        (QType::E4M3, QType::E5M2),
+        (QType::E5M2, QType::E5M2),
+    ];
+    for (m, k, n) in shapes {
+        for (fa, fb) in pairs {
+            let a = quantized(&mut rng, m, k, fa, dev)?;
+            let b = quantized(&mut rng, n, k, fb, dev)?;
+            // float64 reference on the GPU: decoding is exact (power-of-two scales)
+            let reference = a
+                .dequantize(DType::F64)?
+                .matmul(&b.dequantize(DType::F64)?.t()?)?;
+            for out in [DType::BF16, DType::F32] {
+                for fast in [false, true] {
+                    let y = fp8_gemm_with(&a, &b, out, fast)?;
+                    let nan = y
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .filter(|v| !v.is_finite())
+                        .count();
+                    let e = rel_err(&y, &reference)?;
+                    // bf16 output rounding ~2e-3. F32 output: measured 1.0e-4 to
+                    // 1.25e-4 without and 2.7e-4 to 3.4e-4 with fast accumulation
+                    // (Hopper's FP8 tensor cores keep partial sums in less than
+                    // f32; cuBLASLt promotes them to f32 now and then, or with
+                    // FAST_ACCUM more rarely). The E5M2 x E5M2 fallback (decode,
+                    // f32 matmul) lands at 1e-8.
+                    let tol = match (out, fast) {
+                        (DType::BF16, _) => 5e-3,
+                        (_, false) => 5e-4,
+                        (_, true) => 2e-3,
+                    };
+                    let pass = nan == 0 && e < tol && y.dims() == [m, n];
+                    if !pass || (m, k, n) == (256, 512, 384) {
+                        println!("  gemm {m}x{k}x{n} {fa} x {fb} -> {out:?} fast={fast}: rel err {e:.3e} (tol {tol:.0e}), non-finite {nan}");
+                    }
+                    ok &= pass;
+                }
+            }
+        }
+    }
+    println!(
+        "cuBLASLt FP8 GEMM vs float64 on the GPU: {}",
+        if ok { "within tolerance" } else { "FAILED" }
+    );
+    Ok(ok)
+}
+
+/// One layer, three steps of delayed scaling (HYBRID: E4M3 forward, E5M2
+/// backward), on the GPU and on the CPU from the same data: output, input
+/// gradient and weight gradient must agree to the GEMMs' rounding. The loss
+/// is `sum(y * r)` for a fixed `r`, so both devices cast the same output
+/// gradient (with `y`'s own gradient, the E5M2 codes of dy would flip
+/// wherever the two devices' y differ by a rounding, 12-25% on that element).
+pub fn linear(dev: &Device) -> Result<bool> {
+    let mut rng = Rng(7);
+    let (m, k, n) = (512, 768, 1024);
+    let xs = rng.normal(m * k);
+    let ws: Vec<f32> = rng.normal(n * k).iter().map(|v| v * 0.05).collect();
+    let rs = rng.normal(m * n);
+    let mut ok = true;
+    let mut outs: Vec<Vec<Tensor>> = Vec::new();
+    for d in [dev, &Device::Cpu] {
+        let w = Var::from_tensor(&Tensor::from_vec(ws.clone(), (n, k), d)?)?;
+        let layer = nn::Linear::new("fc", w.as_tensor().clone(), None)?;
+        let mode = ComputeMode::Fp8Delayed(DelayedScaling::default());
+        let mut got = Vec::new();
+        for step in 0..3 {
+            let x = Var::from_tensor(
+                &(Tensor::from_vec(xs.clone(), (m, k), d)? * (1.0 + step as f64))?,
+            )?;
+            let _scope = fp8_autocast(true, mode.clone());
+            let y = layer.forward(x.as_tensor())?;
+            let loss = (&y * Tensor::from_vec(rs.clone(), (m, n), d)?)?.sum_all()?;
+            let grads = loss.backward()?;
+            let dx = grads
+                .get(x.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("no dx"))?
+                .clone();
+            let dw = grads
+                .get(w.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("no dw"))?
+                .clone();
+            got.extend([y, dx, dw]);
+        }
+        outs.push(got);
+    }
+    for (i, (g, c)) in outs[0].iter().zip(&outs[1]).enumerate() {
+        let e = rel_err(g, c)?;
+        let what = ["y", "dx", "dw"][i % 3];
+        println!(
+            "  linear step {} {what}: rel err cuda vs cpu {e:.3e}",
+            i / 3
+        );
+        ok &= e < 2e-3;
+    }
+    println!(
+        "FP8 Linear fprop/dgrad/wgrad on the GPU vs the CPU: {}",
+        if ok { "agree" } else { "DIFFER" }
+    );
+    Ok(ok)
+}

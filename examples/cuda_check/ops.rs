@@ -1,0 +1,172 @@
+//! Every code decoded; random tensors through amax, quantize, dequantize,
+//! requantize; the amax history and scale updates. CUDA vs CPU, bit for bit.
+
+use crate::util::{same, same_scaled, Rng};
+use amp::{
+    AmaxComputeAlgo, CurrentScaling, DelayedScaling, QType, ScaleRule, ScalingMeta, ScalingTensor,
+};
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+
+const OUT: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
+/// All 256 codes of each FP8 format and all 2^16 FP16 values, decoded to
+/// every output dtype at scale_inv 1 and at a non-power-of-two one.
+pub fn all_codes(dev: &Device) -> Result<bool> {
+    let mut ok = true;
+    let fp8 = Tensor::from_vec((0..=255u8).collect::<Vec<_>>(), 256, &Device::Cpu)?;
+    let fp16 = Tensor::from_vec(
+        (0..=u16::MAX).map(half::f16::from_bits).collect::<Vec<_>>(),
+        65536,
+        &Device::Cpu,
+    )?;
+    for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+        let data = if qtype == QType::F16 { &fp16 } else { &fp8 };
+        for scale in [1.0f32, 3.0, 2f32.powi(-20)] {
+            let on = |d: &Device| -> Result<ScalingTensor> {
+                let meta = ScalingMeta::new(qtype, 1, d)?.with_scale(scale)?;
+                Ok(ScalingTensor::from_parts(data.to_device(d)?, meta)?)
+            };
+            let (g, c) = (on(dev)?, on(&Device::Cpu)?);
+            for dtype in OUT {
+                ok &= same(
+                    &format!("decode {qtype} / {scale} -> {dtype:?}"),
+                    &g.dequantize(dtype)?,
+                    &c.dequantize(dtype)?,
+                )?;
+            }
+        }
+    }
+    println!(
+        "every code of E4M3, E5M2, FP16 decoded to F32/F16/BF16/F64: {}",
+        if ok { "identical" } else { "DIFFER" }
+    );
+    Ok(ok)
+}
+
+/// Random tensors (odd lengths, an offset view for the unaligned path,
+/// specials sprinkled in) through current-scaling quantize (amax, scale
+/// rule, quantize with counts), dequantize and requantize between all types.
+pub fn random_ops(dev: &Device) -> Result<bool> {
+    let mut ok = true;
+    let mut rng = Rng(0x5EED);
+    let n = 1_000_003;
+    for (decades, offset) in [(3.0, 0), (12.0, 0), (40.0, 1), (2.0, 3)] {
+        let xs = rng.values(n, decades);
+        let x_cpu = Tensor::from_vec(xs, n, &Device::Cpu)?.narrow(0, offset, n - offset)?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let xc = x_cpu.to_dtype(dtype)?;
+            let xg = xc.to_device(dev)?;
+            // an offset view stays offset on the device: the unaligned path
+            let (xc, xg) = if offset > 0 {
+                (
+                    xc.narrow(0, 1, n - offset - 1)?,
+                    xg.narrow(0, 1, n - offset - 1)?,
+                )
+            } else {
+                (xc, xg)
+            };
+            for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+                for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
+                    let r = CurrentScaling {
+                        scale_rule: rule,
+                        margin: (rng.next_u64() % 3) as u32,
+                        ..Default::default()
+                    };
+                    let what = format!("{dtype:?} 1e±{decades} +{offset} -> {qtype} {rule:?}");
+                    let (qg, ag) = ScalingTensor::quantize(&xg, qtype, &r)?;
+                    let (qc, ac) = ScalingTensor::quantize(&xc, qtype, &r)?;
+                    ok &= same(&format!("{what} amax"), &ag, &ac)?;
+                    ok &= same_scaled(&what, &qg, &qc)?;
+                    for out in OUT {
+                        ok &= same(
+                            &format!("{what} dequantize {out:?}"),
+                            &qg.dequantize(out)?,
+                            &qc.dequantize(out)?,
+                        )?;
+                    }
+                    for to in [QType::E4M3, QType::E5M2, QType::F16] {
+                        let (rg, rag) = qg.requantize(to, &r)?;
+                        let (rc, rac) = qc.requantize(to, &r)?;
+                        ok &= same(&format!("{what} requantize {to} amax"), &rag, &rac)?;
+                        ok &= same_scaled(&format!("{what} requantize {to}"), &rg, &rc)?;
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "random tensors through amax/quantize/dequantize/requantize: {}",
+        if ok { "identical" } else { "DIFFER" }
+    );
+    Ok(ok)
+}
+
+/// Random amax histories (zeros, NaN, inf included) through record_amax,
+/// update_scale (both rules, both algorithms, several margins) and TE's
+/// update_delayed over several steps.
+pub fn scale_updates(dev: &Device) -> Result<bool> {
+    let mut ok = true;
+    let mut rng = Rng(99);
+    for len in [1usize, 2, 16, 1024] {
+        for trial in 0..6 {
+            let mut hist: Vec<f32> = rng.values(len, 30.0).iter().map(|v| v.abs()).collect();
+            if trial == 0 {
+                hist.iter_mut().for_each(|v| *v = 0.0);
+            }
+            let prev = (rng.unit() * 1000.0) as f32 + 1e-3;
+            let amax = rng.values(1, 30.0)[0].abs();
+            for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+                let make = |d: &Device| -> Result<ScalingMeta> {
+                    Ok(ScalingMeta::from_parts(
+                        qtype,
+                        Tensor::new(&[prev], d)?,
+                        Tensor::new(&[1.0 / prev], d)?,
+                        Tensor::new(hist.as_slice(), d)?,
+                    )?)
+                };
+                let pairs = |g: &ScalingMeta, c: &ScalingMeta, what: &str| -> Result<bool> {
+                    Ok(same(
+                        &format!("{what} history"),
+                        g.amax_history(),
+                        c.amax_history(),
+                    )? & same(&format!("{what} scale"), g.scale(), c.scale())?
+                        & same(&format!("{what} scale_inv"), g.scale_inv(), c.scale_inv())?)
+                };
+                for rule in [ScaleRule::Te, ScaleRule::PowerOfTwo] {
+                    for algo in [AmaxComputeAlgo::Max, AmaxComputeAlgo::MostRecent] {
+                        for margin in [0u32, 1, 7, 300] {
+                            let (mut g, mut c) = (make(dev)?, make(&Device::Cpu)?);
+                            g.record_amax(&Tensor::new(&[amax], dev)?)?;
+                            c.record_amax(&Tensor::new(&[amax], &Device::Cpu)?)?;
+                            g.update_scale(rule, algo, margin)?;
+                            c.update_scale(rule, algo, margin)?;
+                            let what =
+                                format!("len {len} {qtype} {rule:?} {algo:?} margin {margin}");
+                            ok &= pairs(&g, &c, &what)?;
+                        }
+                    }
+                }
+                let recipe = DelayedScaling {
+                    interval: 2,
+                    amax_history_len: len,
+                    ..Default::default()
+                };
+                let (mut g, mut c) = (make(dev)?, make(&Device::Cpu)?);
+                for step in 0..5 {
+                    let a = rng.values(1, 10.0)[0].abs();
+                    g.record_amax(&Tensor::new(&[a], dev)?)?;
+                    c.record_amax(&Tensor::new(&[a], &Device::Cpu)?)?;
+                    g.update_delayed(&recipe)?;
+                    c.update_delayed(&recipe)?;
+                    ok &= pairs(&g, &c, &format!("delayed len {len} {qtype} step {step}"))?;
+                }
+            }
+        }
+    }
+    println!(
+        "amax histories and scale updates: {}",
+        if ok { "identical" } else { "DIFFER" }
+    );
+    Ok(ok)
+}
