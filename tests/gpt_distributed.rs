@@ -242,3 +242,29 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() -> anyhow::Result<()> 
     }
     Ok(())
 }
+
+#[test]
+fn a_data_parallel_run_resumes_exactly() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let path = std::env::temp_dir().join(format!("amp-dp-{}.safetensors", std::process::id()));
+    let cfg = quick(Level::O2, current(), 2);
+    let whole = train(&cfg, &corpus)?;
+    train(
+        &TrainConfig {
+            stop_at: Some(3),
+            save: Some(path.clone()),
+            ..cfg.clone()
+        },
+        &corpus,
+    )?;
+    let rest = train(
+        &TrainConfig {
+            resume: Some(path.clone()),
+            ..cfg
+        },
+        &corpus,
+    )?;
+    std::fs::remove_file(&path)?;
+    assert_eq!(rest.train_curve, whole.train_curve[3..]);
+    Ok(())
+}

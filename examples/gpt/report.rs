@@ -85,6 +85,22 @@ fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow!("plotting: {e:?}")
 }
 
+/// The series' labels, boxed, in the upper right corner.
+fn draw_legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)
+}
+
 /// Training loss (thin) and validation loss (thick, with points) of every
 /// run: the whole run on the left, its second half enlarged on the right
 /// (where the levels differ, if at all).
@@ -181,13 +197,7 @@ where
             .map_err(plot_err)?;
     }
     if legend {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(plot_err)?;
+        draw_legend(&mut chart)?;
     }
     Ok(())
 }
@@ -246,13 +256,7 @@ pub fn memory_svg(runs: &[Summary], path: &Path) -> Result<()> {
             .label(*label)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(plot_err)?;
+    draw_legend(&mut chart)?;
     root.present().map_err(plot_err)?;
     Ok(())
 }
