@@ -113,9 +113,11 @@ struct Args {
     /// Data-parallel ranks (threads, in-process backend); --batch stays the global batch.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     world_size: u64,
-    /// CPU threads for candle's kernels (0: candle's default, every core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
+    /// CPU threads for candle's kernels [default: half the cores, at least 1].
+    /// candle's pool waits in a spin loop, so a thread per core runs far
+    /// slower as soon as anything else uses a core.
+    #[arg(long)]
+    threads: Option<usize>,
     /// Folder for the comparison's table and plots.
     #[arg(long, default_value = "out")]
     out: PathBuf,
@@ -168,12 +170,16 @@ fn device(name: &str) -> Device {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.threads > 0 {
-        // Read by candle when its thread pool starts, before any op runs;
-        // nothing else runs yet, so setting the environment is safe here.
-        std::env::set_var("CANDLE_NUM_THREADS", args.threads.to_string());
-        std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
+    let threads = args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+    });
+    if threads == 0 {
+        usage("--threads 0: at least one thread");
     }
+    // Read by candle when its thread pool starts, before any op runs;
+    // nothing else runs yet, so setting the environment is safe here.
+    std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     if args.recipe.is_some() && !matches!(args.compute, None | Some(ComputeArg::Fp8Delayed)) {
         usage("--recipe is a delayed-scaling recipe: it goes with --compute fp8-delayed");
     }
