@@ -36,7 +36,10 @@ enum ExportArg {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Train a GPT on the bundled corpus with candle-amp at any optimization level")]
+#[command(
+    name = "gpt",
+    about = "Train a GPT on the bundled corpus with candle-amp at any optimization level"
+)]
 struct Args {
     /// Optimization level.
     #[arg(long, default_value = "O0")]
