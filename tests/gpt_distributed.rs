@@ -119,20 +119,58 @@ fn o3_shards_masters_and_moments_over_the_ranks() -> anyhow::Result<()> {
             "N = {n}: the whole weights are counted"
         );
     }
-    // checkpoints of a sharded run: a clear error, not a file of slices
-    let path = std::env::temp_dir().join(format!("amp-zero-{}.safetensors", std::process::id()));
-    let cfg = TrainConfig {
-        steps: 1,
-        save: Some(path.clone()),
-        ..quick(Level::O3, current(), 2)
-    };
-    let e = format!(
-        "{:#}",
-        train(&cfg, &corpus)
-            .err()
-            .ok_or_else(|| anyhow::anyhow!("saved"))?
+    Ok(())
+}
+
+#[test]
+fn a_zero_sharded_run_resumes_exactly_and_exports_whole_weights() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let dir = std::env::temp_dir().join(format!("amp-zero-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let ckpt = dir.join("ckpt.safetensors");
+    let cfg = quick(Level::O3, current(), 2);
+    let whole = train(&cfg, &corpus)?;
+    train(
+        &TrainConfig {
+            stop_at: Some(3),
+            save: Some(ckpt.clone()),
+            ..cfg.clone()
+        },
+        &corpus,
+    )?;
+    // one file per rank, each with its slices
+    for r in 0..2 {
+        assert!(amp::levels::shard_path(&ckpt, r, 2).exists(), "rank {r}");
+    }
+    let export = dir.join("export.safetensors");
+    let rest = train(
+        &TrainConfig {
+            resume: Some(ckpt.clone()),
+            export: Some((export.clone(), amp::levels::ExportDType::F32)),
+            ..cfg.clone()
+        },
+        &corpus,
+    )?;
+    assert_eq!(rest.train_curve, whole.train_curve[3..]);
+    let tensors = candle_core::safetensors::load(&export, &Device::Cpu)?;
+    assert_eq!(tensors["h.0.mlp.c_fc.weight"].dims(), [512, 128]);
+    // at another world size: a clear error
+    let e = train(
+        &TrainConfig {
+            resume: Some(ckpt.clone()),
+            world_size: 4,
+            ..cfg
+        },
+        &corpus,
+    )
+    .err()
+    .ok_or_else(|| anyhow::anyhow!("resumed at another world size"))?;
+    let e = format!("{e:#}");
+    assert!(
+        e.contains("-of-4.safetensors") && e.contains("same world size"),
+        "{e}"
     );
-    assert!(e.contains("ZeRO") && !path.exists(), "{e}");
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 

@@ -283,12 +283,13 @@ pub fn train_rank(
     bar.finish_and_clear();
     let wire = comm.as_ref().map_or(0, |c| c.bytes_sent()) - sent_before;
     let report = amp.memory_report(&opt)?;
-    // the replicas are identical: rank 0 writes for all
-    if let (Some(path), 0) = (&cfg.save, rank) {
+    // every rank calls: rank 0 writes the replicated state, and at O3 with
+    // ZeRO each rank its slice
+    if let Some(path) = &cfg.save {
         amp.save(path, &opt)
             .with_context(|| format!("saving {}", path.display()))?;
     }
-    if let (Some((path, dtype)), 0) = (&cfg.export, rank) {
+    if let Some((path, dtype)) = &cfg.export {
         amp.export(path, &opt, *dtype)
             .with_context(|| format!("exporting {}", path.display()))?;
     }

@@ -130,9 +130,22 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], fail_before_rename: bool) 
 impl AmpContext {
     /// Saves the model's parameters and the optimizer's whole state.
     ///
+    /// In a data-parallel group every rank calls it: the replicas are
+    /// identical, so rank 0 writes `path` and the others write nothing;
+    /// at O3 with ZeRO each rank writes its own slice to
+    /// [`shard_path`](crate::shard_path)`(path, rank, world)`, which
+    /// [`load`](Self::load) reads back at the same world size.
+    ///
     /// # Errors
     /// [`Error::Checkpoint`] on I/O errors.
     pub fn save(&self, path: impl AsRef<Path>, opt: &AmpOptimizer) -> Result<()> {
+        let (rank, world) = opt.rank_and_world();
+        if !opt.shards.is_empty() {
+            return self.save_inner(&crate::shard_path(path, rank, world), opt, false);
+        }
+        if rank != 0 {
+            return Ok(());
+        }
         self.save_inner(path.as_ref(), opt, false)
     }
 
@@ -142,13 +155,10 @@ impl AmpContext {
         opt: &AmpOptimizer,
         fail_before_rename: bool,
     ) -> Result<()> {
-        if !opt.shards.is_empty() {
-            return Err(crate::zero::unsupported("save"));
-        }
         let mut out = BTreeMap::new();
         for p in opt.inner().params() {
             match &*p.slot.read()? {
-                Weight::Fp8Gathered(_) => return Err(crate::zero::unsupported("save")),
+                Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("save")),
                 Weight::F32(v) => put(&mut out, p.name.clone(), v.as_tensor(), None)?,
                 Weight::F16(t) => put_scaled(&mut out, &p.name, t)?,
                 Weight::Fp8 { weight, master } => {
@@ -183,6 +193,7 @@ impl AmpContext {
             ("adam".to_string(), json(&opt.inner().config().adam)?),
             ("scaler".to_string(), json(opt.inner().scaler())?),
             ("layer_meta".to_string(), json(&layer_meta)?),
+            ("zero".to_string(), crate::zero::tag(opt)),
             (
                 "param_steps".to_string(),
                 json(

@@ -22,10 +22,35 @@ impl AmpContext {
     /// # Errors
     /// [`Error::Checkpoint`] naming what is wrong.
     pub fn load(&self, path: impl AsRef<Path>, opt: &mut AmpOptimizer) -> Result<()> {
-        if !opt.shards.is_empty() {
-            return Err(crate::zero::unsupported("load"));
+        if opt.shards.is_empty() {
+            return self.load_file(path.as_ref(), opt);
         }
-        let path = path.as_ref();
+        // ZeRO: this rank's slice file, then the FP8 copies gathered again
+        let (rank, world) = opt.rank_and_world();
+        let file = crate::shard_path(path, rank, world);
+        let loaded = if file.exists() {
+            self.load_file(&file, opt)
+        } else {
+            Err(err(
+                &file,
+                format!(
+                    "no such file: a ZeRO-sharded run resumes from the files of its {world} ranks, \
+                     saved at the same world size"
+                ),
+            ))
+        };
+        if let (Err(_), Some(comm)) = (&loaded, &opt.comm) {
+            // the others are about to gather: fail the group, do not leave them waiting
+            comm.0.barrier().ok();
+        }
+        loaded?;
+        if let Some(comm) = &opt.comm {
+            crate::zero::gather(comm.0.as_ref(), &opt.opt, &opt.shards)?;
+        }
+        Ok(())
+    }
+
+    fn load_file(&self, path: &Path, opt: &mut AmpOptimizer) -> Result<()> {
         let bytes = std::fs::read(path).map_err(|e| err(path, e.to_string()))?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| err(path, format!("not a readable safetensors file: {e}")))?;
@@ -54,6 +79,16 @@ impl AmpContext {
             .parse()
             .map_err(|e: String| err(path, format!("metadata `level`: {e}")))?;
         let convert = saved_level != self.level();
+        let zero = meta.get("zero").map_or("none", String::as_str);
+        if zero != crate::zero::tag(opt) {
+            return Err(err(
+                path,
+                format!(
+                    "saved with ZeRO slices `{zero}`, this run holds `{}`: resume at the world size it was saved at",
+                    crate::zero::tag(opt)
+                ),
+            ));
+        }
         // Counters far beyond any run are corrupt (and would overflow).
         const MAX_COUNT: u64 = 1 << 53;
         let count = |what: &str, v: u64| -> Result<u64> {
@@ -95,7 +130,7 @@ impl AmpContext {
                 reader.converted(p, &w)?
             } else {
                 let weight = match &*w {
-                    Weight::Fp8Gathered(_) => return Err(crate::zero::unsupported("load")),
+                    Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
                     Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
                         &reader.plain(&p.name, v.shape())?,
                     )?),

@@ -154,7 +154,7 @@ impl Reader<'_> {
             Ok(ScalingTensor::quantize(&value, qtype, &amp_core::CurrentScaling::default())?.0)
         };
         let weight = match w {
-            Weight::Fp8Gathered(_) => return Err(crate::zero::unsupported("load")),
+            Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
             Weight::F32(_) => Weight::F32(candle_core::Var::from_tensor(&value)?),
             Weight::F16(_) => Weight::F16(q(QType::F16)?),
             Weight::Fp8 { .. } => Weight::Fp8 {

@@ -21,7 +21,8 @@ impl AmpContext {
     /// Writes the model's weights as a plain safetensors file for inference
     /// elsewhere: every parameter under its own name (as the model's
     /// `VarBuilder` named it), in `dtype`, from the master copy where there
-    /// is one; no optimizer state, no scales.
+    /// is one; no optimizer state, no scales. In a data-parallel group every
+    /// rank calls it (ZeRO slices are gathered) and rank 0 writes.
     ///
     /// # Errors
     /// [`Error::Checkpoint`] on I/O errors.
@@ -31,13 +32,18 @@ impl AmpContext {
         opt: &AmpOptimizer,
         dtype: ExportDType,
     ) -> Result<()> {
-        if !opt.shards.is_empty() {
-            return Err(crate::zero::unsupported("export"));
-        }
         let path = path.as_ref();
+        let (rank, _) = opt.rank_and_world();
         let mut out = BTreeMap::new();
         for p in opt.inner().params() {
-            let v = p.slot.read()?.master_f32()?;
+            let mut v = p.slot.read()?.master_f32()?;
+            if let (Some(s), Some(comm)) = (opt.shards.iter().find(|s| s.name == p.name), &opt.comm)
+            {
+                v = crate::zero::gather_master(comm.0.as_ref(), &v, s)?;
+            }
+            if rank != 0 {
+                continue;
+            }
             let (bytes, dt) = match dtype {
                 ExportDType::F32 => (
                     v.flatten_all()?
@@ -58,6 +64,9 @@ impl AmpContext {
                 ),
             };
             out.insert(p.name.clone(), (bytes, dt, v.dims().to_vec()));
+        }
+        if rank != 0 {
+            return Ok(());
         }
         let views = out
             .iter()

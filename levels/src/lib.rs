@@ -29,3 +29,4 @@ pub use error::{Error, Result};
 pub use export::ExportDType;
 pub use level::{state_bytes, GradStorage, Level, Policy, WeightStorage};
 pub use report::{Categories, MemoryReport};
+pub use zero::shard_path;

@@ -83,12 +83,48 @@ pub(crate) fn gather(comm: &dyn Communicator, opt: &LowBitAdamW, shards: &[Shard
     Ok(())
 }
 
-/// The error of a checkpoint operation on a sharded run.
-pub(crate) fn unsupported(op: &str) -> crate::Error {
+/// What a checkpoint records of the sharding: `none`, or `rank/world`.
+pub(crate) fn tag(opt: &crate::AmpOptimizer) -> String {
+    if opt.shards.is_empty() {
+        return "none".into();
+    }
+    let (rank, world) = opt.rank_and_world();
+    format!("{rank}/{world}")
+}
+
+/// The file a rank of a ZeRO-sharded run writes for checkpoint `path`:
+/// `ckpt.safetensors` becomes `ckpt.rank0-of-4.safetensors`.
+pub fn shard_path(
+    path: impl AsRef<std::path::Path>,
+    rank: usize,
+    world: usize,
+) -> std::path::PathBuf {
+    let path = path.as_ref();
+    let stem = path
+        .file_stem()
+        .map_or_else(Default::default, |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}-of-{world}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}-of-{world}"),
+    };
+    path.with_file_name(name)
+}
+
+/// A gathered FP8 copy where an optimizer parameter was expected.
+pub(crate) fn not_a_param(op: &str) -> crate::Error {
     crate::Error::Config {
         field: op.into(),
-        reason: "this O3 run shards its masters and moments over several ranks (ZeRO); \
-                 its checkpoints are not written or read yet: run at O2, or O3 on one rank"
-            .into(),
+        reason: "a gathered FP8 copy is not an optimizer parameter (its master slice is)".into(),
     }
+}
+
+/// The whole F32 master of a sharded parameter, gathered from the ranks
+/// (every rank calls it).
+pub(crate) fn gather_master(
+    comm: &dyn Communicator,
+    slice: &Tensor,
+    shard: &Shard,
+) -> Result<Tensor> {
+    let full = comm.all_gather_shards(slice, shard.shape.elem_count())?;
+    Ok(full.reshape(shard.shape.clone())?)
 }
