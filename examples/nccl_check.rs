@@ -236,6 +236,12 @@ fn fp8_check(ck: &mut Checker) -> Result<()> {
         let name = format!("fp8_all_reduce vs in-process L={len}");
         let got = match got {
             Ok(r) => r,
+            // amp-core's casts have no CUDA bodies in this build (its `cuda`
+            // feature): say so instead of failing.
+            Err(amp::comm::Error::Core(e @ amp::Error::UnsupportedDevice { .. })) => {
+                println!("[rank {rank}/{n}] SKIP {name}: {e} (amp-core built without CUDA casts)");
+                continue;
+            }
             Err(e) => {
                 ck.report(&name, Err(e.into()));
                 continue;
