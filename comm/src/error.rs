@@ -87,6 +87,38 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+    /// A launch variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+    /// `MASTER_PORT`, `AMP_RENDEZVOUS_PORT`, `AMP_RENDEZVOUS_TIMEOUT_S`)
+    /// that is missing or invalid.
+    #[error("{op}: environment variable {var}: {what}")]
+    Env {
+        /// The operation.
+        op: &'static str,
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with it.
+        what: String,
+    },
+    /// The TCP rendezvous that hands out the NCCL unique id failed (a
+    /// socket error, or a peer that does not speak its protocol).
+    #[error("{op}: {detail}")]
+    Rendezvous {
+        /// The operation.
+        op: &'static str,
+        /// What happened.
+        detail: String,
+    },
+    /// An error reported by NCCL.
+    #[error("{op}: NCCL: {detail}")]
+    Nccl {
+        /// The operation.
+        op: &'static str,
+        /// NCCL's error.
+        detail: String,
+    },
+    /// A backend this build does not contain.
+    #[error("built without feature `{0}`")]
+    NotCompiled(&'static str),
     /// An error from amp-core (quantize, dequantize, scales).
     #[error(transparent)]
     Core(#[from] amp_core::Error),

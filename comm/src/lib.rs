@@ -28,14 +28,26 @@
 //! ```
 //!
 //! # Features
-//! None yet: the build is CPU only. An NCCL backend (feature `nccl`)
-//! implements the same trait in a later release.
+//! - `nccl`: [`NcclComm`], the NCCL backend through cudarc (one process
+//!   per GPU, set up from `torchrun`'s variables, see [`LaunchEnv`]);
+//!   implies candle's `cuda`. Without it `NcclComm` exists but its
+//!   constructors return [`Error::NotCompiled`], and the build needs no
+//!   CUDA toolkit. The TCP [`rendezvous`] that hands out NCCL's unique id
+//!   is plain Rust and is always built.
 #![warn(missing_docs)]
 
 mod communicator;
 mod error;
 mod fp8_reduce;
 mod in_process;
+mod launch;
+#[cfg(feature = "nccl")]
+mod nccl;
+#[cfg(not(feature = "nccl"))]
+#[path = "nccl_stub.rs"]
+mod nccl;
+mod pad;
+mod rendezvous;
 mod shard;
 
 pub use communicator::{Communicator, ReduceOp};
@@ -45,4 +57,7 @@ pub use fp8_reduce::{
     ReducedShard,
 };
 pub use in_process::{run_ranks, run_ranks_each, run_ranks_with, InProcessComm, InProcessConfig};
+pub use launch::{LaunchEnv, RendezvousConfig, DEFAULT_RENDEZVOUS_TIMEOUT};
+pub use nccl::NcclComm;
+pub use rendezvous::{rendezvous, PROTOCOL_VERSION, UNIQUE_ID_BYTES};
 pub use shard::{shard_len, shard_range};

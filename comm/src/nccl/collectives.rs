@@ -1,0 +1,297 @@
+//! The [`Communicator`] collectives of [`NcclComm`], on the candle
+//! device's stream (see the module docs of `nccl`).
+
+use super::buffer::{self, Output};
+use super::{nccl_err, NcclComm};
+use crate::communicator::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::pad::{pad_rows, pad_shard, padded_len, trim_rows};
+use crate::shard::shard_len;
+use candle_core::{DType, Device, Tensor};
+use cudarc::nccl::{group_end, group_start, ReduceOp as NcclOp};
+
+fn nccl_op(op: ReduceOp) -> NcclOp {
+    match op {
+        ReduceOp::Sum => NcclOp::Sum,
+        ReduceOp::Max => NcclOp::Max,
+    }
+}
+
+fn nbytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl NcclComm {
+    /// NCCL's F32 reduction of the 1-D `flat`: an all-reduce (as long as
+    /// `flat`), or with `scatter` a reduce-scatter (`flat.len() / N`, the
+    /// length a multiple of `N`).
+    fn reduce_raw(
+        &self,
+        op: &'static str,
+        flat: &Tensor,
+        red: ReduceOp,
+        scatter: bool,
+    ) -> Result<Tensor> {
+        let flat = flat.contiguous()?;
+        let n = flat.elem_count();
+        let out_len = if scatter { n / self.world_size() } else { n };
+        let mut out = Output::new(op, &self.cuda, DType::F32, out_len)?;
+        if out_len > 0 {
+            self.enter()?;
+            let (storage, layout) = flat.storage_and_layout();
+            let send = buffer::f32s(op, &storage, layout, n)?;
+            let mut recv = out.f32s(op)?;
+            let red = nccl_op(red);
+            if scatter {
+                self.comm.reduce_scatter(&send, &mut recv, &red)
+            } else {
+                self.comm.all_reduce(&send, &mut recv, &red)
+            }
+            .map_err(nccl_err(op))?;
+        }
+        Ok(out.into_tensor(&self.cuda, out_len))
+    }
+
+    /// Max with NaN winning (NCCL's max drops NaN): the values with NaN as
+    /// +inf and a 0/1 NaN flag per element are reduced together. With
+    /// `scatter`, this rank's padded chunk (`ceil(L / N)` elements).
+    fn reduce_max(&self, op: &'static str, flat: &Tensor, scatter: bool) -> Result<Tensor> {
+        let n = self.world_size();
+        let nan = flat.ne(flat)?;
+        let inf = Tensor::new(f32::INFINITY, flat.device())?.broadcast_as(flat.shape())?;
+        let values = nan.where_cond(&inf, flat)?;
+        let flags = nan.to_dtype(DType::F32)?;
+        let (both, part) = if scatter {
+            // Chunk j is [values_j, flags_j], each padded to ceil(L / N).
+            let rows = Tensor::cat(&[pad_rows(&values, n)?, pad_rows(&flags, n)?], 1)?;
+            (rows.flatten_all()?, padded_len(flat.elem_count(), n))
+        } else {
+            (Tensor::cat(&[&values, &flags], 0)?, flat.elem_count())
+        };
+        let reduced = self.reduce_raw(op, &both, ReduceOp::Max, scatter)?;
+        let max = reduced.narrow(0, 0, part)?;
+        let any_nan = reduced.narrow(0, part, part)?.gt(0.5f32)?;
+        let nan = Tensor::new(f32::NAN, flat.device())?.broadcast_as(part)?;
+        Ok(any_nan.where_cond(&nan, &max)?)
+    }
+
+    /// Every rank's `x` (contiguous bytes) in rank order, flat.
+    fn gather_raw(&self, op: &'static str, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let len = x.elem_count();
+        let total = self.world_size() * len;
+        let mut out = Output::new(op, &self.cuda, x.dtype(), total)?;
+        if len > 0 {
+            self.enter()?;
+            let (storage, layout) = x.storage_and_layout();
+            let send = buffer::bytes(op, &storage, layout, len)?;
+            let mut recv = out.bytes(op)?;
+            self.comm
+                .all_gather(&send, &mut recv)
+                .map_err(nccl_err(op))?;
+        }
+        Ok(out.into_tensor(&self.cuda, total))
+    }
+
+    fn invalid(op: &'static str, what: String) -> Error {
+        Error::InvalidArgument { op, what }
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "all_reduce";
+        self.check_f32(OP, x)?;
+        let flat = x.flatten_all()?;
+        let out = match op {
+            ReduceOp::Sum => self.reduce_raw(OP, &flat, op, false)?,
+            ReduceOp::Max => self.reduce_max(OP, &flat, false)?,
+        };
+        let (n, len) = (self.world_size(), x.elem_count());
+        let s = shard_len(len, self.rank(), n);
+        self.count((len - s + (n - 1) * s) * 4);
+        Ok(out.reshape(x.shape())?)
+    }
+
+    fn reduce_scatter(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter";
+        self.check_f32(OP, x)?;
+        let (n, len) = (self.world_size(), x.elem_count());
+        let flat = x.flatten_all()?;
+        let padded = match op {
+            ReduceOp::Sum => self.reduce_raw(OP, &pad_rows(&flat, n)?.flatten_all()?, op, true)?,
+            ReduceOp::Max => self.reduce_max(OP, &flat, true)?,
+        };
+        let s = shard_len(len, self.rank(), n);
+        self.count((len - s) * 4);
+        Ok(padded.narrow(0, 0, s)?)
+    }
+
+    fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        self.check(OP, x)?;
+        let n = self.world_size();
+        let mut dims = vec![n];
+        dims.extend_from_slice(x.dims());
+        let out = self.gather_raw(OP, x)?.reshape(dims)?;
+        self.count((n - 1) * nbytes(x));
+        Ok(out)
+    }
+
+    fn all_gather_shards(&self, shard: &Tensor, len: usize) -> Result<Tensor> {
+        const OP: &str = "all_gather_shards";
+        self.check(OP, shard)?;
+        let (n, rank) = (self.world_size(), self.rank());
+        let want = shard_len(len, rank, n);
+        if shard.elem_count() != want {
+            return Err(Self::invalid(
+                OP,
+                format!(
+                    "rank {rank} of {n} owns {want} of {len} elements, its shard has {}",
+                    shard.elem_count()
+                ),
+            ));
+        }
+        let c = padded_len(len, n);
+        let rows = self
+            .gather_raw(OP, &pad_shard(shard, c)?)?
+            .reshape((n, c))?;
+        let out = trim_rows(&rows, len, n)?;
+        self.count((n - 1) * nbytes(shard));
+        Ok(out)
+    }
+
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        const OP: &str = "broadcast";
+        self.check(OP, x)?;
+        let n = self.world_size();
+        let root_i32 = i32::try_from(root)
+            .ok()
+            .filter(|_| root < n)
+            .ok_or_else(|| {
+                Self::invalid(OP, format!("root {root} is not a rank of a world of {n}"))
+            })?;
+        let x = x.contiguous()?;
+        let len = x.elem_count();
+        let mut out = Output::new(OP, &self.cuda, x.dtype(), len)?;
+        if len > 0 {
+            self.enter()?;
+            let (storage, layout) = x.storage_and_layout();
+            let send = buffer::bytes(OP, &storage, layout, len)?;
+            let mut recv = out.bytes(OP)?;
+            self.comm
+                .broadcast(Some(&send), &mut recv, root_i32)
+                .map_err(nccl_err(OP))?;
+        }
+        if self.rank() == root {
+            self.count((n - 1) * nbytes(&x));
+        }
+        Ok(out.into_tensor(&self.cuda, x.shape()))
+    }
+
+    fn all_to_all(&self, chunks: &[Tensor]) -> Result<Vec<Tensor>> {
+        const OP: &str = "all_to_all";
+        let (n, rank) = (self.world_size(), self.rank());
+        if chunks.len() != n {
+            return Err(Self::invalid(
+                OP,
+                format!("{} chunks for a world of {n}", chunks.len()),
+            ));
+        }
+        for c in chunks {
+            self.check(OP, c)?;
+        }
+        let own = &chunks[rank];
+        let peer = |j: usize| i32::try_from(j).map_err(|_| Self::invalid(OP, format!("rank {j}")));
+        let chunks = chunks
+            .iter()
+            .map(|c| c.contiguous())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // Receive buffers shaped as the chunk this rank keeps; none for
+        // itself, none when empty (both ends know the size and skip).
+        let mut outs = (0..n)
+            .map(|j| match j == rank || own.elem_count() == 0 {
+                true => Ok(None),
+                false => Output::new(OP, &self.cuda, own.dtype(), own.elem_count()).map(Some),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        {
+            let guards: Vec<_> = chunks.iter().map(|c| c.storage_and_layout()).collect();
+            let mut sends = Vec::with_capacity(n);
+            for (j, ((storage, layout), c)) in guards.iter().zip(&chunks).enumerate() {
+                if j != rank && c.elem_count() > 0 {
+                    sends.push((
+                        peer(j)?,
+                        buffer::bytes(OP, storage, layout, c.elem_count())?,
+                    ));
+                }
+            }
+            let mut recvs = Vec::with_capacity(n);
+            for (j, out) in outs.iter_mut().enumerate() {
+                if let Some(out) = out {
+                    recvs.push((peer(j)?, out.bytes(OP)?));
+                }
+            }
+            self.enter()?;
+            group_start().map_err(nccl_err(OP))?;
+            let mut enqueued = Ok(());
+            for (j, view) in &sends {
+                enqueued = enqueued.and_then(|()| self.comm.send(view, *j));
+            }
+            for (j, view) in &mut recvs {
+                enqueued = enqueued.and_then(|()| self.comm.recv(view, *j).map(|_| ()));
+            }
+            // The group is closed whatever happened inside it.
+            let ended = group_end();
+            enqueued.map_err(nccl_err(OP))?;
+            ended.map_err(nccl_err(OP))?;
+        }
+        let sent: usize = (0..n)
+            .filter(|&j| j != rank)
+            .map(|j| nbytes(&chunks[j]))
+            .sum();
+        self.count(sent);
+        Ok(outs
+            .into_iter()
+            .enumerate()
+            .map(|(j, out)| match out {
+                Some(out) => out.into_tensor(&self.cuda, own.shape()),
+                // This rank's own chunk, or an empty one.
+                None if j == rank => chunks[rank].clone(),
+                None => own.clone(),
+            })
+            .collect())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        const OP: &str = "barrier";
+        let token = Tensor::zeros(1, DType::F32, &self.device)?;
+        self.reduce_raw(OP, &token, ReduceOp::Sum, false)?;
+        // The one host wait of the backend: a barrier returns only once
+        // every rank has arrived.
+        self.cuda
+            .cuda_stream()
+            .synchronize()
+            .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn reset_bytes_sent(&self) {
+        self.bytes.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
