@@ -358,6 +358,14 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
+    // launched as a rank (WORLD_SIZE set) by a build without NCCL: a clear error
+    let out = std::process::Command::new(&bin)
+        .args(["--steps", "1"])
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "0")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("nccl"), "{err}");
     let out = std::process::Command::new(&bin)
         .args([
             "--level", "O2", "--steps", "2", "--batch", "2", "--seq", "16", "--json",

@@ -5,9 +5,12 @@
 //! cargo run --release --example gpt                              # O0, tiny, CPU
 //! cargo run --release --example gpt -- --level O2 --sample 200
 //! cargo run --release --example gpt -- --compare O0,O1,O2,O3     # out/compare.md, loss.svg, memory.svg
+//! cargo run --release --example gpt -- --level O3 --world-size 4  # 4 ranks as threads, ZeRO
+//! torchrun --no-python --nproc-per-node 2 target/release/examples/gpt --device cuda --level O2
 //! ```
 
 mod data;
+mod launch;
 mod model;
 mod report;
 mod sample;
@@ -247,14 +250,33 @@ fn main() -> Result<()> {
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {
         usage("--save, --resume and --export take one run: leave them out of --compare");
     }
+    // Started by torchrun (or a loop setting its variables): one rank of an
+    // NCCL group, on the GPU LOCAL_RANK names.
+    let group = launch::from_env().transpose()?;
+    if group.is_some() && args.world_size > 1 {
+        usage(
+            "--world-size runs ranks as threads: leave it out under torchrun (WORLD_SIZE is set)",
+        );
+    }
+    let rank = group.as_ref().map_or(0, |c| c.rank());
     let mut runs = Vec::new();
     for &level in &levels {
-        let cfg = TrainConfig {
+        let mut cfg = TrainConfig {
             level,
             compute: compute_for(&args, level),
+            progress: base.progress && rank == 0,
             ..base.clone()
         };
-        let s = train(&cfg, &corpus)?;
+        let s = match &group {
+            Some(comm) => {
+                cfg.device = comm.device().clone();
+                train::train_rank(&cfg, &corpus, Some(comm.clone()))?
+            }
+            None => train(&cfg, &corpus)?,
+        };
+        if rank != 0 {
+            continue;
+        }
         if args.json {
             println!("{}", serde_json::to_string(&s)?);
         } else {
@@ -262,7 +284,7 @@ fn main() -> Result<()> {
         }
         runs.push(s);
     }
-    if levels.len() > 1 {
+    if levels.len() > 1 && rank == 0 {
         std::fs::create_dir_all(&args.out)
             .with_context(|| format!("creating {}", args.out.display()))?;
         let table = report::markdown(&runs);
