@@ -35,6 +35,8 @@
 #![warn(missing_docs)]
 
 mod adamw;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod fused;
 mod grad;
