@@ -23,7 +23,8 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     // compute_90: Hopper (the hardware FP8 conversions need sm_89 or newer).
     let arch = std::env::var("AMP_CUDA_ARCH").unwrap_or_else(|_| "compute_90".into());
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("lowbit.ptx");
+    let out =
+        PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("lowbit.ptx");
     let version = Command::new(&nvcc).arg("--version").output();
     match version {
         Ok(v) if String::from_utf8_lossy(&v.stdout).contains("release 13.0") => {}

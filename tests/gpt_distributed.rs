@@ -9,11 +9,11 @@ mod data;
 #[path = "../examples/gpt/model.rs"]
 mod model;
 #[allow(dead_code)]
-#[path = "../examples/gpt/softmax.rs"]
-mod softmax;
-#[allow(dead_code)]
 #[path = "../examples/gpt/sample.rs"]
 mod sample;
+#[allow(dead_code)]
+#[path = "../examples/gpt/softmax.rs"]
+mod softmax;
 #[allow(dead_code)]
 #[path = "../examples/gpt/train.rs"]
 mod train;

@@ -14,11 +14,11 @@ mod model;
 #[path = "../examples/gpt/report.rs"]
 mod report;
 #[allow(dead_code)]
-#[path = "../examples/gpt/softmax.rs"]
-mod softmax;
-#[allow(dead_code)]
 #[path = "../examples/gpt/sample.rs"]
 mod sample;
+#[allow(dead_code)]
+#[path = "../examples/gpt/softmax.rs"]
+mod softmax;
 #[allow(dead_code)]
 #[path = "../examples/gpt/train.rs"]
 mod train;

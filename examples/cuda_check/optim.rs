@@ -108,7 +108,10 @@ pub fn check(dev: &Device) -> Result<bool> {
                 (StateFormat::F32, StateFormat::F32),
                 (StateFormat::E4M3, StateFormat::F16),
             ] {
-                let what = format!("lowbit {wk:?} grad {} m {mf:?} v {vf:?}", if g8 { "E4M3" } else { "F32" });
+                let what = format!(
+                    "lowbit {wk:?} grad {} m {mf:?} v {vf:?}",
+                    if g8 { "E4M3" } else { "F32" }
+                );
                 let w0 = Tensor::from_vec(rng.normal(n), shape, &Device::Cpu)?;
                 let (cpu_slot, gpu_slot) = weights(wk, &(w0 * 0.05)?, dev)?;
                 let cfg = LowBitAdamWConfig {
@@ -155,7 +158,10 @@ pub fn check(dev: &Device) -> Result<bool> {
                         case_ok &= same(&format!("{what} step {step} part {i}"), x, y)?;
                     }
                 }
-                println!("  {what}: {}", if case_ok { "identical" } else { "DIFFERENT" });
+                println!(
+                    "  {what}: {}",
+                    if case_ok { "identical" } else { "DIFFERENT" }
+                );
                 ok &= case_ok;
             }
         }
@@ -168,6 +174,8 @@ pub fn check(dev: &Device) -> Result<bool> {
 /// 2 + 1 + 1 + 2, write 2 + 1 + 2) at the device-to-device copy bandwidth
 /// measured here. The step includes the sum of squares and its host read.
 pub fn bench(dev: &Device) -> Result<bool> {
+    // freed blocks stay pooled: no timed call maps fresh memory
+    amp::keep_freed_memory(dev)?;
     let n = 64usize << 20;
     let mut rng = Rng(7);
     let w = (Tensor::from_vec(rng.normal(n), n, &Device::Cpu)? * 0.05)?.to_device(dev)?;
@@ -177,7 +185,10 @@ pub fn bench(dev: &Device) -> Result<bool> {
         ..Default::default()
     };
     let mut opt = LowBitAdamW::new(vec![("w".into(), slot)], cfg)?;
-    let g = quantize(&Tensor::from_vec(rng.normal(n), n, &Device::Cpu)?.to_device(dev)?, QType::E4M3)?;
+    let g = quantize(
+        &Tensor::from_vec(rng.normal(n), n, &Device::Cpu)?.to_device(dev)?,
+        QType::E4M3,
+    )?;
     let mut grads = Grads::new();
     grads.insert("w", Grad::Scaled(g));
     let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {

@@ -187,11 +187,7 @@ impl Gpt {
             // As PyTorch autocast: the attention's products in BF16; the
             // fused softmax keeps one matrix per layer for backprop.
             let bf = |t: Tensor| t.to_dtype(DType::BF16);
-            let (q, k, v) = (
-                bf((q * (1.0 / (hd as f64).sqrt()))?)?,
-                bf(k)?,
-                bf(v)?,
-            );
+            let (q, k, v) = (bf((q * (1.0 / (hd as f64).sqrt()))?)?, bf(k)?, bf(v)?);
             let att = q
                 .matmul(&k.t()?.contiguous()?)?
                 .broadcast_add(&mask.to_dtype(DType::BF16)?)?;

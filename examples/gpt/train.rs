@@ -142,8 +142,15 @@ pub struct Summary {
     pub tokens_per_s: f64,
     /// Median wall time of a timed step, ms (as torch_gpt.py reports).
     pub step_ms_median: f64,
+    /// Median time of the forward pass (to a device synchronize) within a
+    /// timed step, ms; the rest of the step is backward, optimizer, loss read.
+    pub forward_ms_median: f64,
     /// Steps timed (after `timing_skip`).
     pub timed_steps: u64,
+    /// CUDA only: the pool's used high-water mark after the first step's
+    /// forward pass (weights, optimizer state and the saved activations).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes_after_forward: Option<u64>,
     /// CUDA only: high-water mark of bytes in use in the device's default
     /// memory pool over the run (every candle tensor; not cuBLAS
     /// workspaces or the context), from `CU_MEMPOOL_ATTR_USED_MEM_HIGH`.
@@ -270,6 +277,7 @@ pub fn train_rank(
     let (mut train_curve, mut val_curve) = (Vec::new(), Vec::new());
     let (mut skipped, mut train_secs) = (0u64, 0.0f64);
     let mut step_secs = Vec::new();
+    let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     for step in start..end {
         let t = Instant::now();
         let (x, y) = corpus.batch(
@@ -288,6 +296,12 @@ pub fn train_rank(
             let _fp8 = amp.autocast();
             model.loss(&x, &y)?
         };
+        // a synchronize splits the step into forward and backward + update
+        cfg.device.synchronize()?;
+        let forward_secs = t.elapsed().as_secs_f64();
+        if step == start && cfg.device.is_cuda() {
+            forward_peak = Some(amp::pool_peaks(&cfg.device)?.0);
+        }
         if let StepOutcome::Skipped = opt.backward_step(&loss)? {
             skipped += 1;
         }
@@ -296,6 +310,7 @@ pub fn train_rank(
             let secs = t.elapsed().as_secs_f64();
             train_secs += secs;
             step_secs.push(secs);
+            forward_ms.push(forward_secs * 1e3);
         }
         train_curve.push((step + 1, value));
         let done = step + 1;
@@ -334,8 +349,15 @@ pub fn train_rank(
         (None, None)
     };
     let timed_steps = step_secs.len() as u64;
+    forward_ms.sort_by(f64::total_cmp);
+    let forward_ms_median = forward_ms
+        .get(forward_ms.len() / 2)
+        .copied()
+        .unwrap_or(f64::NAN);
     step_secs.sort_by(f64::total_cmp);
-    let step_ms_median = step_secs.get(step_secs.len() / 2).map_or(f64::NAN, |s| s * 1e3);
+    let step_ms_median = step_secs
+        .get(step_secs.len() / 2)
+        .map_or(f64::NAN, |s| s * 1e3);
     Ok(Summary {
         level: cfg.level.to_string(),
         compute: compute_name(&cfg.compute).into(),
@@ -351,7 +373,9 @@ pub fn train_rank(
         val_loss: val_curve.last().map_or(f32::NAN, |p| p.1),
         tokens_per_s: tokens / train_secs.max(1e-9),
         step_ms_median,
+        forward_ms_median,
         timed_steps,
+        peak_device_bytes_after_forward: forward_peak,
         peak_device_bytes,
         peak_device_reserved_bytes,
         bytes_per_linear_param: report.measured_bytes_per_linear_param,

@@ -107,9 +107,24 @@ fn address(
         .ok_or_else(|| bad(op, "non-contiguous input"))?;
     let stream = dev.cuda_stream();
     let ptr = match dtype {
-        DType::U8 => s.as_cuda_slice::<u8>()?.slice(start..end).device_ptr(&stream).0,
-        DType::F16 => s.as_cuda_slice::<f16>()?.slice(start..end).device_ptr(&stream).0,
-        DType::F32 => s.as_cuda_slice::<f32>()?.slice(start..end).device_ptr(&stream).0,
+        DType::U8 => {
+            s.as_cuda_slice::<u8>()?
+                .slice(start..end)
+                .device_ptr(&stream)
+                .0
+        }
+        DType::F16 => {
+            s.as_cuda_slice::<f16>()?
+                .slice(start..end)
+                .device_ptr(&stream)
+                .0
+        }
+        DType::F32 => {
+            s.as_cuda_slice::<f32>()?
+                .slice(start..end)
+                .device_ptr(&stream)
+                .0
+        }
         got => {
             return Err(amp_core::Error::DType {
                 op,
@@ -293,10 +308,20 @@ pub(crate) fn lowbit_step(
 
     let shape = lw.shape().clone();
     let one = Shape::from(1usize);
-    let mut meta = meta.into_iter().map(|s| CudaStorage::wrap_cuda_slice(s, dev.clone()));
+    let mut meta = meta
+        .into_iter()
+        .map(|s| CudaStorage::wrap_cuda_slice(s, dev.clone()));
     let mut next = || meta.next().ok_or_else(|| bad(OP, "meta outputs"));
-    let (w_scale, w_amax, m_scale, m_amax, v_scale, v_amax, c_scale, c_amax) =
-        (next()?, next()?, next()?, next()?, next()?, next()?, next()?, next()?);
+    let (w_scale, w_amax, m_scale, m_amax, v_scale, v_amax, c_scale, c_amax) = (
+        next()?,
+        next()?,
+        next()?,
+        next()?,
+        next()?,
+        next()?,
+        next()?,
+        next()?,
+    );
     let mut bufs = bufs.into_iter().map(|b| b.storage(&dev));
     let (wd, md, vd) = (
         bufs.next().ok_or_else(|| bad(OP, "outputs"))?,
@@ -305,7 +330,11 @@ pub(crate) fn lowbit_step(
     );
     let mut out = Vec::with_capacity(12);
     if let Some(cd) = bufs.next() {
-        out.extend([(cd, shape.clone()), (c_scale, one.clone()), (c_amax, one.clone())]);
+        out.extend([
+            (cd, shape.clone()),
+            (c_scale, one.clone()),
+            (c_amax, one.clone()),
+        ]);
     }
     out.extend([
         (wd, shape.clone()),

@@ -154,10 +154,7 @@ pub fn reset_pool_peaks(device: &Device) -> Result<()> {
     Ok(())
 }
 
-fn default_pool(
-    device: &Device,
-    op: &'static str,
-) -> Result<driver::sys::CUmemoryPool> {
+fn default_pool(device: &Device, op: &'static str) -> Result<driver::sys::CUmemoryPool> {
     let Device::Cuda(dev) = device else {
         return Err(Error::UnsupportedDevice {
             op,
