@@ -12,6 +12,9 @@ mod model;
 #[path = "../examples/gpt/sample.rs"]
 mod sample;
 #[allow(dead_code)]
+#[path = "../examples/gpt/softmax.rs"]
+mod softmax;
+#[allow(dead_code)]
 #[path = "../examples/gpt/train.rs"]
 mod train;
 

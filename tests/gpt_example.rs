@@ -17,6 +17,9 @@ mod report;
 #[path = "../examples/gpt/sample.rs"]
 mod sample;
 #[allow(dead_code)]
+#[path = "../examples/gpt/softmax.rs"]
+mod softmax;
+#[allow(dead_code)]
 #[path = "../examples/gpt/train.rs"]
 mod train;
 

@@ -67,3 +67,21 @@ pub fn set_pool_release_threshold(_: &Device, _: u64) -> Result<()> {
 pub fn keep_freed_memory(_: &Device) -> Result<()> {
     Err(Error::NotCompiled("cuda"))
 }
+
+/// Peak bytes of the CUDA memory pool (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn pool_peaks(_: &Device) -> Result<(u64, u64)> {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Resets the CUDA memory pool's peaks (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn reset_pool_peaks(_: &Device) -> Result<()> {
+    Err(Error::NotCompiled("cuda"))
+}

@@ -10,13 +10,16 @@
 //! amax, quantize, dequantize, requantize and the scale updates, the
 //! cuBLASLt FP8 GEMM against a float64 product on the GPU, the FP8 Linear's
 //! forward and backward against the CPU, and a training-step slice captured
-//! into a CUDA graph (where any device-to-host copy fails the capture).
+//! into a CUDA graph (where any device-to-host copy fails the capture), and
+//! the fused low-bit AdamW step and gradient sum of squares against the CPU
+//! (`--optim-only` for just those).
 
 mod bench;
 mod capture;
 mod exhaustive;
 mod gemm;
 mod ops;
+mod optim;
 mod util;
 
 use anyhow::Result;
@@ -38,6 +41,9 @@ struct Args {
     /// Skip the 2^32 sweep (quick runs).
     #[arg(long)]
     skip_exhaustive: bool,
+    /// Only the optimizer's checks (and with --bench its timing).
+    #[arg(long)]
+    optim_only: bool,
     /// Abort after this many seconds (a hung run wastes device time).
     #[arg(long, default_value_t = 420)]
     watchdog: u64,
@@ -64,7 +70,12 @@ fn main() -> Result<()> {
         println!("CHECK {name}: {}", if ok { "PASS" } else { "FAIL" });
         results.push((name.to_string(), ok));
     };
-    if !args.bench_only {
+    if args.optim_only {
+        check("lowbit adamw", optim::check(&dev));
+        if args.bench {
+            check("lowbit adamw bench", optim::bench(&dev));
+        }
+    } else if !args.bench_only {
         check("codes decode", ops::all_codes(&dev));
         check("16-bit inputs", exhaustive::all_16bit_inputs(&dev));
         check("random ops", ops::random_ops(&dev));
@@ -72,12 +83,14 @@ fn main() -> Result<()> {
         check("fp8 gemm", gemm::check(&dev));
         check("fp8 linear", gemm::linear(&dev));
         check("no device-to-host copy", capture::check(&dev));
+        check("lowbit adamw", optim::check(&dev));
     }
     // Before the long sweep, so a slow sweep cannot cost the timings.
-    if args.bench || args.bench_only {
+    if !args.optim_only && (args.bench || args.bench_only) {
         check("bench", bench::run(&dev));
+        check("lowbit adamw bench", optim::bench(&dev));
     }
-    if !args.bench_only && !args.skip_exhaustive {
+    if !args.optim_only && !args.bench_only && !args.skip_exhaustive {
         check(
             "2^32 f32 encode",
             exhaustive::all_f32(&dev, args.chunk_log2),

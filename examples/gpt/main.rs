@@ -14,6 +14,7 @@ mod launch;
 mod model;
 mod report;
 mod sample;
+mod softmax;
 mod train;
 
 use amp::levels::{Compute, ExportDType, Level};
@@ -113,6 +114,9 @@ struct Args {
     /// Print one JSON summary line per run at the end (no progress bar).
     #[arg(long)]
     json: bool,
+    /// Leave the first K steps out of tokens/s and the median step time.
+    #[arg(long, default_value_t = 0)]
+    timing_skip: u64,
     /// Run each of these levels in turn on the same data and seed.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<Level>,
@@ -245,6 +249,7 @@ fn main() -> Result<()> {
         prompt: args.prompt.clone(),
         progress: !args.json && std::io::stdout().is_terminal(),
         world_size: args.world_size as usize,
+        timing_skip: args.timing_skip,
         ..Default::default()
     };
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {

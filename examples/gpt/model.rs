@@ -183,6 +183,22 @@ impl Gpt {
                 .contiguous()?)
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        if x.device().is_cuda() {
+            // As PyTorch autocast: the attention's products in BF16; the
+            // fused softmax keeps one matrix per layer for backprop.
+            let bf = |t: Tensor| t.to_dtype(DType::BF16);
+            let (q, k, v) = (bf((q * (1.0 / (hd as f64).sqrt()))?)?, bf(k)?, bf(v)?);
+            let att = q
+                .matmul(&k.t()?.contiguous()?)?
+                .broadcast_add(&mask.to_dtype(DType::BF16)?)?;
+            let att = crate::softmax::softmax_last_dim(&att)?;
+            let y = att
+                .matmul(&v)?
+                .to_dtype(DType::F32)?
+                .transpose(1, 2)?
+                .reshape((b, t, d))?;
+            return Ok(blk.c_proj.forward(&y)?);
+        }
         let att = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
         // softmax from differentiable ops (candle_nn::ops::softmax composes them)
         let att = candle_nn::ops::softmax(&att.broadcast_add(mask)?, D::Minus1)?;

@@ -73,6 +73,9 @@ pub struct TrainConfig {
     /// Data-parallel ranks (threads of this process, the in-process
     /// backend); each takes `batch / world_size` sequences of every batch.
     pub world_size: usize,
+    /// Steps at the start left out of tokens/s and the median step time
+    /// (warm-up: kernel loading, cuBLASLt plans, the memory pool growing).
+    pub timing_skip: u64,
 }
 
 impl Default for TrainConfig {
@@ -102,6 +105,7 @@ impl Default for TrainConfig {
             prompt: "And God said".into(),
             progress: false,
             world_size: 1,
+            timing_skip: 0,
         }
     }
 }
@@ -133,8 +137,29 @@ pub struct Summary {
     pub final_loss: f32,
     /// Mean validation loss after the last step.
     pub val_loss: f32,
-    /// Training tokens per second (evaluation excluded).
+    /// Training tokens per second (evaluation and the first
+    /// `timing_skip` steps excluded).
     pub tokens_per_s: f64,
+    /// Median wall time of a timed step, ms (as torch_gpt.py reports).
+    pub step_ms_median: f64,
+    /// Median time of the forward pass (to a device synchronize) within a
+    /// timed step, ms; the rest of the step is backward, optimizer, loss read.
+    pub forward_ms_median: f64,
+    /// Steps timed (after `timing_skip`).
+    pub timed_steps: u64,
+    /// CUDA only: the pool's used high-water mark after the first step's
+    /// forward pass (weights, optimizer state and the saved activations).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes_after_forward: Option<u64>,
+    /// CUDA only: high-water mark of bytes in use in the device's default
+    /// memory pool over the run (every candle tensor; not cuBLAS
+    /// workspaces or the context), from `CU_MEMPOOL_ATTR_USED_MEM_HIGH`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
+    /// CUDA only: the pool's reserved high-water mark
+    /// (`CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_reserved_bytes: Option<u64>,
     pub bytes_per_linear_param: f64,
     pub predicted_bytes_per_linear_param: f64,
     /// Persistent bytes by category (weights, masters, gradients, moments,
@@ -198,6 +223,12 @@ pub fn train_rank(
             "batch, steps and seq must be positive (seq at least 2, batch a multiple of the ranks)"
         );
     }
+    if cfg.device.is_cuda() {
+        // Keep freed blocks pooled, as PyTorch's caching allocator does;
+        // measure the pool's peak from here on.
+        amp::keep_freed_memory(&cfg.device)?;
+        amp::reset_pool_peaks(&cfg.device)?;
+    }
     let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
     let amp_cfg = AmpConfig {
         level: cfg.level,
@@ -245,6 +276,8 @@ pub fn train_rank(
     let sent_before = comm.as_ref().map_or(0, |c| c.bytes_sent());
     let (mut train_curve, mut val_curve) = (Vec::new(), Vec::new());
     let (mut skipped, mut train_secs) = (0u64, 0.0f64);
+    let mut step_secs = Vec::new();
+    let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     for step in start..end {
         let t = Instant::now();
         let (x, y) = corpus.batch(
@@ -263,11 +296,22 @@ pub fn train_rank(
             let _fp8 = amp.autocast();
             model.loss(&x, &y)?
         };
+        // a synchronize splits the step into forward and backward + update
+        cfg.device.synchronize()?;
+        let forward_secs = t.elapsed().as_secs_f64();
+        if step == start && cfg.device.is_cuda() {
+            forward_peak = Some(amp::pool_peaks(&cfg.device)?.0);
+        }
         if let StepOutcome::Skipped = opt.backward_step(&loss)? {
             skipped += 1;
         }
         let value = mean(loss.to_scalar::<f32>()?)?;
-        train_secs += t.elapsed().as_secs_f64();
+        if step >= start + cfg.timing_skip {
+            let secs = t.elapsed().as_secs_f64();
+            train_secs += secs;
+            step_secs.push(secs);
+            forward_ms.push(forward_secs * 1e3);
+        }
         train_curve.push((step + 1, value));
         let done = step + 1;
         if done % cfg.eval_every.max(1) == 0 || done == end {
@@ -276,7 +320,7 @@ pub fn train_rank(
                 mean(evaluate(&model, &amp, corpus, cfg, rank, world)?)?,
             ));
         }
-        let tps = (done - start) as f64 * (cfg.batch * cfg.seq) as f64 / train_secs.max(1e-9);
+        let tps = step_secs.len() as f64 * (cfg.batch * cfg.seq) as f64 / train_secs.max(1e-9);
         bar.set_message(format!("loss {value:.3}  {tps:.0} tok/s"));
         bar.inc(1);
     }
@@ -298,7 +342,23 @@ pub fn train_rank(
     } else {
         None
     };
-    let tokens = (end - start) as f64 * (cfg.batch * cfg.seq) as f64;
+    let tokens = step_secs.len() as f64 * (cfg.batch * cfg.seq) as f64;
+    let (peak_device_bytes, peak_device_reserved_bytes) = if cfg.device.is_cuda() {
+        let (used, reserved) = amp::pool_peaks(&cfg.device)?;
+        (Some(used), Some(reserved))
+    } else {
+        (None, None)
+    };
+    let timed_steps = step_secs.len() as u64;
+    forward_ms.sort_by(f64::total_cmp);
+    let forward_ms_median = forward_ms
+        .get(forward_ms.len() / 2)
+        .copied()
+        .unwrap_or(f64::NAN);
+    step_secs.sort_by(f64::total_cmp);
+    let step_ms_median = step_secs
+        .get(step_secs.len() / 2)
+        .map_or(f64::NAN, |s| s * 1e3);
     Ok(Summary {
         level: cfg.level.to_string(),
         compute: compute_name(&cfg.compute).into(),
@@ -313,6 +373,12 @@ pub fn train_rank(
         final_loss: train_curve.last().map_or(f32::NAN, |p| p.1),
         val_loss: val_curve.last().map_or(f32::NAN, |p| p.1),
         tokens_per_s: tokens / train_secs.max(1e-9),
+        step_ms_median,
+        forward_ms_median,
+        timed_steps,
+        peak_device_bytes_after_forward: forward_peak,
+        peak_device_bytes,
+        peak_device_reserved_bytes,
         bytes_per_linear_param: report.measured_bytes_per_linear_param,
         predicted_bytes_per_linear_param: report.predicted_bytes_per_linear_param,
         persistent_bytes: persistent_json(&report),

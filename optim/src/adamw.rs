@@ -92,6 +92,21 @@ pub struct AdamStep {
 }
 
 impl AdamStep {
+    /// The constants in field order (`lr_wd`, `1-β1`, `β2`, `1-β2`,
+    /// `step_size`, `sqrt(bc2)`, `eps`), for the CUDA kernel.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn constants(&self) -> [f32; 7] {
+        [
+            self.lr_wd,
+            self.one_minus_beta1,
+            self.beta2,
+            self.one_minus_beta2,
+            self.step_size,
+            self.bc2_sqrt,
+            self.eps,
+        ]
+    }
+
     /// One update in place, in PyTorch's order: `p -= p·(lr·wd)` (PyTorch
     /// writes `p *= 1 - lr·wd`; rounding `1 - lr·wd` to f32 first costs up to
     /// 3e-8 relative per step, systematically, so we subtract the small term);

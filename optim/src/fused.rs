@@ -183,6 +183,15 @@ impl Kernel for LowBitStep<'_> {
         out.extend(encode(self.v, vn, va, prev(v_si), shape));
         Ok(out)
     }
+
+    /// Two launches, bit-identical to [`cpu`](Self::cpu) (see `cuda.rs`).
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        inputs: &[(&candle_core::CudaStorage, &Layout)],
+    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
+        crate::cuda::lowbit_step(self, inputs)
+    }
 }
 
 /// Sum of squares of a decoded gradient (for the global norm and the
@@ -222,6 +231,15 @@ impl Kernel for SumSq {
             at += len;
         }
         Ok(vec![(CpuStorage::F64(vec![total]), Shape::from(1usize))])
+    }
+
+    /// The same sums in the same order, bit-identical (see `cuda.rs`).
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        inputs: &[(&candle_core::CudaStorage, &Layout)],
+    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
+        crate::cuda::sum_sq(self, inputs)
     }
 }
 

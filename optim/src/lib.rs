@@ -7,7 +7,10 @@
 //!   any [`StateFormat`]), weights in F32, scaled FP16 (O1/O2 master) or
 //!   FP8 + FP16 master (O3), gradients F32 or FP8 decoded on the fly, global
 //!   norm clipping, learning-rate schedules, loss scaling and skipping of
-//!   non-finite steps.
+//!   non-finite steps. Each parameter's update is one fused kernel
+//!   (`LowBitStep`) with a CPU body and, under feature `cuda`, a CUDA body
+//!   (`kernels/lowbit.cu`, two launches, bit-identical to the CPU body), as
+//!   is the gradient sum of squares for the global norm.
 //!
 //! ```
 //! use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
@@ -35,6 +38,8 @@
 #![warn(missing_docs)]
 
 mod adamw;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod fused;
 mod grad;

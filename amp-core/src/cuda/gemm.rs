@@ -100,6 +100,79 @@ fn set_threshold(dev: &CudaDevice, mut bytes: u64) -> Result<()> {
     Ok(())
 }
 
+/// High-water marks of the device's default memory pool (the one cudarc's
+/// stream-ordered allocations, and so every candle tensor, come from):
+/// `(used, reserved)` bytes since the pool was created or since the last
+/// [`reset_pool_peaks`]. Memory outside the pool (cuBLAS/cuBLASLt
+/// workspaces, the CUDA context, module images) is not counted.
+///
+/// # Errors
+/// [`Error::UnsupportedDevice`] off CUDA; driver errors.
+pub fn pool_peaks(device: &Device) -> Result<(u64, u64)> {
+    use driver::sys as dsys;
+    let pool = default_pool(device, "pool_peaks")?;
+    let (mut used, mut reserved) = (0u64, 0u64);
+    // SAFETY: valid pool, out-pointers to u64 (the attributes' type).
+    unsafe {
+        dsys::cuMemPoolGetAttribute(
+            pool,
+            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            &mut used as *mut u64 as *mut c_void,
+        )
+        .result()
+        .w()?;
+        dsys::cuMemPoolGetAttribute(
+            pool,
+            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            &mut reserved as *mut u64 as *mut c_void,
+        )
+        .result()
+        .w()?;
+    }
+    Ok((used, reserved))
+}
+
+/// Resets the high-water marks of [`pool_peaks`] to the current use.
+///
+/// # Errors
+/// As [`pool_peaks`].
+pub fn reset_pool_peaks(device: &Device) -> Result<()> {
+    use driver::sys as dsys;
+    let pool = default_pool(device, "reset_pool_peaks")?;
+    let mut zero = 0u64;
+    // SAFETY: valid pool; the driver only accepts 0 for these attributes.
+    unsafe {
+        for attr in [
+            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        ] {
+            dsys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut c_void)
+                .result()
+                .w()?;
+        }
+    }
+    Ok(())
+}
+
+fn default_pool(device: &Device, op: &'static str) -> Result<driver::sys::CUmemoryPool> {
+    let Device::Cuda(dev) = device else {
+        return Err(Error::UnsupportedDevice {
+            op,
+            device: device.location(),
+        });
+    };
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().w()?;
+    let mut pool: driver::sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer on a bound context.
+    unsafe {
+        driver::sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .w()?;
+    }
+    Ok(pool)
+}
+
 /// Descriptors and the chosen algorithm of one shape.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,

@@ -44,5 +44,5 @@ mod meta;
 
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use gemm::fp8_gemm;
-pub use gemm::{keep_freed_memory, set_pool_release_threshold};
+pub use gemm::{keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold};
 pub(crate) use meta::{record_amax, scale_update};
