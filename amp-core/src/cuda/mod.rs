@@ -32,6 +32,10 @@
 //! decode-scale-encode) with the scale update between them; no F32 copy is
 //! written. Scale updates are one block.
 //!
+//! NOT YET RUN ON A GPU (this branch): the version on `cuda` (commit
+//! 897e0dd) is the one checked bit for bit on the H100; run
+//! `cuda_check --bench` on this one before merging it.
+//!
 //! Scales are read from device memory by the kernels; no op here copies
 //! anything to the host or synchronizes. Unlike the CPU body, quantize
 //! cannot refuse a bad scale without reading it: every constructor of
