@@ -33,11 +33,22 @@ template <> struct Fmt<0> {
         if (isnan(v)) return 0x7F;
         return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
     }
+    // Branch-free (the conversion is inline asm: no branch around it).
     static __device__ __forceinline__ float decode(uint8_t c) {
-        if ((c & 0x7F) == 0x7F) return __uint_as_float(CANONICAL_NAN);
-        return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
+        const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
+        return (c & 0x7F) == 0x7F ? __uint_as_float(CANONICAL_NAN) : v;
     }
     static __device__ __forceinline__ bool is_zero(uint8_t c) { return (c & 0x7F) == 0; }
+    // Two codes (x in the low byte) with no branch; NaN fixed afterwards
+    // on packed words (nan_fix).
+    static __device__ __forceinline__ uint16_t encode2_raw(float x, float y) {
+        return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
+    }
+    // Bytes whose magnitude is 0x7F (only NaN inputs give it) become 0x7F.
+    static __device__ __forceinline__ uint32_t nan_fix(uint32_t w) {
+        const uint32_t ones = (((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) >> 7;
+        return (w & ~(ones * 0xFFu)) | (ones * 0x7Fu);
+    }
 };
 template <> struct Fmt<1> {
     typedef uint8_t code_t;
@@ -47,10 +58,19 @@ template <> struct Fmt<1> {
         return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
     }
     static __device__ __forceinline__ float decode(uint8_t c) {
-        if ((c & 0x7F) > 0x7C) return __uint_as_float(CANONICAL_NAN);
-        return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
+        const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
+        return (c & 0x7F) > 0x7C ? __uint_as_float(CANONICAL_NAN) : v;
     }
     static __device__ __forceinline__ bool is_zero(uint8_t c) { return (c & 0x7F) == 0; }
+    static __device__ __forceinline__ uint16_t encode2_raw(float x, float y) {
+        return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E5M2);
+    }
+    // Bytes above 0x7C in magnitude (NaN; satfinite never gives inf) become
+    // 0x7F.
+    static __device__ __forceinline__ uint32_t nan_fix(uint32_t w) {
+        const uint32_t ones = (((w & 0x7F7F7F7Fu) + 0x03030303u) & 0x80808080u) >> 7;
+        return (w & ~(ones * 0xFFu)) | (ones * 0x7Fu);
+    }
 };
 template <> struct Fmt<2> {
     typedef uint16_t code_t;
@@ -60,8 +80,8 @@ template <> struct Fmt<2> {
         return __half_as_ushort(__float2half_rn(fminf(fmaxf(v, -F16_MAX), F16_MAX)));
     }
     static __device__ __forceinline__ float decode(uint16_t c) {
-        if ((c & 0x7FFF) > 0x7C00) return __uint_as_float(CANONICAL_NAN);
-        return __half2float(__ushort_as_half(c));
+        const float v = __half2float(__ushort_as_half(c));
+        return (c & 0x7FFF) > 0x7C00 ? __uint_as_float(CANONICAL_NAN) : v;
     }
     static __device__ __forceinline__ bool is_zero(uint16_t c) { return (c & 0x7FFF) == 0; }
 };
@@ -144,17 +164,42 @@ template <> struct Vec16<__half> { uint4 w[2]; };
 template <> struct Vec16<__nv_bfloat16> { uint4 w[2]; };
 
 // --------------------------------------------------------------- quantize --
-// One element: encode, and fold amax and counts.
+// One element: encode, and fold amax and counts (32-bit per-thread counts:
+// a thread sees far fewer than 2^32 elements; block_flush widens them).
 template <int FMT>
 __device__ __forceinline__ typename Fmt<FMT>::code_t quantize_one(float x, float scale, uint32_t& amax,
-                                                                  unsigned long long& sat,
-                                                                  unsigned long long& flush) {
+                                                                  uint32_t& sat, uint32_t& flush) {
     amax = max(amax, abs_bits(x));
     const float v = x * scale;
     const typename Fmt<FMT>::code_t c = Fmt<FMT>::encode(v);
     sat += fabsf(v) > Fmt<FMT>::MAX;
-    flush += (x != 0.0f && !isnan(x) && Fmt<FMT>::is_zero(c));
+    // A NaN input encodes to NaN, never to zero: no NaN test needed.
+    flush += (x != 0.0f) & Fmt<FMT>::is_zero(c);
     return c;
+}
+
+// Four FP8 codes of x[0..4) * scale packed in a word, amax and counts folded,
+// without a branch: pairs through the hardware conversion, NaN codes fixed
+// on the packed word, zero codes found on it.
+template <int FMT>
+__device__ __forceinline__ uint32_t quantize4(const float* x, float scale, uint32_t& amax, uint32_t& sat,
+                                              uint32_t& flush) {
+    float v[4];
+    uint32_t nonzero = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint32_t a = abs_bits(x[j]);
+        amax = max(amax, a);
+        nonzero |= (uint32_t)(a != 0) << (8 * j + 7);
+        v[j] = x[j] * scale;
+        sat += fabsf(v[j]) > Fmt<FMT>::MAX;
+    }
+    uint32_t w = (uint32_t)Fmt<FMT>::encode2_raw(v[0], v[1]) | ((uint32_t)Fmt<FMT>::encode2_raw(v[2], v[3]) << 16);
+    w = Fmt<FMT>::nan_fix(w);
+    // bit 7 of a byte set where its magnitude is 0
+    const uint32_t zero = (((w & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & 0x80808080u) ^ 0x80808080u;
+    flush += __popc(zero & nonzero);
+    return w;
 }
 
 // x[n] -> codes[n], amax (as u32 bits, zeroed by the caller), counts[2]
@@ -166,8 +211,7 @@ __device__ void quantize_impl(const T* __restrict__ x, const float* __restrict__
                               uint32_t* amax_out, unsigned long long* counts) {
     typedef typename Fmt<FMT>::code_t C;
     const float scale = *scale_p;
-    uint32_t amax = 0;
-    unsigned long long sat = 0, flush = 0;
+    uint32_t amax = 0, sat = 0, flush = 0;
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     size_t done = 0;
@@ -179,13 +223,25 @@ __device__ void quantize_impl(const T* __restrict__ x, const float* __restrict__
 #pragma unroll
             for (int j = 0; j < (int)(sizeof(in.w) / 16); j++) in.w[j] = __ldcs(src + j);
             const T* xs = reinterpret_cast<const T*>(in.w);
-            __align__(16) C cs[VEC];
+            float f[VEC];
 #pragma unroll
-            for (int j = 0; j < VEC; j++) cs[j] = quantize_one<FMT>(to_f32(xs[j]), scale, amax, sat, flush);
+            for (int j = 0; j < VEC; j++) f[j] = to_f32(xs[j]);
             uint4* dst = reinterpret_cast<uint4*>(out + i * VEC);
-            const uint4* cw = reinterpret_cast<const uint4*>(cs);
+            if constexpr (FMT < 2) {
+                uint4 o;
+                o.x = quantize4<FMT>(f, scale, amax, sat, flush);
+                o.y = quantize4<FMT>(f + 4, scale, amax, sat, flush);
+                o.z = quantize4<FMT>(f + 8, scale, amax, sat, flush);
+                o.w = quantize4<FMT>(f + 12, scale, amax, sat, flush);
+                __stcs(dst, o);
+            } else {
+                __align__(16) C cs[VEC];
 #pragma unroll
-            for (int j = 0; j < (int)(sizeof(cs) / 16); j++) __stcs(dst + j, cw[j]);
+                for (int j = 0; j < VEC; j++) cs[j] = quantize_one<FMT>(f[j], scale, amax, sat, flush);
+                const uint4* cw = reinterpret_cast<const uint4*>(cs);
+#pragma unroll
+                for (int j = 0; j < (int)(sizeof(cs) / 16); j++) __stcs(dst + j, cw[j]);
+            }
         }
         done = nv * VEC;
     }
@@ -237,20 +293,50 @@ extern "C" __global__ void amax_f32(const float* x, size_t n, int vec, uint32_t*
 extern "C" __global__ void amax_bf16(const __nv_bfloat16* x, size_t n, int vec, uint32_t* amax) { amax_impl(x, n, vec, amax); }
 extern "C" __global__ void amax_f16(const __half* x, size_t n, int vec, uint32_t* amax) { amax_impl(x, n, vec, amax); }
 
+// --------------------------------------------------------- code loading --
+// VEC codes as 16-byte words: one for FP8, two for FP16.
+template <int FMT> struct Codes16 { uint4 w[FMT < 2 ? 1 : 2]; };
+
+template <int FMT>
+__device__ __forceinline__ void load_codes(const typename Fmt<FMT>::code_t* q, size_t i, Codes16<FMT>& in) {
+    const uint4* src = reinterpret_cast<const uint4*>(q + i * VEC);
+#pragma unroll
+    for (int j = 0; j < (int)(sizeof(in.w) / 16); j++) in.w[j] = __ldcs(src + j);
+}
+
 // ------------------------------------------------------------- dequantize --
+// `vec`: codes and output 16-byte aligned (16 codes per thread step).
 template <int FMT, typename O>
 __device__ void dequantize_impl(const typename Fmt<FMT>::code_t* __restrict__ q,
-                                const float* __restrict__ scale_inv_p, O* __restrict__ out, size_t n) {
+                                const float* __restrict__ scale_inv_p, O* __restrict__ out, size_t n, int vec) {
+    typedef typename Fmt<FMT>::code_t C;
     const float scale_inv = *scale_inv_p;
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += stride)
-        store(out + i, Fmt<FMT>::decode(q[i]) * scale_inv);
+    size_t done = 0;
+    if (vec) {
+        const size_t nv = n / VEC;
+        for (size_t i = tid; i < nv; i += stride) {
+            Codes16<FMT> in;
+            load_codes<FMT>(q, i, in);
+            const C* cs = reinterpret_cast<const C*>(in.w);
+            __align__(16) O o[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) store(o + j, Fmt<FMT>::decode(cs[j]) * scale_inv);
+            uint4* dst = reinterpret_cast<uint4*>(out + i * VEC);
+            const uint4* ow = reinterpret_cast<const uint4*>(o);
+#pragma unroll
+            for (int j = 0; j < (int)(sizeof(o) / 16); j++) __stcs(dst + j, ow[j]);
+        }
+        done = nv * VEC;
+    }
+    for (size_t i = done + tid; i < n; i += stride) store(out + i, Fmt<FMT>::decode(q[i]) * scale_inv);
 }
 
 #define DEQUANTIZE(FN, FMT, ON, O)                                                                     \
     extern "C" __global__ void dequantize_##FN##_##ON(const Fmt<FMT>::code_t* q, const float* scale_inv, \
-                                                      O* out, size_t n) {                              \
-        dequantize_impl<FMT, O>(q, scale_inv, out, n);                                                 \
+                                                      O* out, size_t n, int vec) {                     \
+        dequantize_impl<FMT, O>(q, scale_inv, out, n, vec);                                            \
     }
 DEQUANTIZE(e4m3, 0, f32, float)
 DEQUANTIZE(e4m3, 0, f16, __half)
@@ -271,33 +357,78 @@ DEQUANTIZE(f16, 2, f64, double)
 // the F32 dequantized tensor, without writing it.
 template <int FMT>
 __device__ void decoded_amax_impl(const typename Fmt<FMT>::code_t* __restrict__ q,
-                                  const float* __restrict__ scale_inv_p, size_t n, uint32_t* amax_out) {
+                                  const float* __restrict__ scale_inv_p, size_t n, int vec, uint32_t* amax_out) {
+    typedef typename Fmt<FMT>::code_t C;
     const float scale_inv = *scale_inv_p;
     uint32_t amax = 0;
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += stride)
-        amax = max(amax, abs_bits(Fmt<FMT>::decode(q[i]) * scale_inv));
+    size_t done = 0;
+    if (vec) {
+        const size_t nv = n / VEC;
+        for (size_t i = tid; i < nv; i += stride) {
+            Codes16<FMT> in;
+            load_codes<FMT>(q, i, in);
+            const C* cs = reinterpret_cast<const C*>(in.w);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) amax = max(amax, abs_bits(Fmt<FMT>::decode(cs[j]) * scale_inv));
+        }
+        done = nv * VEC;
+    }
+    for (size_t i = done + tid; i < n; i += stride) amax = max(amax, abs_bits(Fmt<FMT>::decode(q[i]) * scale_inv));
     block_flush(amax, 0, 0, amax_out, nullptr);
 }
 
+// `vec`: input and output codes 16-byte aligned.
 template <int FROM, int TO>
 __device__ void requantize_impl(const typename Fmt<FROM>::code_t* __restrict__ q,
                                 const float* __restrict__ scale_inv_p, const float* __restrict__ scale_p,
-                                typename Fmt<TO>::code_t* __restrict__ out, size_t n, uint32_t* amax_out,
+                                typename Fmt<TO>::code_t* __restrict__ out, size_t n, int vec, uint32_t* amax_out,
                                 unsigned long long* counts) {
+    typedef typename Fmt<FROM>::code_t C;
+    typedef typename Fmt<TO>::code_t D;
     const float scale_inv = *scale_inv_p, scale = *scale_p;
-    uint32_t amax = 0;
-    unsigned long long sat = 0, flush = 0;
+    uint32_t amax = 0, sat = 0, flush = 0;
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += stride)
+    size_t done = 0;
+    if (vec) {
+        const size_t nv = n / VEC;
+        for (size_t i = tid; i < nv; i += stride) {
+            Codes16<FROM> in;
+            load_codes<FROM>(q, i, in);
+            const C* cs = reinterpret_cast<const C*>(in.w);
+            float f[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) f[j] = Fmt<FROM>::decode(cs[j]) * scale_inv;
+            uint4* dst = reinterpret_cast<uint4*>(out + i * VEC);
+            if constexpr (TO < 2) {
+                uint4 o;
+                o.x = quantize4<TO>(f, scale, amax, sat, flush);
+                o.y = quantize4<TO>(f + 4, scale, amax, sat, flush);
+                o.z = quantize4<TO>(f + 8, scale, amax, sat, flush);
+                o.w = quantize4<TO>(f + 12, scale, amax, sat, flush);
+                __stcs(dst, o);
+            } else {
+                __align__(16) D ds[VEC];
+#pragma unroll
+                for (int j = 0; j < VEC; j++) ds[j] = quantize_one<TO>(f[j], scale, amax, sat, flush);
+                const uint4* dw = reinterpret_cast<const uint4*>(ds);
+#pragma unroll
+                for (int j = 0; j < (int)(sizeof(ds) / 16); j++) __stcs(dst + j, dw[j]);
+            }
+        }
+        done = nv * VEC;
+    }
+    for (size_t i = done + tid; i < n; i += stride)
         out[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * scale_inv, scale, amax, sat, flush);
     block_flush(amax, sat, flush, amax_out, counts);
 }
 
 #define DECODED_AMAX(FN, FMT)                                                                          \
     extern "C" __global__ void decoded_amax_##FN(const Fmt<FMT>::code_t* q, const float* scale_inv,    \
-                                                 size_t n, uint32_t* amax) {                           \
-        decoded_amax_impl<FMT>(q, scale_inv, n, amax);                                                 \
+                                                 size_t n, int vec, uint32_t* amax) {                  \
+        decoded_amax_impl<FMT>(q, scale_inv, n, vec, amax);                                            \
     }
 DECODED_AMAX(e4m3, 0)
 DECODED_AMAX(e5m2, 1)
@@ -306,8 +437,8 @@ DECODED_AMAX(f16, 2)
 #define REQUANTIZE(FN, FROM, TN, TO)                                                                   \
     extern "C" __global__ void requantize_##FN##_##TN(const Fmt<FROM>::code_t* q, const float* scale_inv, \
                                                       const float* scale, Fmt<TO>::code_t* out, size_t n, \
-                                                      uint32_t* amax, unsigned long long* counts) {    \
-        requantize_impl<FROM, TO>(q, scale_inv, scale, out, n, amax, counts);                          \
+                                                      int vec, uint32_t* amax, unsigned long long* counts) { \
+        requantize_impl<FROM, TO>(q, scale_inv, scale, out, n, vec, amax, counts);                     \
     }
 REQUANTIZE(e4m3, 0, e4m3, 0)
 REQUANTIZE(e4m3, 0, e5m2, 1)

@@ -195,22 +195,27 @@ fn launch_dequantize<O: CudaDType + DeviceRepr>(
 ) -> Result<(CudaStorage, Shape)> {
     // SAFETY: every element is written by the kernel.
     let mut out = unsafe { dev.alloc::<O>(n)? };
+    let vec = i32::from(q.aligned(dev) && aligned(&out.slice(..), dev));
     let f = func(dev, name)?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
     q.push(&mut b);
-    b.arg(scale_inv).arg(&mut out).arg(&n);
-    unsafe { b.launch(grid(n)) }.w()?;
+    b.arg(scale_inv).arg(&mut out).arg(&n).arg(&vec);
+    unsafe { b.launch(grid(items(n, vec))) }.w()?;
     Ok(wrap(out, dev, shape))
 }
 
 /// A kernel argument of either code type.
 trait PushArg {
     fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
+    fn aligned(&self, dev: &CudaDevice) -> bool;
 }
 impl<T> PushArg for CudaView<'_, T> {
     fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
         b.arg(self);
+    }
+    fn aligned(&self, dev: &CudaDevice) -> bool {
+        aligned(self, dev)
     }
 }
 
@@ -261,9 +266,10 @@ pub(crate) fn decoded_amax(qtype: QType, inputs: &[(&CudaStorage, &Layout)]) -> 
     let f = func(&dev, &format!("decoded_amax_{}", qname(qtype)))?;
     let stream = dev.cuda_stream();
     with_code_view!(OP, q, qtype, lq, |qv| {
+        let vec = i32::from(aligned(&qv, &dev));
         let mut b = stream.launch_builder(&f);
-        b.arg(&qv).arg(&scale_inv).arg(&n).arg(&mut amax);
-        unsafe { b.launch(grid(n)) }.w()?;
+        b.arg(&qv).arg(&scale_inv).arg(&n).arg(&vec).arg(&mut amax);
+        unsafe { b.launch(grid(items(n, vec))) }.w()?;
         Ok::<_, Error>(())
     })?;
     Ok(vec![wrap(amax, &dev, one())])
@@ -289,12 +295,14 @@ pub(crate) fn requantize(
     let mut counts = dev.alloc_zeros::<i64>(2)?;
     let f = func(&dev, &format!("requantize_{}_{}", qname(from), qname(to)))?;
     let stream = dev.cuda_stream();
+    let out_aligned = codes.aligned(&dev);
     with_code_view!(OP, q, from, lq, |qv| {
+        let vec = i32::from(out_aligned && aligned(&qv, &dev));
         let mut b = stream.launch_builder(&f);
         b.arg(&qv).arg(&scale_inv).arg(&scale);
         codes.push(&mut b);
-        b.arg(&n).arg(&mut amax).arg(&mut counts);
-        unsafe { b.launch(grid(n)) }.w()?;
+        b.arg(&n).arg(&vec).arg(&mut amax).arg(&mut counts);
+        unsafe { b.launch(grid(items(n, vec))) }.w()?;
         Ok::<_, Error>(())
     })?;
     Ok(vec![

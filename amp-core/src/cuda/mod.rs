@@ -22,15 +22,20 @@
 //! element by element otherwise and for the tail), a warp and block
 //! reduction follow, then one atomic per block into outputs zeroed on the
 //! stream. The amax is kept as the bits of `|x|`, so an integer max orders
-//! NaN above inf exactly as the CPU kernel does. FP8 codes come from the
-//! hardware conversion (`cvt.rn.satfinite.e4m3x2.f32`: RNE with saturation,
-//! as the CPU's encode) with NaN mapped to 0x7F first (the hardware keeps
-//! the sign). Dequantize, decoded amax and requantize go element by element.
-//! Requantize is two passes over the codes (amax of the decoded values,
-//! then decode-scale-encode) with the scale update between them; no F32
-//! copy is written. Scale updates are one block. (Branch `cuda-fast-casts`
-//! holds faster versions, not yet run on a GPU: see BENCHMARKS.md.)
-
+//! NaN above inf exactly as the CPU kernel does. FP8 codes are made two at a
+//! time by the hardware conversion (`cvt.rn.satfinite.e4m3x2.f32`, RNE with
+//! saturation, as the CPU's encode) with no branch; its NaN codes (which keep
+//! the input's sign) are rewritten to 0x7F on the packed word, and zero
+//! codes for the flush count are found there too. Dequantize, decoded amax
+//! and requantize take 16 codes per step the same way. Requantize is two
+//! passes over the codes (amax of the decoded values, then
+//! decode-scale-encode) with the scale update between them; no F32 copy is
+//! written. Scale updates are one block.
+//!
+//! NOT YET RUN ON A GPU (this branch): the version on `cuda` (commit
+//! 897e0dd) is the one checked bit for bit on the H100; run
+//! `cuda_check --bench` on this one before merging it.
+//!
 //! Scales are read from device memory by the kernels; no op here copies
 //! anything to the host or synchronizes. Unlike the CPU body, quantize
 //! cannot refuse a bad scale without reading it: every constructor of
