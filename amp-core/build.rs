@@ -21,7 +21,7 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     // compute_90: Hopper (the hardware FP8 conversions need sm_89 or newer).
     let arch = std::env::var("AMP_CUDA_ARCH").unwrap_or_else(|_| "compute_90".into());
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("amp.ptx");
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("amp.ptx"); // ok: cargo always sets it for build scripts
     let version = Command::new(&nvcc).arg("--version").output();
     match version {
         Ok(v) if String::from_utf8_lossy(&v.stdout).contains("release 13.0") => {}
@@ -51,6 +51,6 @@ fn main() {
             cmd.arg(format!("-I{}", cccl.display()));
         }
     }
-    let status = cmd.status().expect("running nvcc");
+    let status = cmd.status().expect("running nvcc"); // ok: a build script fails by panicking; nvcc ran a moment ago (--version)
     assert!(status.success(), "nvcc failed on kernels/amp.cu");
 }

@@ -15,6 +15,9 @@ mod sample;
 #[path = "../examples/gpt/softmax.rs"]
 mod softmax;
 #[allow(dead_code)]
+#[path = "../examples/gpt/summary.rs"]
+mod summary;
+#[allow(dead_code)]
 #[path = "../examples/gpt/train.rs"]
 mod train;
 

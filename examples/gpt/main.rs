@@ -15,6 +15,7 @@ mod model;
 mod report;
 mod sample;
 mod softmax;
+mod summary;
 mod train;
 
 use amp::levels::{Compute, ExportDType, Level};

@@ -5,16 +5,16 @@
 use crate::data::{Corpus, Split};
 use crate::model::{build, Gpt, GptConfig};
 use crate::sample::generate;
+use crate::summary::persistent_json;
+pub use crate::summary::{compute_name, device_name, Summary};
 use amp::comm::Communicator;
 use amp::levels::{
     initialize, initialize_distributed, AmpConfig, AmpContext, Compute, ExportDType, Level,
-    MemoryReport,
 };
 use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -108,81 +108,6 @@ impl Default for TrainConfig {
             timing_skip: 0,
         }
     }
-}
-
-/// The name of a compute path on the command line.
-pub fn compute_name(c: &Compute) -> &'static str {
-    match c {
-        Compute::Native => "native",
-        Compute::Fp8Current { .. } => "fp8-current",
-        Compute::Fp8Delayed { .. } => "fp8-delayed",
-    }
-}
-
-/// What a run did: the `--json` line, and the curves for the plots.
-#[derive(Debug, Clone, Serialize)]
-pub struct Summary {
-    pub level: String,
-    pub compute: String,
-    pub size: String,
-    pub params: usize,
-    pub linear_params: usize,
-    pub steps: u64,
-    pub batch: usize,
-    pub seq: usize,
-    pub seed: u64,
-    /// Loss of this run's first step.
-    pub first_loss: f32,
-    /// Loss of its last step.
-    pub final_loss: f32,
-    /// Mean validation loss after the last step.
-    pub val_loss: f32,
-    /// Training tokens per second (evaluation and the first
-    /// `timing_skip` steps excluded).
-    pub tokens_per_s: f64,
-    /// Median wall time of a timed step, ms (as torch_gpt.py reports).
-    pub step_ms_median: f64,
-    /// Median time of the forward pass (to a device synchronize) within a
-    /// timed step, ms; the rest of the step is backward, optimizer, loss read.
-    pub forward_ms_median: f64,
-    /// Steps timed (after `timing_skip`).
-    pub timed_steps: u64,
-    /// CUDA only: the pool's used high-water mark after the first step's
-    /// forward pass (weights, optimizer state and the saved activations).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub peak_device_bytes_after_forward: Option<u64>,
-    /// CUDA only: high-water mark of bytes in use in the device's default
-    /// memory pool over the run (every candle tensor; not cuBLAS
-    /// workspaces or the context), from `CU_MEMPOOL_ATTR_USED_MEM_HIGH`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub peak_device_bytes: Option<u64>,
-    /// CUDA only: the pool's reserved high-water mark
-    /// (`CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub peak_device_reserved_bytes: Option<u64>,
-    pub bytes_per_linear_param: f64,
-    pub predicted_bytes_per_linear_param: f64,
-    /// Persistent bytes by category (weights, masters, gradients, moments,
-    /// other parameters and their states, scaling metadata) and `total`.
-    pub persistent_bytes: serde_json::Value,
-    pub activations_saved_bytes: usize,
-    pub skipped_steps: u64,
-    pub device: String,
-    /// Data-parallel ranks; memory figures are per rank.
-    pub world_size: usize,
-    /// Bytes rank 0 sent to other ranks per step (gradient averaging).
-    pub wire_bytes_per_step: f64,
-    pub wall_s: f64,
-    /// (step, training loss) of every step of this run.
-    #[serde(skip)]
-    pub train_curve: Vec<(u64, f32)>,
-    /// (step, validation loss).
-    #[serde(skip)]
-    pub val_curve: Vec<(u64, f32)>,
-    #[serde(skip)]
-    pub memory: Option<MemoryReport>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sample: Option<String>,
 }
 
 /// Trains one model as `cfg` says on `corpus`; with `world_size` N > 1,
@@ -438,28 +363,4 @@ fn evaluate(
         }
         Ok(sum / cfg.eval_batches.max(1) as f32)
     })
-}
-
-fn persistent_json(r: &MemoryReport) -> serde_json::Value {
-    let b = &r.bytes;
-    serde_json::json!({
-        "linear_weights": b.linear_weights,
-        "master_weights": b.master_weights,
-        "weight_gradients": b.weight_gradients,
-        "first_moments": b.first_moments,
-        "second_moments": b.second_moments,
-        "other_params": b.other_params,
-        "other_states": b.other_states,
-        "scaling_metadata": b.scaling_metadata,
-        "total": r.persistent_total(),
-    })
-}
-
-/// `cpu` or `cuda:N`.
-pub fn device_name(dev: &Device) -> String {
-    match dev.location() {
-        candle_core::DeviceLocation::Cpu => "cpu".into(),
-        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
-    }
 }
