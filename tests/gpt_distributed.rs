@@ -5,6 +5,7 @@
 #[allow(dead_code)]
 #[path = "../examples/gpt/data.rs"]
 mod data;
+mod gpt_common;
 #[allow(dead_code)]
 #[path = "../examples/gpt/model.rs"]
 mod model;
@@ -134,29 +135,16 @@ fn a_zero_sharded_run_resumes_exactly_and_exports_whole_weights() -> anyhow::Res
     let dir = std::env::temp_dir().join(format!("amp-zero-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let ckpt = dir.join("ckpt.safetensors");
-    let cfg = quick(Level::O3, current(), 2);
-    let whole = train(&cfg, &corpus)?;
-    train(
-        &TrainConfig {
-            stop_at: Some(3),
-            save: Some(ckpt.clone()),
-            ..cfg.clone()
-        },
-        &corpus,
-    )?;
+    let export = dir.join("export.safetensors");
+    let cfg = TrainConfig {
+        export: Some((export.clone(), amp::levels::ExportDType::F32)),
+        ..quick(Level::O3, current(), 2)
+    };
+    let (whole, rest) = gpt_common::whole_and_resumed(&cfg, &corpus, 3, &ckpt)?;
     // one file per rank, each with its slices
     for r in 0..2 {
         assert!(amp::levels::shard_path(&ckpt, r, 2).exists(), "rank {r}");
     }
-    let export = dir.join("export.safetensors");
-    let rest = train(
-        &TrainConfig {
-            resume: Some(ckpt.clone()),
-            export: Some((export.clone(), amp::levels::ExportDType::F32)),
-            ..cfg.clone()
-        },
-        &corpus,
-    )?;
     assert_eq!(rest.train_curve, whole.train_curve[3..]);
     let tensors = candle_core::safetensors::load(&export, &Device::Cpu)?;
     assert_eq!(tensors["h.0.mlp.c_fc.weight"].dims(), [512, 128]);
@@ -292,22 +280,7 @@ fn a_data_parallel_run_resumes_exactly() -> anyhow::Result<()> {
     let corpus = data::Corpus::bundled();
     let path = std::env::temp_dir().join(format!("amp-dp-{}.safetensors", std::process::id()));
     let cfg = quick(Level::O2, current(), 2);
-    let whole = train(&cfg, &corpus)?;
-    train(
-        &TrainConfig {
-            stop_at: Some(3),
-            save: Some(path.clone()),
-            ..cfg.clone()
-        },
-        &corpus,
-    )?;
-    let rest = train(
-        &TrainConfig {
-            resume: Some(path.clone()),
-            ..cfg
-        },
-        &corpus,
-    )?;
+    let (whole, rest) = gpt_common::whole_and_resumed(&cfg, &corpus, 3, &path)?;
     std::fs::remove_file(&path)?;
     assert_eq!(rest.train_curve, whole.train_curve[3..]);
     Ok(())

@@ -7,6 +7,7 @@
 #[allow(dead_code)]
 #[path = "../examples/gpt/data.rs"]
 mod data;
+mod gpt_common;
 #[allow(dead_code)]
 #[path = "../examples/gpt/model.rs"]
 mod model;
@@ -185,22 +186,7 @@ fn resume_continues_exactly() -> anyhow::Result<()> {
         eval_every: 100,
         ..quick(Level::O3, delayed(), 10)
     };
-    let whole = train(&cfg, &corpus)?;
-    train(
-        &TrainConfig {
-            stop_at: Some(4),
-            save: Some(ckpt.clone()),
-            ..cfg.clone()
-        },
-        &corpus,
-    )?;
-    let rest = train(
-        &TrainConfig {
-            resume: Some(ckpt.clone()),
-            ..cfg
-        },
-        &corpus,
-    )?;
+    let (whole, rest) = gpt_common::whole_and_resumed(&cfg, &corpus, 4, &ckpt)?;
     std::fs::remove_file(&ckpt)?;
     assert_eq!(rest.train_curve.first().map(|p| p.0), Some(5));
     assert_eq!(rest.train_curve, whole.train_curve[4..]);

@@ -106,8 +106,19 @@ impl ScalingTensor {
         let [data, amax, counts] =
             <[Tensor; 3]>::try_from(launch(&Quantize { qtype }, &[x, meta.scale()])?)
                 .map_err(|_| arity(Quantize::NAME))?;
+        Self::from_cast(data, meta, amax, counts)
+    }
+
+    /// A cast's outputs as a scaling tensor: the codes, the scale they were
+    /// made with (from `meta`), the input's amax and the cast's counts.
+    fn from_cast(
+        data: Tensor,
+        meta: &ScalingMeta,
+        amax: Tensor,
+        counts: Tensor,
+    ) -> Result<(Self, Tensor)> {
         let meta = ScalingMeta::from_parts(
-            qtype,
+            meta.qtype(),
             meta.scale().clone(),
             meta.scale_inv().clone(),
             amax.clone(),
@@ -156,14 +167,7 @@ impl ScalingTensor {
             &[&self.data, scale_inv, meta.scale()],
         )?)
         .map_err(|_| arity(Requantize::NAME))?;
-        let meta = ScalingMeta::from_parts(
-            qtype,
-            meta.scale().clone(),
-            meta.scale_inv().clone(),
-            amax.clone(),
-        )?
-        .with_last_cast(counts);
-        Ok((Self { data, meta }, amax))
+        Self::from_cast(data, &meta, amax, counts)
     }
 
     /// The transpose of a 2-D tensor (data copied contiguous, same scale):
