@@ -82,6 +82,9 @@ struct Args {
     /// Validation every this many steps.
     #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(u64).range(1..))]
     eval_every: u64,
+    /// Batches per validation.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    eval_batches: u64,
     /// Linear weights kept in high precision (name patterns, `*` wildcard).
     #[arg(long, value_delimiter = ',')]
     high_precision: Vec<String>,
@@ -235,6 +238,7 @@ fn main() -> Result<()> {
         warmup: args.warmup.min(args.steps),
         seed: args.seed,
         eval_every: args.eval_every,
+        eval_batches: args.eval_batches as usize,
         high_precision: args.high_precision.clone(),
         device: device(&args.device),
         save: args.save.clone(),
