@@ -1,4 +1,5 @@
-//! Builds the PTX of `kernels/amp.cu` with nvcc, only under the `cuda`
+//! Builds the PTX of `kernels/amp.cu` (casts, scales) and `kernels/nn.cu`
+//! (fused training ops) with nvcc, only under the `cuda`
 //! feature: the default build needs no CUDA toolkit.
 //!
 //! nvcc must be 13.0 (PTX ISA 9.0): the device's CUDA 13.0 driver refuses
@@ -15,13 +16,14 @@ fn main() {
         return;
     }
     println!("cargo:rerun-if-changed=kernels/amp.cu");
+    println!("cargo:rerun-if-changed=kernels/nn.cu");
     for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     // compute_90: Hopper (the hardware FP8 conversions need sm_89 or newer).
     let arch = std::env::var("AMP_CUDA_ARCH").unwrap_or_else(|_| "compute_90".into());
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("amp.ptx"); // ok: cargo always sets it for build scripts
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")); // ok: cargo always sets it for build scripts
     let version = Command::new(&nvcc).arg("--version").output();
     match version {
         Ok(v) if String::from_utf8_lossy(&v.stdout).contains("release 13.0") => {}
@@ -35,16 +37,23 @@ fn main() {
             "feature `cuda` needs nvcc ({nvcc}): {e}; build with ../shared/gpu/build-cuda.sh"
         ),
     }
-    let mut cmd = Command::new(&nvcc);
+    for name in ["amp", "nn"] {
+        ptx(&nvcc, &arch, name, &out_dir);
+    }
+}
+
+/// `kernels/{name}.cu` to `{out_dir}/{name}.ptx`.
+fn ptx(nvcc: &str, arch: &str, name: &str, out_dir: &std::path::Path) {
+    let mut cmd = Command::new(nvcc);
     cmd.args([
         "--ptx",
         "-O3",
         "-std=c++17",
         &format!("--gpu-architecture={arch}"),
     ])
-    .arg("kernels/amp.cu")
+    .arg(format!("kernels/{name}.cu"))
     .arg("-o")
-    .arg(&out);
+    .arg(out_dir.join(format!("{name}.ptx")));
     if let Ok(root) = std::env::var("CUDA_ROOT") {
         let cccl = PathBuf::from(root).join("include/cccl");
         if cccl.is_dir() {
@@ -52,5 +61,5 @@ fn main() {
         }
     }
     let status = cmd.status().expect("running nvcc"); // ok: a build script fails by panicking; nvcc ran a moment ago (--version)
-    assert!(status.success(), "nvcc failed on kernels/amp.cu");
+    assert!(status.success(), "nvcc failed on kernels/{name}.cu");
 }

@@ -9,8 +9,6 @@
 #[allow(dead_code)] // the training parts of the GPT example are not used here
 #[path = "gpt/model.rs"]
 mod model;
-#[path = "gpt/softmax.rs"]
-mod softmax;
 
 use amp::levels::{initialize, AmpConfig, Compute, Level, MemoryReport};
 use amp::optim::AdamWConfig;

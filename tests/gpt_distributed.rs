@@ -13,9 +13,6 @@ mod model;
 #[path = "../examples/gpt/sample.rs"]
 mod sample;
 #[allow(dead_code)]
-#[path = "../examples/gpt/softmax.rs"]
-mod softmax;
-#[allow(dead_code)]
 #[path = "../examples/gpt/summary.rs"]
 mod summary;
 #[allow(dead_code)]

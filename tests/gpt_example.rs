@@ -18,9 +18,6 @@ mod report;
 #[path = "../examples/gpt/sample.rs"]
 mod sample;
 #[allow(dead_code)]
-#[path = "../examples/gpt/softmax.rs"]
-mod softmax;
-#[allow(dead_code)]
 #[path = "../examples/gpt/summary.rs"]
 mod summary;
 #[allow(dead_code)]

@@ -17,6 +17,7 @@
 mod bench;
 mod capture;
 mod exhaustive;
+mod fused;
 mod gemm;
 mod ops;
 mod optim;
@@ -41,6 +42,9 @@ struct Args {
     /// Skip the 2^32 sweep (quick runs).
     #[arg(long)]
     skip_exhaustive: bool,
+    /// Only the fused training ops' checks.
+    #[arg(long)]
+    fused_only: bool,
     /// Only the optimizer's checks (and with --bench its timing).
     #[arg(long)]
     optim_only: bool,
@@ -70,7 +74,9 @@ fn main() -> Result<()> {
         println!("CHECK {name}: {}", if ok { "PASS" } else { "FAIL" });
         results.push((name.to_string(), ok));
     };
-    if args.optim_only {
+    if args.fused_only {
+        check("fused ops", fused::check(&dev));
+    } else if args.optim_only {
         check("lowbit adamw", optim::check(&dev));
         if args.bench {
             check("lowbit adamw bench", optim::bench(&dev));
@@ -82,15 +88,16 @@ fn main() -> Result<()> {
         check("scale updates", ops::scale_updates(&dev));
         check("fp8 gemm", gemm::check(&dev));
         check("fp8 linear", gemm::linear(&dev));
+        check("fused ops", fused::check(&dev));
         check("no device-to-host copy", capture::check(&dev));
         check("lowbit adamw", optim::check(&dev));
     }
     // Before the long sweep, so a slow sweep cannot cost the timings.
-    if !args.optim_only && (args.bench || args.bench_only) {
+    if !args.optim_only && !args.fused_only && (args.bench || args.bench_only) {
         check("bench", bench::run(&dev));
         check("lowbit adamw bench", optim::bench(&dev));
     }
-    if !args.optim_only && !args.bench_only && !args.skip_exhaustive {
+    if !args.optim_only && !args.fused_only && !args.bench_only && !args.skip_exhaustive {
         check(
             "2^32 f32 encode",
             exhaustive::all_f32(&dev, args.chunk_log2),

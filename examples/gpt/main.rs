@@ -14,7 +14,6 @@ mod launch;
 mod model;
 mod report;
 mod sample;
-mod softmax;
 mod summary;
 mod train;
 

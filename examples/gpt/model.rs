@@ -154,24 +154,19 @@ impl Gpt {
             .wte
             .forward(tokens)?
             .broadcast_add(&self.wpe.forward(&pos)?)?;
-        let mask = causal_mask(t, dev)?;
         for blk in &self.blocks {
-            let a = self.attention(blk, &blk.ln_1.forward(&h)?, &mask, b, t)?;
+            let a = self.attention(blk, &blk.ln_1.forward(&h)?, b, t)?;
             h = (h + a)?;
-            let m = blk.c_fc.forward(&blk.ln_2.forward(&h)?)?.gelu()?;
+            let m = nn::gelu(&blk.c_fc.forward(&blk.ln_2.forward(&h)?)?)?;
             h = (h + blk.mlp_proj.forward(&m)?)?;
         }
         Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
     }
 
-    fn attention(
-        &self,
-        blk: &Block,
-        x: &Tensor,
-        mask: &Tensor,
-        b: usize,
-        t: usize,
-    ) -> Result<Tensor> {
+    /// Causal self-attention: the products in BF16 on CUDA (as PyTorch
+    /// autocast), the scale and mask inside the fused softmax
+    /// (`amp::nn::causal_attention`), one matrix per layer kept for backprop.
+    fn attention(&self, blk: &Block, x: &Tensor, b: usize, t: usize) -> Result<Tensor> {
         let (d, heads) = (self.cfg.n_embd, self.cfg.n_head);
         let hd = d / heads;
         let qkv = blk.c_attn.forward(x)?;
@@ -179,30 +174,11 @@ impl Gpt {
             Ok(qkv
                 .narrow(D::Minus1, i * d, d)?
                 .reshape((b, t, heads, hd))?
-                .transpose(1, 2)?
-                .contiguous()?)
+                .transpose(1, 2)?)
         };
-        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        if x.device().is_cuda() {
-            // As PyTorch autocast: the attention's products in BF16; the
-            // fused softmax keeps one matrix per layer for backprop.
-            let bf = |t: Tensor| t.to_dtype(DType::BF16);
-            let (q, k, v) = (bf((q * (1.0 / (hd as f64).sqrt()))?)?, bf(k)?, bf(v)?);
-            let att = q
-                .matmul(&k.t()?.contiguous()?)?
-                .broadcast_add(&mask.to_dtype(DType::BF16)?)?;
-            let att = crate::softmax::softmax_last_dim(&att)?;
-            let y = att
-                .matmul(&v)?
-                .to_dtype(DType::F32)?
-                .transpose(1, 2)?
-                .reshape((b, t, d))?;
-            return Ok(blk.c_proj.forward(&y)?);
-        }
-        let att = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-        // softmax from differentiable ops (candle_nn::ops::softmax composes them)
-        let att = candle_nn::ops::softmax(&att.broadcast_add(mask)?, D::Minus1)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        let y = nn::causal_attention(&split(0)?, &split(1)?, &split(2)?)?
+            .transpose(1, 2)?
+            .reshape((b, t, d))?;
         Ok(blk.c_proj.forward(&y)?)
     }
 
@@ -213,25 +189,11 @@ impl Gpt {
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let logits = self.forward(x)?;
         let (b, t, v) = logits.dims3()?;
-        Ok(candle_nn::loss::cross_entropy(
+        Ok(nn::cross_entropy(
             &logits.reshape((b * t, v))?,
             &y.reshape(b * t)?,
         )?)
     }
-}
-
-/// `[t, t]`: 0 on and below the diagonal, -inf above.
-fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Ok(Tensor::from_vec(m, (t, t), dev)?)
 }
 
 /// GPT-2's initialisation, reproducible from `seed` (candle's CPU generator

@@ -15,10 +15,22 @@ pub(super) const THREADS: u32 = 256;
 /// of 256 threads fill one SM; 132 SMs on an H100).
 const MAX_BLOCKS: usize = 132 * 8;
 
+/// The PTX built from `kernels/nn.cu` (the fused training ops).
+const NN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nn.ptx"));
+/// Its name in candle's module cache.
+const NN_MODULE: &str = "candle_amp_nn_kernels";
+
 /// Our kernel `name`, loaded once per device.
 pub(super) fn func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     Ok(dev
         .get_or_load_custom_func(name, MODULE, PTX)?
+        .into_cuda_function())
+}
+
+/// A fused training op's kernel `name` (`kernels/nn.cu`), loaded once per device.
+pub(super) fn nn_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    Ok(dev
+        .get_or_load_custom_func(name, NN_MODULE, NN_PTX)?
         .into_cuda_function())
 }
 

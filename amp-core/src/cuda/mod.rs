@@ -46,6 +46,7 @@ mod cast;
 mod gemm;
 mod launch;
 mod meta;
+pub(crate) mod nn;
 
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use gemm::fp8_gemm;

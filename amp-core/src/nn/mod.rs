@@ -40,14 +40,17 @@
 
 mod build;
 mod forward;
+pub mod fused;
 mod linear;
 mod linear_op;
 mod mode;
 mod norm;
+mod precomputed;
 mod registry;
 mod sink;
 
 pub use build::{linear, linear_b, linear_no_bias};
+pub use fused::{causal_attention, cross_entropy, gelu};
 pub use linear::Linear;
 pub use linear_op::LayerScaling;
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};

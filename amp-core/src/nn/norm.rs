@@ -4,8 +4,9 @@
 //!
 //! Trap avoided: `candle_nn::LayerNorm` runs a fused op without a backward
 //! for contiguous inputs with a bias, so gradients stop there during
-//! training. Ours composes differentiable candle ops whenever an input or
-//! parameter is tracked, and uses the fused op only for inference.
+//! training. Ours runs `fused::layer_norm` (forward and backward kernels)
+//! whenever an input or parameter is tracked, candle's fused op for
+//! inference, and composes candle ops for parameters other than F32.
 
 use super::build::linear_b;
 use super::linear::Linear;
@@ -60,6 +61,10 @@ impl LayerNorm {
                 &self.bias,
                 self.eps as f32,
             )?);
+        }
+        if self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32 {
+            // one kernel forward, two backward (`fused::layer_norm`)
+            return super::fused::layer_norm(x, &self.weight, &self.bias, self.eps);
         }
         let internal = match x.dtype() {
             DType::F16 | DType::BF16 => DType::F32,

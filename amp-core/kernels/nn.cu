@@ -1,0 +1,469 @@
+// Fused training ops of a transformer, forward and backward: the causal
+// softmax of attention (scale and mask inside), cross-entropy over a
+// vocabulary, LayerNorm, GELU (tanh form). Each replaces a chain of
+// candle's elementwise kernels (and the zero-fill + add that candle's
+// backprop spends on every node's gradient) by one or two passes.
+//
+// Storage types: float and bf16 (`T`); every sum in f32. Rows are
+// contiguous; a host flag `vec` says whether rows and bases allow 16-byte
+// loads (row length a multiple of the pack and 16-byte-aligned bases).
+// The CPU bodies (src/nn/fused/cpu.rs) compute the same formulas in the
+// same precision; transcendental functions (expf, logf, tanhf) may differ
+// from Rust's by an ulp, so the two agree to rounding, not bit for bit.
+
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float ld(const __nv_bfloat16* p, size_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st(float* p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(__nv_bfloat16* p, size_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+// W elements at p[i..i+W]: one 16-byte load when W is the pack width.
+template <typename T, int W>
+__device__ __forceinline__ void load(const T* p, size_t i, float* out) {
+    if constexpr (W * sizeof(T) == 16) {
+        uint4 w = *reinterpret_cast<const uint4*>(p + i);
+        const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (int k = 0; k < W; ++k) out[k] = ld(e, k);
+    } else {
+#pragma unroll
+        for (int k = 0; k < W; ++k) out[k] = ld(p, i + k);
+    }
+}
+
+template <typename T, int W>
+__device__ __forceinline__ void store(T* p, size_t i, const float* v) {
+    if constexpr (W * sizeof(T) == 16) {
+        uint4 w;
+        T* e = reinterpret_cast<T*>(&w);
+#pragma unroll
+        for (int k = 0; k < W; ++k) st(e, k, v[k]);
+        *reinterpret_cast<uint4*>(p + i) = w;
+    } else {
+#pragma unroll
+        for (int k = 0; k < W; ++k) st(p, i + k, v[k]);
+    }
+}
+
+template <typename T> struct Pack { static constexpr int N = 16 / sizeof(T); };
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Online softmax state (running max m, sum of exp(x - m)).
+struct MaxSum {
+    float m, s;
+};
+
+__device__ __forceinline__ void ms_add(MaxSum& a, float x) {
+    if (x == -INFINITY) return;
+    if (x > a.m) {
+        a.s = a.s * expf(a.m - x) + 1.0f;
+        a.m = x;
+    } else {
+        a.s += expf(x - a.m);  // NaN stays NaN
+    }
+}
+
+__device__ __forceinline__ MaxSum ms_merge(MaxSum a, MaxSum b) {
+    const bool nan = isnan(a.m) || isnan(b.m) || isnan(a.s) || isnan(b.s);
+    const float m = fmaxf(a.m, b.m);
+    float s = 0.0f;
+    if (m != -INFINITY) {
+        const float sa = a.m == -INFINITY ? 0.0f : a.s * expf(a.m - m);
+        const float sb = b.m == -INFINITY ? 0.0f : b.s * expf(b.m - m);
+        s = sa + sb;
+    }
+    return {m, nan ? NAN : s};
+}
+
+__device__ __forceinline__ MaxSum warp_ms(MaxSum v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        MaxSum w{__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)};
+        v = ms_merge(v, w);
+    }
+    return v;
+}
+
+// ---------------------------------------------------------------------------
+// Causal softmax: rows of `cols` scores, row r is query r % cols; p[j] =
+// softmax(scale * s[0..=q])[j] for j <= q, 0 above. One warp per row.
+
+template <typename T, int W>
+__device__ void causal_softmax_fwd_impl(const T* __restrict__ s, T* __restrict__ p, size_t rows,
+                                        int cols, float scale) {
+    const int lane = threadIdx.x & 31;
+    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int q = (int)(row % (size_t)cols);
+    const T* x = s + row * cols;
+    T* y = p + row * cols;
+    MaxSum a{-INFINITY, 0.0f};
+    for (int j0 = lane * W; j0 <= q; j0 += 32 * W) {
+        float v[W];
+        load<T, W>(x, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k)
+            if (j0 + k <= q) ms_add(a, v[k] * scale);
+    }
+    a = warp_ms(a);
+    const float inv = 1.0f / a.s;
+    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+        float v[W];
+        if (j0 <= q) load<T, W>(x, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] = j0 + k <= q ? expf(v[k] * scale - a.m) * inv : 0.0f;
+        store<T, W>(y, j0, v);
+    }
+}
+
+// ds = scale * p * (dp - sum_j p_j dp_j), 0 above the diagonal.
+template <typename T, int W>
+__device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __restrict__ dp,
+                                        T* __restrict__ ds, size_t rows, int cols, float scale) {
+    const int lane = threadIdx.x & 31;
+    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int q = (int)(row % (size_t)cols);
+    const size_t base = row * cols;
+    float dot = 0.0f;
+    for (int j0 = lane * W; j0 <= q; j0 += 32 * W) {
+        float a[W], b[W];
+        load<T, W>(p + base, j0, a);
+        load<T, W>(dp + base, j0, b);
+#pragma unroll
+        for (int k = 0; k < W; ++k)
+            if (j0 + k <= q) dot += a[k] * b[k];
+    }
+    dot = warp_sum(dot);
+    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+        float a[W], b[W], o[W];
+        if (j0 <= q) {
+            load<T, W>(p + base, j0, a);
+            load<T, W>(dp + base, j0, b);
+        }
+#pragma unroll
+        for (int k = 0; k < W; ++k) o[k] = j0 + k <= q ? scale * a[k] * (b[k] - dot) : 0.0f;
+        store<T, W>(ds + base, j0, o);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Cross-entropy: rows of `cols` logits, targets t[r]; out[2r] = lse - x[t],
+// out[2r + 1] = lse (kept for the backward). A target >= cols gives NaN.
+// One block per row.
+
+template <int THREADS>
+__device__ MaxSum block_ms(MaxSum a) {
+    __shared__ float sm[THREADS / 32], ss[THREADS / 32];
+    a = warp_ms(a);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
+        sm[warp] = a.m;
+        ss[warp] = a.s;
+    }
+    __syncthreads();
+    MaxSum r{-INFINITY, 0.0f};
+    if (warp == 0) {
+        if (lane < THREADS / 32) r = MaxSum{sm[lane], ss[lane]};
+        r = warp_ms(r);
+        if (lane == 0) {
+            sm[0] = r.m;
+            ss[0] = r.s;
+        }
+    }
+    __syncthreads();
+    return MaxSum{sm[0], ss[0]};
+}
+
+constexpr int CE_THREADS = 256;
+
+template <typename T, int W>
+__device__ void cross_entropy_fwd_impl(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                                       float* __restrict__ out, int cols) {
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * cols;
+    MaxSum a{-INFINITY, 0.0f};
+    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
+        float v[W];
+        load<T, W>(xr, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) ms_add(a, v[k]);
+    }
+    a = block_ms<CE_THREADS>(a);
+    if (threadIdx.x == 0) {
+        const float lse = a.m + logf(a.s);
+        const uint32_t tr = t[row];
+        out[2 * row] = tr < (uint32_t)cols ? lse - ld(xr, tr) : NAN;
+        out[2 * row + 1] = lse;
+    }
+}
+
+// dx[r, j] = g * (exp(x[r, j] - lse) - (j == t[r])), (g, lse) = gl[2r], gl[2r + 1].
+template <typename T, int W>
+__device__ void cross_entropy_bwd_impl(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                                       const float* __restrict__ gl, T* __restrict__ dx, int cols) {
+    const size_t row = blockIdx.x;
+    const float gr = gl[2 * row], lse = gl[2 * row + 1];
+    const uint32_t tr = t[row];
+    const size_t base = row * cols;
+    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
+        float v[W];
+        load<T, W>(x + base, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k)
+            v[k] = gr * (expf(v[k] - lse) - ((uint32_t)(j0 + k) == tr ? 1.0f : 0.0f));
+        store<T, W>(dx + base, j0, v);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// LayerNorm over rows of `cols`: y = (x - mean) * rstd * w + b, with
+// rstd = 1 / sqrt(var + eps), var the mean of (x - mean)^2. One warp per row.
+
+template <typename T, int W>
+__device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int lane) {
+    float s = 0.0f;
+    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+        float v[W];
+        load<T, W>(x, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) s += v[k];
+    }
+    const float mean = warp_sum(s) / (float)cols;
+    float q = 0.0f;
+    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+        float v[W];
+        load<T, W>(x, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) q += (v[k] - mean) * (v[k] - mean);
+    }
+    const float var = warp_sum(q) / (float)cols;
+    return make_float2(mean, 1.0f / sqrtf(var + eps));
+}
+
+template <typename T, int W>
+__device__ void layer_norm_fwd_impl(const T* __restrict__ x, const float* __restrict__ w,
+                                    const float* __restrict__ b, T* __restrict__ y, size_t rows,
+                                    int cols, float eps) {
+    const int lane = threadIdx.x & 31;
+    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const T* xr = x + row * cols;
+    const float2 st = row_stats<T, W>(xr, cols, eps, lane);
+    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+        float v[W];
+        load<T, W>(xr, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] = (v[k] - st.x) * st.y * w[j0 + k] + b[j0 + k];
+        store<T, W>(y + row * cols, j0, v);
+    }
+}
+
+// stats[2r], stats[2r + 1] = mean, rstd of row r (for the weight gradient).
+template <typename T, int W>
+__device__ void layer_norm_stats_impl(const T* __restrict__ x, float* __restrict__ stats, size_t rows,
+                                      int cols, float eps) {
+    const int lane = threadIdx.x & 31;
+    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float2 st = row_stats<T, W>(x + row * cols, cols, eps, lane);
+    if (lane == 0) {
+        stats[2 * row] = st.x;
+        stats[2 * row + 1] = st.y;
+    }
+}
+
+// dx = rstd * (w dy - mean(w dy) - xhat * mean(w dy xhat)).
+template <typename T, int W>
+__device__ void layer_norm_dx_impl(const T* __restrict__ x, const float* __restrict__ w,
+                                   const T* __restrict__ dy, T* __restrict__ dx, size_t rows, int cols,
+                                   float eps) {
+    const int lane = threadIdx.x & 31;
+    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const size_t base = row * cols;
+    const float2 st = row_stats<T, W>(x + base, cols, eps, lane);
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+        float v[W], g[W];
+        load<T, W>(x + base, j0, v);
+        load<T, W>(dy + base, j0, g);
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            const float wg = w[j0 + k] * g[k];
+            s1 += wg;
+            s2 += wg * ((v[k] - st.x) * st.y);
+        }
+    }
+    s1 = warp_sum(s1) / (float)cols;
+    s2 = warp_sum(s2) / (float)cols;
+    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+        float v[W], g[W];
+        load<T, W>(x + base, j0, v);
+        load<T, W>(dy + base, j0, g);
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            const float xhat = (v[k] - st.x) * st.y;
+            v[k] = st.y * (w[j0 + k] * g[k] - s1 - xhat * s2);
+        }
+        store<T, W>(dx + base, j0, v);
+    }
+}
+
+// Partial sums of dw = sum_rows dy * xhat and db = sum_rows dy over the
+// rows of one chunk: block (32, 8), grid (ceil(cols / 32), chunks);
+// part[(2 * chunk) * cols + c] (dw) and part[(2 * chunk + 1) * cols + c] (db).
+template <typename T>
+__device__ void layer_norm_dwdb_part_impl(const T* __restrict__ x, const T* __restrict__ dy,
+                                          const float* __restrict__ stats, float* __restrict__ part,
+                                          size_t rows, int cols, size_t rows_per_chunk) {
+    __shared__ float sw[8][33], sb[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const size_t r0 = (size_t)blockIdx.y * rows_per_chunk;
+    const size_t r1 = min(rows, r0 + rows_per_chunk);
+    float aw = 0.0f, ab = 0.0f;
+    if (c < cols) {
+        for (size_t r = r0 + threadIdx.y; r < r1; r += 8) {
+            const float g = ld(dy, r * cols + c);
+            aw += g * ((ld(x, r * cols + c) - stats[2 * r]) * stats[2 * r + 1]);
+            ab += g;
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = aw;
+    sb[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        for (int k = 1; k < 8; ++k) {
+            aw += sw[k][threadIdx.x];
+            ab += sb[k][threadIdx.x];
+        }
+        part[(2 * (size_t)blockIdx.y) * cols + c] = aw;
+        part[(2 * (size_t)blockIdx.y + 1) * cols + c] = ab;
+    }
+}
+
+// out[0..cols] = dw, out[cols..2 cols] = db: the chunks' partials in order.
+extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, float* __restrict__ out,
+                                               int cols, int chunks) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float aw = 0.0f, ab = 0.0f;
+    for (int k = 0; k < chunks; ++k) {
+        aw += part[(2 * (size_t)k) * cols + c];
+        ab += part[(2 * (size_t)k + 1) * cols + c];
+    }
+    out[c] = aw;
+    out[cols + c] = ab;
+}
+
+// ---------------------------------------------------------------------------
+// GELU, tanh form (candle's `gelu`): y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+__device__ __forceinline__ float gelu_f(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x)));
+}
+
+// candle's backward formula for its gelu.
+__device__ __forceinline__ float gelu_grad(float x) {
+    const float x3 = x * x * x;
+    const float th = tanhf(0.0356774f * x3 + 0.797885f * x);
+    return 0.5f * th + (0.0535161f * x3 + 0.398942f * x) * (1.0f - th * th) + 0.5f;
+}
+
+template <typename T, int W>
+__device__ void gelu_fwd_impl(const T* __restrict__ x, T* __restrict__ y, size_t n) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x * W;
+    for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += stride) {
+        float v[W];
+        if (i + W <= n) {
+            load<T, W>(x, i, v);
+#pragma unroll
+            for (int k = 0; k < W; ++k) v[k] = gelu_f(v[k]);
+            store<T, W>(y, i, v);
+        } else {
+            for (size_t k = i; k < n; ++k) st(y, k, gelu_f(ld(x, k)));
+        }
+    }
+}
+
+template <typename T, int W>
+__device__ void gelu_bwd_impl(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,
+                              size_t n) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x * W;
+    for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += stride) {
+        float v[W], g[W];
+        if (i + W <= n) {
+            load<T, W>(x, i, v);
+            load<T, W>(dy, i, g);
+#pragma unroll
+            for (int k = 0; k < W; ++k) v[k] = g[k] * gelu_grad(v[k]);
+            store<T, W>(dx, i, v);
+        } else {
+            for (size_t k = i; k < n; ++k) st(dx, k, ld(dy, k) * gelu_grad(ld(x, k)));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Entry points: `vec` picks the 16-byte path.
+
+#define NN_KERNELS(TN, T)                                                                            \
+    extern "C" __global__ void causal_softmax_fwd_##TN(const T* s, T* p, size_t rows, int cols,       \
+                                                      float scale, int vec) {                        \
+        if (vec) causal_softmax_fwd_impl<T, Pack<T>::N>(s, p, rows, cols, scale);                    \
+        else causal_softmax_fwd_impl<T, 1>(s, p, rows, cols, scale);                                 \
+    }                                                                                                \
+    extern "C" __global__ void causal_softmax_bwd_##TN(const T* p, const T* dp, T* ds, size_t rows,  \
+                                                      int cols, float scale, int vec) {              \
+        if (vec) causal_softmax_bwd_impl<T, Pack<T>::N>(p, dp, ds, rows, cols, scale);               \
+        else causal_softmax_bwd_impl<T, 1>(p, dp, ds, rows, cols, scale);                            \
+    }                                                                                                \
+    extern "C" __global__ void cross_entropy_fwd_##TN(const T* x, const uint32_t* t, float* out,     \
+                                                     int cols, int vec) {                            \
+        if (vec) cross_entropy_fwd_impl<T, Pack<T>::N>(x, t, out, cols);                             \
+        else cross_entropy_fwd_impl<T, 1>(x, t, out, cols);                                          \
+    }                                                                                                \
+    extern "C" __global__ void cross_entropy_bwd_##TN(const T* x, const uint32_t* t, const float* gl, \
+                                                     T* dx, int cols, int vec) {                     \
+        if (vec) cross_entropy_bwd_impl<T, Pack<T>::N>(x, t, gl, dx, cols);                          \
+        else cross_entropy_bwd_impl<T, 1>(x, t, gl, dx, cols);                                       \
+    }                                                                                                \
+    extern "C" __global__ void layer_norm_fwd_##TN(const T* x, const float* w, const float* b, T* y, \
+                                                  size_t rows, int cols, float eps, int vec) {       \
+        if (vec) layer_norm_fwd_impl<T, Pack<T>::N>(x, w, b, y, rows, cols, eps);                    \
+        else layer_norm_fwd_impl<T, 1>(x, w, b, y, rows, cols, eps);                                 \
+    }                                                                                                \
+    extern "C" __global__ void layer_norm_dx_##TN(const T* x, const float* w, const T* dy, T* dx,    \
+                                                 size_t rows, int cols, float eps, int vec) {        \
+        if (vec) layer_norm_dx_impl<T, Pack<T>::N>(x, w, dy, dx, rows, cols, eps);                   \
+        else layer_norm_dx_impl<T, 1>(x, w, dy, dx, rows, cols, eps);                                \
+    }                                                                                                \
+    extern "C" __global__ void layer_norm_stats_##TN(const T* x, float* stats, size_t rows, int cols,\
+                                                    float eps, int vec) {                            \
+        if (vec) layer_norm_stats_impl<T, Pack<T>::N>(x, stats, rows, cols, eps);                    \
+        else layer_norm_stats_impl<T, 1>(x, stats, rows, cols, eps);                                 \
+    }                                                                                                \
+    extern "C" __global__ void layer_norm_dwdb_part_##TN(const T* x, const T* dy, const float* stats,\
+                                                        float* part, size_t rows, int cols,          \
+                                                        size_t rows_per_chunk) {                     \
+        layer_norm_dwdb_part_impl<T>(x, dy, stats, part, rows, cols, rows_per_chunk);                \
+    }                                                                                                \
+    extern "C" __global__ void gelu_fwd_##TN(const T* x, T* y, size_t n, int vec) {                  \
+        if (vec) gelu_fwd_impl<T, Pack<T>::N>(x, y, n);                                              \
+        else gelu_fwd_impl<T, 1>(x, y, n);                                                           \
+    }                                                                                                \
+    extern "C" __global__ void gelu_bwd_##TN(const T* x, const T* dy, T* dx, size_t n, int vec) {    \
+        if (vec) gelu_bwd_impl<T, Pack<T>::N>(x, dy, dx, n);                                         \
+        else gelu_bwd_impl<T, 1>(x, dy, dx, n);                                                      \
+    }
+
+NN_KERNELS(f32, float)
+NN_KERNELS(bf16, __nv_bfloat16)

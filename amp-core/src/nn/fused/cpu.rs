@@ -1,0 +1,162 @@
+//! CPU bodies of the fused ops, on contiguous rows of f32 (the storage
+//! conversions are in `ops.rs`). The same formulas as `kernels/nn.cu`, in
+//! f32, summed in row order: the reference the CUDA kernels are checked
+//! against.
+
+/// `softmax(scale * s)` over each row of `cols`, row `r` being query
+/// `r % cols`: entries above the diagonal are 0.
+pub(crate) fn causal_softmax_fwd(s: &[f32], cols: usize, scale: f32) -> Vec<f32> {
+    let mut out = vec![0f32; s.len()];
+    for (r, (x, y)) in s.chunks(cols).zip(out.chunks_mut(cols)).enumerate() {
+        let valid = r % cols + 1;
+        let m = x[..valid]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+        let mut sum = 0f32;
+        for (o, &v) in y[..valid].iter_mut().zip(&x[..valid]) {
+            *o = (v * scale - m).exp();
+            sum += *o;
+        }
+        if x[..valid].iter().any(|v| v.is_nan()) {
+            sum = f32::NAN;
+        }
+        let inv = 1.0 / sum;
+        y[..valid].iter_mut().for_each(|o| *o *= inv);
+    }
+    out
+}
+
+/// Its backward: `scale * p * (dp - sum(p * dp))`, 0 above the diagonal.
+pub(crate) fn causal_softmax_bwd(p: &[f32], dp: &[f32], cols: usize, scale: f32) -> Vec<f32> {
+    let mut out = vec![0f32; p.len()];
+    for (r, ((pr, gr), o)) in p
+        .chunks(cols)
+        .zip(dp.chunks(cols))
+        .zip(out.chunks_mut(cols))
+        .enumerate()
+    {
+        let valid = r % cols + 1;
+        let dot: f32 = pr[..valid]
+            .iter()
+            .zip(&gr[..valid])
+            .map(|(a, b)| a * b)
+            .sum();
+        for ((o, &a), &b) in o[..valid].iter_mut().zip(&pr[..valid]).zip(&gr[..valid]) {
+            *o = scale * a * (b - dot);
+        }
+    }
+    out
+}
+
+/// Per row `[lse - x[t], lse]`; a target outside the row gives NaN (the
+/// op refuses those before calling this).
+pub(crate) fn cross_entropy_fwd(x: &[f32], t: &[u32], cols: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(2 * t.len());
+    for (row, &tr) in x.chunks(cols).zip(t) {
+        let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sum: f32 = if m == f32::NEG_INFINITY {
+            0.0
+        } else {
+            row.iter().map(|&v| (v - m).exp()).sum()
+        };
+        if row.iter().any(|v| v.is_nan()) {
+            sum = f32::NAN;
+        }
+        let lse = m + sum.ln();
+        let target = row.get(tr as usize).copied().unwrap_or(f32::NAN);
+        out.push(lse - target);
+        out.push(lse);
+    }
+    out
+}
+
+/// `g * (softmax(x) - onehot(t))` per row, `gl` holding `[g, lse]` per row.
+pub(crate) fn cross_entropy_bwd(x: &[f32], t: &[u32], gl: &[f32], cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for (((row, o), &tr), g) in x
+        .chunks(cols)
+        .zip(out.chunks_mut(cols))
+        .zip(t)
+        .zip(gl.chunks(2))
+    {
+        let (g, lse) = (g[0], g[1]);
+        for (j, (o, &v)) in o.iter_mut().zip(row).enumerate() {
+            let hot = if j == tr as usize { 1.0 } else { 0.0 };
+            *o = g * ((v - lse).exp() - hot);
+        }
+    }
+    out
+}
+
+/// Mean and `1 / sqrt(var + eps)` of a row.
+fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
+    let n = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// LayerNorm: `(x - mean) * rstd * w + b` per row.
+pub(crate) fn layer_norm_fwd(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+    let cols = w.len();
+    let mut out = vec![0f32; x.len()];
+    for (row, o) in x.chunks(cols).zip(out.chunks_mut(cols)) {
+        let (mean, rstd) = row_stats(row, eps);
+        for (((o, &v), &w), &b) in o.iter_mut().zip(row).zip(w).zip(b) {
+            *o = (v - mean) * rstd * w + b;
+        }
+    }
+    out
+}
+
+/// LayerNorm input gradient: `rstd * (w dy - mean(w dy) - xhat mean(w dy xhat))`.
+pub(crate) fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> Vec<f32> {
+    let cols = w.len();
+    let n = cols as f32;
+    let mut out = vec![0f32; x.len()];
+    for ((row, g), o) in x
+        .chunks(cols)
+        .zip(dy.chunks(cols))
+        .zip(out.chunks_mut(cols))
+    {
+        let (mean, rstd) = row_stats(row, eps);
+        let (mut s1, mut s2) = (0f32, 0f32);
+        for ((&v, &g), &w) in row.iter().zip(g).zip(w) {
+            let wg = w * g;
+            s1 += wg;
+            s2 += wg * ((v - mean) * rstd);
+        }
+        let (s1, s2) = (s1 / n, s2 / n);
+        for (((o, &v), &g), &w) in o.iter_mut().zip(row).zip(g).zip(w) {
+            let xhat = (v - mean) * rstd;
+            *o = rstd * (w * g - s1 - xhat * s2);
+        }
+    }
+    out
+}
+
+/// LayerNorm weight and bias gradients: `[dw (cols), db (cols)]`.
+pub(crate) fn layer_norm_dwdb(x: &[f32], dy: &[f32], cols: usize, eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; 2 * cols];
+    for (row, g) in x.chunks(cols).zip(dy.chunks(cols)) {
+        let (mean, rstd) = row_stats(row, eps);
+        let (dw, db) = out.split_at_mut(cols);
+        for (((dw, db), &v), &g) in dw.iter_mut().zip(db.iter_mut()).zip(row).zip(g) {
+            *dw += g * ((v - mean) * rstd);
+            *db += g;
+        }
+    }
+    out
+}
+
+/// GELU, tanh form (candle's `gelu`).
+pub(crate) fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (0.797_884_6 * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+/// The derivative of [`gelu`], as candle's backward computes it.
+pub(crate) fn gelu_grad(x: f32) -> f32 {
+    let x3 = x * x * x;
+    let th = (0.035_677_4 * x3 + 0.797_885 * x).tanh();
+    0.5 * th + (0.053_516_1 * x3 + 0.398_942 * x) * (1.0 - th * th) + 0.5
+}

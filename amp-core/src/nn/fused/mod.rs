@@ -1,0 +1,148 @@
+//! Fused training ops with their backward passes: causal attention,
+//! cross-entropy, LayerNorm and GELU.
+//!
+//! candle composes these from elementwise kernels, and its backprop gives
+//! every intermediate a zero-filled gradient and an add; in a GPT step on
+//! an H100 those kernels took over 90% of the GPU time (BENCHMARKS.md).
+//! Each op here is one kernel forward and one or two backward, on the CPU
+//! (`cpu.rs`, the reference) and on CUDA (`kernels/nn.cu`). Sums are in
+//! F32 on both; CPU and CUDA agree to rounding (their `exp`, `ln` and
+//! `tanh` differ in the last bit), not bit for bit as the casts do.
+//!
+//! ```
+//! use amp_core::nn::{causal_attention, cross_entropy, gelu};
+//! use candle_core::{Device, Tensor, Var};
+//!
+//! let dev = Device::Cpu;
+//! let q = Var::randn(0f32, 1.0, (2, 4, 16, 8), &dev)?;
+//! let y = gelu(&causal_attention(&q, &q, &q)?)?;             // [2, 4, 16, 8]
+//! let logits = y.reshape((2 * 4 * 16, 8))?;
+//! let targets = Tensor::from_vec((0..128u32).map(|i| i % 8).collect(), 128, &dev)?;
+//! let loss = cross_entropy(&logits, &targets)?;
+//! let grads = loss.backward()?;
+//! assert!(grads.get(&q).is_some());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod attention;
+mod cpu;
+mod ops;
+
+pub use attention::causal_attention;
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Tensor, D};
+
+fn float_dtype(op: &'static str, t: &Tensor) -> Result<()> {
+    match t.dtype() {
+        DType::F32 | DType::BF16 => Ok(()),
+        DType::F16 | DType::F64 if !t.device().is_cuda() => Ok(()),
+        got => Err(Error::DType {
+            op,
+            expected: "F32 or BF16 (F16 and F64 on the CPU)",
+            got,
+        }),
+    }
+}
+
+/// Mean cross-entropy of `logits` `[rows, classes]` against `targets`
+/// `[rows]` (class indices, any integer dtype): `mean(logsumexp(x) -
+/// x[target])`, in F32, as a one-element tensor. Forward keeps one F32
+/// pair per row; backward writes `softmax(x) - onehot(t)` in one pass.
+///
+/// # Errors
+/// [`Error::Rank`], [`Error::Shape`], [`Error::DType`], [`Error::Device`];
+/// on the CPU a target outside `0..classes` is [`Error::Unsupported`]. On
+/// CUDA such a target is not read back (no host copy): its row's loss is
+/// NaN, so the mean is NaN and a loss-scaled step is skipped, never silently
+/// wrong.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    const OP: &str = "cross_entropy";
+    let (rows, classes) = logits.dims2().map_err(|_| Error::Rank {
+        op: OP,
+        expected: 2,
+        got: logits.shape().clone(),
+    })?;
+    float_dtype(OP, logits)?;
+    if targets.dims() != [rows] {
+        return Err(Error::Shape {
+            op: OP,
+            lhs: logits.shape().clone(),
+            rhs: targets.shape().clone(),
+        });
+    }
+    if !targets.device().same_device(logits.device()) {
+        return Err(Error::Device {
+            op: OP,
+            lhs: logits.device().location(),
+            rhs: targets.device().location(),
+        });
+    }
+    let targets = match targets.dtype() {
+        DType::U32 => targets.contiguous()?,
+        DType::U8 | DType::I64 => targets.to_dtype(DType::U32)?,
+        got => {
+            return Err(Error::DType {
+                op: OP,
+                expected: "integer class indices (U32, U8 or I64)",
+                got,
+            })
+        }
+    };
+    if !targets.device().is_cuda() && rows > 0 {
+        let max = targets.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= classes {
+            return Err(Error::Unsupported {
+                op: OP,
+                what: format!("target {max} is outside the {classes} classes"),
+            });
+        }
+    }
+    let pairs = logits
+        .contiguous()?
+        .apply_op2(&targets, ops::CrossEntropy)?;
+    Ok(pairs.narrow(1, 0, 1)?.mean_all()?)
+}
+
+/// GELU, tanh form (candle's `gelu`), with a one-kernel backward.
+///
+/// # Errors
+/// [`Error::DType`] for a non-float input; candle's.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    float_dtype("gelu", x)?;
+    Ok(x.contiguous()?.apply_op1(ops::Gelu)?)
+}
+
+/// LayerNorm over the last dimension with F32 `weight` and `bias` of that
+/// length: `(x - mean) / sqrt(var + eps) * weight + bias`, statistics in
+/// F32; the output has `x`'s dtype. Backward: one kernel for the input
+/// gradient, one pass for the weight and bias gradients (summed in a fixed
+/// order: deterministic).
+///
+/// # Errors
+/// [`Error::Shape`] when the last dimension is not the parameters' length,
+/// [`Error::DType`] for parameters other than F32; candle's.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    const OP: &str = "layer_norm";
+    float_dtype(OP, x)?;
+    let dim = weight.elem_count();
+    if x.rank() == 0 || x.dim(D::Minus1)? != dim || bias.elem_count() != dim || weight.rank() != 1 {
+        return Err(Error::Shape {
+            op: OP,
+            lhs: x.shape().clone(),
+            rhs: weight.shape().clone(),
+        });
+    }
+    for p in [weight, bias] {
+        if p.dtype() != DType::F32 {
+            return Err(Error::DType {
+                op: OP,
+                expected: "F32 weight and bias",
+                got: p.dtype(),
+            });
+        }
+    }
+    let op = ops::LayerNormOp { eps: eps as f32 };
+    Ok(x.contiguous()?
+        .apply_op3(&weight.contiguous()?, &bias.reshape(dim)?.contiguous()?, op)?)
+}

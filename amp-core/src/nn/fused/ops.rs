@@ -1,0 +1,389 @@
+//! The fused ops as candle custom ops: the CPU bodies of `cpu.rs`, the
+//! CUDA launches of `cuda/nn.rs`, and the backward passes that chain them.
+//! Inputs arrive contiguous (the public functions in `mod.rs` see to it).
+
+use super::cpu;
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
+};
+use half::{bf16, f16};
+
+/// A contiguous float storage as f32 values.
+fn f32s(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: non-contiguous input".into()))?;
+    Ok(match s {
+        CpuStorage::F32(v) => v[a..b].to_vec(),
+        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+        CpuStorage::F64(v) => v[a..b].iter().map(|&x| x as f32).collect(),
+        other => candle_core::bail!("fused op: a float input, got {:?}", other.dtype()),
+    })
+}
+
+fn u32s(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: non-contiguous targets".into()))?;
+    match s {
+        CpuStorage::U32(v) => Ok(v[a..b].to_vec()),
+        other => candle_core::bail!("fused op: U32 targets, got {:?}", other.dtype()),
+    }
+}
+
+/// f32 values stored as `dtype`.
+fn store(v: Vec<f32>, dtype: DType) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
+        DType::F64 => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
+        _ => CpuStorage::F32(v),
+    }
+}
+
+fn last_dim(l: &Layout) -> usize {
+    l.dims().last().copied().unwrap_or(1).max(1)
+}
+
+#[cfg(feature = "cuda")]
+fn wrap(e: crate::Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// Causal softmax of `scale * s` (forward only; `CausalSoftmaxBwd` is its
+/// backward, chained by the attention op).
+pub(super) struct CausalSoftmax {
+    pub scale: f32,
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "amp_causal_softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let v = cpu::causal_softmax_fwd(&f32s(s, l)?, last_dim(l), self.scale);
+        Ok((store(v, s.dtype()), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::causal_softmax(s, l, None, self.scale).map_err(wrap)?;
+        Ok((out, l.shape().clone()))
+    }
+}
+
+/// `scale * p * (dp - sum(p dp))` of `(p, dp)`.
+pub(super) struct CausalSoftmaxBwd {
+    pub scale: f32,
+}
+
+impl CustomOp2 for CausalSoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "amp_causal_softmax_bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        p: &CpuStorage,
+        lp: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let v = cpu::causal_softmax_bwd(&f32s(p, lp)?, &f32s(g, lg)?, last_dim(lp), self.scale);
+        Ok((store(v, p.dtype()), lp.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        p: &candle_core::CudaStorage,
+        lp: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out =
+            crate::cuda::nn::causal_softmax(p, lp, Some((g, lg)), self.scale).map_err(wrap)?;
+        Ok((out, lp.shape().clone()))
+    }
+}
+
+/// Cross-entropy of logits `[rows, cols]` and U32 targets `[rows]`: F32
+/// `[rows, 2]` holding `lse - x[t]` and `lse` per row (the second column
+/// is kept for the backward, which ignores its gradient).
+pub(super) struct CrossEntropy;
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "amp_cross_entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        t: &CpuStorage,
+        lt: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, cols) = lx.shape().dims2()?;
+        let v = cpu::cross_entropy_fwd(&f32s(x, lx)?, &u32s(t, lt)?, cols);
+        Ok((CpuStorage::F32(v), Shape::from((rows, 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        t: &candle_core::CudaStorage,
+        lt: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let rows = lx.shape().dims2()?.0;
+        let out = crate::cuda::nn::cross_entropy_fwd(x, lx, t, lt).map_err(wrap)?;
+        Ok((out, Shape::from((rows, 2))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        t: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let gl = Tensor::cat(&[grad.narrow(1, 0, 1)?, res.narrow(1, 1, 1)?], 1)?;
+        let dx = x.apply_op3_no_bwd(t, &gl, &CrossEntropyBwd)?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// `g * (softmax(x) - onehot(t))` of `(x, t, [g, lse] per row)`.
+struct CrossEntropyBwd;
+
+impl CustomOp3 for CrossEntropyBwd {
+    fn name(&self) -> &'static str {
+        "amp_cross_entropy_bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        t: &CpuStorage,
+        lt: &Layout,
+        gl: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let cols = lx.shape().dims2()?.1;
+        let v = cpu::cross_entropy_bwd(&f32s(x, lx)?, &u32s(t, lt)?, &f32s(gl, lg)?, cols);
+        Ok((store(v, x.dtype()), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        t: &candle_core::CudaStorage,
+        lt: &Layout,
+        gl: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::cross_entropy_bwd(x, lx, t, lt, gl, lg).map_err(wrap)?;
+        Ok((out, lx.shape().clone()))
+    }
+}
+
+/// LayerNorm of `(x, w, b)` over the last dimension (F32 `w`, `b`).
+pub(super) struct LayerNormOp {
+    pub eps: f32,
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "amp_layer_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let v = cpu::layer_norm_fwd(&f32s(x, lx)?, &f32s(w, lw)?, &f32s(b, lb)?, self.eps);
+        Ok((store(v, x.dtype()), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::layer_norm_fwd(x, lx, w, lw, b, lb, self.eps).map_err(wrap)?;
+        Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let dx = x.apply_op3_no_bwd(w, &dy, &LayerNormDx { eps: self.eps })?;
+        let dwdb = x.apply_op2_no_bwd(&dy, &LayerNormDwDb { eps: self.eps })?;
+        Ok((Some(dx), Some(dwdb.get(0)?), Some(dwdb.get(1)?)))
+    }
+}
+
+/// LayerNorm's input gradient of `(x, w, dy)`.
+struct LayerNormDx {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormDx {
+    fn name(&self) -> &'static str {
+        "amp_layer_norm_dx"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let v = cpu::layer_norm_dx(&f32s(x, lx)?, &f32s(w, lw)?, &f32s(g, lg)?, self.eps);
+        Ok((store(v, x.dtype()), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::layer_norm_dx(x, lx, w, lw, g, lg, self.eps).map_err(wrap)?;
+        Ok((out, lx.shape().clone()))
+    }
+}
+
+/// LayerNorm's weight and bias gradients of `(x, dy)`: F32 `[2, cols]`.
+struct LayerNormDwDb {
+    eps: f32,
+}
+
+impl CustomOp2 for LayerNormDwDb {
+    fn name(&self) -> &'static str {
+        "amp_layer_norm_dwdb"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let cols = last_dim(lx);
+        let v = cpu::layer_norm_dwdb(&f32s(x, lx)?, &f32s(g, lg)?, cols, self.eps);
+        Ok((CpuStorage::F32(v), Shape::from((2, cols))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::layer_norm_dwdb(x, lx, g, lg, self.eps).map_err(wrap)?;
+        Ok((out, Shape::from((2, last_dim(lx)))))
+    }
+}
+
+/// GELU, tanh form.
+pub(super) struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "amp_gelu"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let v = f32s(x, l)?.into_iter().map(cpu::gelu).collect();
+        Ok((store(v, x.dtype()), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::gelu(x, l, None).map_err(wrap)?;
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(&dy.contiguous()?, &GeluBwd)?))
+    }
+}
+
+/// `dy * gelu'(x)` of `(x, dy)`.
+struct GeluBwd;
+
+impl CustomOp2 for GeluBwd {
+    fn name(&self) -> &'static str {
+        "amp_gelu_bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let v = f32s(x, lx)?
+            .into_iter()
+            .zip(f32s(g, lg)?)
+            .map(|(x, g)| g * cpu::gelu_grad(x))
+            .collect();
+        Ok((store(v, x.dtype()), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::gelu(x, lx, Some((g, lg))).map_err(wrap)?;
+        Ok((out, lx.shape().clone()))
+    }
+}

@@ -1,0 +1,207 @@
+//! The fused training ops (`amp::nn::fused`) against candle's composed ops
+//! in float64: forward values and every gradient, and their errors.
+
+use amp::nn::fused;
+use candle_core::{backprop::GradStore, DType, Device, Tensor, Var, D};
+
+type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn randn(dims: &[usize], seed: u64) -> R<Tensor> {
+    // a reproducible normal-ish tensor (candle's CPU generator is unseeded)
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            let mut u = 0f64;
+            for _ in 0..4 {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                u += (s >> 11) as f64 / (1u64 << 53) as f64;
+            }
+            ((u - 2.0) * 1.7) as f32
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> R<f64> {
+    let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    Ok(num / den.max(1e-300))
+}
+
+fn grad(g: &GradStore, v: &Var) -> R<Tensor> {
+    Ok(g.get(v).ok_or("no gradient")?.clone())
+}
+
+/// The same values as an F32 `Var` (for the fused op) and an F64 one.
+fn pair(dims: &[usize], seed: u64) -> R<(Var, Var)> {
+    let t = randn(dims, seed)?;
+    Ok((
+        Var::from_tensor(&t)?,
+        Var::from_tensor(&t.to_dtype(DType::F64)?)?,
+    ))
+}
+
+#[test]
+fn cross_entropy_matches_candle_in_f64() -> R<()> {
+    for (rows, cols) in [(1usize, 1usize), (7, 5), (64, 257)] {
+        let (x, x64) = pair(&[rows, cols], rows as u64)?;
+        let t: Vec<u32> = (0..rows).map(|i| ((i * 31) % cols) as u32).collect();
+        let t = Tensor::new(t.as_slice(), &Device::Cpu)?;
+        let loss = fused::cross_entropy(&x, &t)?;
+        let ref_loss = candle_nn::loss::cross_entropy(&x64, &t)?;
+        assert!(rel(&loss, &ref_loss)? < 1e-6, "{rows}x{cols} loss");
+        let (g, g64) = (loss.backward()?, ref_loss.backward()?);
+        let e = rel(&grad(&g, &x)?, &grad(&g64, &x64)?)?;
+        assert!(e < 1e-5, "{rows}x{cols} dx {e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn cross_entropy_refuses_bad_input_and_keeps_nan() -> R<()> {
+    let x = randn(&[4, 10], 1)?;
+    let t = Tensor::new(&[0u32, 9, 3, 10], &Device::Cpu)?;
+    let e = fused::cross_entropy(&x, &t)
+        .err()
+        .ok_or("target 10 accepted")?;
+    assert!(e.to_string().contains("outside the 10 classes"), "{e}");
+    let t = Tensor::new(&[0u32, 1, 2], &Device::Cpu)?;
+    assert!(
+        fused::cross_entropy(&x, &t).is_err(),
+        "3 targets for 4 rows"
+    );
+    assert!(
+        fused::cross_entropy(&x.flatten_all()?, &t).is_err(),
+        "rank 1"
+    );
+    let tf = Tensor::new(&[0f32, 1.0, 2.0, 3.0], &Device::Cpu)?;
+    assert!(fused::cross_entropy(&x, &tf).is_err(), "float targets");
+    // integer targets of other dtypes are taken
+    let t8 = Tensor::new(&[0u8, 1, 2, 3], &Device::Cpu)?;
+    assert!(fused::cross_entropy(&x, &t8)?
+        .to_scalar::<f32>()?
+        .is_finite());
+    // a NaN logit makes the loss NaN, never a finite number
+    let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+    v[13] = f32::NAN;
+    let xn = Tensor::from_vec(v, (4, 10), &Device::Cpu)?;
+    assert!(fused::cross_entropy(&xn, &t8)?.to_scalar::<f32>()?.is_nan());
+    Ok(())
+}
+
+/// softmax(q kᵀ / sqrt(d) + causal mask) v, composed in float64.
+fn attention_ref(q: &Tensor, k: &Tensor, v: &Tensor) -> R<Tensor> {
+    let (_, _, t, d) = q.dims4()?;
+    let mask: Vec<f64> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+    let s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask)?;
+    Ok(candle_nn::ops::softmax(&s, D::Minus1)?.matmul(v)?)
+}
+
+#[test]
+fn causal_attention_matches_composed_f64() -> R<()> {
+    for dims in [[1usize, 1, 1, 4], [2, 3, 17, 8], [1, 2, 64, 16]] {
+        let ((q, q64), (k, k64), (v, v64)) = (pair(&dims, 1)?, pair(&dims, 2)?, pair(&dims, 3)?);
+        let r = randn(&dims, 4)?;
+        let y = fused::causal_attention(&q, &k, &v)?;
+        let y64 = attention_ref(&q64, &k64, &v64)?;
+        assert!(rel(&y, &y64)? < 1e-5, "{dims:?} y");
+        let g = (&y * &r)?.sum_all()?.backward()?;
+        let g64 = (&y64 * r.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+        for (name, a, b) in [("dq", &q, &q64), ("dk", &k, &k64), ("dv", &v, &v64)] {
+            let e = rel(&grad(&g, a)?, &grad(&g64, b)?)?;
+            assert!(e < 1e-5, "{dims:?} {name} {e}");
+        }
+    }
+    // untracked inputs: the same output, no graph
+    let q = randn(&[1, 1, 5, 4], 9)?;
+    let y = fused::causal_attention(&q, &q, &q)?;
+    assert!(!y.track_op());
+    // the first query sees only the first key: its output is v[0]
+    let v0 = q.narrow(2, 0, 1)?;
+    assert!(rel(&y.narrow(2, 0, 1)?, &v0)? < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn causal_attention_refuses_mismatched_inputs() -> R<()> {
+    let q = randn(&[1, 2, 8, 4], 1)?;
+    let k = randn(&[1, 2, 7, 4], 2)?;
+    assert!(fused::causal_attention(&q, &k, &q).is_err(), "seq 8 vs 7");
+    assert!(
+        fused::causal_attention(&q.flatten_all()?, &q, &q).is_err(),
+        "rank 1"
+    );
+    let qh = q.to_dtype(DType::BF16)?;
+    assert!(
+        fused::causal_attention(&qh, &q, &q).is_err(),
+        "mixed dtypes"
+    );
+    let qi = q.to_dtype(DType::U32)?;
+    assert!(
+        fused::causal_attention(&qi, &qi, &qi).is_err(),
+        "integer inputs"
+    );
+    Ok(())
+}
+
+#[test]
+fn layer_norm_matches_composed_f64() -> R<()> {
+    for (rows, cols) in [(1usize, 1usize), (5, 3), (33, 96)] {
+        let (x, x64) = pair(&[rows, cols], 5)?;
+        let (w, w64) = pair(&[cols], 6)?;
+        let (b, b64) = pair(&[cols], 7)?;
+        let r = randn(&[rows, cols], 8)?;
+        let y = fused::layer_norm(&x, &w, &b, 1e-5)?;
+        let c = x64.broadcast_sub(&x64.mean_keepdim(D::Minus1)?)?;
+        let var = c.sqr()?.mean_keepdim(D::Minus1)?;
+        let y64 = c
+            .broadcast_div(&(var + 1e-5)?.sqrt()?)?
+            .broadcast_mul(&w64)?
+            .broadcast_add(&b64)?;
+        assert!(rel(&y, &y64)? < 1e-5, "{rows}x{cols} y");
+        let g = (&y * &r)?.sum_all()?.backward()?;
+        let g64 = (&y64 * r.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+        for (name, a, b) in [("dx", &x, &x64), ("dw", &w, &w64), ("db", &b, &b64)] {
+            let e = rel(&grad(&g, a)?, &grad(&g64, b)?)?;
+            // one column: x - mean is 0, dx is 0 in exact arithmetic
+            let tol = if cols == 1 { 1.0 } else { 1e-4 };
+            assert!(e < tol, "{rows}x{cols} {name} {e}");
+        }
+    }
+    let x = randn(&[2, 4], 1)?;
+    let w = randn(&[3], 2)?;
+    assert!(fused::layer_norm(&x, &w, &w, 1e-5).is_err(), "width 4 vs 3");
+    let w = randn(&[4], 2)?;
+    let wh = w.to_dtype(DType::BF16)?;
+    assert!(fused::layer_norm(&x, &wh, &w, 1e-5).is_err(), "BF16 weight");
+    Ok(())
+}
+
+#[test]
+fn gelu_matches_candle_in_f64() -> R<()> {
+    let (x, x64) = pair(&[3, 41], 11)?;
+    let r = randn(&[3, 41], 12)?;
+    let y = fused::gelu(&x)?;
+    let y64 = x64.gelu()?;
+    assert!(rel(&y, &y64)? < 1e-6);
+    let g = (&y * &r)?.sum_all()?.backward()?;
+    let g64 = (&y64 * r.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+    assert!(rel(&grad(&g, &x)?, &grad(&g64, &x64)?)? < 1e-6);
+    let xb = x.to_dtype(DType::BF16)?;
+    assert!(rel(&fused::gelu(&xb)?, &y64)? < 1e-2, "BF16");
+    assert!(fused::gelu(&x.to_dtype(DType::U8)?).is_err());
+    Ok(())
+}
