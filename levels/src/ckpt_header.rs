@@ -8,7 +8,7 @@ use crate::zero::SliceInfo;
 use crate::Level;
 use amp_optim::LossScaler;
 use safetensors::tensor::SafeTensors;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 /// Counters far beyond any run are corrupt (and would overflow).
@@ -42,11 +42,8 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
     let st = SafeTensors::deserialize(bytes)
         .map_err(|e| err(path, format!("not a readable safetensors file: {e}")))?;
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| err(path, e.to_string()))?;
-    let meta = header.metadata().clone().unwrap_or_default();
-    let field = |k: &str| {
-        meta.get(k)
-            .ok_or_else(|| err(path, format!("metadata `{k}` missing")))
-    };
+    let meta = Metadata::new(path, header.metadata().clone().unwrap_or_default());
+    let field = |k: &str| meta.field(k);
     if field("format")? == crate::ckpt_index::INDEX_FORMAT {
         return Err(err(
             path,
@@ -56,18 +53,8 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
     if field("format")? != FORMAT {
         return Err(err(path, "not a candle-amp checkpoint"));
     }
-    if field("version")? != VERSION {
-        return Err(err(
-            path,
-            format!(
-                "format version {}, this build reads {VERSION}",
-                field("version")?
-            ),
-        ));
-    }
-    let level: Level = field("level")?
-        .parse()
-        .map_err(|e: String| err(path, format!("metadata `level`: {e}")))?;
+    meta.check_version()?;
+    let level = meta.level()?;
     let count = |what: &str, v: u64| -> Result<u64> {
         if v > MAX_COUNT {
             Err(err(path, format!("metadata `{what}`: {v} is out of range")))
@@ -102,10 +89,62 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
         scaler,
         param_steps,
         layer_meta,
-        zero: meta.get("zero").map_or("none", String::as_str).to_string(),
+        zero: meta.get("zero").unwrap_or("none").to_string(),
         slices,
     };
     Ok((st, header))
+}
+
+/// A safetensors header's metadata, read with errors naming the file.
+pub(crate) struct Metadata<'a> {
+    map: HashMap<String, String>,
+    path: &'a Path,
+}
+
+impl<'a> Metadata<'a> {
+    /// `map`, read from `path`.
+    pub(crate) fn new(path: &'a Path, map: HashMap<String, String>) -> Self {
+        Self { map, path }
+    }
+
+    /// Entry `k`, if there is one.
+    pub(crate) fn get(&self, k: &str) -> Option<&str> {
+        self.map.get(k).map(String::as_str)
+    }
+
+    /// Entry `k`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Checkpoint`] when it is missing.
+    pub(crate) fn field(&self, k: &str) -> Result<&str> {
+        self.get(k)
+            .ok_or_else(|| err(self.path, format!("metadata `{k}` missing")))
+    }
+
+    /// Checks that this build reads the format version.
+    ///
+    /// # Errors
+    /// [`crate::Error::Checkpoint`] for another version.
+    pub(crate) fn check_version(&self) -> Result<()> {
+        let version = self.field("version")?;
+        if version != VERSION {
+            return Err(err(
+                self.path,
+                format!("format version {version}, this build reads {VERSION}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The level it was saved at.
+    ///
+    /// # Errors
+    /// [`crate::Error::Checkpoint`] when missing or not a level.
+    pub(crate) fn level(&self) -> Result<Level> {
+        self.field("level")?
+            .parse()
+            .map_err(|e: String| err(self.path, format!("metadata `level`: {e}")))
+    }
 }
 
 /// A loaded loss scaler must be usable: a valid rule, a finite positive

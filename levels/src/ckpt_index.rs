@@ -20,6 +20,7 @@
 //! longer match those files (an error, never a silent mix of two saves).
 
 use crate::checkpoint::{err, write_atomic, VERSION};
+use crate::ckpt_header::Metadata;
 use crate::ckpt_reshard::Part;
 use crate::context::{AmpContext, AmpOptimizer};
 use crate::error::Result;
@@ -68,37 +69,23 @@ impl Index {
         let Ok((_, header)) = SafeTensors::read_metadata(bytes) else {
             return Ok(None);
         };
-        let meta = header.metadata().clone().unwrap_or_default();
-        if meta.get("format").map(String::as_str) != Some(INDEX_FORMAT) {
+        let meta = Metadata::new(path, header.metadata().clone().unwrap_or_default());
+        if meta.get("format") != Some(INDEX_FORMAT) {
             return Ok(None);
         }
-        let field = |k: &str| {
-            meta.get(k)
-                .ok_or_else(|| err(path, format!("index metadata `{k}` missing")))
-        };
-        if field("version")? != VERSION {
-            return Err(err(
-                path,
-                format!(
-                    "index version {}, this build reads {VERSION}",
-                    field("version")?
-                ),
-            ));
-        }
+        meta.check_version()?;
         let number = |k: &str| -> Result<u64> {
-            field(k)?
+            meta.field(k)?
                 .parse()
-                .map_err(|_| err(path, format!("index metadata `{k}` is not a number")))
+                .map_err(|_| err(path, format!("metadata `{k}` is not a number")))
         };
         let index = Self {
-            level: field("level")?
-                .parse()
-                .map_err(|e: String| err(path, format!("index metadata `level`: {e}")))?,
+            level: meta.level()?,
             step: number("step")?,
             world: usize::try_from(number("world")?)
-                .map_err(|_| err(path, "index metadata `world` is out of range"))?,
-            files: serde_json::from_str(field("files")?)
-                .map_err(|e| err(path, format!("index metadata `files`: {e}")))?,
+                .map_err(|_| err(path, "metadata `world` is out of range"))?,
+            files: serde_json::from_str(meta.field("files")?)
+                .map_err(|e| err(path, format!("metadata `files`: {e}")))?,
         };
         if index.world == 0 || index.files.len() != index.world {
             return Err(err(

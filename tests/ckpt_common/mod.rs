@@ -1,7 +1,7 @@
 //! The model, training loop and file helpers of the checkpoint tests.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use crate::common::{randn, randt, t};
+use crate::common::{mse, randn, randt, t};
 use amp::comm::Communicator;
 use amp::levels::{
     initialize, initialize_distributed, AmpConfig, AmpContext, AmpOptimizer, Compute, Level,
@@ -109,15 +109,7 @@ pub fn train(
             let _fp8 = amp.autocast();
             let h = m.proj.forward(&x).unwrap();
             let h = (&h + m.block.forward(&h).unwrap()).unwrap();
-            m.head
-                .forward(&h)
-                .unwrap()
-                .sub(&y)
-                .unwrap()
-                .sqr()
-                .unwrap()
-                .mean_all()
-                .unwrap()
+            mse(&m.head.forward(&h).unwrap(), &y)
         };
         losses.push(loss.to_scalar::<f32>().unwrap());
         opt.backward_step(&loss).unwrap();
