@@ -124,7 +124,9 @@ pub(crate) fn tag(opt: &crate::AmpOptimizer) -> String {
 }
 
 /// The file a rank of a ZeRO-sharded run writes for checkpoint `path`:
-/// `ckpt.safetensors` becomes `ckpt.rank0-of-4.safetensors`.
+/// `ckpt.safetensors` becomes `ckpt.rank0-of-4.safetensors` (`path` itself
+/// is then the index that lists the rank files, with their sizes and
+/// CRC-32s; load `path`, at any world size).
 pub fn shard_path(
     path: impl AsRef<std::path::Path>,
     rank: usize,
