@@ -53,11 +53,10 @@ fn current() -> Compute {
 }
 
 /// Largest relative difference between two loss curves.
-fn max_rel(a: &train::Summary, b: &train::Summary) -> f32 {
-    assert_eq!(a.train_curve.len(), b.train_curve.len());
-    a.train_curve
-        .iter()
-        .zip(&b.train_curve)
+fn max_rel(a: &[(u64, f32)], b: &[(u64, f32)]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
         .map(|(p, q)| ((p.1 - q.1) / p.1).abs())
         .fold(0.0, f32::max)
 }
@@ -77,7 +76,7 @@ fn two_ranks_with_half_batches_match_one_rank() -> anyhow::Result<()> {
     ] {
         let one = train(&quick(level, compute.clone(), 1), &corpus)?;
         let two = train(&quick(level, compute.clone(), 2), &corpus)?;
-        let diff = max_rel(&one, &two);
+        let diff = max_rel(&one.train_curve, &two.train_curve);
         assert!(
             diff <= tol,
             "{level}: curves differ by {diff} (tolerance {tol})"
@@ -127,7 +126,7 @@ fn o3_shards_masters_and_moments_over_the_ranks() -> anyhow::Result<()> {
 }
 
 #[test]
-fn a_zero_sharded_run_resumes_exactly_and_exports_whole_weights() -> anyhow::Result<()> {
+fn a_zero_sharded_run_resumes_exactly_reshards_and_exports_whole_weights() -> anyhow::Result<()> {
     let corpus = data::Corpus::bundled();
     let dir = std::env::temp_dir().join(format!("amp-zero-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -145,22 +144,23 @@ fn a_zero_sharded_run_resumes_exactly_and_exports_whole_weights() -> anyhow::Res
     assert_eq!(rest.train_curve, whole.train_curve[3..]);
     let tensors = candle_core::safetensors::load(&export, &Device::Cpu)?;
     assert_eq!(tensors["h.0.mlp.c_fc.weight"].dims(), [512, 128]);
-    // at another world size: a clear error
-    let e = train(
-        &TrainConfig {
-            resume: Some(ckpt.clone()),
-            world_size: 4,
-            ..cfg
-        },
-        &corpus,
-    )
-    .err()
-    .ok_or_else(|| anyhow::anyhow!("resumed at another world size"))?;
-    let e = format!("{e:#}");
-    assert!(
-        e.contains("-of-4.safetensors") && e.contains("same world size"),
-        "{e}"
-    );
+    // at another world size or level: resharded (one re-encoding of the
+    // masters and moments), the curve goes on as the whole run's (measured:
+    // 1.2e-4 at O3 on 4 ranks, 8e-5 at O2 in one process)
+    for (level, world_size) in [(Level::O3, 4), (Level::O2, 1)] {
+        let other = train(
+            &TrainConfig {
+                resume: Some(ckpt.clone()),
+                export: None,
+                level,
+                world_size,
+                ..cfg.clone()
+            },
+            &corpus,
+        )?;
+        let diff = max_rel(&other.train_curve, &whole.train_curve[3..]);
+        assert!(diff <= 1e-3, "{level} on {world_size}: {diff}");
+    }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

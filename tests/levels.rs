@@ -9,7 +9,7 @@ use amp::optim::AdamWConfig;
 use amp::CurrentScaling;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use common::{randn, randt, t};
+use common::{mse, randn, randt, t};
 
 /// A small transformer-like model: input projection, two pre-LN MLP blocks
 /// with residuals, a final LayerNorm and an output head.
@@ -228,14 +228,7 @@ fn every_level_trains_and_low_levels_stay_within_3_percent_of_o0() {
         for _ in 0..steps {
             let loss = {
                 let _fp8 = amp.autocast();
-                model
-                    .forward(&x)
-                    .sub(&y)
-                    .unwrap()
-                    .sqr()
-                    .unwrap()
-                    .mean_all()
-                    .unwrap()
+                mse(&model.forward(&x), &y)
             };
             last = loss.to_scalar::<f32>().unwrap();
             first.get_or_insert(last);

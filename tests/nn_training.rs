@@ -7,7 +7,7 @@ use amp::nn::{self, fp8_autocast, ComputeMode, GradSink};
 use amp::{CurrentScaling, DelayedScaling};
 use candle_core::{DType, Device, Module, Var};
 use candle_nn::{VarBuilder, VarMap};
-use common::{f64s, randn, randt, t};
+use common::{f64s, mse, randn, randt, t};
 
 /// Half-ulp relative error of E4M3 in its normal range.
 const E4M3_EPS: f64 = 1.0 / 16.0;
@@ -99,15 +99,7 @@ fn the_same_mlp_trains_in_every_mode_to_within_5_percent_of_native() {
         for _ in 0..300 {
             let _s = fp8_autocast(true, mode.clone());
             let h = fc1.forward(&x).unwrap().relu().unwrap();
-            let loss = fc2
-                .forward(&h)
-                .unwrap()
-                .sub(&y)
-                .unwrap()
-                .sqr()
-                .unwrap()
-                .mean_all()
-                .unwrap();
+            let loss = mse(&fc2.forward(&h).unwrap(), &y);
             last = loss.to_scalar::<f32>().unwrap();
             opt.backward_step(&loss).unwrap();
         }

@@ -10,7 +10,7 @@ use amp::optim::{
 };
 use amp::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{randn, randt, t};
+use common::{mse, randn, randt, t};
 
 fn q(x: &Tensor, qtype: QType) -> ScalingTensor {
     ScalingTensor::quantize(x, qtype, &CurrentScaling::default())
@@ -255,15 +255,7 @@ fn every_weight_storage_trains_like_f32() {
             // The forward reads the stored weight; a low-bit weight's gradient
             // reaches the optimizer as FP8, as the FP8 Linear's sink hands it.
             let wv = Var::from_tensor(&forward_value(&s)).unwrap();
-            let loss = x
-                .matmul(&wv.as_tensor().t().unwrap())
-                .unwrap()
-                .sub(&y)
-                .unwrap()
-                .sqr()
-                .unwrap()
-                .mean_all()
-                .unwrap();
+            let loss = mse(&x.matmul(&wv.as_tensor().t().unwrap()).unwrap(), &y);
             let g = loss.backward().unwrap().remove(wv.as_tensor()).unwrap();
             let mut grads = Grads::new();
             grads.insert(
@@ -279,15 +271,7 @@ fn every_weight_storage_trains_like_f32() {
         // The trained model is the master weight (at O3 the FP8 copy is a
         // working copy of it); its loss on the training data:
         let w = s.read().unwrap().master_f32().unwrap();
-        let loss = x
-            .matmul(&w.t().unwrap())
-            .unwrap()
-            .sub(&y)
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .mean_all()
-            .unwrap();
+        let loss = mse(&x.matmul(&w.t().unwrap()).unwrap(), &y);
         finals.push((kind, loss.to_scalar::<f32>().unwrap()));
     }
     let f32_loss = finals[0].1;

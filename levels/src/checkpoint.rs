@@ -9,6 +9,15 @@
 //! `t.__scale`, `t.__scale_inv`, `t.__amax_history`; a layer's delayed-scaling
 //! metas are `w.__fp8_meta.{input,weight,grad_output}` with the same
 //! suffixes.
+//!
+//! A ZeRO-sharded O3 run writes one file per rank (its slice of each
+//! Linear weight's master and moments, flat, named in the metadata
+//! `zero_slices` with its range and the whole shape; every replicated
+//! tensor in full) and an index at the path itself (`crate::ckpt_index`).
+//! Loading at the saved world size reads each rank's own file, bit-exact;
+//! at another world size or level the loader decodes every rank's slices,
+//! concatenates them in range order and re-encodes this run's part
+//! (`crate::ckpt_reshard`).
 
 use crate::context::{AmpContext, AmpOptimizer};
 use crate::error::{Error, Result};
@@ -131,19 +140,21 @@ impl AmpContext {
     /// Saves the model's parameters and the optimizer's whole state.
     ///
     /// In a data-parallel group every rank calls it: the replicas are
-    /// identical, so rank 0 writes `path` and the others write nothing;
-    /// at O3 with ZeRO each rank writes its own slice to
-    /// [`shard_path`](crate::shard_path)`(path, rank, world)`, which
-    /// [`load`](Self::load) reads back at the same world size.
+    /// identical, so rank 0 writes `path` and the others write nothing.
+    /// At O3 with ZeRO each rank writes its own slice to
+    /// [`shard_path`](crate::shard_path)`(path, rank, world)`, and once all
+    /// are written rank 0 writes a small index at `path` itself: the world
+    /// size, the step and each rank file's name, size and CRC-32
+    /// ([`load`](Self::load) reads it back at any world size and level).
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] on I/O errors.
+    /// [`Error::Checkpoint`] on I/O errors, on every rank of a sharded run
+    /// when any rank's write fails (the index is then not written).
     pub fn save(&self, path: impl AsRef<Path>, opt: &AmpOptimizer) -> Result<()> {
-        let (rank, world) = opt.rank_and_world();
         if !opt.shards.is_empty() {
-            return self.save_inner(&crate::shard_path(path, rank, world), opt, false);
+            return crate::ckpt_index::save_sharded(self, path.as_ref(), opt);
         }
-        if rank != 0 {
+        if opt.rank_and_world().0 != 0 {
             return Ok(());
         }
         self.save_inner(path.as_ref(), opt, false)
@@ -155,6 +166,11 @@ impl AmpContext {
         opt: &AmpOptimizer,
         fail_before_rename: bool,
     ) -> Result<()> {
+        write_atomic(path, &self.checkpoint_bytes(path, opt)?, fail_before_rename)
+    }
+
+    /// The checkpoint file's bytes (`path` names it in errors).
+    pub(crate) fn checkpoint_bytes(&self, path: &Path, opt: &AmpOptimizer) -> Result<Vec<u8>> {
         let mut out = BTreeMap::new();
         for p in opt.inner().params() {
             match &*p.slot.read()? {
@@ -184,7 +200,7 @@ impl AmpContext {
             }
         }
         let json = |v: &dyn erased::Json| v.json().map_err(|e| err(path, e));
-        let metadata = HashMap::from([
+        let mut metadata = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
             ("version".to_string(), VERSION.to_string()),
             ("level".to_string(), self.level().to_string()),
@@ -205,6 +221,13 @@ impl AmpContext {
                 )?,
             ),
         ]);
+        if !opt.shards.is_empty() {
+            // which tensors are slices, and where they lie (resharding)
+            metadata.insert(
+                "zero_slices".to_string(),
+                json(&crate::zero::slices(&opt.shards))?,
+            );
+        }
         let views = out
             .iter()
             .map(|(k, (bytes, dtype, shape))| {
@@ -215,9 +238,7 @@ impl AmpContext {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        let bytes = safetensors::tensor::serialize(views, Some(metadata))
-            .map_err(|e| err(path, e.to_string()))?;
-        write_atomic(path, &bytes, fail_before_rename)
+        safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| err(path, e.to_string()))
     }
 }
 

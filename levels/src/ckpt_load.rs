@@ -1,151 +1,167 @@
-//! Loading a checkpoint: read and check everything, then apply; a
-//! checkpoint of another level is converted.
+//! Loading a checkpoint: every rank reads and checks everything, the ranks
+//! agree, then each applies; a checkpoint of another level is converted,
+//! one of another world size resharded (`crate::ckpt_reshard`).
 
-use crate::checkpoint::{err, FORMAT, ROLES, VERSION};
+use crate::checkpoint::{err, ROLES};
+use crate::ckpt_header::{read_header, Header};
+use crate::ckpt_index::{agree, Index};
 use crate::ckpt_reader::Reader;
 use crate::context::{AmpContext, AmpOptimizer};
 use crate::error::Result;
 use amp_core::nn::LayerScaling;
 use amp_core::{ScalingMeta, Weight};
-use amp_optim::LossScaler;
-use candle_core::Device;
-use safetensors::tensor::SafeTensors;
+use amp_optim::{LossScaler, State};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Everything a load sets, read and checked: one entry per parameter of
+/// the optimizer, one per Linear layer.
+pub(crate) struct Staged {
+    /// What the checkpoint is called in errors.
+    path: PathBuf,
+    /// Each parameter's weight and moments.
+    weights: Vec<(Weight, State, State)>,
+    /// Each parameter's step counter.
+    steps: Vec<u64>,
+    /// Each Linear layer's delayed-scaling state.
+    layers: Vec<Option<LayerScaling>>,
+    step: u64,
+    scaler: LossScaler,
+}
 
 impl AmpContext {
-    /// Loads a checkpoint saved at the same level into this (initialized)
-    /// model and optimizer. Everything is validated first (header, every
-    /// tensor's presence, dtype and shape, no extra tensor, the level); on
-    /// any error nothing changes.
+    /// Loads a checkpoint into this (initialized) model and optimizer.
+    /// Everything is validated first (header, every tensor's presence,
+    /// dtype and shape, no extra tensor, the level); on any error nothing
+    /// changes.
+    ///
+    /// A checkpoint of the same level and world size resumes bit-exactly;
+    /// one of another level is converted (re-encoded in this level's
+    /// storage). A ZeRO-sharded checkpoint (the index at `path` and its
+    /// rank files beside it) loads at any world size and level: each rank
+    /// reads every rank file (checked against the index's sizes and
+    /// CRC-32s), decodes the saved slices to F32, concatenates them in
+    /// range order and takes what it holds (its own range when this run is
+    /// sharded, the whole tensor otherwise), re-encoded in this run's
+    /// storage with fresh scales: lossy only by that re-encoding. The
+    /// replicated parameters are read as stored where this run stores them
+    /// alike. A sharded run also loads a whole checkpoint this way.
+    ///
+    /// In a data-parallel group every rank calls it, and they agree before
+    /// anything changes: a file that one rank cannot read fails every rank.
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] naming what is wrong.
+    /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and
+    /// what is wrong, on every rank of a group.
     pub fn load(&self, path: impl AsRef<Path>, opt: &mut AmpOptimizer) -> Result<()> {
-        if opt.shards.is_empty() {
-            return self.load_file(path.as_ref(), opt);
-        }
-        // ZeRO: this rank's slice file, then the FP8 copies gathered again
-        let (rank, world) = opt.rank_and_world();
-        let file = crate::shard_path(path, rank, world);
-        let loaded = if file.exists() {
-            self.load_file(&file, opt)
-        } else {
-            Err(err(
-                &file,
-                format!(
-                    "no such file: a ZeRO-sharded run resumes from the files of its {world} ranks, \
-                     saved at the same world size"
-                ),
-            ))
+        let path = path.as_ref();
+        let staged = self.stage(path, opt);
+        let staged = match &opt.comm {
+            Some(comm) => agree(comm.0.as_ref(), path, staged, |r| {
+                format!("rank {r} could not load it, so nothing changed here")
+            })?,
+            None => staged?,
         };
-        if let (Err(_), Some(comm)) = (&loaded, &opt.comm) {
-            // the others are about to gather: fail the group, do not leave them waiting
-            comm.0.barrier().ok();
-        }
-        loaded?;
-        if let Some(comm) = &opt.comm {
+        self.apply(opt, staged)?;
+        if let (false, Some(comm)) = (opt.shards.is_empty(), &opt.comm) {
+            // the FP8 copies, gathered from the loaded master slices
             crate::zero::gather(comm.0.as_ref(), &opt.opt, &opt.shards)?;
         }
         Ok(())
     }
 
-    fn load_file(&self, path: &Path, opt: &mut AmpOptimizer) -> Result<()> {
-        let bytes = std::fs::read(path).map_err(|e| err(path, e.to_string()))?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| err(path, format!("not a readable safetensors file: {e}")))?;
-        let (_, header) =
-            SafeTensors::read_metadata(&bytes).map_err(|e| err(path, e.to_string()))?;
-        let meta = header.metadata().clone().unwrap_or_default();
-        let field = |k: &str| {
-            meta.get(k)
-                .ok_or_else(|| err(path, format!("metadata `{k}` missing")))
+    /// Reads and checks what `path` holds for this rank; changes nothing.
+    fn stage(&self, path: &Path, opt: &AmpOptimizer) -> Result<Staged> {
+        let (rank, world) = opt.rank_and_world();
+        let sharded = !opt.shards.is_empty();
+        let bytes = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) if sharded && e.kind() == std::io::ErrorKind::NotFound => {
+                // saved without an index (before there was one): this
+                // rank's own file, at the same world size only
+                let own = crate::shard_path(path, rank, world);
+                return match std::fs::read(&own) {
+                    Ok(bytes) => self.stage_file(&own, &bytes, opt),
+                    Err(_) => Err(err(
+                        path,
+                        format!(
+                            "{e}: neither a checkpoint nor the index of a sharded one \
+                             (nor rank {rank}'s file of a {world}-rank save without an index)"
+                        ),
+                    )),
+                };
+            }
+            Err(e) => return Err(err(path, e.to_string())),
         };
-        if field("format")? != FORMAT {
-            return Err(err(path, "not a candle-amp checkpoint"));
+        match Index::parse(path, &bytes)? {
+            // the saved world size: this rank's own file, bit-exact
+            Some(index) if sharded && index.world == world => {
+                let part = index.read_file(path, rank)?;
+                self.stage_file(&part.path, &part.bytes, opt)
+            }
+            Some(index) => {
+                let parts = (0..index.world)
+                    .map(|r| index.read_file(path, r))
+                    .collect::<Result<Vec<_>>>()?;
+                self.stage_assembled(path, &parts, Some(&index), opt)
+            }
+            None if sharded => {
+                let whole = crate::ckpt_reshard::Part {
+                    path: path.to_path_buf(),
+                    bytes,
+                    rank: 0,
+                    world: 1,
+                };
+                self.stage_assembled(path, &[whole], None, opt)
+            }
+            None => self.stage_file(path, &bytes, opt),
         }
+    }
+
+    /// One file holding everything this rank loads (of this run's
+    /// sharding, any level).
+    fn stage_file(&self, path: &Path, bytes: &[u8], opt: &AmpOptimizer) -> Result<Staged> {
+        let (st, header) = read_header(path, bytes)?;
         // Saved at another level: values are read whatever their storage and
         // re-encoded in this level's (lossy where this level stores less).
-        if field("version")? != VERSION {
+        let convert = header.level != self.level();
+        if header.zero != crate::zero::tag(opt) {
             return Err(err(
                 path,
                 format!(
-                    "format version {}, this build reads {VERSION}",
-                    field("version")?
-                ),
-            ));
-        }
-        let saved_level: crate::Level = field("level")?
-            .parse()
-            .map_err(|e: String| err(path, format!("metadata `level`: {e}")))?;
-        let convert = saved_level != self.level();
-        let zero = meta.get("zero").map_or("none", String::as_str);
-        if zero != crate::zero::tag(opt) {
-            return Err(err(
-                path,
-                format!(
-                    "saved with ZeRO slices `{zero}`, this run holds `{}`: resume at the world size it was saved at",
+                    "saved as ZeRO slice `{}`, this run holds `{}`: load the checkpoint's index \
+                     (the path the sharded run saved to), which reshards",
+                    header.zero,
                     crate::zero::tag(opt)
                 ),
             ));
         }
-        // Counters far beyond any run are corrupt (and would overflow).
-        const MAX_COUNT: u64 = 1 << 53;
-        let count = |what: &str, v: u64| -> Result<u64> {
-            if v > MAX_COUNT {
-                Err(err(path, format!("metadata `{what}`: {v} is out of range")))
-            } else {
-                Ok(v)
-            }
-        };
-        let step: u64 = count(
-            "step",
-            field("step")?
-                .parse()
-                .map_err(|_| err(path, "metadata `step` is not a number"))?,
-        )?;
-        let scaler: LossScaler = serde_json::from_str(field("scaler")?)
-            .map_err(|e| err(path, format!("metadata `scaler`: {e}")))?;
-        check_scaler(&scaler)
-            .map_err(|reason| err(path, format!("metadata `scaler`: {reason}")))?;
-        let param_steps: BTreeMap<String, u64> = serde_json::from_str(field("param_steps")?)
-            .map_err(|e| err(path, format!("metadata `param_steps`: {e}")))?;
-        let layer_meta: BTreeMap<String, u64> = serde_json::from_str(field("layer_meta")?)
-            .map_err(|e| err(path, format!("metadata `layer_meta`: {e}")))?;
-        for (k, v) in param_steps.iter().chain(&layer_meta) {
-            count(k, *v)?;
-        }
-        let mut reader = Reader {
-            st: &st,
-            path,
-            seen: Vec::new(),
-            device: Device::Cpu,
-        };
+        let mut reader = Reader::new(&st, path);
         // Read and check everything first.
-        let mut staged = Vec::new();
+        let mut weights = Vec::new();
         for p in opt.inner().params() {
             let w = p.slot.read()?;
             reader.device = w.device().clone();
-            let (weight, m, v) = if convert {
+            weights.push(if convert {
                 reader.converted(p, &w)?
             } else {
-                let weight = match &*w {
-                    Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
-                    Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
-                        &reader.plain(&p.name, v.shape())?,
-                    )?),
-                    Weight::F16(t) => Weight::F16(reader.scaled(&p.name, t)?),
-                    Weight::Fp8 { weight, master } => Weight::Fp8 {
-                        weight: reader.scaled(&p.name, weight)?,
-                        master: reader.scaled(&format!("{}.__master", p.name), master)?,
-                    },
-                };
-                let m = reader.state(&format!("{}.__exp_avg", p.name), &p.exp_avg)?;
-                let v = reader.state(&format!("{}.__exp_avg_sq", p.name), &p.exp_avg_sq)?;
-                (weight, m, v)
-            };
-            staged.push((weight, m, v));
+                reader.exact(p, &w)?
+            });
         }
+        let layers = self.read_layers(&mut reader, &header.layer_meta, convert)?;
+        reader.check_all_read()?;
+        self.staged(path, opt, weights, layers, header)
+    }
+
+    /// Each Linear layer's delayed-scaling state from `reader`'s file;
+    /// with `convert` (another level), state this config has no use for
+    /// is skipped.
+    pub(crate) fn read_layers(
+        &self,
+        reader: &mut Reader<'_>,
+        layer_meta: &BTreeMap<String, u64>,
+        convert: bool,
+    ) -> Result<Vec<Option<LayerScaling>>> {
         let mut layers = Vec::new();
         for layer in self.linears() {
             let used_key = format!("{}.__fp8_meta.used", layer.name());
@@ -164,7 +180,7 @@ impl AmpContext {
                 }
                 _ => {
                     return Err(err(
-                        path,
+                        reader.path,
                         format!(
                             "`{}` has delayed-scaling state but the config does not use it",
                             layer.name()
@@ -182,11 +198,11 @@ impl AmpContext {
                 };
                 let updates = *layer_meta
                     .get(&name)
-                    .ok_or_else(|| err(path, format!("metadata for `{name}` missing")))?;
+                    .ok_or_else(|| err(reader.path, format!("metadata for `{name}` missing")))?;
                 let meta = reader.meta(&name, qtype)?.with_updates(updates);
                 if meta.amax_history().elem_count() != recipe.amax_history_len {
                     return Err(err(
-                        path,
+                        reader.path,
                         format!(
                             "`{name}`: amax history of {}, the recipe's is {}",
                             meta.amax_history().elem_count(),
@@ -198,7 +214,7 @@ impl AmpContext {
             }
             let flags = [used & 4 != 0, used & 2 != 0, used & 1 != 0];
             let [input, weight, grad_output] =
-                <[ScalingMeta; 3]>::try_from(metas).map_err(|_| err(path, "metas"))?;
+                <[ScalingMeta; 3]>::try_from(metas).map_err(|_| err(reader.path, "metas"))?;
             layers.push(Some(LayerScaling::from_parts(
                 input,
                 weight,
@@ -207,40 +223,53 @@ impl AmpContext {
                 flags,
             )));
         }
-        let mut extra: Vec<&str> = st
-            .names()
-            .into_iter()
-            .filter(|n| !reader.seen.iter().any(|s| s == n))
-            .collect();
-        extra.sort_unstable();
-        if let Some(first) = extra.first() {
-            return Err(err(
-                path,
-                format!("{} unexpected tensor(s), e.g. `{first}`", extra.len()),
-            ));
-        }
-        let mut steps = Vec::with_capacity(staged.len());
-        for (p, (weight, _, _)) in opt.inner().params().iter().zip(&mut staged) {
+        Ok(layers)
+    }
+
+    /// The staged load of `weights` and `layers` with `header`'s counters;
+    /// F32 values get their Var's dtype now, so that applying cannot fail
+    /// half way.
+    pub(crate) fn staged(
+        &self,
+        path: &Path,
+        opt: &AmpOptimizer,
+        mut weights: Vec<(Weight, State, State)>,
+        layers: Vec<Option<LayerScaling>>,
+        header: Header,
+    ) -> Result<Staged> {
+        let mut steps = Vec::with_capacity(weights.len());
+        for (p, (weight, _, _)) in opt.inner().params().iter().zip(&mut weights) {
             steps.push(
-                *param_steps
+                *header
+                    .param_steps
                     .get(&p.name)
                     .ok_or_else(|| err(path, format!("metadata: no step for `{}`", p.name)))?,
             );
-            // Give an F32 value the Var's own dtype now, so that applying
-            // cannot fail half way.
             if let (Weight::F32(v), Weight::F32(cur)) = (&*weight, &*p.slot.read()?) {
                 *weight = Weight::F32(candle_core::Var::from_tensor(
                     &v.as_tensor().to_dtype(cur.dtype())?,
                 )?);
             }
         }
-        // All checked: apply.
+        Ok(Staged {
+            path: path.to_path_buf(),
+            weights,
+            steps,
+            layers,
+            step: header.step,
+            scaler: header.scaler,
+        })
+    }
+
+    /// Sets everything staged.
+    fn apply(&self, opt: &mut AmpOptimizer, staged: Staged) -> Result<()> {
+        let path = &staged.path;
         for ((p, (weight, m, v)), step) in opt
             .inner_mut()
             .params_mut()
             .iter_mut()
-            .zip(staged)
-            .zip(steps)
+            .zip(staged.weights)
+            .zip(staged.steps)
         {
             match weight {
                 Weight::F32(var) => match &*p.slot.read()? {
@@ -253,31 +282,10 @@ impl AmpContext {
             p.exp_avg_sq = v;
             p.step = step;
         }
-        for (layer, state) in self.linears().iter().zip(layers) {
+        for (layer, state) in self.linears().iter().zip(staged.layers) {
             layer.set_scaling_state(state)?;
         }
-        opt.inner_mut().restore_counters(step, scaler);
+        opt.inner_mut().restore_counters(staged.step, staged.scaler);
         Ok(())
     }
-}
-
-/// A loaded loss scaler must be usable: a valid rule, a finite positive
-/// scale, a growth tracker below the interval.
-fn check_scaler(s: &LossScaler) -> std::result::Result<(), String> {
-    s.config.validate().map_err(|e| e.to_string())?;
-    if !(s.scale > 0.0 && s.scale.is_finite()) {
-        return Err(format!("scale {} is not finite and positive", s.scale));
-    }
-    if let amp_optim::LossScaling::Dynamic {
-        growth_interval, ..
-    } = s.config
-    {
-        if s.growth_tracker >= growth_interval {
-            return Err(format!(
-                "growth tracker {} is not below the interval {growth_interval}",
-                s.growth_tracker
-            ));
-        }
-    }
-    Ok(())
 }

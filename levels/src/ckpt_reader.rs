@@ -17,7 +17,18 @@ pub(crate) struct Reader<'a> {
     pub(crate) device: Device,
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
+    /// A reader of `st`, read from `path`, making CPU tensors until
+    /// `device` is set.
+    pub(crate) fn new(st: &'a SafeTensors<'a>, path: &'a Path) -> Self {
+        Self {
+            st,
+            path,
+            seen: Vec::new(),
+            device: Device::Cpu,
+        }
+    }
+
     pub(crate) fn view(&mut self, name: &str, dtype: Dtype, shape: &Shape) -> Result<Vec<u8>> {
         let v = self
             .st
@@ -135,6 +146,29 @@ impl Reader<'_> {
         Ok(self.scaled(name, &like)?.dequantize(DType::F32)?)
     }
 
+    /// A parameter and its moments stored as this run stores them
+    /// (same level, same sharding): read bit-exact.
+    pub(crate) fn exact(
+        &mut self,
+        p: &amp_optim::ParamState,
+        w: &Weight,
+    ) -> Result<(Weight, State, State)> {
+        let weight = match w {
+            Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
+            Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
+                &self.plain(&p.name, v.shape())?,
+            )?),
+            Weight::F16(t) => Weight::F16(self.scaled(&p.name, t)?),
+            Weight::Fp8 { weight, master } => Weight::Fp8 {
+                weight: self.scaled(&p.name, weight)?,
+                master: self.scaled(&format!("{}.__master", p.name), master)?,
+            },
+        };
+        let m = self.state(&format!("{}.__exp_avg", p.name), &p.exp_avg)?;
+        let v = self.state(&format!("{}.__exp_avg_sq", p.name), &p.exp_avg_sq)?;
+        Ok((weight, m, v))
+    }
+
     /// A parameter and its moments from a checkpoint of another level,
     /// re-encoded in this parameter's storage and formats.
     pub(crate) fn converted(
@@ -142,33 +176,41 @@ impl Reader<'_> {
         p: &amp_optim::ParamState,
         w: &Weight,
     ) -> Result<(Weight, State, State)> {
-        let shape = w.shape().clone();
-        let master = format!("{}.__master", p.name);
+        encode(p, w, self.values(&p.name, w.shape())?)
+    }
+
+    /// The F32 values of parameter `name` (its master where it has one)
+    /// and of its two moments, whatever their storage in the file; `shape`
+    /// is what the file holds (a ZeRO slice is flat).
+    pub(crate) fn values(&mut self, name: &str, shape: &Shape) -> Result<[Tensor; 3]> {
+        let master = format!("{name}.__master");
         let value = if self.st.tensor(&master).is_ok() {
-            self.value(&p.name, &shape)?; // the FP8 working copy: superseded
-            self.value(&master, &shape)?
+            self.value(name, shape)?; // the FP8 working copy: superseded
+            self.value(&master, shape)?
         } else {
-            self.value(&p.name, &shape)?
+            self.value(name, shape)?
         };
-        let q = |qtype| -> Result<ScalingTensor> {
-            Ok(ScalingTensor::quantize(&value, qtype, &amp_core::CurrentScaling::default())?.0)
-        };
-        let weight = match w {
-            Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
-            Weight::F32(_) => Weight::F32(candle_core::Var::from_tensor(&value)?),
-            Weight::F16(_) => Weight::F16(q(QType::F16)?),
-            Weight::Fp8 { .. } => Weight::Fp8 {
-                weight: q(QType::E4M3)?,
-                master: q(QType::F16)?,
-            },
-        };
-        let m = self.value(&format!("{}.__exp_avg", p.name), &shape)?;
-        let v = self.value(&format!("{}.__exp_avg_sq", p.name), &shape)?;
-        Ok((
-            weight,
-            State::encode(p.exp_avg.format(), &m)?,
-            State::encode(p.exp_avg_sq.format(), &v)?,
-        ))
+        let m = self.value(&format!("{name}.__exp_avg"), shape)?;
+        let v = self.value(&format!("{name}.__exp_avg_sq"), shape)?;
+        Ok([value, m, v])
+    }
+
+    /// Fails naming the first tensor of the file that nothing read.
+    pub(crate) fn check_all_read(&self) -> Result<()> {
+        let mut extra: Vec<&str> = self
+            .st
+            .names()
+            .into_iter()
+            .filter(|n| !self.seen.iter().any(|s| s == n))
+            .collect();
+        extra.sort_unstable();
+        match extra.first() {
+            Some(first) => Err(err(
+                self.path,
+                format!("{} unexpected tensor(s), e.g. `{first}`", extra.len()),
+            )),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn state(&mut self, name: &str, like: &State) -> Result<State> {
@@ -177,4 +219,30 @@ impl Reader<'_> {
             State::Scaled(t) => State::Scaled(self.scaled(name, t)?),
         })
     }
+}
+
+/// `[value, m, v]` (F32, in `w`'s shape) encoded as parameter `p` stores
+/// them: its weight storage with fresh scales, its moments' formats.
+pub(crate) fn encode(
+    p: &amp_optim::ParamState,
+    w: &Weight,
+    [value, m, v]: [Tensor; 3],
+) -> Result<(Weight, State, State)> {
+    let q = |qtype| -> Result<ScalingTensor> {
+        Ok(ScalingTensor::quantize(&value, qtype, &amp_core::CurrentScaling::default())?.0)
+    };
+    let weight = match w {
+        Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
+        Weight::F32(_) => Weight::F32(candle_core::Var::from_tensor(&value)?),
+        Weight::F16(_) => Weight::F16(q(QType::F16)?),
+        Weight::Fp8 { .. } => Weight::Fp8 {
+            weight: q(QType::E4M3)?,
+            master: q(QType::F16)?,
+        },
+    };
+    Ok((
+        weight,
+        State::encode(p.exp_avg.format(), &m)?,
+        State::encode(p.exp_avg_sq.format(), &v)?,
+    ))
 }

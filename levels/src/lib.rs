@@ -10,8 +10,11 @@
 mod checkpoint;
 #[cfg(test)]
 mod checkpoint_tests;
+mod ckpt_header;
+mod ckpt_index;
 mod ckpt_load;
 mod ckpt_reader;
+mod ckpt_reshard;
 mod config;
 mod context;
 mod distributed;

@@ -83,6 +83,37 @@ pub(crate) fn gather(comm: &dyn Communicator, opt: &LowBitAdamW, shards: &[Shard
     Ok(())
 }
 
+/// Where a rank's slice of a sharded parameter lies, as a rank's
+/// checkpoint file records it (metadata `zero_slices`, by name): the range
+/// of the flat weight and the whole weight's shape.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SliceInfo {
+    /// First element of the slice in the flat weight.
+    pub start: usize,
+    /// One past its last element.
+    pub end: usize,
+    /// The whole weight's shape.
+    pub shape: Vec<usize>,
+}
+
+/// The slices this rank holds, by parameter name.
+pub(crate) fn slices(shards: &[Shard]) -> std::collections::BTreeMap<String, SliceInfo> {
+    shards
+        .iter()
+        .map(|s| {
+            (
+                s.name.clone(),
+                SliceInfo {
+                    start: s.range.start,
+                    end: s.range.end,
+                    shape: s.shape.dims().to_vec(),
+                },
+            )
+        })
+        .collect()
+}
+
 /// What a checkpoint records of the sharding: `none`, or `rank/world`.
 pub(crate) fn tag(opt: &crate::AmpOptimizer) -> String {
     if opt.shards.is_empty() {
@@ -93,7 +124,9 @@ pub(crate) fn tag(opt: &crate::AmpOptimizer) -> String {
 }
 
 /// The file a rank of a ZeRO-sharded run writes for checkpoint `path`:
-/// `ckpt.safetensors` becomes `ckpt.rank0-of-4.safetensors`.
+/// `ckpt.safetensors` becomes `ckpt.rank0-of-4.safetensors` (`path` itself
+/// is then the index that lists the rank files, with their sizes and
+/// CRC-32s; load `path`, at any world size).
 pub fn shard_path(
     path: impl AsRef<std::path::Path>,
     rank: usize,

@@ -78,6 +78,14 @@ pub fn randn(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// The mean squared error of `pred` against `target`.
+pub fn mse(pred: &Tensor, target: &Tensor) -> Tensor {
+    pred.sub(target)
+        .and_then(|d| d.sqr())
+        .and_then(|d| d.mean_all())
+        .expect("shapes match")
+}
+
 /// A CPU F32 tensor of `shape` from `v`.
 pub fn t(v: Vec<f32>, shape: &[usize]) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).expect("shape matches the data")
