@@ -205,3 +205,30 @@ fn gelu_matches_candle_in_f64() -> R<()> {
     assert!(fused::gelu(&x.to_dtype(DType::U8)?).is_err());
     Ok(())
 }
+
+#[test]
+fn attention_from_fused_projection_matches_split_heads() -> R<()> {
+    let (b, t, heads, hd) = (2usize, 9usize, 3usize, 4usize);
+    let d = heads * hd;
+    let (qkv, qkv64) = pair(&[b, t, 3 * d], 21)?;
+    let r = randn(&[b, t, d], 22)?.to_dtype(DType::F64)?;
+    let y = fused::causal_attention_qkv(&qkv, heads)?;
+    let split = |i: usize| -> R<Tensor> {
+        Ok(qkv64
+            .narrow(2, i * d, d)?
+            .reshape((b, t, heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    };
+    let y64 = attention_ref(&split(0)?, &split(1)?, &split(2)?)?
+        .transpose(1, 2)?
+        .reshape((b, t, d))?;
+    assert!(rel(&y, &y64)? < 1e-5, "y");
+    let g = (y.to_dtype(DType::F64)? * &r)?.sum_all()?.backward()?;
+    let g64 = (&y64 * &r)?.sum_all()?.backward()?;
+    let e = rel(&grad(&g, &qkv)?, &grad(&g64, &qkv64)?)?;
+    assert!(e < 1e-5, "dqkv {e}");
+    assert!(fused::causal_attention_qkv(&qkv, 5).is_err(), "36 is not 3 x 5 heads");
+    assert!(fused::causal_attention_qkv(&qkv.flatten_all()?, 3).is_err(), "rank 1");
+    Ok(())
+}

@@ -184,7 +184,7 @@ impl ScalingTensor {
             });
         }
         Ok(Self {
-            data: self.data.t()?.contiguous()?,
+            data: crate::nn::fused::transpose_2d(&self.data)?,
             meta: self.meta.clone(),
         })
     }

@@ -141,7 +141,7 @@ impl Gpt {
     /// # Errors
     /// A sequence longer than the context, candle's.
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
-        let (b, t) = tokens.dims2()?;
+        let (_, t) = tokens.dims2()?;
         if t > self.cfg.ctx {
             bail!(
                 "sequence of {t} tokens is longer than the context ({})",
@@ -155,7 +155,7 @@ impl Gpt {
             .forward(tokens)?
             .broadcast_add(&self.wpe.forward(&pos)?)?;
         for blk in &self.blocks {
-            let a = self.attention(blk, &blk.ln_1.forward(&h)?, b, t)?;
+            let a = self.attention(blk, &blk.ln_1.forward(&h)?)?;
             h = (h + a)?;
             let m = nn::gelu(&blk.c_fc.forward(&blk.ln_2.forward(&h)?)?)?;
             h = (h + blk.mlp_proj.forward(&m)?)?;
@@ -166,19 +166,8 @@ impl Gpt {
     /// Causal self-attention: the products in BF16 on CUDA (as PyTorch
     /// autocast), the scale and mask inside the fused softmax
     /// (`amp::nn::causal_attention`), one matrix per layer kept for backprop.
-    fn attention(&self, blk: &Block, x: &Tensor, b: usize, t: usize) -> Result<Tensor> {
-        let (d, heads) = (self.cfg.n_embd, self.cfg.n_head);
-        let hd = d / heads;
-        let qkv = blk.c_attn.forward(x)?;
-        let split = |i: usize| -> Result<Tensor> {
-            Ok(qkv
-                .narrow(D::Minus1, i * d, d)?
-                .reshape((b, t, heads, hd))?
-                .transpose(1, 2)?)
-        };
-        let y = nn::causal_attention(&split(0)?, &split(1)?, &split(2)?)?
-            .transpose(1, 2)?
-            .reshape((b, t, d))?;
+    fn attention(&self, blk: &Block, x: &Tensor) -> Result<Tensor> {
+        let y = nn::causal_attention_qkv(&blk.c_attn.forward(x)?, self.cfg.n_head)?;
         Ok(blk.c_proj.forward(&y)?)
     }
 

@@ -7,7 +7,7 @@
 use super::ops::{CausalSoftmax, CausalSoftmaxBwd};
 use crate::error::{Error, Result};
 use crate::nn::precomputed::Precomputed;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 
 /// Causal attention of `q`, `k`, `v` (`[batch, heads, seq, head_dim]`,
 /// one float dtype, one device): `softmax(q kᵀ / sqrt(head_dim) + mask) v`,
@@ -62,11 +62,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     };
     let scale = 1.0 / (d.max(1) as f32).sqrt();
     let cast = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().to_dtype(compute)?.contiguous()?) };
-    let (qc, kc, vc) = (cast(q)?, cast(k)?, cast(v)?);
-    let p = qc
-        .matmul(&kc.t()?)?
-        .apply_op1_no_bwd(&CausalSoftmax { scale })?;
-    let y = p.matmul(&vc)?.to_dtype(q.dtype())?;
+    let (p, y) = attend(&cast(q)?, &cast(k)?, &cast(v)?, scale)?;
+    let y = y.to_dtype(q.dtype())?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(y);
     }
@@ -128,16 +125,163 @@ impl CustomOp3 for CausalAttention {
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let cast = |t: &Tensor| t.detach().to_dtype(self.compute)?.contiguous();
-        let (qc, kc, vc, dy) = (cast(q)?, cast(k)?, cast(v)?, cast(dy)?);
-        let dp = dy.matmul(&vc.t()?)?;
-        let ds = self
-            .p
-            .apply_op2_no_bwd(&dp, &CausalSoftmaxBwd { scale: self.scale })?;
-        drop(dp);
+        let [dq, dk, dv] = attend_bwd(
+            &self.p,
+            [&cast(q)?, &cast(k)?, &cast(v)?],
+            &cast(dy)?,
+            self.scale,
+        )?;
         let back = |t: Tensor| t.to_dtype(q.dtype());
-        let dq = back(ds.matmul(&kc)?)?;
-        let dk = back(ds.t()?.matmul(&qc)?)?;
-        let dv = back(self.p.t()?.matmul(&dy)?)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok((Some(back(dq)?), Some(back(dk)?), Some(back(dv)?)))
+    }
+}
+
+/// `(P, P v)` with `P = causal_softmax(q kᵀ * scale)`; contiguous
+/// `[batch, heads, seq, head_dim]` inputs of the compute dtype.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<(Tensor, Tensor)> {
+    let p = q
+        .matmul(&k.t()?)?
+        .apply_op1_no_bwd(&CausalSoftmax { scale })?;
+    let y = p.matmul(v)?;
+    Ok((p, y))
+}
+
+/// `dP = dy vᵀ`, `dS = P (dP - rowsum(P dP)) * scale`, `dq = dS k`,
+/// `dk = dSᵀ q`, `dv = Pᵀ dy`, in the compute dtype.
+fn attend_bwd(
+    p: &Tensor,
+    [q, k, v]: [&Tensor; 3],
+    dy: &Tensor,
+    scale: f32,
+) -> candle_core::Result<[Tensor; 3]> {
+    let dp = dy.matmul(&v.t()?)?;
+    let ds = p.apply_op2_no_bwd(&dp, &CausalSoftmaxBwd { scale })?;
+    drop(dp);
+    Ok([ds.matmul(k)?, ds.t()?.matmul(q)?, p.t()?.matmul(dy)?])
+}
+
+/// Causal attention straight from a fused projection: `qkv` `[batch, seq,
+/// 3 * width]` (q, k, v side by side, each `heads` heads of `width /
+/// heads`) to `[batch, seq, width]`. The same as splitting and calling
+/// [`causal_attention`], but the split, the head transposes and their
+/// gradients (candle's narrow backward pads with zeros, then adds) happen
+/// inside one op, on the compute dtype's half-size copies.
+///
+/// # Errors
+/// [`Error::Rank`] unless 3-D, [`Error::Shape`] when the last dimension is
+/// not `3 * heads * head_dim`, [`Error::DType`] for a non-float input.
+pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
+    const OP: &str = "causal_attention_qkv";
+    let (b, t, three_d) = qkv.dims3().map_err(|_| Error::Rank {
+        op: OP,
+        expected: 3,
+        got: qkv.shape().clone(),
+    })?;
+    if heads == 0 || three_d % (3 * heads) != 0 || three_d == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            lhs: qkv.shape().clone(),
+            rhs: Shape::from((3, heads)),
+        });
+    }
+    if !matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::DType {
+            op: OP,
+            expected: "F32, BF16 or F16",
+            got: qkv.dtype(),
+        });
+    }
+    let compute = if qkv.device().is_cuda() {
+        DType::BF16
+    } else {
+        qkv.dtype()
+    };
+    let hd = three_d / 3 / heads;
+    let shape = Qkv { b, t, heads, hd };
+    let scale = 1.0 / (hd as f32).sqrt();
+    let [q, k, v] = shape.split(&qkv.detach().to_dtype(compute)?)?;
+    let (p, y) = attend(&q, &k, &v, scale)?;
+    let y = shape.merge(&y)?.to_dtype(qkv.dtype())?;
+    if !qkv.track_op() {
+        return Ok(y);
+    }
+    let op = CausalAttentionQkv {
+        y: Precomputed::new(OP, y),
+        p,
+        scale,
+        compute,
+        shape,
+    };
+    Ok(qkv.apply_op1(op)?)
+}
+
+/// The layout of a fused projection.
+#[derive(Clone, Copy)]
+struct Qkv {
+    b: usize,
+    t: usize,
+    heads: usize,
+    hd: usize,
+}
+
+impl Qkv {
+    /// `[b, t, 3 * heads * hd]` to contiguous q, k, v `[b, heads, t, hd]`.
+    fn split(&self, x: &Tensor) -> candle_core::Result<[Tensor; 3]> {
+        let x = x.reshape((self.b, self.t, 3, self.heads, self.hd))?;
+        let part = |i: usize| x.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?.contiguous();
+        Ok([part(0)?, part(1)?, part(2)?])
+    }
+
+    /// `[b, heads, t, hd]` to `[b, t, heads * hd]`.
+    fn merge(&self, y: &Tensor) -> candle_core::Result<Tensor> {
+        y.transpose(1, 2)?
+            .reshape((self.b, self.t, self.heads * self.hd))
+    }
+}
+
+/// The autograd node of [`causal_attention_qkv`].
+struct CausalAttentionQkv {
+    y: Precomputed,
+    p: Tensor,
+    scale: f32,
+    compute: DType,
+    shape: Qkv,
+}
+
+impl CustomOp1 for CausalAttentionQkv {
+    fn name(&self) -> &'static str {
+        "amp_causal_attention_qkv"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.y.cpu()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.y.cuda()
+    }
+
+    fn bwd(&self, qkv: &Tensor, _res: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let s = self.shape;
+        let [q, k, v] = s.split(&qkv.detach().to_dtype(self.compute)?)?;
+        let dy = dy
+            .to_dtype(self.compute)?
+            .reshape((s.b, s.t, s.heads, s.hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let grads = attend_bwd(&self.p, [&q, &k, &v], &dy, self.scale)?;
+        let parts = grads
+            .iter()
+            .map(|g| g.transpose(1, 2))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let dqkv = Tensor::stack(&parts, 2)?
+            .reshape((s.b, s.t, 3 * s.heads * s.hd))?
+            .to_dtype(qkv.dtype())?;
+        Ok(Some(dqkv))
     }
 }

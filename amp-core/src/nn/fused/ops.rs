@@ -387,3 +387,28 @@ impl CustomOp2 for GeluBwd {
         Ok((out, lx.shape().clone()))
     }
 }
+
+/// The transpose of a 2-D tensor of codes (CUDA only; the CPU uses
+/// candle's copy).
+pub(super) struct Transpose2d;
+
+impl CustomOp1 for Transpose2d {
+    fn name(&self) -> &'static str {
+        "amp_transpose_2d"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("amp_transpose_2d: CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, cols) = l.shape().dims2()?;
+        let out = crate::cuda::nn::transpose_2d(s, l).map_err(wrap)?;
+        Ok((out, Shape::from((cols, rows))))
+    }
+}
