@@ -228,7 +228,13 @@ fn attention_from_fused_projection_matches_split_heads() -> R<()> {
     let g64 = (&y64 * &r)?.sum_all()?.backward()?;
     let e = rel(&grad(&g, &qkv)?, &grad(&g64, &qkv64)?)?;
     assert!(e < 1e-5, "dqkv {e}");
-    assert!(fused::causal_attention_qkv(&qkv, 5).is_err(), "36 is not 3 x 5 heads");
-    assert!(fused::causal_attention_qkv(&qkv.flatten_all()?, 3).is_err(), "rank 1");
+    assert!(
+        fused::causal_attention_qkv(&qkv, 5).is_err(),
+        "36 is not 3 x 5 heads"
+    );
+    assert!(
+        fused::causal_attention_qkv(&qkv.flatten_all()?, 3).is_err(),
+        "rank 1"
+    );
     Ok(())
 }

@@ -413,6 +413,103 @@ __device__ void gelu_bwd_impl(const T* __restrict__ x, const T* __restrict__ dy,
 }
 
 // ---------------------------------------------------------------------------
+// Bias: y[r, c] = x[r, c] + b[c] (b F32), and its gradient, the column sums
+// of dy: per-chunk partials (block (32, 8), grid (ceil(cols / 32), chunks)),
+// then the chunks summed in order (deterministic).
+
+template <typename T, int W>
+__device__ void bias_add_impl(const T* __restrict__ x, const float* __restrict__ b, T* __restrict__ y,
+                              size_t n, int cols) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x * W;
+    for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += stride) {
+        float v[W];
+        if (i + W <= n) {
+            load<T, W>(x, i, v);
+            const int c = (int)(i % (size_t)cols);  // W divides cols on the vector path
+#pragma unroll
+            for (int k = 0; k < W; ++k) v[k] += b[c + k];
+            store<T, W>(y, i, v);
+        } else {
+            for (size_t k = i; k < n; ++k) st(y, k, ld(x, k) + b[k % (size_t)cols]);
+        }
+    }
+}
+
+template <typename T>
+__device__ void col_sum_part_impl(const T* __restrict__ x, float* __restrict__ part, size_t rows,
+                                  int cols, size_t rows_per_chunk) {
+    __shared__ float sh[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const size_t r0 = (size_t)blockIdx.y * rows_per_chunk;
+    const size_t r1 = min(rows, r0 + rows_per_chunk);
+    float a = 0.0f;
+    if (c < cols)
+        for (size_t r = r0 + threadIdx.y; r < r1; r += 8) a += ld(x, r * cols + c);
+    sh[threadIdx.y][threadIdx.x] = a;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        for (int k = 1; k < 8; ++k) a += sh[k][threadIdx.x];
+        part[(size_t)blockIdx.y * cols + c] = a;
+    }
+}
+
+extern "C" __global__ void col_sum_final(const float* __restrict__ part, float* __restrict__ out, int cols,
+                                         int chunks) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float a = 0.0f;
+    for (int k = 0; k < chunks; ++k) a += part[(size_t)k * cols + c];
+    out[c] = a;
+}
+
+// ---------------------------------------------------------------------------
+// Attention layouts. Rows [B, T, S, H, D] (S = 3 for a fused q|k|v
+// projection, 1 otherwise) and heads [B, H, T, D] (BF16, the products'
+// operands): part `which` of the rows to heads, or heads into part `which`
+// of the rows, with the dtype conversion in the same pass. `W` elements of
+// D per thread step (16-byte BF16 stores when D % 8 == 0).
+
+template <typename T, int W>
+__device__ void rows_to_heads_impl(const T* __restrict__ src, __nv_bfloat16* __restrict__ dst, int B,
+                                   int T_, int S, int H, int D, int which) {
+    const size_t n = (size_t)B * H * T_ * D / W;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t o = i * W;
+        const int d = (int)(o % D);
+        const size_t r = o / D;
+        const int t = (int)(r % T_);
+        const size_t bh = r / T_;
+        const int h = (int)(bh % H);
+        const size_t b = bh / H;
+        const size_t from = (((b * T_ + t) * S + which) * H + h) * (size_t)D + d;
+        float v[W];
+        load<T, W>(src, from, v);
+        store<__nv_bfloat16, W>(dst, o, v);
+    }
+}
+
+template <typename T, int W>
+__device__ void heads_to_rows_impl(const __nv_bfloat16* __restrict__ src, T* __restrict__ dst, int B,
+                                   int T_, int S, int H, int D, int which) {
+    const size_t n = (size_t)B * H * T_ * D / W;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t o = i * W;
+        const int d = (int)(o % D);
+        const size_t r = o / D;
+        const int t = (int)(r % T_);
+        const size_t bh = r / T_;
+        const int h = (int)(bh % H);
+        const size_t b = bh / H;
+        const size_t to = (((b * T_ + t) * S + which) * H + h) * (size_t)D + d;
+        float v[W];
+        load<__nv_bfloat16, W>(src, o, v);
+        store<T, W>(dst, to, v);
+    }
+}
+
+// ---------------------------------------------------------------------------
 // 2-D transpose of 1- or 2-byte elements (FP8 codes, FP16 values): the GEMM
 // operands of dgrad and wgrad. 32 x 32 tiles through shared memory, block
 // (32, 8), grid (ceil(cols / 32), ceil(rows / 32)); src [rows, cols] to dst
@@ -484,6 +581,25 @@ extern "C" __global__ void transpose_u16(const uint16_t* src, uint16_t* dst, int
                                                         float* part, size_t rows, int cols,          \
                                                         size_t rows_per_chunk) {                     \
         layer_norm_dwdb_part_impl<T>(x, dy, stats, part, rows, cols, rows_per_chunk);                \
+    }                                                                                                \
+    extern "C" __global__ void bias_add_##TN(const T* x, const float* b, T* y, size_t n, int cols,    \
+                                            int vec) {                                               \
+        if (vec) bias_add_impl<T, Pack<T>::N>(x, b, y, n, cols);                                     \
+        else bias_add_impl<T, 1>(x, b, y, n, cols);                                                  \
+    }                                                                                                \
+    extern "C" __global__ void col_sum_part_##TN(const T* x, float* part, size_t rows, int cols,     \
+                                                size_t rows_per_chunk) {                             \
+        col_sum_part_impl<T>(x, part, rows, cols, rows_per_chunk);                                   \
+    }                                                                                                \
+    extern "C" __global__ void rows_to_heads_##TN(const T* src, __nv_bfloat16* dst, int B, int T_,   \
+                                                 int S, int H, int D, int which, int vec) {          \
+        if (vec) rows_to_heads_impl<T, 8>(src, dst, B, T_, S, H, D, which);                          \
+        else rows_to_heads_impl<T, 1>(src, dst, B, T_, S, H, D, which);                              \
+    }                                                                                                \
+    extern "C" __global__ void heads_to_rows_##TN(const __nv_bfloat16* src, T* dst, int B, int T_,   \
+                                                 int S, int H, int D, int which, int vec) {          \
+        if (vec) heads_to_rows_impl<T, 8>(src, dst, B, T_, S, H, D, which);                          \
+        else heads_to_rows_impl<T, 1>(src, dst, B, T_, S, H, D, which);                              \
     }                                                                                                \
     extern "C" __global__ void gelu_fwd_##TN(const T* x, T* y, size_t n, int vec) {                  \
         if (vec) gelu_fwd_impl<T, Pack<T>::N>(x, y, n);                                              \

@@ -128,5 +128,25 @@ pub fn check(dev: &Device) -> Result<bool> {
         ];
         ok &= report(&format!("causal_attention {dims:?}"), &e, 2e-2);
     }
+    // the fused projection's attention: layout kernels on CUDA, candle's
+    // reshapes on the CPU
+    for (b, t, heads, hd) in [(2usize, 128usize, 3usize, 64usize), (1, 37, 2, 12)] {
+        let dims = [b, t, 3 * heads * hd];
+        let (xc, xg) = var(&mut rng, &dims, DType::F32, dev)?;
+        let (rc, rg) = var(&mut rng, &[b, t, heads * hd], DType::F32, dev)?;
+        let yc = fused::causal_attention_qkv(&xc, heads)?;
+        let yg = fused::causal_attention_qkv(&xg, heads)?;
+        let gc = (&yc * rc.as_tensor())?.sum_all()?.backward()?;
+        let gg = (&yg * rg.as_tensor())?.sum_all()?.backward()?;
+        let e = [
+            ("y", rel_err(&yg, &yc)?),
+            ("dqkv", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
+        ];
+        ok &= report(
+            &format!("causal_attention_qkv {dims:?} heads {heads}"),
+            &e,
+            2e-2,
+        );
+    }
     Ok(ok)
 }

@@ -12,7 +12,7 @@
 
 use amp::nn::{self, LayerNorm, Linear};
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, VarBuilder, VarMap};
 use rand::SeedableRng;
 use rand_distr::Distribution;

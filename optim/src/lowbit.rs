@@ -309,7 +309,11 @@ impl LowBitAdamW {
         {
             return Err(Error::UnknownParam(name.clone()));
         }
-        let (mut sum_sq, mut part_sq) = (0f64, 0f64);
+        // Per parameter: its sum of squares and, for a scaled gradient, the
+        // amax of its source, left on the device; one read of each below
+        // (a read per parameter would stall the device once per parameter).
+        let mut sums: Vec<(bool, Tensor)> = Vec::with_capacity(self.params.len());
+        let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
         for p in &self.params {
             let Some(g) = grads.get(&p.name) else {
                 continue;
@@ -323,21 +327,27 @@ impl LowBitAdamW {
                     got: g.shape().clone(),
                 });
             }
-            let acc = if partitioned(&p.name) {
-                &mut part_sq
-            } else {
-                &mut sum_sq
-            };
-            if !g.source_is_finite()? {
-                *acc = f64::INFINITY;
+            let part = partitioned(&p.name);
+            if let Grad::Scaled(t) = g {
+                amaxes.push((part, t.meta().amax()?.flatten_all()?));
             }
             let (data, scale_inv, q) = match g {
                 Grad::F32(t) => f32_stream(t)?,
                 Grad::Scaled(t) => scaled_stream(t),
             };
-            let [part] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
+            let [total] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
                 .map_err(|_| kernel_error("sum of squares"))?;
-            *acc += part.to_vec1::<f64>()?.iter().sum::<f64>();
+            sums.push((part, total));
+        }
+        let (mut sum_sq, mut part_sq) = (0f64, 0f64);
+        // in parameter order, as the sums were taken
+        for ((part, _), v) in sums.iter().zip(read_all::<f64>(&sums)?) {
+            *if *part { &mut part_sq } else { &mut sum_sq } += v;
+        }
+        for ((part, _), a) in amaxes.iter().zip(read_all::<f32>(&amaxes)?) {
+            if !a.is_finite() {
+                *if *part { &mut part_sq } else { &mut sum_sq } = f64::INFINITY;
+            }
         }
         sum_sq += reduce(part_sq)?;
         if !sum_sq.is_finite() {
@@ -365,4 +375,13 @@ impl LowBitAdamW {
         self.scaler.update(false);
         Ok(StepOutcome::Applied { grad_norm })
     }
+}
+
+/// The one-element tensors of `items`, read to the host in one copy.
+fn read_all<T: candle_core::WithDType>(items: &[(bool, Tensor)]) -> Result<Vec<T>> {
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
+    let all: Vec<&Tensor> = items.iter().map(|(_, t)| t).collect();
+    Ok(Tensor::cat(&all, 0)?.to_vec1::<T>()?)
 }

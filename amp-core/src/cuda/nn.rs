@@ -276,9 +276,7 @@ pub(crate) fn layer_norm_dwdb(
     let n = lx.shape().elem_count();
     let rows = n / cols.max(1);
     let c = cols_i32(OP, cols)?;
-    let chunks = LN_CHUNKS.min(rows.max(1));
-    let per_chunk = rows.div_ceil(chunks).max(1);
-    let chunks = rows.div_ceil(per_chunk).max(1);
+    let (chunks, per_chunk) = chunking(rows);
     let chunks_i = chunks as i32;
     let stream = dev.cuda_stream();
     // SAFETY: every element of each is written by the kernel that fills it.
@@ -317,6 +315,74 @@ pub(crate) fn layer_norm_dwdb(
         Ok::<_, Error>(())
     })?;
     let f = nn_func(&dev, "layer_norm_dwdb_sum")?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&part).arg(&mut out).arg(&c).arg(&chunks_i);
+    unsafe { b.launch(grid(cols)) }.w()?;
+    Ok(store(out, &dev))
+}
+
+/// Row chunks of the column-sum partials: `(chunks, rows per chunk)`.
+fn chunking(rows: usize) -> (usize, usize) {
+    let chunks = LN_CHUNKS.min(rows.max(1));
+    let per_chunk = rows.div_ceil(chunks).max(1);
+    (rows.div_ceil(per_chunk).max(1), per_chunk)
+}
+
+/// `x + b` with `b` (F32) broadcast over the rows of `x`.
+pub(crate) fn bias_add(
+    x: &CudaStorage,
+    lx: &Layout,
+    bias: &CudaStorage,
+    lb: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "bias_add";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1).max(1);
+    let n = lx.shape().elem_count();
+    let c = cols_i32(OP, cols)?;
+    let bv = view::<f32>(OP, bias, lb)?;
+    let stream = dev.cuda_stream();
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let pack = 16 / std::mem::size_of::<T>();
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(n)? };
+        let vec = vec_ok(cols, &[&xv], &dev);
+        let f = nn_func(&dev, &format!("bias_add_{}", suffix(x.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&bv).arg(&mut out).arg(&n).arg(&c).arg(&vec);
+        unsafe { b.launch(grid(n.div_ceil(pack))) }.w()?;
+        Ok(store(out, &dev))
+    })
+}
+
+/// The sums over the rows of `x`, F32 `[cols]`, in a fixed order.
+pub(crate) fn col_sum(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
+    const OP: &str = "col_sum";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1).max(1);
+    let rows = lx.shape().elem_count() / cols;
+    let c = cols_i32(OP, cols)?;
+    let (chunks, per_chunk) = chunking(rows);
+    let chunks_i = chunks as i32;
+    let stream = dev.cuda_stream();
+    // SAFETY: every element of each is written by the kernel that fills it.
+    let mut part = unsafe { dev.alloc::<f32>(chunks * cols)? };
+    let mut out = unsafe { dev.alloc::<f32>(cols)? };
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let f = nn_func(&dev, &format!("col_sum_part_{}", suffix(x.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&mut part).arg(&rows).arg(&c).arg(&per_chunk);
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        Ok::<_, Error>(())
+    })?;
+    let f = nn_func(&dev, "col_sum_final")?;
     let mut b = stream.launch_builder(&f);
     b.arg(&part).arg(&mut out).arg(&c).arg(&chunks_i);
     unsafe { b.launch(grid(cols)) }.w()?;
@@ -366,7 +432,11 @@ pub(crate) fn transpose_2d(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
     let (rows, cols) = l.shape().dims2()?;
     let (r, c) = (cols_i32(OP, rows)?, cols_i32(OP, cols)?);
     let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(32).max(1) as u32, rows.div_ceil(32).max(1) as u32, 1),
+        grid_dim: (
+            cols.div_ceil(32).max(1) as u32,
+            rows.div_ceil(32).max(1) as u32,
+            1,
+        ),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
@@ -390,6 +460,111 @@ pub(crate) fn transpose_2d(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
         got => Err(Error::DType {
             op: OP,
             expected: "U8, F16 or BF16",
+            got,
+        }),
+    }
+}
+
+/// An attention layout: rows `[b, t, s, h, d]` (`s` parts side by side)
+/// and heads `[b, h, t, d]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Heads {
+    pub b: usize,
+    pub t: usize,
+    pub s: usize,
+    pub h: usize,
+    pub d: usize,
+}
+
+impl Heads {
+    fn args(&self, op: &'static str) -> Result<[i32; 5]> {
+        Ok([
+            cols_i32(op, self.b)?,
+            cols_i32(op, self.t)?,
+            cols_i32(op, self.s)?,
+            cols_i32(op, self.h)?,
+            cols_i32(op, self.d)?,
+        ])
+    }
+
+    fn per_part(&self) -> usize {
+        self.b * self.h * self.t * self.d
+    }
+}
+
+/// Part `which` of the rows `src` as BF16 heads.
+pub(crate) fn rows_to_heads(
+    src: &CudaStorage,
+    l: &Layout,
+    hl: Heads,
+    which: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "rows_to_heads";
+    let dev = src.device().clone();
+    let a = hl.args(OP)?;
+    let w = cols_i32(OP, which)?;
+    let n = hl.per_part();
+    let stream = dev.cuda_stream();
+    with_float!(OP, src, |T| {
+        let sv = view::<T>(OP, src, l)?;
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<half::bf16>(n)? };
+        let vec = i32::from(hl.d % 8 == 0 && aligned(&sv, &dev));
+        let f = nn_func(&dev, &format!("rows_to_heads_{}", suffix(src.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&sv).arg(&mut out);
+        for v in &a {
+            b.arg(v);
+        }
+        b.arg(&w).arg(&vec);
+        unsafe { b.launch(grid(if vec != 0 { n / 8 } else { n })) }.w()?;
+        Ok(store(out, &dev))
+    })
+}
+
+/// BF16 heads, one per part, into rows of `dtype` (F32 or BF16).
+pub(crate) fn heads_to_rows(
+    parts: &[(&CudaStorage, &Layout)],
+    hl: Heads,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    const OP: &str = "heads_to_rows";
+    let Some((first, _)) = parts.first() else {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: "no parts".into(),
+        });
+    };
+    let dev = first.device().clone();
+    let a = hl.args(OP)?;
+    let n = hl.per_part();
+    let stream = dev.cuda_stream();
+    macro_rules! go {
+        ($t:ty) => {{
+            // SAFETY: the parts together write every element.
+            let mut out = unsafe { dev.alloc::<$t>(n * parts.len())? };
+            for (which, (p, lp)) in parts.iter().enumerate() {
+                let pv = view::<half::bf16>(OP, p, lp)?;
+                let vec = i32::from(hl.d % 8 == 0 && aligned(&pv, &dev));
+                let f = nn_func(&dev, &format!("heads_to_rows_{}", suffix(dtype)))?;
+                let w = cols_i32(OP, which)?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&pv).arg(&mut out);
+                for v in &a {
+                    b.arg(v);
+                }
+                b.arg(&w).arg(&vec);
+                unsafe { b.launch(grid(if vec != 0 { n / 8 } else { n })) }.w()?;
+            }
+            Ok(store(out, &dev))
+        }};
+    }
+    match dtype {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        got => Err(Error::DType {
+            op: OP,
+            expected: "F32 or BF16",
             got,
         }),
     }

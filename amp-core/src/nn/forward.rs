@@ -70,24 +70,29 @@ impl Linear {
                     .broadcast_matmul(&w.t()?)?
                     .to_dtype(x.dtype())?
             }
-            _ => {
-                let mut out_dims = x.dims().to_vec();
-                let last = out_dims.len() - 1;
-                out_dims[last] = out_dim;
-                let x2 = x.reshape(((), in_dim))?.contiguous()?;
-                self.scaled_forward(&x2, &weight, &mode)?
-                    .reshape(out_dims)?
-            }
+            _ => self.scaled_forward(x, &weight, &mode, out_dim)?,
         };
         match &self.bias {
-            Some(b) => Ok(y.broadcast_add(&b.to_dtype(y.dtype())?)?),
+            Some(b) => super::fused::bias_add(&y, b),
             None => Ok(y),
         }
     }
 
-    /// Forward of a 2-D input through the custom op (FP8 mode, or a low-bit
-    /// weight in native mode).
-    fn scaled_forward(&self, x: &Tensor, weight: &Weight, mode: &ComputeMode) -> Result<Tensor> {
+    /// Forward through the custom op (FP8 mode, or a low-bit weight in
+    /// native mode). The op takes `x` as it is (any rank) and flattens it
+    /// inside, so the graph holds one node, not two reshapes around it.
+    fn scaled_forward(
+        &self,
+        x_nd: &Tensor,
+        weight: &Weight,
+        mode: &ComputeMode,
+        out_dim: usize,
+    ) -> Result<Tensor> {
+        let in_dim = x_nd.dim(candle_core::D::Minus1)?;
+        let mut out_dims = x_nd.dims().to_vec();
+        let last = out_dims.len() - 1;
+        out_dims[last] = out_dim;
+        let x = &x_nd.detach().reshape(((), in_dim))?.contiguous()?;
         let sink = self
             .sink
             .lock()
@@ -195,7 +200,8 @@ impl Linear {
             Weight::F32(var) if sink.is_none() => var.as_tensor().clone(),
             _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
         };
-        if !x.track_op() && !w_arg.track_op() {
+        let y = y.reshape(out_dims)?;
+        if !x_nd.track_op() && !w_arg.track_op() {
             return Ok(y);
         }
         let op = Fp8LinearOp {
@@ -216,6 +222,6 @@ impl Linear {
             x_dtype: x.dtype(),
             w_dtype: w_arg.dtype(),
         };
-        Ok(x.apply_op2(&w_arg, op)?)
+        Ok(x_nd.apply_op2(&w_arg, op)?)
     }
 }

@@ -368,7 +368,11 @@ impl CustomOp2 for Fp8LinearOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = self.backward(dy, x.track_op()).map_err(wrap)?;
+        // the op flattens its input: dy to 2-D, dx back to x's shape
+        let out_dim = dy.dim(candle_core::D::Minus1)?;
+        let dy2 = dy.reshape(((), out_dim))?;
+        let (dx, dw) = self.backward(&dy2, x.track_op()).map_err(wrap)?;
+        let dx = dx.map(|d| d.reshape(x.shape())).transpose()?;
         // A weight gradient only goes to the GradStore for a tracked weight.
         let dw = if w.track_op() { dw } else { None };
         Ok((dx, dw))

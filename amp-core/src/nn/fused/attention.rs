@@ -4,6 +4,7 @@
 //! scores, the masked scores and the probabilities, and backprop spends
 //! no zero-fill and add on each of them.
 
+use super::heads::Qkv;
 use super::ops::{CausalSoftmax, CausalSoftmaxBwd};
 use crate::error::{Error, Result};
 use crate::nn::precomputed::Precomputed;
@@ -199,9 +200,9 @@ pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
     let hd = three_d / 3 / heads;
     let shape = Qkv { b, t, heads, hd };
     let scale = 1.0 / (hd as f32).sqrt();
-    let [q, k, v] = shape.split(&qkv.detach().to_dtype(compute)?)?;
+    let [q, k, v] = shape.split(qkv, compute)?;
     let (p, y) = attend(&q, &k, &v, scale)?;
-    let y = shape.merge(&y)?.to_dtype(qkv.dtype())?;
+    let y = shape.rows(&[y], qkv.dtype())?;
     if !qkv.track_op() {
         return Ok(y);
     }
@@ -213,30 +214,6 @@ pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
         shape,
     };
     Ok(qkv.apply_op1(op)?)
-}
-
-/// The layout of a fused projection.
-#[derive(Clone, Copy)]
-struct Qkv {
-    b: usize,
-    t: usize,
-    heads: usize,
-    hd: usize,
-}
-
-impl Qkv {
-    /// `[b, t, 3 * heads * hd]` to contiguous q, k, v `[b, heads, t, hd]`.
-    fn split(&self, x: &Tensor) -> candle_core::Result<[Tensor; 3]> {
-        let x = x.reshape((self.b, self.t, 3, self.heads, self.hd))?;
-        let part = |i: usize| x.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?.contiguous();
-        Ok([part(0)?, part(1)?, part(2)?])
-    }
-
-    /// `[b, heads, t, hd]` to `[b, t, heads * hd]`.
-    fn merge(&self, y: &Tensor) -> candle_core::Result<Tensor> {
-        y.transpose(1, 2)?
-            .reshape((self.b, self.t, self.heads * self.hd))
-    }
 }
 
 /// The autograd node of [`causal_attention_qkv`].
@@ -268,20 +245,10 @@ impl CustomOp1 for CausalAttentionQkv {
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let s = self.shape;
-        let [q, k, v] = s.split(&qkv.detach().to_dtype(self.compute)?)?;
-        let dy = dy
-            .to_dtype(self.compute)?
-            .reshape((s.b, s.t, s.heads, s.hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let [q, k, v] = s.split(qkv, self.compute)?;
+        let dy = s.heads(dy, self.compute)?;
         let grads = attend_bwd(&self.p, [&q, &k, &v], &dy, self.scale)?;
-        let parts = grads
-            .iter()
-            .map(|g| g.transpose(1, 2))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let dqkv = Tensor::stack(&parts, 2)?
-            .reshape((s.b, s.t, 3 * s.heads * s.hd))?
-            .to_dtype(qkv.dtype())?;
+        let dqkv = s.rows(&grads, qkv.dtype())?;
         Ok(Some(dqkv))
     }
 }

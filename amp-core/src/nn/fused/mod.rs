@@ -26,6 +26,7 @@
 
 mod attention;
 mod cpu;
+mod heads;
 mod ops;
 
 pub use attention::{causal_attention, causal_attention_qkv};
@@ -145,6 +146,30 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     let op = ops::LayerNormOp { eps: eps as f32 };
     Ok(x.contiguous()?
         .apply_op3(&weight.contiguous()?, &bias.reshape(dim)?.contiguous()?, op)?)
+}
+
+/// `x + bias` with an F32 `bias` of `x`'s last dimension broadcast over the
+/// other dimensions, in one pass (candle's broadcast add takes several
+/// times as long on CUDA); the gradient of `bias` is one column-sum pass
+/// over `dy`, summed in a fixed order. Other dtypes go through candle's
+/// `broadcast_add`.
+///
+/// # Errors
+/// [`Error::Shape`] unless `bias` has `x`'s last dimension; candle's.
+pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let dim = x.dims().last().copied().unwrap_or(0);
+    if bias.elem_count() != dim || x.rank() == 0 {
+        return Err(Error::Shape {
+            op: "bias_add",
+            lhs: x.shape().clone(),
+            rhs: bias.shape().clone(),
+        });
+    }
+    if bias.dtype() != DType::F32 || float_dtype("bias_add", x).is_err() {
+        return Ok(x.broadcast_add(&bias.to_dtype(x.dtype())?)?);
+    }
+    Ok(x.contiguous()?
+        .apply_op2(&bias.contiguous()?, ops::BiasAdd)?)
 }
 
 /// The transpose of a 2-D tensor, contiguous: a tiled kernel for 1- and

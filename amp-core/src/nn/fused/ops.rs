@@ -412,3 +412,80 @@ impl CustomOp1 for Transpose2d {
         Ok((out, Shape::from((cols, rows))))
     }
 }
+
+/// `x + b` over the rows of `x` (F32 `b`); backward: `dy`, and the column
+/// sums of `dy` for `b`.
+pub(super) struct BiasAdd;
+
+impl CustomOp2 for BiasAdd {
+    fn name(&self) -> &'static str {
+        "amp_bias_add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let b = f32s(b, lb)?;
+        let mut v = f32s(x, lx)?;
+        for row in v.chunks_mut(b.len().max(1)) {
+            row.iter_mut().zip(&b).for_each(|(y, b)| *y += b);
+        }
+        Ok((store(v, x.dtype()), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::bias_add(x, lx, b, lb).map_err(wrap)?;
+        Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let db = dy.apply_op1_no_bwd(&ColSum)?.reshape(b.shape())?;
+        Ok((Some(dy), Some(db)))
+    }
+}
+
+/// The sums over the rows (all dimensions but the last), F32.
+struct ColSum;
+
+impl CustomOp1 for ColSum {
+    fn name(&self) -> &'static str {
+        "amp_col_sum"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let cols = last_dim(l);
+        let mut out = vec![0f32; cols];
+        for row in f32s(x, l)?.chunks(cols) {
+            out.iter_mut().zip(row).for_each(|(o, v)| *o += v);
+        }
+        Ok((CpuStorage::F32(out), Shape::from(cols)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::nn::col_sum(x, l).map_err(wrap)?;
+        Ok((out, Shape::from(last_dim(l))))
+    }
+}
