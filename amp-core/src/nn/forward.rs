@@ -4,11 +4,11 @@
 use super::linear::Linear;
 use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling};
 use super::mode::{current_mode, current_step, ComputeMode};
+use super::precomputed::Precomputed;
 use crate::error::{Error, Result};
 use crate::gemm::fp8_gemm_with;
 use crate::weight::Weight;
 use candle_core::{DType, Tensor, Var};
-use std::sync::Mutex;
 
 impl Linear {
     fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
@@ -70,7 +70,8 @@ impl Linear {
                     .broadcast_matmul(&w.t()?)?
                     .to_dtype(x.dtype())?
             }
-            _ => self.scaled_forward(x, &weight, &mode, out_dim)?,
+            // the op adds the bias itself
+            _ => return self.scaled_forward(x, &weight, &mode, out_dim),
         };
         match &self.bias {
             Some(b) => super::fused::bias_add(&y, b),
@@ -200,12 +201,24 @@ impl Linear {
             Weight::F32(var) if sink.is_none() => var.as_tensor().clone(),
             _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
         };
+        // The bias is added in one pass here and its gradient (a column
+        // sum of dy) comes from the op's backward: no separate graph node
+        // holding the product without the bias.
+        let y = match &self.bias {
+            Some(b) => super::fused::bias_add_detached(&y, b)?,
+            None => y,
+        };
         let y = y.reshape(out_dims)?;
-        if !x_nd.track_op() && !w_arg.track_op() {
+        let b_arg = match &self.bias {
+            Some(b) => b.clone(),
+            None => Tensor::zeros(1, DType::F32, x.device())?,
+        };
+        if !x_nd.track_op() && !w_arg.track_op() && !b_arg.track_op() {
             return Ok(y);
         }
         let op = Fp8LinearOp {
-            y: Mutex::new(Some(y)),
+            y: Precomputed::new("amp_fp8_linear", y),
+            has_bias: self.bias.is_some(),
             x_saved,
             w_saved,
             plan: Plan {
@@ -222,6 +235,6 @@ impl Linear {
             x_dtype: x.dtype(),
             w_dtype: w_arg.dtype(),
         };
-        Ok(x_nd.apply_op2(&w_arg, op)?)
+        Ok(x_nd.apply_op3(&w_arg, &b_arg, op)?)
     }
 }

@@ -9,8 +9,8 @@ use crate::gemm::fp8_gemm;
 use crate::meta::ScalingMeta;
 use crate::recipe::{CurrentScaling, DelayedScaling};
 use crate::tensor::ScalingTensor;
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use super::precomputed::Precomputed;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// How a layer's casts are scaled in an FP8 mode.
@@ -187,7 +187,9 @@ pub(crate) struct Plan {
 /// The autograd node. Its forward returns the output computed before the op
 /// was applied (candle's custom ops compute on storages; ours on tensors).
 pub(crate) struct Fp8LinearOp {
-    pub y: Mutex<Option<Tensor>>,
+    pub y: Precomputed,
+    /// Whether the third argument is a bias (else a placeholder).
+    pub has_bias: bool,
     pub x_saved: Saved,
     pub w_saved: Saved,
     pub plan: Plan,
@@ -205,26 +207,6 @@ fn wrap(e: Error) -> candle_core::Error {
 }
 
 impl Fp8LinearOp {
-    /// The precomputed output, contiguous (once: a second forward is an error).
-    fn take_y(&self) -> candle_core::Result<Tensor> {
-        let y = self
-            .y
-            .lock()
-            .map_err(|_| {
-                wrap(Error::Poisoned {
-                    op: "amp_fp8_linear",
-                })
-            })?
-            .take()
-            .ok_or_else(|| {
-                wrap(Error::Unsupported {
-                    op: "amp_fp8_linear",
-                    what: "forward run twice".into(),
-                })
-            })?;
-        y.contiguous()
-    }
-
     /// dgrad (when `need_dx`) and wgrad; the weight gradient goes to the sink
     /// (returned `None`) or back to candle.
     fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -318,7 +300,7 @@ pub(crate) fn fp8_grad(dw: &Tensor) -> Result<ScalingTensor> {
     Ok(ScalingTensor::quantize(dw, crate::QType::E4M3, &CurrentScaling::default())?.0)
 }
 
-impl CustomOp2 for Fp8LinearOp {
+impl CustomOp3 for Fp8LinearOp {
     fn name(&self) -> &'static str {
         "amp_fp8_linear"
     }
@@ -329,45 +311,35 @@ impl CustomOp2 for Fp8LinearOp {
         _: &Layout,
         _: &CpuStorage,
         _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self.take_y()?;
-        let (storage, layout) = y.storage_and_layout();
-        match &*storage {
-            Storage::Cpu(s) => Ok((s.try_clone(layout)?, y.shape().clone())),
-            _ => Err(wrap(Error::UnsupportedDevice {
-                op: "amp_fp8_linear",
-                device: y.device().location(),
-            })),
-        }
+        self.y.cpu()
     }
 
     /// The output computed before the op was applied, copied into the op's
     /// own storage (candle's custom ops return a fresh storage).
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        _: &CudaStorage,
+        _: &candle_core::CudaStorage,
         _: &Layout,
-        _: &CudaStorage,
+        _: &candle_core::CudaStorage,
         _: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let y = self.take_y()?;
-        let (storage, layout) = y.storage_and_layout();
-        match &*storage {
-            Storage::Cuda(s) => Ok((s.try_clone(layout)?, y.shape().clone())),
-            _ => Err(wrap(Error::UnsupportedDevice {
-                op: "amp_fp8_linear",
-                device: y.device().location(),
-            })),
-        }
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.y.cuda()
     }
 
     fn bwd(
         &self,
         x: &Tensor,
         w: &Tensor,
+        b: &Tensor,
         _res: &Tensor,
         dy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // the op flattens its input: dy to 2-D, dx back to x's shape
         let out_dim = dy.dim(candle_core::D::Minus1)?;
         let dy2 = dy.reshape(((), out_dim))?;
@@ -375,6 +347,16 @@ impl CustomOp2 for Fp8LinearOp {
         let dx = dx.map(|d| d.reshape(x.shape())).transpose()?;
         // A weight gradient only goes to the GradStore for a tracked weight.
         let dw = if w.track_op() { dw } else { None };
-        Ok((dx, dw))
+        let db = if self.has_bias && b.track_op() {
+            Some(
+                crate::nn::fused::col_sum(&dy2)
+                    .map_err(wrap)?
+                    .to_dtype(b.dtype())?
+                    .reshape(b.shape())?,
+            )
+        } else {
+            None
+        };
+        Ok((dx, dw, db))
     }
 }

@@ -172,6 +172,18 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
         .apply_op2(&bias.contiguous()?, ops::BiasAdd)?)
 }
 
+/// `x + bias` as [`bias_add`] computes it, outside the graph (for ops
+/// that return the bias's gradient themselves, such as the FP8 Linear).
+pub(crate) fn bias_add_detached(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    bias_add(&x.detach(), &bias.detach())
+}
+
+/// The sums over the rows of `x` (all dimensions but the last), F32, in a
+/// fixed order: a bias gradient.
+pub(crate) fn col_sum(x: &Tensor) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op1_no_bwd(&ops::ColSum)?)
+}
+
 /// The transpose of a 2-D tensor, contiguous: a tiled kernel for 1- and
 /// 2-byte elements on CUDA (candle's strided copy moves FP8 codes at a
 /// tenth of the bandwidth), candle's copy otherwise. Not differentiable:

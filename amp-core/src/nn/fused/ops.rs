@@ -463,7 +463,7 @@ impl CustomOp2 for BiasAdd {
 }
 
 /// The sums over the rows (all dimensions but the last), F32.
-struct ColSum;
+pub(super) struct ColSum;
 
 impl CustomOp1 for ColSum {
     fn name(&self) -> &'static str {
