@@ -22,6 +22,13 @@ fn g(s: &candle_core::backprop::GradStore, v: &Var) -> Result<Tensor> {
         .ok_or_else(|| anyhow::anyhow!("no gradient"))
 }
 
+/// The gradients of `sum(y * r)` (a loss whose dy is `r` on any device).
+fn backward(y: &Tensor, r: &Tensor) -> Result<candle_core::backprop::GradStore> {
+    Ok((y.to_dtype(DType::F32)? * r.to_dtype(DType::F32)?)?
+        .sum_all()?
+        .backward()?)
+}
+
 fn report(what: &str, errs: &[(&str, f64)], tol: f64) -> bool {
     let ok = errs.iter().all(|(_, e)| *e <= tol);
     let list: Vec<String> = errs.iter().map(|(n, e)| format!("{n} {e:.2e}")).collect();
@@ -76,14 +83,7 @@ pub fn check(dev: &Device) -> Result<bool> {
             let (rc, rg) = var(&mut rng, &[rows, cols], dtype, dev)?;
             let yc = fused::layer_norm(&xc, &wc, &bc, 1e-5)?;
             let yg = fused::layer_norm(&xg, &wg, &bg, 1e-5)?;
-            let (gc, gg) = (
-                (yc.to_dtype(DType::F32)? * rc.to_dtype(DType::F32)?)?
-                    .sum_all()?
-                    .backward()?,
-                (yg.to_dtype(DType::F32)? * rg.to_dtype(DType::F32)?)?
-                    .sum_all()?
-                    .backward()?,
-            );
+            let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
             let e = [
                 ("y", rel_err(&yg, &yc)?),
                 ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
@@ -97,14 +97,7 @@ pub fn check(dev: &Device) -> Result<bool> {
             );
             let yc = fused::gelu(&xc)?;
             let yg = fused::gelu(&xg)?;
-            let (gc, gg) = (
-                (yc.to_dtype(DType::F32)? * rc.to_dtype(DType::F32)?)?
-                    .sum_all()?
-                    .backward()?,
-                (yg.to_dtype(DType::F32)? * rg.to_dtype(DType::F32)?)?
-                    .sum_all()?
-                    .backward()?,
-            );
+            let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
             let e = [
                 ("y", rel_err(&yg, &yc)?),
                 ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
@@ -118,8 +111,7 @@ pub fn check(dev: &Device) -> Result<bool> {
         let (rc, rg) = mk(&mut rng)?;
         let yc = fused::causal_attention(&qc, &kc, &vc)?;
         let yg = fused::causal_attention(&qg, &kg, &vg)?;
-        let gc = (&yc * rc.as_tensor())?.sum_all()?.backward()?;
-        let gg = (&yg * rg.as_tensor())?.sum_all()?.backward()?;
+        let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
         let e = [
             ("y", rel_err(&yg, &yc)?),
             ("dq", rel_err(&g(&gg, &qg)?, &g(&gc, &qc)?)?),
@@ -136,8 +128,7 @@ pub fn check(dev: &Device) -> Result<bool> {
         let (rc, rg) = var(&mut rng, &[b, t, heads * hd], DType::F32, dev)?;
         let yc = fused::causal_attention_qkv(&xc, heads)?;
         let yg = fused::causal_attention_qkv(&xg, heads)?;
-        let gc = (&yc * rc.as_tensor())?.sum_all()?.backward()?;
-        let gg = (&yg * rg.as_tensor())?.sum_all()?.backward()?;
+        let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
         let e = [
             ("y", rel_err(&yg, &yc)?),
             ("dqkv", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),

@@ -47,6 +47,7 @@ mod gemm;
 mod launch;
 mod meta;
 pub(crate) mod nn;
+pub(crate) mod nn_layout;
 
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use gemm::fp8_gemm;

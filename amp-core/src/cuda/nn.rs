@@ -39,8 +39,9 @@ macro_rules! with_float {
         }
     };
 }
+pub(super) use with_float;
 
-fn suffix(d: DType) -> &'static str {
+pub(super) fn suffix(d: DType) -> &'static str {
     if d == DType::BF16 {
         "bf16"
     } else {
@@ -49,7 +50,7 @@ fn suffix(d: DType) -> &'static str {
 }
 
 /// Whether rows of `cols` elements of `T` and every base allow 16-byte loads.
-fn vec_ok<T>(cols: usize, views: &[&CudaView<'_, T>], dev: &CudaDevice) -> i32 {
+pub(super) fn vec_ok<T>(cols: usize, views: &[&CudaView<'_, T>], dev: &CudaDevice) -> i32 {
     let pack = 16 / std::mem::size_of::<T>();
     i32::from(cols % pack == 0 && views.iter().all(|v| aligned(v, dev)))
 }
@@ -70,14 +71,14 @@ fn block_rows(rows: usize) -> LaunchConfig {
     }
 }
 
-fn cols_i32(op: &'static str, cols: usize) -> Result<i32> {
+pub(super) fn cols_i32(op: &'static str, cols: usize) -> Result<i32> {
     i32::try_from(cols).map_err(|_| Error::Unsupported {
         op,
         what: format!("rows of {cols} elements"),
     })
 }
 
-fn store<T: CudaDType + DeviceRepr>(
+pub(super) fn store<T: CudaDType + DeviceRepr>(
     s: candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
     dev: &CudaDevice,
 ) -> CudaStorage {
@@ -185,15 +186,14 @@ pub(crate) fn cross_entropy_bwd(
     })
 }
 
-/// LayerNorm forward: `(x - mean) * rstd * w + b` per row.
-pub(crate) fn layer_norm_fwd(
-    x: &CudaStorage,
-    lx: &Layout,
-    w: &CudaStorage,
-    lw: &Layout,
-    bias: &CudaStorage,
-    lb: &Layout,
+/// LayerNorm forward, `(x - mean) * rstd * w + third` per row, or with
+/// `dx` its input gradient for `third` = dy.
+pub(crate) fn layer_norm(
+    (x, lx): (&CudaStorage, &Layout),
+    (w, lw): (&CudaStorage, &Layout),
+    (third, l3): (&CudaStorage, &Layout),
     eps: f32,
+    dx: bool,
 ) -> Result<CudaStorage> {
     const OP: &str = "layer_norm";
     let dev = x.device().clone();
@@ -202,61 +202,39 @@ pub(crate) fn layer_norm_fwd(
     let rows = n / cols.max(1);
     let c = cols_i32(OP, cols)?;
     let wv = view::<f32>(OP, w, lw)?;
-    let bv = view::<f32>(OP, bias, lb)?;
     let stream = dev.cuda_stream();
     with_float!(OP, x, |T| {
         let xv = view::<T>(OP, x, lx)?;
         // SAFETY: every element is written.
         let mut out = unsafe { dev.alloc::<T>(n)? };
-        let vec = vec_ok(cols, &[&xv], &dev);
-        let f = nn_func(&dev, &format!("layer_norm_fwd_{}", suffix(x.dtype())))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv)
-            .arg(&wv)
-            .arg(&bv)
-            .arg(&mut out)
-            .arg(&rows)
-            .arg(&c);
-        b.arg(&eps).arg(&vec);
-        unsafe { b.launch(warp_rows(rows)) }.w()?;
-        Ok(store(out, &dev))
-    })
-}
-
-/// LayerNorm input gradient.
-pub(crate) fn layer_norm_dx(
-    x: &CudaStorage,
-    lx: &Layout,
-    w: &CudaStorage,
-    lw: &Layout,
-    dy: &CudaStorage,
-    ldy: &Layout,
-    eps: f32,
-) -> Result<CudaStorage> {
-    const OP: &str = "layer_norm_bwd";
-    let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1);
-    let n = lx.shape().elem_count();
-    let rows = n / cols.max(1);
-    let c = cols_i32(OP, cols)?;
-    let wv = view::<f32>(OP, w, lw)?;
-    let stream = dev.cuda_stream();
-    with_float!(OP, x, |T| {
-        let xv = view::<T>(OP, x, lx)?;
-        let gv = view::<T>(OP, dy, ldy)?;
-        // SAFETY: every element is written.
-        let mut out = unsafe { dev.alloc::<T>(n)? };
-        let vec = vec_ok(cols, &[&xv, &gv], &dev);
-        let f = nn_func(&dev, &format!("layer_norm_dx_{}", suffix(x.dtype())))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv)
-            .arg(&wv)
-            .arg(&gv)
-            .arg(&mut out)
-            .arg(&rows)
-            .arg(&c);
-        b.arg(&eps).arg(&vec);
-        unsafe { b.launch(warp_rows(rows)) }.w()?;
+        let sfx = suffix(x.dtype());
+        if dx {
+            let gv = view::<T>(OP, third, l3)?;
+            let vec = vec_ok(cols, &[&xv, &gv], &dev);
+            let f = nn_func(&dev, &format!("layer_norm_dx_{sfx}"))?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&wv)
+                .arg(&gv)
+                .arg(&mut out)
+                .arg(&rows)
+                .arg(&c);
+            b.arg(&eps).arg(&vec);
+            unsafe { b.launch(warp_rows(rows)) }.w()?;
+        } else {
+            let bv = view::<f32>(OP, third, l3)?;
+            let vec = vec_ok(cols, &[&xv], &dev);
+            let f = nn_func(&dev, &format!("layer_norm_fwd_{sfx}"))?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&wv)
+                .arg(&bv)
+                .arg(&mut out)
+                .arg(&rows)
+                .arg(&c);
+            b.arg(&eps).arg(&vec);
+            unsafe { b.launch(warp_rows(rows)) }.w()?;
+        }
         Ok(store(out, &dev))
     })
 }
@@ -423,149 +401,4 @@ pub(crate) fn gelu(
         }
         Ok(store(out, &dev))
     })
-}
-
-/// The transpose of a contiguous 2-D tensor of 1- or 2-byte elements.
-pub(crate) fn transpose_2d(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
-    const OP: &str = "transpose_2d";
-    let dev = s.device().clone();
-    let (rows, cols) = l.shape().dims2()?;
-    let (r, c) = (cols_i32(OP, rows)?, cols_i32(OP, cols)?);
-    let cfg = LaunchConfig {
-        grid_dim: (
-            cols.div_ceil(32).max(1) as u32,
-            rows.div_ceil(32).max(1) as u32,
-            1,
-        ),
-        block_dim: (32, 8, 1),
-        shared_mem_bytes: 0,
-    };
-    let stream = dev.cuda_stream();
-    macro_rules! go {
-        ($t:ty, $name:expr) => {{
-            let v = view::<$t>(OP, s, l)?;
-            // SAFETY: every element is written.
-            let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
-            let f = nn_func(&dev, $name)?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(&v).arg(&mut out).arg(&r).arg(&c);
-            unsafe { b.launch(cfg) }.w()?;
-            Ok(store(out, &dev))
-        }};
-    }
-    match s.dtype() {
-        DType::U8 => go!(u8, "transpose_u8"),
-        DType::F16 => go!(half::f16, "transpose_u16"),
-        DType::BF16 => go!(half::bf16, "transpose_u16"),
-        got => Err(Error::DType {
-            op: OP,
-            expected: "U8, F16 or BF16",
-            got,
-        }),
-    }
-}
-
-/// An attention layout: rows `[b, t, s, h, d]` (`s` parts side by side)
-/// and heads `[b, h, t, d]`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Heads {
-    pub b: usize,
-    pub t: usize,
-    pub s: usize,
-    pub h: usize,
-    pub d: usize,
-}
-
-impl Heads {
-    fn args(&self, op: &'static str) -> Result<[i32; 5]> {
-        Ok([
-            cols_i32(op, self.b)?,
-            cols_i32(op, self.t)?,
-            cols_i32(op, self.s)?,
-            cols_i32(op, self.h)?,
-            cols_i32(op, self.d)?,
-        ])
-    }
-
-    fn per_part(&self) -> usize {
-        self.b * self.h * self.t * self.d
-    }
-}
-
-/// Part `which` of the rows `src` as BF16 heads.
-pub(crate) fn rows_to_heads(
-    src: &CudaStorage,
-    l: &Layout,
-    hl: Heads,
-    which: usize,
-) -> Result<CudaStorage> {
-    const OP: &str = "rows_to_heads";
-    let dev = src.device().clone();
-    let a = hl.args(OP)?;
-    let w = cols_i32(OP, which)?;
-    let n = hl.per_part();
-    let stream = dev.cuda_stream();
-    with_float!(OP, src, |T| {
-        let sv = view::<T>(OP, src, l)?;
-        // SAFETY: every element is written.
-        let mut out = unsafe { dev.alloc::<half::bf16>(n)? };
-        let vec = i32::from(hl.d % 8 == 0 && aligned(&sv, &dev));
-        let f = nn_func(&dev, &format!("rows_to_heads_{}", suffix(src.dtype())))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&sv).arg(&mut out);
-        for v in &a {
-            b.arg(v);
-        }
-        b.arg(&w).arg(&vec);
-        unsafe { b.launch(grid(if vec != 0 { n / 8 } else { n })) }.w()?;
-        Ok(store(out, &dev))
-    })
-}
-
-/// BF16 heads, one per part, into rows of `dtype` (F32 or BF16).
-pub(crate) fn heads_to_rows(
-    parts: &[(&CudaStorage, &Layout)],
-    hl: Heads,
-    dtype: DType,
-) -> Result<CudaStorage> {
-    const OP: &str = "heads_to_rows";
-    let Some((first, _)) = parts.first() else {
-        return Err(Error::Unsupported {
-            op: OP,
-            what: "no parts".into(),
-        });
-    };
-    let dev = first.device().clone();
-    let a = hl.args(OP)?;
-    let n = hl.per_part();
-    let stream = dev.cuda_stream();
-    macro_rules! go {
-        ($t:ty) => {{
-            // SAFETY: the parts together write every element.
-            let mut out = unsafe { dev.alloc::<$t>(n * parts.len())? };
-            for (which, (p, lp)) in parts.iter().enumerate() {
-                let pv = view::<half::bf16>(OP, p, lp)?;
-                let vec = i32::from(hl.d % 8 == 0 && aligned(&pv, &dev));
-                let f = nn_func(&dev, &format!("heads_to_rows_{}", suffix(dtype)))?;
-                let w = cols_i32(OP, which)?;
-                let mut b = stream.launch_builder(&f);
-                b.arg(&pv).arg(&mut out);
-                for v in &a {
-                    b.arg(v);
-                }
-                b.arg(&w).arg(&vec);
-                unsafe { b.launch(grid(if vec != 0 { n / 8 } else { n })) }.w()?;
-            }
-            Ok(store(out, &dev))
-        }};
-    }
-    match dtype {
-        DType::F32 => go!(f32),
-        DType::BF16 => go!(half::bf16),
-        got => Err(Error::DType {
-            op: OP,
-            expected: "F32 or BF16",
-            got,
-        }),
-    }
 }

@@ -2,6 +2,7 @@
 //! wgrad in FP8 (or natively where overridden), the input saved as FP8,
 //! the weight gradient handed to a sink or to candle's `GradStore`.
 
+use super::precomputed::{precomputed_fwd, Precomputed};
 use super::sink::GradSink;
 use crate::error::{Error, Result};
 use crate::format::Fp8Format;
@@ -9,8 +10,7 @@ use crate::gemm::fp8_gemm;
 use crate::meta::ScalingMeta;
 use crate::recipe::{CurrentScaling, DelayedScaling};
 use crate::tensor::ScalingTensor;
-use super::precomputed::Precomputed;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CustomOp3, DType, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// How a layer's casts are scaled in an FP8 mode.
@@ -305,32 +305,7 @@ impl CustomOp3 for Fp8LinearOp {
         "amp_fp8_linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.y.cpu()
-    }
-
-    /// The output computed before the op was applied, copied into the op's
-    /// own storage (candle's custom ops return a fresh storage).
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        self.y.cuda()
-    }
+    precomputed_fwd!(3);
 
     fn bwd(
         &self,

@@ -70,3 +70,55 @@ impl Precomputed {
         }
     }
 }
+
+/// The `cpu_fwd` and `cuda_fwd` of a custom op (arity 1 or 3) whose output
+/// is its [`Precomputed`] field `y`.
+macro_rules! precomputed_fwd {
+    (1) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            self.y.cpu()
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            self.y.cuda()
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            self.y.cpu()
+        }
+
+        /// The output computed before the op was applied, copied into the
+        /// op's own storage (candle's custom ops return a fresh storage).
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            self.y.cuda()
+        }
+    };
+}
+pub(crate) use precomputed_fwd;

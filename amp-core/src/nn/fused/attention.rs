@@ -7,8 +7,8 @@
 use super::heads::Qkv;
 use super::ops::{CausalSoftmax, CausalSoftmaxBwd};
 use crate::error::{Error, Result};
-use crate::nn::precomputed::Precomputed;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
+use crate::nn::precomputed::{precomputed_fwd, Precomputed};
+use candle_core::{CustomOp1, CustomOp3, DType, Shape, Tensor};
 
 /// Causal attention of `q`, `k`, `v` (`[batch, heads, seq, head_dim]`,
 /// one float dtype, one device): `softmax(q kᵀ / sqrt(head_dim) + mask) v`,
@@ -49,18 +49,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
             });
         }
     }
-    if !matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-        return Err(Error::DType {
-            op: OP,
-            expected: "F32, BF16 or F16",
-            got: q.dtype(),
-        });
-    }
-    let compute = if q.device().is_cuda() {
-        DType::BF16
-    } else {
-        q.dtype()
-    };
+    let compute = compute_dtype(OP, q)?;
     let scale = 1.0 / (d.max(1) as f32).sqrt();
     let cast = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().to_dtype(compute)?.contiguous()?) };
     let (p, y) = attend(&cast(q)?, &cast(k)?, &cast(v)?, scale)?;
@@ -90,30 +79,7 @@ impl CustomOp3 for CausalAttention {
         "amp_causal_attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.y.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        self.y.cuda()
-    }
+    precomputed_fwd!(3);
 
     /// `dP = dy vᵀ`, `dS = P (dP - rowsum(P dP)) / sqrt(d)`, `dq = dS k`,
     /// `dk = dSᵀ q`, `dv = Pᵀ dy`.
@@ -135,6 +101,23 @@ impl CustomOp3 for CausalAttention {
         let back = |t: Tensor| t.to_dtype(q.dtype());
         Ok((Some(back(dq)?), Some(back(dk)?), Some(back(dv)?)))
     }
+}
+
+/// The products' dtype for a float input: BF16 on CUDA (as PyTorch
+/// autocast), the input's own elsewhere.
+fn compute_dtype(op: &'static str, x: &Tensor) -> Result<DType> {
+    if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::DType {
+            op,
+            expected: "F32, BF16 or F16",
+            got: x.dtype(),
+        });
+    }
+    Ok(if x.device().is_cuda() {
+        DType::BF16
+    } else {
+        x.dtype()
+    })
 }
 
 /// `(P, P v)` with `P = causal_softmax(q kᵀ * scale)`; contiguous
@@ -185,18 +168,7 @@ pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
             rhs: Shape::from((3, heads)),
         });
     }
-    if !matches!(qkv.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-        return Err(Error::DType {
-            op: OP,
-            expected: "F32, BF16 or F16",
-            got: qkv.dtype(),
-        });
-    }
-    let compute = if qkv.device().is_cuda() {
-        DType::BF16
-    } else {
-        qkv.dtype()
-    };
+    let compute = compute_dtype(OP, qkv)?;
     let hd = three_d / 3 / heads;
     let shape = Qkv { b, t, heads, hd };
     let scale = 1.0 / (hd as f32).sqrt();
@@ -230,18 +202,7 @@ impl CustomOp1 for CausalAttentionQkv {
         "amp_causal_attention_qkv"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.y.cpu()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        self.y.cuda()
-    }
+    precomputed_fwd!(1);
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let s = self.shape;

@@ -28,6 +28,7 @@ mod attention;
 mod cpu;
 mod heads;
 mod ops;
+mod pointwise;
 
 pub use attention::{causal_attention, causal_attention_qkv};
 
@@ -111,7 +112,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// [`Error::DType`] for a non-float input; candle's.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     float_dtype("gelu", x)?;
-    Ok(x.contiguous()?.apply_op1(ops::Gelu)?)
+    Ok(x.contiguous()?.apply_op1(pointwise::Gelu)?)
 }
 
 /// LayerNorm over the last dimension with F32 `weight` and `bias` of that
@@ -143,7 +144,10 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
             });
         }
     }
-    let op = ops::LayerNormOp { eps: eps as f32 };
+    let op = ops::LayerNormOp {
+        eps: eps as f32,
+        dx: false,
+    };
     Ok(x.contiguous()?
         .apply_op3(&weight.contiguous()?, &bias.reshape(dim)?.contiguous()?, op)?)
 }
@@ -169,7 +173,7 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
         return Ok(x.broadcast_add(&bias.to_dtype(x.dtype())?)?);
     }
     Ok(x.contiguous()?
-        .apply_op2(&bias.contiguous()?, ops::BiasAdd)?)
+        .apply_op2(&bias.contiguous()?, pointwise::BiasAdd)?)
 }
 
 /// `x + bias` as [`bias_add`] computes it, outside the graph (for ops
@@ -181,7 +185,7 @@ pub(crate) fn bias_add_detached(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 /// The sums over the rows of `x` (all dimensions but the last), F32, in a
 /// fixed order: a bias gradient.
 pub(crate) fn col_sum(x: &Tensor) -> Result<Tensor> {
-    Ok(x.contiguous()?.apply_op1_no_bwd(&ops::ColSum)?)
+    Ok(x.contiguous()?.apply_op1_no_bwd(&pointwise::ColSum)?)
 }
 
 /// The transpose of a 2-D tensor, contiguous: a tiled kernel for 1- and
@@ -200,7 +204,7 @@ pub(crate) fn transpose_2d(t: &Tensor) -> Result<Tensor> {
         });
     }
     if t.device().is_cuda() && matches!(t.dtype(), DType::U8 | DType::F16 | DType::BF16) {
-        return Ok(t.contiguous()?.apply_op1_no_bwd(&ops::Transpose2d)?);
+        return Ok(t.contiguous()?.apply_op1_no_bwd(&pointwise::Transpose2d)?);
     }
     Ok(t.t()?.contiguous()?)
 }

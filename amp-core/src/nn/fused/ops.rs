@@ -10,7 +10,7 @@ use candle_core::{
 use half::{bf16, f16};
 
 /// A contiguous float storage as f32 values.
-fn f32s(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
+pub(super) fn f32s(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
     let (a, b) = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("fused op: non-contiguous input".into()))?;
@@ -23,7 +23,7 @@ fn f32s(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
     })
 }
 
-fn u32s(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {
+pub(super) fn u32s(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {
     let (a, b) = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("fused op: non-contiguous targets".into()))?;
@@ -34,7 +34,7 @@ fn u32s(s: &CpuStorage, l: &Layout) -> Result<Vec<u32>> {
 }
 
 /// f32 values stored as `dtype`.
-fn store(v: Vec<f32>, dtype: DType) -> CpuStorage {
+pub(super) fn store(v: Vec<f32>, dtype: DType) -> CpuStorage {
     match dtype {
         DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
         DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
@@ -43,12 +43,12 @@ fn store(v: Vec<f32>, dtype: DType) -> CpuStorage {
     }
 }
 
-fn last_dim(l: &Layout) -> usize {
+pub(super) fn last_dim(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(1).max(1)
 }
 
 #[cfg(feature = "cuda")]
-fn wrap(e: crate::Error) -> candle_core::Error {
+pub(super) fn wrap(e: crate::Error) -> candle_core::Error {
     candle_core::Error::wrap(e)
 }
 
@@ -199,14 +199,20 @@ impl CustomOp3 for CrossEntropyBwd {
     }
 }
 
-/// LayerNorm of `(x, w, b)` over the last dimension (F32 `w`, `b`).
+/// LayerNorm of `(x, w, b)` over the last dimension (F32 `w`, `b`), or with
+/// `dx` its input gradient of `(x, w, dy)`.
 pub(super) struct LayerNormOp {
     pub eps: f32,
+    pub dx: bool,
 }
 
 impl CustomOp3 for LayerNormOp {
     fn name(&self) -> &'static str {
-        "amp_layer_norm"
+        if self.dx {
+            "amp_layer_norm_dx"
+        } else {
+            "amp_layer_norm"
+        }
     }
 
     fn cpu_fwd(
@@ -215,10 +221,15 @@ impl CustomOp3 for LayerNormOp {
         lx: &Layout,
         w: &CpuStorage,
         lw: &Layout,
-        b: &CpuStorage,
-        lb: &Layout,
+        third: &CpuStorage,
+        l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let v = cpu::layer_norm_fwd(&f32s(x, lx)?, &f32s(w, lw)?, &f32s(b, lb)?, self.eps);
+        let (x32, w32, t32) = (f32s(x, lx)?, f32s(w, lw)?, f32s(third, l3)?);
+        let v = if self.dx {
+            cpu::layer_norm_dx(&x32, &w32, &t32, self.eps)
+        } else {
+            cpu::layer_norm_fwd(&x32, &w32, &t32, self.eps)
+        };
         Ok((store(v, x.dtype()), lx.shape().clone()))
     }
 
@@ -229,10 +240,11 @@ impl CustomOp3 for LayerNormOp {
         lx: &Layout,
         w: &candle_core::CudaStorage,
         lw: &Layout,
-        b: &candle_core::CudaStorage,
-        lb: &Layout,
+        third: &candle_core::CudaStorage,
+        l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::layer_norm_fwd(x, lx, w, lw, b, lb, self.eps).map_err(wrap)?;
+        let out = crate::cuda::nn::layer_norm((x, lx), (w, lw), (third, l3), self.eps, self.dx)
+            .map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
 
@@ -245,47 +257,13 @@ impl CustomOp3 for LayerNormOp {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
-        let dx = x.apply_op3_no_bwd(w, &dy, &LayerNormDx { eps: self.eps })?;
+        let op = LayerNormOp {
+            eps: self.eps,
+            dx: true,
+        };
+        let dx = x.apply_op3_no_bwd(w, &dy, &op)?;
         let dwdb = x.apply_op2_no_bwd(&dy, &LayerNormDwDb { eps: self.eps })?;
         Ok((Some(dx), Some(dwdb.get(0)?), Some(dwdb.get(1)?)))
-    }
-}
-
-/// LayerNorm's input gradient of `(x, w, dy)`.
-struct LayerNormDx {
-    eps: f32,
-}
-
-impl CustomOp3 for LayerNormDx {
-    fn name(&self) -> &'static str {
-        "amp_layer_norm_dx"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-        g: &CpuStorage,
-        lg: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let v = cpu::layer_norm_dx(&f32s(x, lx)?, &f32s(w, lw)?, &f32s(g, lg)?, self.eps);
-        Ok((store(v, x.dtype()), lx.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        w: &candle_core::CudaStorage,
-        lw: &Layout,
-        g: &candle_core::CudaStorage,
-        lg: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::layer_norm_dx(x, lx, w, lw, g, lg, self.eps).map_err(wrap)?;
-        Ok((out, lx.shape().clone()))
     }
 }
 
@@ -321,171 +299,5 @@ impl CustomOp2 for LayerNormDwDb {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let out = crate::cuda::nn::layer_norm_dwdb(x, lx, g, lg, self.eps).map_err(wrap)?;
         Ok((out, Shape::from((2, last_dim(lx)))))
-    }
-}
-
-/// GELU, tanh form.
-pub(super) struct Gelu;
-
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "amp_gelu"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let v = f32s(x, l)?.into_iter().map(cpu::gelu).collect();
-        Ok((store(v, x.dtype()), l.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::gelu(x, l, None).map_err(wrap)?;
-        Ok((out, l.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&dy.contiguous()?, &GeluBwd)?))
-    }
-}
-
-/// `dy * gelu'(x)` of `(x, dy)`.
-struct GeluBwd;
-
-impl CustomOp2 for GeluBwd {
-    fn name(&self) -> &'static str {
-        "amp_gelu_bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        g: &CpuStorage,
-        lg: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let v = f32s(x, lx)?
-            .into_iter()
-            .zip(f32s(g, lg)?)
-            .map(|(x, g)| g * cpu::gelu_grad(x))
-            .collect();
-        Ok((store(v, x.dtype()), lx.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        g: &candle_core::CudaStorage,
-        lg: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::gelu(x, lx, Some((g, lg))).map_err(wrap)?;
-        Ok((out, lx.shape().clone()))
-    }
-}
-
-/// The transpose of a 2-D tensor of codes (CUDA only; the CPU uses
-/// candle's copy).
-pub(super) struct Transpose2d;
-
-impl CustomOp1 for Transpose2d {
-    fn name(&self) -> &'static str {
-        "amp_transpose_2d"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("amp_transpose_2d: CUDA only")
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (rows, cols) = l.shape().dims2()?;
-        let out = crate::cuda::nn::transpose_2d(s, l).map_err(wrap)?;
-        Ok((out, Shape::from((cols, rows))))
-    }
-}
-
-/// `x + b` over the rows of `x` (F32 `b`); backward: `dy`, and the column
-/// sums of `dy` for `b`.
-pub(super) struct BiasAdd;
-
-impl CustomOp2 for BiasAdd {
-    fn name(&self) -> &'static str {
-        "amp_bias_add"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        b: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let b = f32s(b, lb)?;
-        let mut v = f32s(x, lx)?;
-        for row in v.chunks_mut(b.len().max(1)) {
-            row.iter_mut().zip(&b).for_each(|(y, b)| *y += b);
-        }
-        Ok((store(v, x.dtype()), lx.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        b: &candle_core::CudaStorage,
-        lb: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::bias_add(x, lx, b, lb).map_err(wrap)?;
-        Ok((out, lx.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dy = dy.contiguous()?;
-        let db = dy.apply_op1_no_bwd(&ColSum)?.reshape(b.shape())?;
-        Ok((Some(dy), Some(db)))
-    }
-}
-
-/// The sums over the rows (all dimensions but the last), F32.
-pub(super) struct ColSum;
-
-impl CustomOp1 for ColSum {
-    fn name(&self) -> &'static str {
-        "amp_col_sum"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let cols = last_dim(l);
-        let mut out = vec![0f32; cols];
-        for row in f32s(x, l)?.chunks(cols) {
-            out.iter_mut().zip(row).for_each(|(o, v)| *o += v);
-        }
-        Ok((CpuStorage::F32(out), Shape::from(cols)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::col_sum(x, l).map_err(wrap)?;
-        Ok((out, Shape::from(last_dim(l))))
     }
 }

@@ -1,0 +1,156 @@
+//! Launches of the layout kernels (`kernels/nn.cu`): the 2-D transpose of
+//! FP8 or FP16 operands, and the attention's rows-to-heads and
+//! heads-to-rows moves with their BF16 conversion.
+
+use super::launch::{aligned, grid, nn_func, view};
+use super::nn::{cols_i32, store, suffix, with_float};
+use crate::error::{Error, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaStorage, WrapErr};
+use candle_core::{DType, Layout};
+
+/// The transpose of a contiguous 2-D tensor of 1- or 2-byte elements.
+pub(crate) fn transpose_2d(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    const OP: &str = "transpose_2d";
+    let dev = s.device().clone();
+    let (rows, cols) = l.shape().dims2()?;
+    let (r, c) = (cols_i32(OP, rows)?, cols_i32(OP, cols)?);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            cols.div_ceil(32).max(1) as u32,
+            rows.div_ceil(32).max(1) as u32,
+            1,
+        ),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    macro_rules! go {
+        ($t:ty, $name:expr) => {{
+            let v = view::<$t>(OP, s, l)?;
+            // SAFETY: every element is written.
+            let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
+            let f = nn_func(&dev, $name)?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&v).arg(&mut out).arg(&r).arg(&c);
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(store(out, &dev))
+        }};
+    }
+    match s.dtype() {
+        DType::U8 => go!(u8, "transpose_u8"),
+        DType::F16 => go!(half::f16, "transpose_u16"),
+        DType::BF16 => go!(half::bf16, "transpose_u16"),
+        got => Err(Error::DType {
+            op: OP,
+            expected: "U8, F16 or BF16",
+            got,
+        }),
+    }
+}
+
+/// An attention layout: rows `[b, t, s, h, d]` (`s` parts side by side)
+/// and heads `[b, h, t, d]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Heads {
+    pub b: usize,
+    pub t: usize,
+    pub s: usize,
+    pub h: usize,
+    pub d: usize,
+}
+
+impl Heads {
+    fn args(&self, op: &'static str) -> Result<[i32; 5]> {
+        Ok([
+            cols_i32(op, self.b)?,
+            cols_i32(op, self.t)?,
+            cols_i32(op, self.s)?,
+            cols_i32(op, self.h)?,
+            cols_i32(op, self.d)?,
+        ])
+    }
+
+    fn per_part(&self) -> usize {
+        self.b * self.h * self.t * self.d
+    }
+}
+
+/// Part `which` of the rows `src` as BF16 heads.
+pub(crate) fn rows_to_heads(
+    src: &CudaStorage,
+    l: &Layout,
+    hl: Heads,
+    which: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "rows_to_heads";
+    let dev = src.device().clone();
+    let a = hl.args(OP)?;
+    let w = cols_i32(OP, which)?;
+    let n = hl.per_part();
+    let stream = dev.cuda_stream();
+    with_float!(OP, src, |T| {
+        let sv = view::<T>(OP, src, l)?;
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<half::bf16>(n)? };
+        let vec = i32::from(hl.d % 8 == 0 && aligned(&sv, &dev));
+        let f = nn_func(&dev, &format!("rows_to_heads_{}", suffix(src.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&sv).arg(&mut out);
+        for v in &a {
+            b.arg(v);
+        }
+        b.arg(&w).arg(&vec);
+        unsafe { b.launch(grid(if vec != 0 { n / 8 } else { n })) }.w()?;
+        Ok(store(out, &dev))
+    })
+}
+
+/// BF16 heads, one per part, into rows of `dtype` (F32 or BF16).
+pub(crate) fn heads_to_rows(
+    parts: &[(&CudaStorage, &Layout)],
+    hl: Heads,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    const OP: &str = "heads_to_rows";
+    let Some((first, _)) = parts.first() else {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: "no parts".into(),
+        });
+    };
+    let dev = first.device().clone();
+    let a = hl.args(OP)?;
+    let n = hl.per_part();
+    let stream = dev.cuda_stream();
+    macro_rules! go {
+        ($t:ty) => {{
+            // SAFETY: the parts together write every element.
+            let mut out = unsafe { dev.alloc::<$t>(n * parts.len())? };
+            for (which, (p, lp)) in parts.iter().enumerate() {
+                let pv = view::<half::bf16>(OP, p, lp)?;
+                let vec = i32::from(hl.d % 8 == 0 && aligned(&pv, &dev));
+                let f = nn_func(&dev, &format!("heads_to_rows_{}", suffix(dtype)))?;
+                let w = cols_i32(OP, which)?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&pv).arg(&mut out);
+                for v in &a {
+                    b.arg(v);
+                }
+                b.arg(&w).arg(&vec);
+                unsafe { b.launch(grid(if vec != 0 { n / 8 } else { n })) }.w()?;
+            }
+            Ok(store(out, &dev))
+        }};
+    }
+    match dtype {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(half::bf16),
+        got => Err(Error::DType {
+            op: OP,
+            expected: "F32 or BF16",
+            got,
+        }),
+    }
+}
