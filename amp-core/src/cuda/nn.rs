@@ -300,71 +300,10 @@ pub(crate) fn layer_norm_dwdb(
 }
 
 /// Row chunks of the column-sum partials: `(chunks, rows per chunk)`.
-fn chunking(rows: usize) -> (usize, usize) {
+pub(super) fn chunking(rows: usize) -> (usize, usize) {
     let chunks = LN_CHUNKS.min(rows.max(1));
     let per_chunk = rows.div_ceil(chunks).max(1);
     (rows.div_ceil(per_chunk).max(1), per_chunk)
-}
-
-/// `x + b` with `b` (F32) broadcast over the rows of `x`.
-pub(crate) fn bias_add(
-    x: &CudaStorage,
-    lx: &Layout,
-    bias: &CudaStorage,
-    lb: &Layout,
-) -> Result<CudaStorage> {
-    const OP: &str = "bias_add";
-    let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1).max(1);
-    let n = lx.shape().elem_count();
-    let c = cols_i32(OP, cols)?;
-    let bv = view::<f32>(OP, bias, lb)?;
-    let stream = dev.cuda_stream();
-    with_float!(OP, x, |T| {
-        let xv = view::<T>(OP, x, lx)?;
-        let pack = 16 / std::mem::size_of::<T>();
-        // SAFETY: every element is written.
-        let mut out = unsafe { dev.alloc::<T>(n)? };
-        let vec = vec_ok(cols, &[&xv], &dev);
-        let f = nn_func(&dev, &format!("bias_add_{}", suffix(x.dtype())))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv).arg(&bv).arg(&mut out).arg(&n).arg(&c).arg(&vec);
-        unsafe { b.launch(grid(n.div_ceil(pack))) }.w()?;
-        Ok(store(out, &dev))
-    })
-}
-
-/// The sums over the rows of `x`, F32 `[cols]`, in a fixed order.
-pub(crate) fn col_sum(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
-    const OP: &str = "col_sum";
-    let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1).max(1);
-    let rows = lx.shape().elem_count() / cols;
-    let c = cols_i32(OP, cols)?;
-    let (chunks, per_chunk) = chunking(rows);
-    let chunks_i = chunks as i32;
-    let stream = dev.cuda_stream();
-    // SAFETY: every element of each is written by the kernel that fills it.
-    let mut part = unsafe { dev.alloc::<f32>(chunks * cols)? };
-    let mut out = unsafe { dev.alloc::<f32>(cols)? };
-    with_float!(OP, x, |T| {
-        let xv = view::<T>(OP, x, lx)?;
-        let f = nn_func(&dev, &format!("col_sum_part_{}", suffix(x.dtype())))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv).arg(&mut part).arg(&rows).arg(&c).arg(&per_chunk);
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
-        Ok::<_, Error>(())
-    })?;
-    let f = nn_func(&dev, "col_sum_final")?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&part).arg(&mut out).arg(&c).arg(&chunks_i);
-    unsafe { b.launch(grid(cols)) }.w()?;
-    Ok(store(out, &dev))
 }
 
 /// GELU (tanh form) of `x`, or with `dy` its backward `dy * gelu'(x)`.

@@ -1,14 +1,76 @@
-//! Launches of the layout kernels (`kernels/nn.cu`): the 2-D transpose of
-//! FP8 or FP16 operands, and the attention's rows-to-heads and
-//! heads-to-rows moves with their BF16 conversion.
+//! Launches of the row and layout kernels (`kernels/nn.cu`): the bias add
+//! and its column sums, the 2-D transpose of FP8 or FP16 operands, and
+//! the attention's rows-to-heads and heads-to-rows moves with their BF16
+//! conversion.
 
 use super::launch::{aligned, grid, nn_func, view};
-use super::nn::{cols_i32, store, suffix, with_float};
+use super::nn::{chunking, cols_i32, store, suffix, vec_ok, with_float};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
+
+/// `x + b` with `b` (F32) broadcast over the rows of `x`.
+pub(crate) fn bias_add(
+    x: &CudaStorage,
+    lx: &Layout,
+    bias: &CudaStorage,
+    lb: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "bias_add";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1).max(1);
+    let n = lx.shape().elem_count();
+    let c = cols_i32(OP, cols)?;
+    let bv = view::<f32>(OP, bias, lb)?;
+    let stream = dev.cuda_stream();
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let pack = 16 / std::mem::size_of::<T>();
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(n)? };
+        let vec = vec_ok(cols, &[&xv], &dev);
+        let f = nn_func(&dev, &format!("bias_add_{}", suffix(x.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&bv).arg(&mut out).arg(&n).arg(&c).arg(&vec);
+        unsafe { b.launch(grid(n.div_ceil(pack))) }.w()?;
+        Ok(store(out, &dev))
+    })
+}
+
+/// The sums over the rows of `x`, F32 `[cols]`, in a fixed order.
+pub(crate) fn col_sum(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
+    const OP: &str = "col_sum";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1).max(1);
+    let rows = lx.shape().elem_count() / cols;
+    let c = cols_i32(OP, cols)?;
+    let (chunks, per_chunk) = chunking(rows);
+    let chunks_i = chunks as i32;
+    let stream = dev.cuda_stream();
+    // SAFETY: every element of each is written by the kernel that fills it.
+    let mut part = unsafe { dev.alloc::<f32>(chunks * cols)? };
+    let mut out = unsafe { dev.alloc::<f32>(cols)? };
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let f = nn_func(&dev, &format!("col_sum_part_{}", suffix(x.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&mut part).arg(&rows).arg(&c).arg(&per_chunk);
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        Ok::<_, Error>(())
+    })?;
+    let f = nn_func(&dev, "col_sum_final")?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&part).arg(&mut out).arg(&c).arg(&chunks_i);
+    unsafe { b.launch(grid(cols)) }.w()?;
+    Ok(store(out, &dev))
+}
 
 /// The transpose of a contiguous 2-D tensor of 1- or 2-byte elements.
 pub(crate) fn transpose_2d(s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {

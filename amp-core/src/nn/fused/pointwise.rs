@@ -130,7 +130,7 @@ impl CustomOp2 for BiasAdd {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::bias_add(x, lx, b, lb).map_err(wrap)?;
+        let out = crate::cuda::nn_layout::bias_add(x, lx, b, lb).map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
 
@@ -170,7 +170,7 @@ impl CustomOp1 for ColSum {
         x: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::col_sum(x, l).map_err(wrap)?;
+        let out = crate::cuda::nn_layout::col_sum(x, l).map_err(wrap)?;
         Ok((out, Shape::from(last_dim(l))))
     }
 }
