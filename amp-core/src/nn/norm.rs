@@ -62,7 +62,8 @@ impl LayerNorm {
                 self.eps as f32,
             )?);
         }
-        if self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32 {
+        let fused_dtype = matches!(x.dtype(), DType::F32 | DType::BF16) || !x.device().is_cuda();
+        if self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32 && fused_dtype {
             // one kernel forward, two backward (`fused::layer_norm`)
             return super::fused::layer_norm(x, &self.weight, &self.bias, self.eps);
         }
