@@ -203,7 +203,13 @@ pub(crate) fn transpose_2d(t: &Tensor) -> Result<Tensor> {
             got: t.shape().clone(),
         });
     }
-    if t.device().is_cuda() && matches!(t.dtype(), DType::U8 | DType::F16 | DType::BF16) {
+    // the kernel's grid has one row of 32 x 32 tiles per 32 rows: at most
+    // 65535 of them (2M rows); beyond that, candle's copy
+    let tiles_fit = t.dim(0)?.div_ceil(32) <= 65_535;
+    if t.device().is_cuda()
+        && tiles_fit
+        && matches!(t.dtype(), DType::U8 | DType::F16 | DType::BF16)
+    {
         return Ok(t.contiguous()?.apply_op1_no_bwd(&pointwise::Transpose2d)?);
     }
     Ok(t.t()?.contiguous()?)
