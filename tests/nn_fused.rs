@@ -80,6 +80,10 @@ fn cross_entropy_refuses_bad_input_and_keeps_nan() -> R<()> {
     );
     let tf = Tensor::new(&[0f32, 1.0, 2.0, 3.0], &Device::Cpu)?;
     assert!(fused::cross_entropy(&x, &tf).is_err(), "float targets");
+    // no rows: an error, not a NaN or an out-of-bounds read
+    let empty = Tensor::zeros((0, 10), DType::F32, &Device::Cpu)?;
+    let none = Tensor::zeros(0, DType::U32, &Device::Cpu)?;
+    assert!(fused::cross_entropy(&empty, &none).is_err(), "no rows");
     // integer targets of other dtypes are taken
     let t8 = Tensor::new(&[0u8, 1, 2, 3], &Device::Cpu)?;
     assert!(fused::cross_entropy(&x, &t8)?
@@ -235,6 +239,30 @@ fn attention_from_fused_projection_matches_split_heads() -> R<()> {
     assert!(
         fused::causal_attention_qkv(&qkv.flatten_all()?, 3).is_err(),
         "rank 1"
+    );
+    Ok(())
+}
+
+#[test]
+fn bias_add_sums_the_bias_gradient_over_rows() -> R<()> {
+    let x = Var::from_tensor(&randn(&[2, 3, 5], 31)?)?;
+    let b = Var::from_tensor(&randn(&[5], 32)?)?;
+    let y = fused::bias_add(&x, &b)?;
+    assert!(rel(&y, &x.broadcast_add(&b)?)? < 1e-7);
+    let r = randn(&[2, 3, 5], 33)?;
+    let g = (&y * &r)?.sum_all()?.backward()?;
+    assert!(
+        rel(&grad(&g, &b)?, &r.sum((0, 1))?)? < 1e-6,
+        "db = column sums"
+    );
+    assert!(rel(&grad(&g, &x)?, &r)? < 1e-7, "dx = dy");
+    // F64 keeps its precision (candle's path)
+    let x64 = randn(&[2, 5], 34)?.to_dtype(DType::F64)?;
+    let y64 = fused::bias_add(&(&x64 + 1e-12)?, &b)?;
+    assert_eq!(y64.dtype(), DType::F64);
+    assert!(
+        fused::bias_add(&x, &randn(&[4], 1)?).is_err(),
+        "width 5 vs 4"
     );
     Ok(())
 }

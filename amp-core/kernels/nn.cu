@@ -353,15 +353,15 @@ __device__ void layer_norm_dwdb_part_impl(const T* __restrict__ x, const T* __re
 // out[0..cols] = dw, out[cols..2 cols] = db: the chunks' partials in order.
 extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, float* __restrict__ out,
                                                int cols, int chunks) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cols) return;
-    float aw = 0.0f, ab = 0.0f;
-    for (int k = 0; k < chunks; ++k) {
-        aw += part[(2 * (size_t)k) * cols + c];
-        ab += part[(2 * (size_t)k + 1) * cols + c];
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float aw = 0.0f, ab = 0.0f;
+        for (int k = 0; k < chunks; ++k) {
+            aw += part[(2 * (size_t)k) * cols + c];
+            ab += part[(2 * (size_t)k + 1) * cols + c];
+        }
+        out[c] = aw;
+        out[cols + c] = ab;
     }
-    out[c] = aw;
-    out[cols + c] = ab;
 }
 
 // ---------------------------------------------------------------------------
@@ -455,11 +455,11 @@ __device__ void col_sum_part_impl(const T* __restrict__ x, float* __restrict__ p
 
 extern "C" __global__ void col_sum_final(const float* __restrict__ part, float* __restrict__ out, int cols,
                                          int chunks) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cols) return;
-    float a = 0.0f;
-    for (int k = 0; k < chunks; ++k) a += part[(size_t)k * cols + c];
-    out[c] = a;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float a = 0.0f;
+        for (int k = 0; k < chunks; ++k) a += part[(size_t)k * cols + c];
+        out[c] = a;
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -340,11 +340,13 @@ impl LowBitAdamW {
             sums.push((part, total));
         }
         let (mut sum_sq, mut part_sq) = (0f64, 0f64);
+        let values = read_all(&sums, &amaxes)?;
+        let (totals, amax) = values.split_at(sums.len());
         // in parameter order, as the sums were taken
-        for ((part, _), v) in sums.iter().zip(read_all::<f64>(&sums)?) {
+        for ((part, _), v) in sums.iter().zip(totals) {
             *if *part { &mut part_sq } else { &mut sum_sq } += v;
         }
-        for ((part, _), a) in amaxes.iter().zip(read_all::<f32>(&amaxes)?) {
+        for ((part, _), a) in amaxes.iter().zip(amax) {
             if !a.is_finite() {
                 *if *part { &mut part_sq } else { &mut sum_sq } = f64::INFINITY;
             }
@@ -377,11 +379,15 @@ impl LowBitAdamW {
     }
 }
 
-/// The one-element tensors of `items`, read to the host in one copy.
-fn read_all<T: candle_core::WithDType>(items: &[(bool, Tensor)]) -> Result<Vec<T>> {
-    if items.is_empty() {
+/// The one-element sums, then the amaxes (as F64, exactly), read to the
+/// host in one copy.
+fn read_all(sums: &[(bool, Tensor)], amaxes: &[(bool, Tensor)]) -> Result<Vec<f64>> {
+    let mut all: Vec<Tensor> = sums.iter().map(|(_, t)| t.clone()).collect();
+    for (_, a) in amaxes {
+        all.push(a.to_dtype(candle_core::DType::F64)?);
+    }
+    if all.is_empty() {
         return Ok(Vec::new());
     }
-    let all: Vec<&Tensor> = items.iter().map(|(_, t)| t).collect();
-    Ok(Tensor::cat(&all, 0)?.to_vec1::<T>()?)
+    Ok(Tensor::cat(&all, 0)?.to_vec1::<f64>()?)
 }

@@ -21,7 +21,7 @@ impl Qkv {
     /// (the BF16 conversion in the same pass), candle's ops elsewhere.
     pub(super) fn split(&self, x: &Tensor, compute: DType) -> candle_core::Result<[Tensor; 3]> {
         let x = x.detach();
-        if x.device().is_cuda() && compute == DType::BF16 {
+        if kernels(&x, compute) {
             let x = x.contiguous()?;
             let part = |which| {
                 x.apply_op1_no_bwd(&Layouts {
@@ -41,7 +41,7 @@ impl Qkv {
 
     /// Rows `[b, t, heads * hd]` to heads of the compute dtype.
     pub(super) fn heads(&self, x: &Tensor, compute: DType) -> candle_core::Result<Tensor> {
-        if x.device().is_cuda() && compute == DType::BF16 {
+        if kernels(x, compute) {
             return x.contiguous()?.apply_op1_no_bwd(&Layouts {
                 qkv: *self,
                 s: 1,
@@ -88,6 +88,11 @@ impl Qkv {
             d: self.hd,
         }
     }
+}
+
+/// Whether the layout kernels take `x` (CUDA, F32 or BF16 rows, BF16 heads).
+fn kernels(x: &Tensor, compute: DType) -> bool {
+    x.device().is_cuda() && compute == DType::BF16 && matches!(x.dtype(), DType::F32 | DType::BF16)
 }
 
 /// Part `which` of `s` side by side, rows to BF16 heads (CUDA).

@@ -7,7 +7,10 @@
 //! Each op here is one kernel forward and one or two backward, on the CPU
 //! (`cpu.rs`, the reference) and on CUDA (`kernels/nn.cu`). Sums are in
 //! F32 on both; CPU and CUDA agree to rounding (their `exp`, `ln` and
-//! `tanh` differ in the last bit), not bit for bit as the casts do.
+//! `tanh` differ in the last bit), not bit for bit as the casts do. NaN
+//! propagates alike; a +inf score or logit gives a non-finite result on
+//! both, though not always the same one (NaN on the CPU where CUDA's
+//! online max gives +inf or a NaN at that position only).
 //!
 //! ```
 //! use amp_core::nn::{causal_attention, cross_entropy, gelu};
@@ -66,6 +69,15 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         got: logits.shape().clone(),
     })?;
     float_dtype(OP, logits)?;
+    if rows == 0 || classes == 0 {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!(
+                "logits of shape {:?}: no rows or no classes",
+                logits.shape()
+            ),
+        });
+    }
     if targets.dims() != [rows] {
         return Err(Error::Shape {
             op: OP,
@@ -91,7 +103,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             })
         }
     };
-    if !targets.device().is_cuda() && rows > 0 {
+    if !targets.device().is_cuda() {
         let max = targets.max(0)?.to_scalar::<u32>()?;
         if max as usize >= classes {
             return Err(Error::Unsupported {
@@ -169,7 +181,9 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
             rhs: bias.shape().clone(),
         });
     }
-    if bias.dtype() != DType::F32 || float_dtype("bias_add", x).is_err() {
+    // F64 keeps candle's path (the fused pass sums in F32)
+    if bias.dtype() != DType::F32 || x.dtype() == DType::F64 || float_dtype("bias_add", x).is_err()
+    {
         return Ok(x.broadcast_add(&bias.to_dtype(x.dtype())?)?);
     }
     Ok(x.contiguous()?
@@ -185,7 +199,12 @@ pub(crate) fn bias_add_detached(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 /// The sums over the rows of `x` (all dimensions but the last), F32, in a
 /// fixed order: a bias gradient.
 pub(crate) fn col_sum(x: &Tensor) -> Result<Tensor> {
-    Ok(x.contiguous()?.apply_op1_no_bwd(&pointwise::ColSum)?)
+    let x = match x.dtype() {
+        DType::F32 | DType::BF16 => x.contiguous()?,
+        // the CUDA kernel reads F32 or BF16
+        _ => x.to_dtype(DType::F32)?.contiguous()?,
+    };
+    Ok(x.apply_op1_no_bwd(&pointwise::ColSum)?)
 }
 
 /// The transpose of a 2-D tensor, contiguous: a tiled kernel for 1- and
