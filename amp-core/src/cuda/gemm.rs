@@ -21,8 +21,8 @@
 //!   cached; the 32 MiB workspace is allocated once per device.
 //! - Output buffers come from the stream-ordered pool; creating a context
 //!   raises the default pool's release threshold (see
-//!   [`keep_freed_memory`]) so freed outputs are reused instead of being
-//!   unmapped at every synchronize.
+//!   [`keep_freed_memory`](super::keep_freed_memory)) so freed outputs are
+//!   reused instead of being unmapped at every synchronize.
 
 use crate::error::{Error, Result};
 use crate::format::Fp8Format;
@@ -50,127 +50,6 @@ fn lt_err(what: &str, e: impl std::fmt::Debug) -> Error {
         op: OP,
         what: format!("cuBLASLt {what}: {e:?}"),
     }
-}
-
-/// Sets the release threshold of the device's default stream-ordered memory
-/// pool: memory freed to the pool above this many bytes goes back to the
-/// driver at the next synchronization. CUDA's default is 0, which makes every
-/// synchronized step map its outputs again; `u64::MAX` keeps them pooled (as
-/// PyTorch's caching allocator does).
-///
-/// # Errors
-/// [`Error::UnsupportedDevice`] off CUDA; driver errors.
-pub fn set_pool_release_threshold(device: &Device, bytes: u64) -> Result<()> {
-    let Device::Cuda(dev) = device else {
-        return Err(Error::UnsupportedDevice {
-            op: "set_pool_release_threshold",
-            device: device.location(),
-        });
-    };
-    set_threshold(dev, bytes)
-}
-
-/// [`set_pool_release_threshold`] with `u64::MAX`: freed device memory stays
-/// in the pool for reuse.
-///
-/// # Errors
-/// As [`set_pool_release_threshold`].
-pub fn keep_freed_memory(device: &Device) -> Result<()> {
-    set_pool_release_threshold(device, u64::MAX)
-}
-
-fn set_threshold(dev: &CudaDevice, mut bytes: u64) -> Result<()> {
-    use driver::sys as dsys;
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().w()?;
-    let mut pool: dsys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: plain driver calls with valid out-pointers on a bound context.
-    unsafe {
-        dsys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-            .result()
-            .w()?;
-        dsys::cuMemPoolSetAttribute(
-            pool,
-            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            &mut bytes as *mut u64 as *mut c_void,
-        )
-        .result()
-        .w()?;
-    }
-    Ok(())
-}
-
-/// High-water marks of the device's default memory pool (the one cudarc's
-/// stream-ordered allocations, and so every candle tensor, come from):
-/// `(used, reserved)` bytes since the pool was created or since the last
-/// [`reset_pool_peaks`]. Memory outside the pool (cuBLAS/cuBLASLt
-/// workspaces, the CUDA context, module images) is not counted.
-///
-/// # Errors
-/// [`Error::UnsupportedDevice`] off CUDA; driver errors.
-pub fn pool_peaks(device: &Device) -> Result<(u64, u64)> {
-    use driver::sys as dsys;
-    let pool = default_pool(device, "pool_peaks")?;
-    let (mut used, mut reserved) = (0u64, 0u64);
-    // SAFETY: valid pool, out-pointers to u64 (the attributes' type).
-    unsafe {
-        dsys::cuMemPoolGetAttribute(
-            pool,
-            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-            &mut used as *mut u64 as *mut c_void,
-        )
-        .result()
-        .w()?;
-        dsys::cuMemPoolGetAttribute(
-            pool,
-            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-            &mut reserved as *mut u64 as *mut c_void,
-        )
-        .result()
-        .w()?;
-    }
-    Ok((used, reserved))
-}
-
-/// Resets the high-water marks of [`pool_peaks`] to the current use.
-///
-/// # Errors
-/// As [`pool_peaks`].
-pub fn reset_pool_peaks(device: &Device) -> Result<()> {
-    use driver::sys as dsys;
-    let pool = default_pool(device, "reset_pool_peaks")?;
-    let mut zero = 0u64;
-    // SAFETY: valid pool; the driver only accepts 0 for these attributes.
-    unsafe {
-        for attr in [
-            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-            dsys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-        ] {
-            dsys::cuMemPoolSetAttribute(pool, attr, &mut zero as *mut u64 as *mut c_void)
-                .result()
-                .w()?;
-        }
-    }
-    Ok(())
-}
-
-fn default_pool(device: &Device, op: &'static str) -> Result<driver::sys::CUmemoryPool> {
-    let Device::Cuda(dev) = device else {
-        return Err(Error::UnsupportedDevice {
-            op,
-            device: device.location(),
-        });
-    };
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().w()?;
-    let mut pool: driver::sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer on a bound context.
-    unsafe {
-        driver::sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-            .result()
-            .w()?;
-    }
-    Ok(pool)
 }
 
 /// Descriptors and the chosen algorithm of one shape.
@@ -235,7 +114,7 @@ fn context(dev: &CudaDevice) -> Result<Arc<Mutex<LtContext>>> {
     }
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    set_threshold(dev, u64::MAX)?;
+    super::pool::set_threshold(dev, u64::MAX)?;
     let handle = lt::create_handle().map_err(|e| lt_err("create handle", e))?;
     let c = Arc::new(Mutex::new(LtContext {
         handle,

@@ -48,8 +48,9 @@ mod launch;
 mod meta;
 pub(crate) mod nn;
 pub(crate) mod nn_layout;
+mod pool;
 
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use gemm::fp8_gemm;
-pub use gemm::{keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold};
 pub(crate) use meta::{record_amax, scale_update};
+pub use pool::{keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold};

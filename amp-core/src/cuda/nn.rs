@@ -7,7 +7,7 @@ use super::launch::{aligned, grid, nn_func, view, THREADS};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
@@ -284,19 +284,38 @@ pub(crate) fn layer_norm_dwdb(
             .arg(&rows)
             .arg(&c);
         b.arg(&per_chunk);
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { b.launch(chunk_cfg(cols, chunks)) }.w()?;
         Ok::<_, Error>(())
     })?;
-    let f = nn_func(&dev, "layer_norm_dwdb_sum")?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&part).arg(&mut out).arg(&c).arg(&chunks_i);
-    unsafe { b.launch(grid(cols)) }.w()?;
+    sum_chunks(&dev, "layer_norm_dwdb_sum", &part, &mut out, c, chunks_i)?;
     Ok(store(out, &dev))
+}
+
+/// The partial-sum kernels' grid: 32 columns by one row chunk per block of
+/// (32, 8) threads.
+pub(super) fn chunk_cfg(cols: usize, chunks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The chunks' partials summed in order by `kernel` into `out`.
+pub(super) fn sum_chunks(
+    dev: &CudaDevice,
+    kernel: &str,
+    part: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    cols: i32,
+    chunks: i32,
+) -> Result<()> {
+    let f = nn_func(dev, kernel)?;
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
+    b.arg(part).arg(out).arg(&cols).arg(&chunks);
+    unsafe { b.launch(grid(cols as usize)) }.w()?;
+    Ok(())
 }
 
 /// Row chunks of the column-sum partials: `(chunks, rows per chunk)`.

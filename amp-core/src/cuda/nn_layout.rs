@@ -4,7 +4,7 @@
 //! conversion.
 
 use super::launch::{aligned, grid, nn_func, view};
-use super::nn::{chunking, cols_i32, store, suffix, vec_ok, with_float};
+use super::nn::{chunk_cfg, chunking, cols_i32, store, suffix, sum_chunks, vec_ok, with_float};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -57,18 +57,10 @@ pub(crate) fn col_sum(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
         let f = nn_func(&dev, &format!("col_sum_part_{}", suffix(x.dtype())))?;
         let mut b = stream.launch_builder(&f);
         b.arg(&xv).arg(&mut part).arg(&rows).arg(&c).arg(&per_chunk);
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { b.launch(chunk_cfg(cols, chunks)) }.w()?;
         Ok::<_, Error>(())
     })?;
-    let f = nn_func(&dev, "col_sum_final")?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&part).arg(&mut out).arg(&c).arg(&chunks_i);
-    unsafe { b.launch(grid(cols)) }.w()?;
+    sum_chunks(&dev, "col_sum_final", &part, &mut out, c, chunks_i)?;
     Ok(store(out, &dev))
 }
 
