@@ -326,6 +326,36 @@ fn clipping_uses_the_global_norm_over_mixed_storages() {
 }
 
 #[test]
+fn the_norm_of_a_tensor_of_many_summation_groups_matches_float64() {
+    // 3 groups of 256 blocks of 2048 and a partial block: every level of
+    // the sum's order (lanes, blocks, groups, the total) runs.
+    let n = 2 * 256 * 2048 + 7 * 2048 + 333;
+    let g: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+        .collect();
+    let want = g
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt();
+    let w = slot("F32", &Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap());
+    let cfg = LowBitAdamWConfig {
+        max_grad_norm: Some(1.0),
+        ..Default::default()
+    };
+    let mut opt = LowBitAdamW::new(vec![("w".into(), w)], cfg).unwrap();
+    let mut grads = Grads::new();
+    grads.insert("w", Grad::F32(t(g, &[n])));
+    let StepOutcome::Applied { grad_norm } = opt.step(&grads).unwrap() else {
+        panic!("skipped")
+    };
+    assert!(
+        (grad_norm - want).abs() <= 1e-6 * want,
+        "{grad_norm} vs {want}"
+    );
+}
+
+#[test]
 fn bad_gradients_and_params_are_named_errors() {
     let s = slot(
         "F16",

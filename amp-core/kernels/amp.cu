@@ -305,30 +305,57 @@ __device__ __forceinline__ void load_codes(const typename Fmt<FMT>::code_t* q, s
 }
 
 // ------------------------------------------------------------- dequantize --
-// `vec`: codes and output 16-byte aligned (16 codes per thread step).
+// The vector path moves one 16-byte output word per thread and unit: P
+// outputs from P codes, so consecutive threads write consecutive words and
+// read consecutive code words (each warp-wide load and store is one
+// contiguous span: a thread writing 64 bytes as four strided 16-byte stores,
+// as an earlier version did, leaves every store instruction a quarter of
+// each sector and ran at half the copy bandwidth). U units are loaded
+// before any is decoded, so U loads per thread are in flight.
+template <int BYTES> struct Raw;
+template <> struct Raw<2> { typedef unsigned short t; };
+template <> struct Raw<4> { typedef unsigned int t; };
+template <> struct Raw<8> { typedef uint2 t; };
+template <> struct Raw<16> { typedef uint4 t; };
+
+// P = 16 / sizeof(O) codes (one raw word) -> one 16-byte word of outputs.
+template <int FMT, typename O, typename R>
+__device__ __forceinline__ uint4 decode_word(R r, float scale_inv) {
+    typedef typename Fmt<FMT>::code_t C;
+    constexpr int P = 16 / sizeof(O);
+    const C* cs = reinterpret_cast<const C*>(&r);
+    __align__(16) O o[P];
+#pragma unroll
+    for (int j = 0; j < P; j++) store(o + j, Fmt<FMT>::decode(cs[j]) * scale_inv);
+    return *reinterpret_cast<const uint4*>(o);
+}
+
+// `vec`: codes and output 16-byte aligned.
 template <int FMT, typename O>
 __device__ void dequantize_impl(const typename Fmt<FMT>::code_t* __restrict__ q,
                                 const float* __restrict__ scale_inv_p, O* __restrict__ out, size_t n, int vec) {
     typedef typename Fmt<FMT>::code_t C;
+    constexpr int P = 16 / sizeof(O);
+    constexpr int U = 4;
+    typedef typename Raw<P * sizeof(C)>::t R;
     const float scale_inv = *scale_inv_p;
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     size_t done = 0;
     if (vec) {
-        const size_t nv = n / VEC;
-        for (size_t i = tid; i < nv; i += stride) {
-            Codes16<FMT> in;
-            load_codes<FMT>(q, i, in);
-            const C* cs = reinterpret_cast<const C*>(in.w);
-            __align__(16) O o[VEC];
+        const size_t units = n / P;
+        const R* src = reinterpret_cast<const R*>(q);
+        uint4* dst = reinterpret_cast<uint4*>(out);
+        size_t u = tid;
+        for (; u + (U - 1) * stride < units; u += U * stride) {
+            R r[U];
 #pragma unroll
-            for (int j = 0; j < VEC; j++) store(o + j, Fmt<FMT>::decode(cs[j]) * scale_inv);
-            uint4* dst = reinterpret_cast<uint4*>(out + i * VEC);
-            const uint4* ow = reinterpret_cast<const uint4*>(o);
+            for (int k = 0; k < U; k++) r[k] = __ldcs(src + u + k * stride);
 #pragma unroll
-            for (int j = 0; j < (int)(sizeof(o) / 16); j++) __stcs(dst + j, ow[j]);
+            for (int k = 0; k < U; k++) __stcs(dst + u + k * stride, decode_word<FMT, O>(r[k], scale_inv));
         }
-        done = nv * VEC;
+        for (; u < units; u += stride) __stcs(dst + u, decode_word<FMT, O>(__ldcs(src + u), scale_inv));
+        done = units * P;
     }
     for (size_t i = done + tid; i < n; i += stride) store(out + i, Fmt<FMT>::decode(q[i]) * scale_inv);
 }
@@ -426,7 +453,7 @@ __device__ void requantize_impl(const typename Fmt<FROM>::code_t* __restrict__ q
 }
 
 #define DECODED_AMAX(FN, FMT)                                                                          \
-    extern "C" __global__ void decoded_amax_##FN(const Fmt<FMT>::code_t* q, const float* scale_inv,    \
+    extern "C" __global__ void __launch_bounds__(256, 8) decoded_amax_##FN(const Fmt<FMT>::code_t* q, const float* scale_inv,    \
                                                  size_t n, int vec, uint32_t* amax) {                  \
         decoded_amax_impl<FMT>(q, scale_inv, n, vec, amax);                                            \
     }
@@ -435,7 +462,7 @@ DECODED_AMAX(e5m2, 1)
 DECODED_AMAX(f16, 2)
 
 #define REQUANTIZE(FN, FROM, TN, TO)                                                                   \
-    extern "C" __global__ void requantize_##FN##_##TN(const Fmt<FROM>::code_t* q, const float* scale_inv, \
+    extern "C" __global__ void __launch_bounds__(256, 8) requantize_##FN##_##TN(const Fmt<FROM>::code_t* q, const float* scale_inv, \
                                                       const float* scale, Fmt<TO>::code_t* out, size_t n, \
                                                       int vec, uint32_t* amax, unsigned long long* counts) { \
         requantize_impl<FROM, TO>(q, scale_inv, scale, out, n, vec, amax, counts);                     \

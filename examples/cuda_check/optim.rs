@@ -166,6 +166,44 @@ pub fn check(dev: &Device) -> Result<bool> {
             }
         }
     }
+    ok &= many_groups(dev, &mut rng)?;
+    Ok(ok)
+}
+
+/// The sum of squares over several groups of 256 blocks (the check above
+/// has one): 4 groups and a partial block, F32 and E4M3 gradients; the
+/// step outcome carries the f64 norm, compared bit for bit.
+fn many_groups(dev: &Device, rng: &mut Rng) -> Result<bool> {
+    let n = 3 * 256 * 2048 + 5 * 2048 + 1001;
+    let mut ok = true;
+    for g8 in [false, true] {
+        let w = (Tensor::from_vec(rng.normal(n), n, &Device::Cpu)? * 0.05)?;
+        let (cpu_slot, gpu_slot) = weights(WeightKind::F16, &w, dev)?;
+        let cfg = LowBitAdamWConfig {
+            max_grad_norm: Some(1.0),
+            ..Default::default()
+        };
+        let mut cpu = LowBitAdamW::new(vec![("w".into(), cpu_slot)], cfg)?;
+        let mut gpu = LowBitAdamW::new(vec![("w".into(), gpu_slot)], cfg)?;
+        let g = Tensor::from_vec(rng.normal(n), n, &Device::Cpu)?;
+        let (gc, gg) = if g8 {
+            let q = quantize(&g, QType::E4M3)?;
+            (Grad::Scaled(q.clone()), Grad::Scaled(to_dev(&q, dev)?))
+        } else {
+            (Grad::F32(g.clone()), Grad::F32(g.to_device(dev)?))
+        };
+        let (mut a, mut b) = (Grads::new(), Grads::new());
+        a.insert("w", gc);
+        b.insert("w", gg);
+        let (oc, og) = (cpu.step(&a)?, gpu.step(&b)?);
+        let same_norm = format!("{oc:?}") == format!("{og:?}");
+        println!(
+            "  sum of squares over {n} elements ({} grad): cuda {og:?} cpu {oc:?}: {}",
+            if g8 { "E4M3" } else { "F32" },
+            if same_norm { "identical" } else { "DIFFERENT" }
+        );
+        ok &= same_norm;
+    }
     Ok(ok)
 }
 

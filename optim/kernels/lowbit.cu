@@ -12,14 +12,21 @@
 // these kernels run.
 //
 // The step is two launches (justification in optim/src/cuda.rs):
-//   lowbit_amax:  decode every stream, update in registers, fold the amax of
-//                 the new weight, m and v (bits of |x|, NaN above inf, as the
-//                 CPU's integer max); nothing is written but three atomics per
-//                 block.
-//   lowbit_write: the scales from those amaxes (ScaleRule::PowerOfTwo, the
-//                 previous scale where the amax is 0 or not finite), then the
-//                 same update recomputed (same instructions, same bits) and
-//                 encoded; block 0 writes the new scales and amaxes.
+//   lowbit_step: decode every stream, update in registers, encode every
+//                output with its *expected* scale (the previous one: 1 /
+//                scale_inv of the input stream), and fold the amax of the
+//                new weight, m and v (bits of |x|, NaN above inf, as the
+//                CPU's integer max) into three atomics per block.
+//   lowbit_fix:  the final scales from those amaxes (ScaleRule::PowerOfTwo,
+//                the previous scale where the amax is 0 or not finite), as
+//                the CPU takes them; block 0 writes them. Where a final
+//                scale equals the expected one, pass 1 already wrote the
+//                right codes and every block returns at once; otherwise the
+//                same update is recomputed (same instructions, same bits)
+//                and only the streams whose scale moved are rewritten.
+// So the codes always come from the scale of the whole updated tensor's
+// amax, as on the CPU, and a step whose scales stay put reads and writes
+// each stream once.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
@@ -119,39 +126,184 @@ __device__ __forceinline__ void adam(const Adam& k, float& p, float g, float& m,
     p = __fadd_rn(p, __fmul_rn(-k.step_size, __fdiv_rn(m, denom)));
 }
 
+__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+// ------------------------------------------------------- vector groups --
+// G consecutive elements per thread and group: one 4-, 8- or 16-byte access
+// per stream (E4M3/E5M2, F16, F32), so consecutive threads touch
+// consecutive words and every warp-wide access is one contiguous span.
+#define G 4
+
+// Group gi of a stream as raw bits (the low bytes of the word).
+__device__ __forceinline__ uint4 load_raw(const void* p, int kind, size_t gi) {
+    uint4 r = make_uint4(0, 0, 0, 0);
+    switch (kind) {
+    case K_E4M3:
+    case K_E5M2: r.x = ((const uint32_t*)p)[gi]; break;
+    case K_F16: { const uint2 w = ((const uint2*)p)[gi]; r.x = w.x; r.y = w.y; break; }
+    default: r = ((const uint4*)p)[gi];
+    }
+    return r;
+}
+
+// The G values of a raw group, as `load` decodes each.
+__device__ __forceinline__ void decode_raw(uint4 r, int kind, float si, float x[G]) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        switch (kind) {
+        case K_E4M3: x[j] = __fmul_rn(decode_e4m3((uint8_t)(w[0] >> (8 * j))), si); break;
+        case K_E5M2: x[j] = __fmul_rn(decode_e5m2((uint8_t)(w[0] >> (8 * j))), si); break;
+        case K_F16: x[j] = __fmul_rn(decode_f16((uint16_t)(w[j >> 1] >> (16 * (j & 1)))), si); break;
+        default: x[j] = __uint_as_float(w[j]);
+        }
+    }
+}
+
+// Group gi of an output stream from G f32 values, as `store` encodes each.
+__device__ __forceinline__ void store_group(void* p, int kind, float scale, size_t gi, const float x[G]) {
+    __align__(16) uint8_t bytes[16];
+#pragma unroll
+    for (int j = 0; j < G; j++) store(bytes, kind, scale, j, x[j]);
+    switch (kind) {
+    case K_E4M3:
+    case K_E5M2: ((uint32_t*)p)[gi] = *(const uint32_t*)bytes; break;
+    case K_F16: ((uint2*)p)[gi] = *(const uint2*)bytes; break;
+    default: ((uint4*)p)[gi] = *(const uint4*)bytes;
+    }
+}
+
+// Raw groups of the four input streams.
+struct Raw4 { uint4 w, g, m, v; };
+
 struct Streams {
     const void *w, *g, *m, *v;
     const float *w_si, *g_si, *m_si, *v_si;
     int wk, gk, mk, vk;
 };
 
-__device__ __forceinline__ void element(const Streams& s, const Adam& k, float wsi, float gsi, float msi,
-                                        float vsi, size_t i, float& p, float& m, float& v) {
-    p = load(s.w, s.wk, wsi, i);
-    const float g = load(s.g, s.gk, gsi, i);
-    m = load(s.m, s.mk, msi, i);
-    v = load(s.v, s.vk, vsi, i);
-    adam(k, p, g, m, v);
+struct Outs {
+    void *w, *m, *v;
+    uint8_t* copy;  // E4M3 copy of the weight, or null
+    // scale, scale_inv and amax after the step of w, m, v and the copy (1
+    // element each; the copy's only with a copy)
+    float* meta[12];
+};
+
+// The scale each output is encoded with, and which outputs to write.
+struct Enc {
+    float w, m, v, copy;
+    bool ww, wm, wv, wc;
+};
+
+__device__ __forceinline__ Raw4 load_group(const Streams& s, size_t gi) {
+    return {load_raw(s.w, s.wk, gi), load_raw(s.g, s.gk, gi), load_raw(s.m, s.mk, gi), load_raw(s.v, s.vk, gi)};
 }
 
-__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
-
-// Pass 1: amax bits of the new weight, m and v into amax[0..3] (zeroed by
-// the caller).
-extern "C" __global__ void lowbit_amax(Streams s, Adam k, size_t n, uint32_t* amax) {
-    const float wsi = *s.w_si, gsi = *s.g_si, msi = *s.m_si, vsi = *s.v_si;
-    uint32_t wa = 0, ma = 0, va = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float p, m, v;
-        element(s, k, wsi, gsi, msi, vsi, i, p, m, v);
-        wa = max(wa, abs_bits(p));
-        ma = max(ma, abs_bits(m));
-        va = max(va, abs_bits(v));
+// Update one group from its raw inputs; write the outputs `e` selects; fold
+// the amaxes.
+__device__ __forceinline__ void update_group(const Streams& s, const Adam& k, const float si[4], const Raw4& r,
+                                             const Outs& o, const Enc& e, size_t gi, uint32_t& wa, uint32_t& ma,
+                                             uint32_t& va) {
+    float p[G], g[G], m[G], v[G];
+    decode_raw(r.w, s.wk, si[0], p);
+    decode_raw(r.g, s.gk, si[1], g);
+    decode_raw(r.m, s.mk, si[2], m);
+    decode_raw(r.v, s.vk, si[3], v);
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        adam(k, p[j], g[j], m[j], v[j]);
+        wa = max(wa, abs_bits(p[j]));
+        ma = max(ma, abs_bits(m[j]));
+        va = max(va, abs_bits(v[j]));
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        wa = max(wa, __shfl_xor_sync(0xFFFFFFFFu, wa, o));
-        ma = max(ma, __shfl_xor_sync(0xFFFFFFFFu, ma, o));
-        va = max(va, __shfl_xor_sync(0xFFFFFFFFu, va, o));
+    if (e.ww) store_group(o.w, s.wk, e.w, gi, p);
+    if (e.wm) store_group(o.m, s.mk, e.m, gi, m);
+    if (e.wv) store_group(o.v, s.vk, e.v, gi, v);
+    if (e.wc) store_group(o.copy, K_E4M3, e.copy, gi, p);
+}
+
+// Element i alone (the tail, and every element when a stream is not
+// aligned for the group accesses).
+__device__ __forceinline__ void update_one(const Streams& s, const Adam& k, const float si[4], const Outs& o,
+                                           const Enc& e, size_t i, uint32_t& wa, uint32_t& ma, uint32_t& va) {
+    float p = load(s.w, s.wk, si[0], i);
+    const float g = load(s.g, s.gk, si[1], i);
+    float m = load(s.m, s.mk, si[2], i);
+    float v = load(s.v, s.vk, si[3], i);
+    adam(k, p, g, m, v);
+    wa = max(wa, abs_bits(p));
+    ma = max(ma, abs_bits(m));
+    va = max(va, abs_bits(v));
+    if (e.ww) store(o.w, s.wk, e.w, i, p);
+    if (e.wm) store(o.m, s.mk, e.m, i, m);
+    if (e.wv) store(o.v, s.vk, e.v, i, v);
+    if (e.wc) store(o.copy, K_E4M3, e.copy, i, p);
+}
+
+// Every element once, F groups in flight per thread. `vec`: every stream
+// 16-byte aligned.
+template <int F>
+__device__ __forceinline__ void sweep(const Streams& s, const Adam& k, size_t n, int vec, const Outs& o,
+                                      const Enc& e, uint32_t& wa, uint32_t& ma, uint32_t& va) {
+    const float si[4] = {*s.w_si, *s.g_si, *s.m_si, *s.v_si};
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t groups = vec ? n / G : 0;
+    size_t gi = tid;
+    for (; gi + (F - 1) * stride < groups; gi += F * stride) {
+        Raw4 r[F];
+#pragma unroll
+        for (int f = 0; f < F; f++) r[f] = load_group(s, gi + f * stride);
+#pragma unroll
+        for (int f = 0; f < F; f++) update_group(s, k, si, r[f], o, e, gi + f * stride, wa, ma, va);
+    }
+    for (; gi < groups; gi += stride) update_group(s, k, si, load_group(s, gi), o, e, gi, wa, ma, va);
+    for (size_t i = groups * G + tid; i < n; i += stride) update_one(s, k, si, o, e, i, wa, ma, va);
+}
+
+// The stream kinds fixed at compile time (-1: the runtime kind), so the
+// kind switches fold and a raw group holds only the bytes of its kind.
+template <int WK, int GK, int MK, int VK>
+__device__ __forceinline__ Streams fixed(Streams s) {
+    if (WK >= 0) s.wk = WK;
+    if (GK >= 0) s.gk = GK;
+    if (MK >= 0) s.mk = MK;
+    if (VK >= 0) s.vk = VK;
+    return s;
+}
+
+// The scale of an output stream before the step: 1 for F32; 1 / scale_inv
+// (1 where scale_inv <= 0) otherwise, the fallback of out_scale.
+__device__ __forceinline__ float prev_scale(int kind, float si) {
+    if (kind == K_F32) return 1.0f;
+    return si > 0.0f ? __fdiv_rn(1.0f, si) : 1.0f;
+}
+
+// The scale of an output stream after the step, from its new amax.
+__device__ __forceinline__ float out_scale(int kind, float amax, float prev_si) {
+    if (kind == K_F32) return 1.0f;
+    return pow2_scale(amax, prev_scale(kind, prev_si), kind_max(kind));
+}
+
+// Pass 1: encode with the expected scales, amax bits into amax[0..3]
+// (zeroed by the caller). copy_si: the E4M3 copy's scale_inv before the
+// step (only its expected scale; null without a copy).
+// Two groups in flight where the kinds are fixed; one for the runtime-kind
+// kernel (whose raw groups are 16 bytes a stream: two would spill).
+#define INFLIGHT(WK, GK, MK, VK) ((WK) >= 0 && (GK) >= 0 && (MK) >= 0 && (VK) >= 0 ? 2 : 1)
+
+template <int WK, int GK, int MK, int VK>
+__device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax) {
+    const Streams s = fixed<WK, GK, MK, VK>(s0);
+    const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(s.vk, *s.v_si),
+                   o.copy ? prev_scale(K_E4M3, *copy_si) : 1.0f, true, true, true, o.copy != nullptr};
+    uint32_t wa = 0, ma = 0, va = 0;
+    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, wa, ma, va);
+    for (int off = 16; off > 0; off >>= 1) {
+        wa = max(wa, __shfl_xor_sync(0xFFFFFFFFu, wa, off));
+        ma = max(ma, __shfl_xor_sync(0xFFFFFFFFu, ma, off));
+        va = max(va, __shfl_xor_sync(0xFFFFFFFFu, va, off));
     }
     __shared__ uint32_t sh[3][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -162,10 +314,10 @@ extern "C" __global__ void lowbit_amax(Streams s, Adam k, size_t n, uint32_t* am
         wa = lane < nw ? sh[0][lane] : 0u;
         ma = lane < nw ? sh[1][lane] : 0u;
         va = lane < nw ? sh[2][lane] : 0u;
-        for (int o = 16; o > 0; o >>= 1) {
-            wa = max(wa, __shfl_xor_sync(0xFFFFFFFFu, wa, o));
-            ma = max(ma, __shfl_xor_sync(0xFFFFFFFFu, ma, o));
-            va = max(va, __shfl_xor_sync(0xFFFFFFFFu, va, o));
+        for (int off = 16; off > 0; off >>= 1) {
+            wa = max(wa, __shfl_xor_sync(0xFFFFFFFFu, wa, off));
+            ma = max(ma, __shfl_xor_sync(0xFFFFFFFFu, ma, off));
+            va = max(va, __shfl_xor_sync(0xFFFFFFFFu, va, off));
         }
         if (lane == 0) {
             if (wa) atomicMax(&amax[0], wa);
@@ -175,85 +327,138 @@ extern "C" __global__ void lowbit_amax(Streams s, Adam k, size_t n, uint32_t* am
     }
 }
 
-// The scale of an output stream: 1 for F32; from the amax otherwise, with
-// the previous scale 1 / scale_inv (1 where scale_inv <= 0) as fallback.
-__device__ __forceinline__ float out_scale(int kind, float amax, float prev_si) {
-    if (kind == K_F32) return 1.0f;
-    const float prev = prev_si > 0.0f ? __fdiv_rn(1.0f, prev_si) : 1.0f;
-    return pow2_scale(amax, prev, kind_max(kind));
-}
-
-struct Outs {
-    void *w, *m, *v;
-    uint8_t* copy;  // E4M3 copy of the weight, or null
-    // new scale and amax of each output (1 element each)
-    float *w_scale, *w_amax, *m_scale, *m_amax, *v_scale, *v_amax, *copy_scale, *copy_amax;
-};
-
-// Pass 2: recompute the update and write every output.
-extern "C" __global__ void lowbit_write(Streams s, Adam k, size_t n, const uint32_t* amax, Outs o) {
-    const float wsi = *s.w_si, gsi = *s.g_si, msi = *s.m_si, vsi = *s.v_si;
+// Pass 2: the final scales; rewrite the streams whose scale is not the one
+// pass 1 used.
+template <int WK, int GK, int MK, int VK>
+__device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, const uint32_t* amax, Outs o) {
+    const Streams s = fixed<WK, GK, MK, VK>(s0);
+    const float wsi = *s.w_si, msi = *s.m_si, vsi = *s.v_si;
     const float wa = __uint_as_float(amax[0]), ma = __uint_as_float(amax[1]), va = __uint_as_float(amax[2]);
     const float ws = out_scale(s.wk, wa, wsi), ms = out_scale(s.mk, ma, msi), vs = out_scale(s.vk, va, vsi);
     const float cs = pow2_scale(wa, 1.0f, E4M3_MAX);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        *o.w_scale = ws; *o.w_amax = wa;
-        *o.m_scale = ms; *o.m_amax = ma;
-        *o.v_scale = vs; *o.v_amax = va;
-        if (o.copy) { *o.copy_scale = cs; *o.copy_amax = wa; }
+        const float scale[4] = {ws, ms, vs, cs}, amaxes[4] = {wa, ma, va, wa};
+        for (int j = 0; j < (o.copy ? 4 : 3); j++) {
+            *o.meta[3 * j] = scale[j];
+            *o.meta[3 * j + 1] = __fdiv_rn(1.0f, scale[j]);
+            *o.meta[3 * j + 2] = amaxes[j];
+        }
     }
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float p, m, v;
-        element(s, k, wsi, gsi, msi, vsi, i, p, m, v);
-        store(o.w, s.wk, ws, i, p);
-        store(o.m, s.mk, ms, i, m);
-        store(o.v, s.vk, vs, i, v);
-        if (o.copy) store(o.copy, K_E4M3, cs, i, p);
-    }
+    const Enc e = {ws, ms, vs, cs, ws != prev_scale(s.wk, wsi), ms != prev_scale(s.mk, msi),
+                   vs != prev_scale(s.vk, vsi), o.copy != nullptr && cs != prev_scale(K_E4M3, *copy_si)};
+    if (!(e.ww || e.wm || e.wv || e.wc)) return;
+    uint32_t a = 0, b = 0, c = 0;
+    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c);
 }
+
+// lowbit_step_NAME / lowbit_fix_NAME: NAME lists the kinds (w, g, m, v) of
+// the combinations the levels use; `any` takes them at run time.
+#define LOWBIT(NAME, WK, GK, MK, VK)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                               \
+        lowbit_step_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,          \
+                           uint32_t* amax) {                                                            \
+        step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);                                     \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                               \
+        lowbit_fix_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si,                   \
+                          const uint32_t* amax, Outs o) {                                               \
+        fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o);                                      \
+    }
+LOWBIT(any, -1, -1, -1, -1)
+LOWBIT(2002, K_F16, K_E4M3, K_E4M3, K_F16)
+LOWBIT(2033, K_F16, K_E4M3, K_F32, K_F32)
+LOWBIT(3302, K_F32, K_F32, K_E4M3, K_F16)
+LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 
 // ------------------------------------------------------------- SumSq --
 // The CPU body: blocks of 2048 elements; in each, 8 f32 lanes (lane j sums
 // x*x of elements j, j+8, ... in order), the lanes summed in f64 in order;
-// the blocks' sums added in f64 in order. Pass 1: one thread per (block,
-// lane), one f64 per block into `partials`. Pass 2: one CUDA block adds the
-// partials in order.
+// groups of 256 blocks' sums added in f64 in order (from 0), and the group
+// sums added in order (from 0). Three launches:
+//   sumsq_partials: a CUDA block per 32 blocks of elements; each row tile
+//                   (32 rows of 8 in every block) is decoded into shared
+//                   memory with coalesced loads, then each thread, one
+//                   (block, lane), adds its column of the tile in order.
+//   sumsq_groups:   a CUDA block per group: its 256 partials into shared
+//                   memory, thread 0 adds them in order.
+//   sumsq_total:    one CUDA block: the group sums, in order.
+// Elements past n decode as 0: x*x = +0 leaves a lane's sum as it is.
 #define SUMSQ_BLOCK 2048
+#define SUMSQ_GROUP 256
+#define SUMSQ_CHUNKS 32  // element blocks per CUDA block (256 threads: 8 lanes each)
+#define SUMSQ_ROWS 32    // rows of 8 per tile
+#define SUMSQ_PITCH (SUMSQ_ROWS * 8 + 8)  // floats per block's tile row: no bank conflicts
 
-extern "C" __global__ void sumsq_partials(const void* g, int kind, const float* si_p, size_t n,
-                                          double* partials) {
-    const float si = *si_p;
-    const size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    const size_t chunk = t >> 3, nchunks = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
-    const int lane = (int)(t & 7);
+template <int KIND>
+__device__ __forceinline__ float lane_column(const void* g, float si, size_t n, size_t first_chunk, int lane,
+                                             int chunk, float (*tile)[SUMSQ_PITCH]) {
     float acc = 0.0f;
-    if (chunk < nchunks) {
-        const size_t at = chunk * SUMSQ_BLOCK;
-        const size_t len = min((size_t)SUMSQ_BLOCK, n - at);
-        for (size_t i = lane; i < len; i += 8) {
-            const float x = load(g, kind, si, at + i);
+    for (int r0 = 0; r0 < SUMSQ_BLOCK / 8; r0 += SUMSQ_ROWS) {
+        // 32 blocks x 256 elements; thread t loads elements t, t + 256, ...
+#pragma unroll 8
+        for (int e = threadIdx.x; e < SUMSQ_CHUNKS * SUMSQ_ROWS * 8; e += blockDim.x) {
+            const int c = e / (SUMSQ_ROWS * 8), o = e % (SUMSQ_ROWS * 8);
+            const size_t i = (first_chunk + c) * SUMSQ_BLOCK + (size_t)r0 * 8 + o;
+            tile[c][o] = i < n ? load(g, KIND, si, i) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int r = 0; r < SUMSQ_ROWS; r++) {
+            const float x = tile[chunk][r * 8 + lane];
             acc = __fadd_rn(acc, __fmul_rn(x, x));
         }
+        __syncthreads();
     }
-    // lanes of one chunk are 8 consecutive threads of a warp
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) sumsq_partials(const void* g, int kind, const float* si_p,
+                                                                 size_t n, double* partials) {
+    __shared__ float tile[SUMSQ_CHUNKS][SUMSQ_PITCH];
+    const float si = *si_p;
+    const size_t first = (size_t)blockIdx.x * SUMSQ_CHUNKS;
+    const int chunk = threadIdx.x >> 3, lane = threadIdx.x & 7;
+    float acc;
+    switch (kind) {
+    case K_E4M3: acc = lane_column<K_E4M3>(g, si, n, first, lane, chunk, tile); break;
+    case K_E5M2: acc = lane_column<K_E5M2>(g, si, n, first, lane, chunk, tile); break;
+    case K_F16: acc = lane_column<K_F16>(g, si, n, first, lane, chunk, tile); break;
+    default: acc = lane_column<K_F32>(g, si, n, first, lane, chunk, tile);
+    }
+    // the 8 lanes of one element block are 8 consecutive threads of a warp
     double lanes[8];
     const int base = (int)(threadIdx.x & 31) & ~7;
 #pragma unroll
     for (int j = 0; j < 8; j++) lanes[j] = (double)__shfl_sync(0xFFFFFFFFu, acc, base + j);
-    if (lane == 0 && chunk < nchunks) {
+    const size_t nchunks = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
+    if (lane == 0 && first + chunk < nchunks) {
         double s = lanes[0];
         for (int j = 1; j < 8; j++) s = __dadd_rn(s, lanes[j]);
-        partials[chunk] = s;
+        partials[first + chunk] = s;
     }
 }
 
-// out[0] = partials[0] + partials[1] + ... in order (from 0.0). One block.
-extern "C" __global__ void sumsq_total(const double* partials, size_t count, double* out) {
+// groups[b] = partials[256 b] + ... in order (from 0). A block per group.
+extern "C" __global__ void sumsq_groups(const double* partials, size_t count, double* groups) {
+    __shared__ double tile[SUMSQ_GROUP];
+    const size_t at = (size_t)blockIdx.x * SUMSQ_GROUP;
+    const size_t len = min((size_t)SUMSQ_GROUP, count - at);
+    if (threadIdx.x < len) tile[threadIdx.x] = partials[at + threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (size_t j = 0; j < len; j++) s = __dadd_rn(s, tile[j]);
+        groups[blockIdx.x] = s;
+    }
+}
+
+// out[0] = groups[0] + groups[1] + ... in order (from 0). One block.
+extern "C" __global__ void sumsq_total(const double* groups, size_t count, double* out) {
     __shared__ double tile[256];
     double total = 0.0;
     for (size_t at = 0; at < count; at += 256) {
         const size_t i = at + threadIdx.x;
-        if (threadIdx.x < 256) tile[threadIdx.x] = i < count ? partials[i] : 0.0;
+        tile[threadIdx.x] = i < count ? groups[i] : 0.0;
         __syncthreads();
         if (threadIdx.x == 0) {
             const size_t len = min((size_t)256, count - at);

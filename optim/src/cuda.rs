@@ -3,18 +3,29 @@
 //! ([`SumSq`]), from `kernels/lowbit.cu` (PTX built by `build.rs` with nvcc
 //! 13.0 and `-fmad=false`, embedded, loaded once per device).
 //!
-//! # Passes of the step, and why two
+//! # Passes of the step, and why the second one is usually empty
 //! The new scale of each low-bit output comes from the amax of the whole
-//! updated tensor, so no element can be encoded before every element is
-//! updated. Pass 1 (`lowbit_amax`) decodes weight, gradient and moments,
-//! updates in registers and only folds the three amaxes (one atomic per
-//! block each). Pass 2 (`lowbit_write`) turns the amaxes into scales on the
-//! device, recomputes the same update (the same IEEE operations, so the same
-//! bits) and writes every output. Recomputing reads the inputs twice at
-//! their stored sizes (at O2: 2 + 1 + 1 + 2 bytes a parameter) where an f32
-//! scratch, as the CPU body keeps, would write and read 12 bytes more: at
-//! O2 the two passes move 6 + 6 + 5 = 17 bytes a parameter against a floor
-//! of 11, the scratch way 35.
+//! updated tensor, so no element's final code is known before every element
+//! is updated. Pass 1 (`lowbit_step_*`) decodes weight, gradient and
+//! moments, updates in registers, encodes every output with the scale it
+//! had before the step and folds the three amaxes (one atomic per block
+//! each). Pass 2 (`lowbit_fix_*`) turns the amaxes into the final scales on
+//! the device, exactly as the CPU body does; a power-of-two scale moves only
+//! when its amax crosses a power of two, so in most steps every final scale
+//! equals the one pass 1 used and every block of pass 2 returns at once.
+//! Where one moved, pass 2 recomputes the same update (the same IEEE
+//! operations, so the same bits) and rewrites the streams whose scale moved.
+//! So a step moves the floor's bytes (at O2: 2 + 1 + 1 + 2 read, 2 + 1 + 2
+//! written, 11 a parameter) when its scales stay and 6 more per rewritten
+//! stream's step otherwise; an f32 scratch, as the CPU body keeps, would
+//! write and read 12 bytes more every step.
+//!
+//! Every stream is accessed four elements a thread at a time (4-, 8- or
+//! 16-byte words, consecutive threads on consecutive words) when all are
+//! 16-byte aligned; the kinds of the combinations the levels use are
+//! compile-time constants of their own kernels (`lowbit_*_2002` is FP16
+//! weight, E4M3 gradient, E4M3 m, FP16 v), with a runtime-kind kernel for
+//! the rest.
 //!
 //! # Bit-identity with the CPU body
 //! Every decode is one f32 product of the decoded code and scale_inv, the
@@ -25,7 +36,8 @@
 //! all finite results agree bit for bit; only NaN payloads can differ (the
 //! GPU returns 0x7FFFFFFF, x86 keeps an operand's payload). The sum of
 //! squares follows the CPU's order exactly (2048-element blocks, 8 f32
-//! lanes, f64 sums in order), so it agrees bit for bit too.
+//! lanes, f64 sums in order in groups of 256 blocks, then the groups in
+//! order), so it agrees bit for bit too.
 //!
 //! No host synchronization and no device-to-host copy: scales and amaxes are
 //! read and written by the kernels.
@@ -43,11 +55,20 @@ use half::f16;
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lowbit.ptx"));
 const MODULE: &str = "candle_amp_optim_kernels";
 const THREADS: u32 = 256;
-/// At most 8 blocks of 256 threads per SM of an H100: a grid-stride loop
-/// covers the rest.
-const MAX_BLOCKS: usize = 132 * 8;
+/// The step kernels hold 4 blocks of 256 threads per SM of an H100
+/// (`__launch_bounds__(256, 4)`): one wave of them, a grid-stride loop over
+/// the rest, no tail of a second wave.
+const STEP_BLOCKS: usize = 132 * 4;
+/// Stream kinds (w, g, m, v) with a kernel of their own in lowbit.cu.
+const FIXED_KINDS: [[i32; 4]; 4] = [[2, 0, 0, 2], [2, 0, 3, 3], [3, 3, 0, 2], [3, 3, 3, 3]];
+/// Scale, scale_inv and amax: the one-element outputs of each stream.
+const META_PER_STREAM: usize = 3;
 /// `SUMSQ_BLOCK` in lowbit.cu: the CPU body's block length.
 const SUMSQ_BLOCK: usize = 2048;
+/// `SUMSQ_GROUP`: blocks' sums per group (the CPU body's `SUMSQ_GROUP`).
+const SUMSQ_GROUP: usize = 256;
+/// `SUMSQ_CHUNKS`: element blocks per CUDA block of `sumsq_partials`.
+const SUMSQ_CHUNKS: usize = 32;
 
 type Outputs = Vec<(CudaStorage, Shape)>;
 
@@ -60,7 +81,7 @@ fn func(dev: &CudaDevice, name: &str) -> amp_core::Result<CudaFunction> {
 fn grid(items: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (
-            items.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32,
+            items.div_ceil(THREADS as usize).clamp(1, STEP_BLOCKS) as u32,
             1,
             1,
         ),
@@ -177,10 +198,10 @@ unsafe impl DeviceRepr for Adam {}
 struct Outs {
     data: [u64; 3],
     copy: u64,
-    /// w scale, w amax, m scale, m amax, v scale, v amax, copy scale, copy amax
-    meta: [u64; 8],
+    /// scale, scale_inv, amax of w, m, v, copy
+    meta: [u64; 4 * META_PER_STREAM],
 }
-// SAFETY: 12 pointers, as the C struct.
+// SAFETY: 16 pointers, as the C struct.
 unsafe impl DeviceRepr for Outs {}
 
 /// An output stream's data buffer.
@@ -223,7 +244,8 @@ pub(crate) fn lowbit_step(
     inputs: &[(&CudaStorage, &Layout)],
 ) -> amp_core::Result<Outputs> {
     const OP: &str = "lowbit_adamw_step";
-    let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs)] = inputs
+    let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs), rest @ ..] =
+        inputs
     else {
         return Err(bad(OP, "wrong number of inputs"));
     };
@@ -257,19 +279,14 @@ pub(crate) fn lowbit_step(
     let c = k.k.constants();
     let adam = Adam([c[0], c[1], c[2], c[3], c[4], c[5], c[6], k.grad_mul]);
     let stream = dev.cuda_stream();
+    // The copy's scale_inv before the step: only where the copy's expected
+    // scale is taken from (the weight's otherwise, never read).
+    let copy_si = match (k.fp8_copy, rest) {
+        (true, [(cs, lcs)]) => scalar_address(OP, cs, lcs, &dev)?,
+        (false, []) => streams.scale_inv[0],
+        _ => return Err(bad(OP, "the FP8 copy's scale_inv goes with fp8_copy")),
+    };
 
-    // Pass 1: the amaxes.
-    let mut amax = dev.alloc_zeros::<u32>(3)?;
-    let f = func(&dev, "lowbit_amax")?;
-    {
-        let mut b = stream.launch_builder(&f);
-        b.arg(&streams).arg(&adam).arg(&n).arg(&mut amax);
-        // SAFETY: the pointers in `streams` address n elements of live inputs
-        // of the kinds given (checked above); amax holds 3 words.
-        unsafe { b.launch(grid(n)) }.w()?;
-    }
-
-    // Pass 2: scales, update again, encode.
     let mut bufs = Vec::with_capacity(4);
     for q in [k.w, k.m, k.v] {
         bufs.push(Buf::alloc(&dev, kind(q).1, n)?);
@@ -277,14 +294,16 @@ pub(crate) fn lowbit_step(
     if k.fp8_copy {
         bufs.push(Buf::alloc(&dev, DType::U8, n)?);
     }
-    let mut meta = Vec::with_capacity(8);
-    for _ in 0..8 {
-        meta.push(dev.alloc_zeros::<f32>(1)?);
+    let mut meta = Vec::with_capacity(4 * META_PER_STREAM);
+    for _ in 0..4 * META_PER_STREAM {
+        // SAFETY: lowbit_fix writes every slot of w, m, v (and of the copy
+        // where there is one; without, its slots are dropped unread).
+        meta.push(unsafe { dev.alloc::<f32>(1)? });
     }
     let mut outs = Outs {
         data: [0; 3],
         copy: 0,
-        meta: [0; 8],
+        meta: [0; 4 * META_PER_STREAM],
     };
     for (i, b) in bufs.iter_mut().enumerate() {
         let a = b.address(&dev);
@@ -297,57 +316,73 @@ pub(crate) fn lowbit_step(
     for (i, s) in meta.iter_mut().enumerate() {
         outs.meta[i] = s.device_ptr_mut(&stream).0;
     }
-    let f = func(&dev, "lowbit_write")?;
+    let vec = i32::from(
+        streams
+            .data
+            .iter()
+            .chain(&outs.data)
+            .chain(if k.fp8_copy { Some(&outs.copy) } else { None })
+            .all(|a| a % 16 == 0),
+    );
+    let suffix = if FIXED_KINDS.contains(&streams.kinds) {
+        streams.kinds.iter().map(i32::to_string).collect::<String>()
+    } else {
+        "any".into()
+    };
+
+    // Pass 1: update, encode with the previous scales, the amaxes.
+    let mut amax = dev.alloc_zeros::<u32>(3)?;
+    let f = func(&dev, &format!("lowbit_step_{suffix}"))?;
     {
         let mut b = stream.launch_builder(&f);
-        b.arg(&streams).arg(&adam).arg(&n).arg(&amax).arg(&outs);
-        // SAFETY: as pass 1; every output buffer holds n elements of its
-        // kind, every meta slot one f32.
-        unsafe { b.launch(grid(n)) }.w()?;
+        b.arg(&streams)
+            .arg(&adam)
+            .arg(&n)
+            .arg(&vec)
+            .arg(&copy_si)
+            .arg(&outs)
+            .arg(&mut amax);
+        // SAFETY: the pointers in `streams` address n elements of live inputs
+        // of the kinds given (checked above), every output buffer n elements
+        // of its kind, every meta slot one f32; `vec` only where all are
+        // 16-byte aligned; amax holds 3 words.
+        unsafe { b.launch(grid(n.div_ceil(4))) }.w()?;
     }
 
+    // Pass 2: the final scales; rewrite the streams whose scale moved.
+    let f = func(&dev, &format!("lowbit_fix_{suffix}"))?;
+    {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&streams)
+            .arg(&adam)
+            .arg(&n)
+            .arg(&vec)
+            .arg(&copy_si)
+            .arg(&amax)
+            .arg(&outs);
+        // SAFETY: as pass 1.
+        unsafe { b.launch(grid(n.div_ceil(4))) }.w()?;
+    }
+
+    // Per output stream (w, m, v, copy): data, scale, scale_inv, amax; the
+    // copy first, as the CPU body orders them.
     let shape = lw.shape().clone();
     let one = Shape::from(1usize);
     let mut meta = meta
         .into_iter()
-        .map(|s| CudaStorage::wrap_cuda_slice(s, dev.clone()));
-    let mut next = || meta.next().ok_or_else(|| bad(OP, "meta outputs"));
-    let (w_scale, w_amax, m_scale, m_amax, v_scale, v_amax, c_scale, c_amax) = (
-        next()?,
-        next()?,
-        next()?,
-        next()?,
-        next()?,
-        next()?,
-        next()?,
-        next()?,
-    );
-    let mut bufs = bufs.into_iter().map(|b| b.storage(&dev));
-    let (wd, md, vd) = (
-        bufs.next().ok_or_else(|| bad(OP, "outputs"))?,
-        bufs.next().ok_or_else(|| bad(OP, "outputs"))?,
-        bufs.next().ok_or_else(|| bad(OP, "outputs"))?,
-    );
-    let mut out = Vec::with_capacity(12);
-    if let Some(cd) = bufs.next() {
-        out.extend([
-            (cd, shape.clone()),
-            (c_scale, one.clone()),
-            (c_amax, one.clone()),
-        ]);
+        .map(|s| (CudaStorage::wrap_cuda_slice(s, dev.clone()), one.clone()));
+    let mut streams: Vec<Outputs> = Vec::with_capacity(4);
+    for b in bufs {
+        let mut out = vec![(b.storage(&dev), shape.clone())];
+        for _ in 0..META_PER_STREAM {
+            out.push(meta.next().ok_or_else(|| bad(OP, "meta outputs"))?);
+        }
+        streams.push(out);
     }
-    out.extend([
-        (wd, shape.clone()),
-        (w_scale, one.clone()),
-        (w_amax, one.clone()),
-        (md, shape.clone()),
-        (m_scale, one.clone()),
-        (m_amax, one.clone()),
-        (vd, shape),
-        (v_scale, one.clone()),
-        (v_amax, one),
-    ]);
-    Ok(out)
+    if k.fp8_copy {
+        streams.rotate_right(1);
+    }
+    Ok(streams.into_iter().flatten().collect())
 }
 
 pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core::Result<Outputs> {
@@ -361,32 +396,34 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
     let gp = address(OP, g, lg, dtype, &dev)?;
     let sp = scalar_address(OP, gs, lgs, &dev)?;
     let chunks = n.div_ceil(SUMSQ_BLOCK);
+    let groups = chunks.div_ceil(SUMSQ_GROUP);
     let stream = dev.cuda_stream();
     let mut partials = dev.alloc_zeros::<f64>(chunks.max(1))?;
+    let mut group_sums = dev.alloc_zeros::<f64>(groups.max(1))?;
     let mut total = dev.alloc_zeros::<f64>(1)?;
+    let blocks = |b: usize| LaunchConfig {
+        grid_dim: (b as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     if chunks > 0 {
-        let threads = chunks * 8;
-        let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(THREADS as usize) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let f = func(&dev, "sumsq_partials")?;
         let mut b = stream.launch_builder(&f);
         b.arg(&gp).arg(&kd).arg(&sp).arg(&n).arg(&mut partials);
         // SAFETY: gp addresses n elements of kind kd; partials holds one f64
-        // per block of SUMSQ_BLOCK elements.
-        unsafe { b.launch(cfg) }.w()?;
+        // per block of SUMSQ_BLOCK elements; each CUDA block covers
+        // SUMSQ_CHUNKS of them and reads no element at or past n.
+        unsafe { b.launch(blocks(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;
+        let f = func(&dev, "sumsq_groups")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&partials).arg(&chunks).arg(&mut group_sums);
+        // SAFETY: partials holds `chunks` f64, group_sums one per group.
+        unsafe { b.launch(blocks(groups)) }.w()?;
         let f = func(&dev, "sumsq_total")?;
         let mut b = stream.launch_builder(&f);
-        b.arg(&partials).arg(&chunks).arg(&mut total);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: partials holds `chunks` f64, total one.
-        unsafe { b.launch(cfg) }.w()?;
+        b.arg(&group_sums).arg(&groups).arg(&mut total);
+        // SAFETY: group_sums holds `groups` f64, total one.
+        unsafe { b.launch(blocks(1)) }.w()?;
     }
     Ok(vec![(
         CudaStorage::wrap_cuda_slice(total, dev),

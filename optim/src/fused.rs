@@ -15,15 +15,21 @@ use half::{f16, slice::HalfFloatSliceExt};
 
 /// Block length: a few KiB per stream, so every stream stays in L1.
 const BLOCK: usize = 2048;
+/// [`SumSq`] adds its blocks' sums in groups of this many, then the groups:
+/// the order the CUDA body can follow with a thread per group (one thread
+/// over every block in order took longer than the step it serves).
+const SUMSQ_GROUP: usize = 256;
 
 /// Storage of one stream: `None` is plain F32.
 pub(crate) type Q = Option<QType>;
 
 /// One tensor's update. Inputs, in order: weight, weight scale_inv, grad,
 /// grad scale_inv, m, m scale_inv, v, v scale_inv (scale_inv of an F32
-/// stream is ignored). Outputs: weight (and, with `fp8_copy`, an E4M3 copy),
-/// m, v, each followed by its new scale (1-element F32) and the amax of
-/// its f32 value.
+/// stream is ignored), and with `fp8_copy` the copy's scale_inv before the
+/// step (the CUDA body encodes with it first, see `cuda.rs`; the result
+/// does not depend on it). Outputs: weight (and, with `fp8_copy`, an E4M3
+/// copy before it), m, v, each followed by its new scale, 1 / scale and the
+/// amax of its f32 value (1-element F32 each).
 pub(crate) struct LowBitStep<'a> {
     /// f32 scratch for the updated weight, m and v, kept across steps so a
     /// step does not fault in fresh pages for it.
@@ -83,6 +89,7 @@ fn encode(
         return vec![
             (CpuStorage::F32(values.to_vec()), shape.clone()),
             one(1.0),
+            one(1.0),
             one(amax),
         ];
     };
@@ -108,7 +115,12 @@ fn encode(
             CpuStorage::F16(out)
         }
     };
-    vec![(data, shape.clone()), one(scale), one(amax)]
+    vec![
+        (data, shape.clone()),
+        one(scale),
+        one(1.0 / scale),
+        one(amax),
+    ]
 }
 
 impl Kernel for LowBitStep<'_> {
@@ -116,7 +128,7 @@ impl Kernel for LowBitStep<'_> {
 
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
         const OP: &str = "lowbit_adamw_step";
-        let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs)] =
+        let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs), ..] =
             inputs
         else {
             return Err(amp_core::Error::Unsupported {
@@ -214,7 +226,7 @@ impl Kernel for SumSq {
         let si = scalar(OP, gs, lgs)?;
         let n = lg.shape().elem_count();
         let mut buf = [0f32; BLOCK];
-        let mut total = 0f64;
+        let (mut total, mut group, mut in_group) = (0f64, 0f64, 0);
         let mut at = 0;
         while at < n {
             let len = BLOCK.min(n - at);
@@ -227,8 +239,16 @@ impl Kernel for SumSq {
                     *l += x * x;
                 }
             }
-            total += lanes.iter().map(|&l| f64::from(l)).sum::<f64>();
+            group += lanes.iter().map(|&l| f64::from(l)).sum::<f64>();
+            in_group += 1;
+            if in_group == SUMSQ_GROUP {
+                total += group;
+                (group, in_group) = (0.0, 0);
+            }
             at += len;
+        }
+        if in_group > 0 {
+            total += group;
         }
         Ok(vec![(CpuStorage::F64(vec![total]), Shape::from(1usize))])
     }

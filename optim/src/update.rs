@@ -46,16 +46,20 @@ pub(crate) fn kernel_error(what: &str) -> Error {
     .into()
 }
 
-/// Rebuilds a stream from the kernel's (data, scale, amax) outputs: a
-/// scaling tensor for a low-bit stream, the F32 tensor otherwise.
+/// Outputs of the kernel per stream: data, scale, scale_inv, amax.
+const PER_STREAM: usize = 4;
+
+/// Rebuilds a stream from the kernel's outputs: a scaling tensor for a
+/// low-bit stream, the F32 tensor otherwise.
 fn rebuild(q: Option<QType>, out: &[Tensor]) -> Result<std::result::Result<ScalingTensor, Tensor>> {
-    let [data, scale, amax] = out else {
+    let [data, scale, scale_inv, amax] = out else {
         return Err(kernel_error("kernel outputs"));
     };
     Ok(match q {
         None => Err(data.clone()),
         Some(qtype) => {
-            let meta = ScalingMeta::from_parts(qtype, scale.clone(), scale.recip()?, amax.clone())?;
+            let meta =
+                ScalingMeta::from_parts(qtype, scale.clone(), scale_inv.clone(), amax.clone())?;
             Ok(ScalingTensor::from_parts(data.clone(), meta)?)
         }
     })
@@ -106,10 +110,14 @@ pub(crate) fn update_param(
         v: v.2,
         fp8_copy,
     };
-    let outs = launch(&kernel, &[&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1])?;
-    let (copy, rest) = outs.split_at(if fp8_copy { 3 } else { 0 });
-    let (wo, rest) = rest.split_at(3);
-    let (mo, vo) = rest.split_at(3);
+    let mut inputs = vec![&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1];
+    if let Weight::Fp8 { weight: copy, .. } = &weight {
+        inputs.push(copy.meta().scale_inv());
+    }
+    let outs = launch(&kernel, &inputs)?;
+    let (copy, rest) = outs.split_at(if fp8_copy { PER_STREAM } else { 0 });
+    let (wo, rest) = rest.split_at(PER_STREAM);
+    let (mo, vo) = rest.split_at(PER_STREAM);
     p.exp_avg = to_state(m.2, mo)?;
     p.exp_avg_sq = to_state(v.2, vo)?;
     match (weight, rebuild(w.2, wo)?) {
