@@ -281,3 +281,54 @@ fn bias_add_sums_the_bias_gradient_over_rows() -> R<()> {
     );
     Ok(())
 }
+
+#[test]
+fn embedding_matches_index_select_bit_for_bit_with_repeated_ids() -> R<()> {
+    let dev = Device::Cpu;
+    let table = Var::from_tensor(&randn(&[12, 6], 21)?)?;
+    // repeated ids (3 x 4, 7 x 3), every row of a [2, 9] batch
+    let ids = Tensor::from_vec(
+        vec![3u32, 7, 3, 0, 10, 7, 3, 1, 3, 7, 5, 5, 2, 9, 8, 4, 6, 0],
+        (2, 9),
+        &dev,
+    )?;
+    let w = randn(&[2, 9, 6], 22)?;
+    let ours = fused::embedding(&ids, table.as_tensor())?;
+    let theirs = table
+        .index_select(&ids.flatten_all()?, 0)?
+        .reshape((2, 9, 6))?;
+    assert_eq!(ours.dims(), &[2, 9, 6]);
+    assert_eq!(
+        ours.flatten_all()?.to_vec1::<f32>()?,
+        theirs.flatten_all()?.to_vec1::<f32>()?
+    );
+    let g_ours = grad(&(ours * &w)?.sum_all()?.backward()?, &table)?;
+    let g_theirs = grad(&(theirs * &w)?.sum_all()?.backward()?, &table)?;
+    // the same additions in the same order: the same bits
+    assert_eq!(
+        g_ours.flatten_all()?.to_vec1::<f32>()?,
+        g_theirs.flatten_all()?.to_vec1::<f32>()?
+    );
+    // row 11, which no id names, gets exact zeros
+    assert!(g_ours.get(11)?.to_vec1::<f32>()?.iter().all(|&x| x == 0.0));
+    Ok(())
+}
+
+#[test]
+fn embedding_refuses_bad_ids_and_tables() -> R<()> {
+    let dev = Device::Cpu;
+    let table = randn(&[5, 3], 23)?;
+    let ids = Tensor::from_vec(vec![0u32, 5], 2, &dev)?;
+    let e = fused::embedding(&ids, &table).unwrap_err().to_string();
+    assert!(e.contains("id 5") && e.contains("5 rows"), "{e}");
+    let f_ids = Tensor::from_vec(vec![0f32, 1.0], 2, &dev)?;
+    assert!(fused::embedding(&f_ids, &table).is_err());
+    let ok_ids = Tensor::from_vec(vec![0u32, 1], 2, &dev)?;
+    assert!(fused::embedding(&ok_ids, &table.flatten_all()?).is_err());
+    // other float tables: candle's path, same values
+    let t16 = table.to_dtype(DType::F16)?;
+    let y = fused::embedding(&ok_ids, &t16)?;
+    assert_eq!(y.dtype(), DType::F16);
+    assert_eq!(y.dims(), &[2, 3]);
+    Ok(())
+}

@@ -13,7 +13,7 @@
 use amp::nn::{self, LayerNorm, Linear};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use rand::SeedableRng;
 use rand_distr::Distribution;
 
@@ -84,8 +84,10 @@ struct Block {
 
 /// The model.
 pub struct Gpt {
-    wte: Embedding,
-    wpe: Embedding,
+    /// Token and position embeddings `[rows, n_embd]`, read through
+    /// `amp::nn::embedding` (a deterministic backward without atomics).
+    wte: Tensor,
+    wpe: Tensor,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
     lm_head: Linear,
@@ -105,9 +107,8 @@ impl Gpt {
         if cfg.n_head == 0 || d % cfg.n_head != 0 {
             bail!("width {d} is not a multiple of the {} heads", cfg.n_head);
         }
-        let emb = |n: usize, name: &str| -> Result<Embedding> {
-            Ok(Embedding::new(vb.pp(name).get((n, d), "weight")?, d))
-        };
+        let emb =
+            |n: usize, name: &str| -> Result<Tensor> { Ok(vb.pp(name).get((n, d), "weight")?) };
         let blocks = (0..cfg.n_layer)
             .map(|i| -> Result<Block> {
                 let b = vb.pp(format!("h.{i}"));
@@ -150,10 +151,8 @@ impl Gpt {
         }
         let dev = tokens.device();
         let pos = Tensor::arange(0u32, t as u32, dev)?;
-        let mut h = self
-            .wte
-            .forward(tokens)?
-            .broadcast_add(&self.wpe.forward(&pos)?)?;
+        let mut h =
+            nn::embedding(tokens, &self.wte)?.broadcast_add(&nn::embedding(&pos, &self.wpe)?)?;
         for blk in &self.blocks {
             let a = self.attention(blk, &blk.ln_1.forward(&h)?)?;
             h = (h + a)?;

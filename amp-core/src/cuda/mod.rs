@@ -47,6 +47,7 @@ mod gemm;
 mod launch;
 mod meta;
 pub(crate) mod nn;
+pub(crate) mod nn_embedding;
 pub(crate) mod nn_layout;
 mod pool;
 

@@ -50,7 +50,7 @@ mod registry;
 mod sink;
 
 pub use build::{linear, linear_b, linear_no_bias};
-pub use fused::{causal_attention, causal_attention_qkv, cross_entropy, gelu};
+pub use fused::{causal_attention, causal_attention_qkv, cross_entropy, embedding, gelu};
 pub use linear::Linear;
 pub use linear_op::LayerScaling;
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};

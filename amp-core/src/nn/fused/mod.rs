@@ -1,5 +1,5 @@
 //! Fused training ops with their backward passes: causal attention,
-//! cross-entropy, LayerNorm and GELU.
+//! cross-entropy, LayerNorm, GELU and the embedding lookup.
 //!
 //! candle composes these from elementwise kernels, and its backprop gives
 //! every intermediate a zero-filled gradient and an add; in a GPT step on
@@ -29,11 +29,13 @@
 
 mod attention;
 mod cpu;
+mod embedding;
 mod heads;
 mod ops;
 mod pointwise;
 
 pub use attention::{causal_attention, causal_attention_qkv};
+pub use embedding::embedding;
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor, D};
