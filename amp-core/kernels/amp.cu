@@ -514,7 +514,8 @@ extern "C" __global__ void record_amax(const float* hist, const float* amax, flo
 }
 
 // Reduce the history (algo 0 = max, 1 = most recent), roll it left by one with
-// slot 0 zeroed, and derive the scale (and 1 / scale) from the reduced amax.
+// slot 0 zeroed, and derive the scale (and 1 / scale) from the reduced amax;
+// `scale` is the previous scale, or null for 1.
 // One block.
 extern "C" __global__ void scale_update(const float* hist, const float* scale, float* out_hist,
                                         float* out_scale, float* out_scale_inv, int len, int algo,
@@ -530,7 +531,7 @@ extern "C" __global__ void scale_update(const float* hist, const float* scale, f
         } else {
             amax = len > 0 ? hist[0] : 0.0f;
         }
-        const float s = compute_scale(rule, amax, *scale, max, margin);
+        const float s = compute_scale(rule, amax, scale ? *scale : 1.0f, max, margin);
         *out_scale = s;
         *out_scale_inv = 1.0f / s;
     }

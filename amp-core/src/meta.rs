@@ -259,6 +259,42 @@ impl ScalingMeta {
         })
     }
 
+    /// Current scaling's metadata for an amax just taken: the same scale and
+    /// scale_inv as [`new`](Self::new) with one slot, then
+    /// [`record_amax`](Self::record_amax) and
+    /// [`update_scale`](Self::update_scale) with `MostRecent` (previous
+    /// scale 1; a 0 or non-finite amax keeps it), in one launch instead of
+    /// three fills and two launches (each cast of current scaling made
+    /// them; 418 per GPT-125M step).
+    ///
+    /// # Errors
+    /// Only candle's, on a corrupt tensor.
+    pub(crate) fn for_current_amax(
+        qtype: QType,
+        amax: &Tensor,
+        rule: ScaleRule,
+        margin: u32,
+    ) -> Result<Self> {
+        let op = ScaleUpdate {
+            rule,
+            algo: AmaxComputeAlgo::MostRecent,
+            margin,
+            max: qtype.max(),
+            set_scale: true,
+        };
+        let [amax_history, scale, scale_inv] =
+            <[Tensor; 3]>::try_from(launch(&op, &[&amax.flatten_all()?])?)
+                .map_err(|_| arity(ScaleUpdate::NAME))?;
+        Ok(Self {
+            qtype,
+            scale,
+            scale_inv,
+            amax_history,
+            updates: 1,
+            last_cast: None,
+        })
+    }
+
     fn update(&mut self, op: ScaleUpdate) -> Result<()> {
         let out = launch(&op, &[&self.amax_history, &self.scale])?;
         let [history, scale, scale_inv] =
@@ -298,7 +334,8 @@ impl Kernel for RecordAmax {
     }
 }
 
-/// history, scale -> rotated history, new scale, new scale_inv.
+/// history, scale -> rotated history, new scale, new scale_inv. Without the
+/// scale input the previous scale is 1.
 struct ScaleUpdate {
     rule: ScaleRule,
     algo: AmaxComputeAlgo,
@@ -310,10 +347,11 @@ struct ScaleUpdate {
 impl Kernel for ScaleUpdate {
     const NAME: &'static str = "scale_update";
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        let [(h, lh), (s, ls)] = inputs else {
-            return Err(arity(Self::NAME));
+        let (h, lh, prev) = match inputs {
+            [(h, lh), (s, ls)] => (h, lh, scalar(Self::NAME, s, ls)?),
+            [(h, lh)] => (h, lh, 1.0),
+            _ => return Err(arity(Self::NAME)),
         };
-        let prev = scalar(Self::NAME, s, ls)?;
         let history = slice::<f32>(Self::NAME, h, lh)?;
         let amax = match self.algo {
             AmaxComputeAlgo::Max => history.iter().fold(0f32, |m, &a| {
@@ -342,3 +380,7 @@ impl Kernel for ScaleUpdate {
         crate::cuda::scale_update(self.rule, self.algo, self.margin, self.max, inputs)
     }
 }
+
+#[cfg(test)]
+#[path = "meta_tests.rs"]
+mod tests;

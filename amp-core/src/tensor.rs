@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::kernel::{launch, Kernel};
 use crate::meta::ScalingMeta;
 use crate::qtype::QType;
-use crate::recipe::{AmaxComputeAlgo, CurrentScaling};
+use crate::recipe::CurrentScaling;
 use crate::requantize::{DecodedAmax, Requantize};
 use candle_core::{DType, Device, Shape, Tensor};
 
@@ -80,13 +80,7 @@ impl ScalingTensor {
         check_float("ScalingTensor::quantize", x)?;
         let [amax] =
             <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
-        let mut meta = ScalingMeta::new(qtype, 1, x.device())?;
-        meta.record_amax(&amax)?;
-        meta.update_scale(
-            recipe.scale_rule,
-            AmaxComputeAlgo::MostRecent,
-            recipe.margin,
-        )?;
+        let meta = ScalingMeta::for_current_amax(qtype, &amax, recipe.scale_rule, recipe.margin)?;
         let (t, _) = Self::quantize_with(x, &meta)?;
         Ok((t, amax))
     }
@@ -155,13 +149,7 @@ impl ScalingTensor {
             &[&self.data, scale_inv],
         )?)
         .map_err(|_| arity(DecodedAmax::NAME))?;
-        let mut meta = ScalingMeta::new(qtype, 1, self.device())?;
-        meta.record_amax(&amax)?;
-        meta.update_scale(
-            recipe.scale_rule,
-            AmaxComputeAlgo::MostRecent,
-            recipe.margin,
-        )?;
+        let meta = ScalingMeta::for_current_amax(qtype, &amax, recipe.scale_rule, recipe.margin)?;
         let [data, amax, counts] = <[Tensor; 3]>::try_from(launch(
             &Requantize { from, to: qtype },
             &[&self.data, scale_inv, meta.scale()],

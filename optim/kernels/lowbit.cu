@@ -389,17 +389,33 @@ LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 #define SUMSQ_ROWS 32    // rows of 8 per tile
 #define SUMSQ_PITCH (SUMSQ_ROWS * 8 + 8)  // floats per block's tile row: no bank conflicts
 
+#define SUMSQ_BATCH 8  // loads in flight per thread
+
 template <int KIND>
 __device__ __forceinline__ float lane_column(const void* g, float si, size_t n, size_t first_chunk, int lane,
                                              int chunk, float (*tile)[SUMSQ_PITCH]) {
+    // rows of 8 in this CUDA block's first element block (the longest)
+    const size_t len = min((size_t)SUMSQ_BLOCK, n - first_chunk * SUMSQ_BLOCK);
+    const int rows = (int)((len + 7) / 8);
     float acc = 0.0f;
-    for (int r0 = 0; r0 < SUMSQ_BLOCK / 8; r0 += SUMSQ_ROWS) {
+    for (int r0 = 0; r0 < rows; r0 += SUMSQ_ROWS) {
         // 32 blocks x 256 elements; thread t loads elements t, t + 256, ...
-#pragma unroll 8
-        for (int e = threadIdx.x; e < SUMSQ_CHUNKS * SUMSQ_ROWS * 8; e += blockDim.x) {
-            const int c = e / (SUMSQ_ROWS * 8), o = e % (SUMSQ_ROWS * 8);
-            const size_t i = (first_chunk + c) * SUMSQ_BLOCK + (size_t)r0 * 8 + o;
-            tile[c][o] = i < n ? load(g, KIND, si, i) : 0.0f;
+        // into registers first: `g` is a generic pointer, so a load after a
+        // shared store could alias it and would wait for the store
+        for (int e0 = threadIdx.x; e0 < SUMSQ_CHUNKS * SUMSQ_ROWS * 8; e0 += SUMSQ_BATCH * blockDim.x) {
+            float v[SUMSQ_BATCH];
+#pragma unroll
+            for (int k = 0; k < SUMSQ_BATCH; k++) {
+                const int e = e0 + k * blockDim.x;
+                const int c = e / (SUMSQ_ROWS * 8), o = e % (SUMSQ_ROWS * 8);
+                const size_t i = (first_chunk + c) * SUMSQ_BLOCK + (size_t)r0 * 8 + o;
+                v[k] = i < n ? load(g, KIND, si, i) : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < SUMSQ_BATCH; k++) {
+                const int e = e0 + k * blockDim.x;
+                tile[e / (SUMSQ_ROWS * 8)][e % (SUMSQ_ROWS * 8)] = v[k];
+            }
         }
         __syncthreads();
 #pragma unroll 8

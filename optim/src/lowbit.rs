@@ -9,7 +9,7 @@ use crate::grad::{Grad, Grads};
 use crate::loss_scaler::{LossScaler, LossScaling};
 use crate::schedule::{Constant, LrSchedule};
 use crate::state::{State, StateFormat};
-use crate::update::{f32_stream, kernel_error, scaled_stream, update_param};
+use crate::update::{f32_stream, kernel_error, scaled_stream, update_param, Ones};
 use amp_core::kernel::launch;
 use amp_core::nn::GradSink;
 use amp_core::{Weight, WeightSlot};
@@ -313,6 +313,7 @@ impl LowBitAdamW {
         // amax of its source, left on the device; one read of each below
         // (a read per parameter would stall the device once per parameter).
         let mut sums: Vec<(bool, Tensor)> = Vec::with_capacity(self.params.len());
+        let mut ones = Ones::default();
         let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
         for p in &self.params {
             let Some(g) = grads.get(&p.name) else {
@@ -332,7 +333,7 @@ impl LowBitAdamW {
                 amaxes.push((part, t.meta().amax()?.flatten_all()?));
             }
             let (data, scale_inv, q) = match g {
-                Grad::F32(t) => f32_stream(t)?,
+                Grad::F32(t) => f32_stream(t, &mut ones)?,
                 Grad::Scaled(t) => scaled_stream(t),
             };
             let [total] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
@@ -372,7 +373,7 @@ impl LowBitAdamW {
             };
             p.step += 1;
             let k = self.config.adam.at_step(lr, p.step);
-            update_param(p, g, k, grad_mul, &self.scratch)?;
+            update_param(p, g, k, grad_mul, &self.scratch, &mut ones)?;
         }
         self.scaler.update(false);
         Ok(StepOutcome::Applied { grad_norm })

@@ -15,12 +15,24 @@ use candle_core::{DType, Tensor};
 /// A stream of the fused kernel: its data, scale_inv and storage type.
 type Stream = (Tensor, Tensor, Option<QType>);
 
-pub(crate) fn f32_stream(data: &Tensor) -> Result<Stream> {
-    Ok((
-        data.to_dtype(DType::F32)?,
-        Tensor::ones(1, DType::F32, data.device())?,
-        None,
-    ))
+/// One-element F32 ones, one per device, made once a step: the (ignored)
+/// scale_inv of every F32 stream, instead of a fill launch per stream.
+#[derive(Default)]
+pub(crate) struct Ones(Vec<Tensor>);
+
+impl Ones {
+    fn on(&mut self, dev: &candle_core::Device) -> Result<Tensor> {
+        if let Some(t) = self.0.iter().find(|t| t.device().same_device(dev)) {
+            return Ok(t.clone());
+        }
+        let t = Tensor::ones(1, DType::F32, dev)?;
+        self.0.push(t.clone());
+        Ok(t)
+    }
+}
+
+pub(crate) fn f32_stream(data: &Tensor, ones: &mut Ones) -> Result<Stream> {
+    Ok((data.to_dtype(DType::F32)?, ones.on(data.device())?, None))
 }
 
 pub(crate) fn scaled_stream(t: &ScalingTensor) -> Stream {
@@ -31,9 +43,9 @@ pub(crate) fn scaled_stream(t: &ScalingTensor) -> Stream {
     )
 }
 
-fn state_stream(s: &State) -> Result<Stream> {
+fn state_stream(s: &State, ones: &mut Ones) -> Result<Stream> {
     match s {
-        State::F32(t) => f32_stream(t),
+        State::F32(t) => f32_stream(t, ones),
         State::Scaled(t) => Ok(scaled_stream(t)),
     }
 }
@@ -79,10 +91,11 @@ pub(crate) fn update_param(
     k: AdamStep,
     grad_mul: f32,
     scratch: &std::sync::Mutex<Vec<f32>>,
+    ones: &mut Ones,
 ) -> Result<()> {
     let weight = p.slot.read()?.clone();
     let (w, fp8_copy) = match &weight {
-        Weight::F32(var) => (f32_stream(var.as_tensor())?, false),
+        Weight::F32(var) => (f32_stream(var.as_tensor(), ones)?, false),
         Weight::F16(t) => (scaled_stream(t), false),
         Weight::Fp8 { master, .. } => (scaled_stream(master), true),
         Weight::Fp8Gathered(_) => {
@@ -96,10 +109,13 @@ pub(crate) fn update_param(
         }
     };
     let g = match g {
-        Grad::F32(t) => f32_stream(t)?,
+        Grad::F32(t) => f32_stream(t, ones)?,
         Grad::Scaled(t) => scaled_stream(t),
     };
-    let (m, v) = (state_stream(&p.exp_avg)?, state_stream(&p.exp_avg_sq)?);
+    let (m, v) = (
+        state_stream(&p.exp_avg, ones)?,
+        state_stream(&p.exp_avg_sq, ones)?,
+    );
     let kernel = LowBitStep {
         scratch,
         k,

@@ -44,12 +44,15 @@ pub(crate) fn scale_update(
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Outputs> {
     const OP: &str = "scale_update";
-    let [(h, lh), (s, ls)] = inputs else {
-        return Err(arity(OP));
+    let (h, lh, s) = match inputs {
+        [(h, lh), (s, ls)] => (h, lh, Some((s, ls))),
+        [(h, lh)] => (h, lh, None),
+        _ => return Err(arity(OP)),
     };
     let dev = h.device().clone();
     let history = view::<f32>(OP, h, lh)?;
-    let scale = scalar(OP, s, ls)?;
+    // the previous scale, or null: 1
+    let scale = s.map(|(s, ls)| scalar(OP, s, ls)).transpose()?;
     let len = lh.shape().elem_count() as i32;
     // SAFETY: the kernel writes every slot and both scalars.
     let mut out = unsafe { dev.alloc::<f32>(lh.shape().elem_count())? };
@@ -66,9 +69,13 @@ pub(crate) fn scale_update(
     let f = func(&dev, "scale_update")?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
-    b.arg(&history)
-        .arg(&scale)
-        .arg(&mut out)
+    let null = 0u64;
+    b.arg(&history);
+    match &scale {
+        Some(v) => b.arg(v),
+        None => b.arg(&null),
+    };
+    b.arg(&mut out)
         .arg(&mut new_scale)
         .arg(&mut new_scale_inv)
         .arg(&len)
