@@ -43,19 +43,21 @@
 #define K_F16 2
 #define K_F32 3
 
+// Branch-free (a select, no branch around the conversion), so loads ahead
+// of a decode are not held back by it.
 __device__ __forceinline__ float decode_e4m3(uint8_t c) {
-    if ((c & 0x7F) == 0x7F) return __uint_as_float(CANONICAL_NAN);
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
+    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
+    return (c & 0x7F) == 0x7F ? __uint_as_float(CANONICAL_NAN) : v;
 }
 __device__ __forceinline__ float decode_e5m2(uint8_t c) {
-    if ((c & 0x7F) > 0x7C) return __uint_as_float(CANONICAL_NAN);
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
+    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
+    return (c & 0x7F) > 0x7C ? __uint_as_float(CANONICAL_NAN) : v;
 }
 // half's f16 -> f32 (F16C): a NaN keeps sign and payload, quieted.
 __device__ __forceinline__ float decode_f16(uint16_t h) {
-    if ((h & 0x7FFF) > 0x7C00)
-        return __uint_as_float(((h & 0x8000u) << 16) | 0x7FC00000u | ((h & 0x3FFu) << 13));
-    return __half2float(__ushort_as_half(h));
+    const uint32_t nan = ((h & 0x8000u) << 16) | 0x7FC00000u | ((h & 0x3FFu) << 13);
+    const float v = __half2float(__ushort_as_half(h));
+    return (h & 0x7FFF) > 0x7C00 ? __uint_as_float(nan) : v;
 }
 
 // Element i of a stream as f32: decode(code) * scale_inv for a scaled
@@ -409,7 +411,10 @@ __device__ __forceinline__ float lane_column(const void* g, float si, size_t n, 
                 const int e = e0 + k * blockDim.x;
                 const int c = e / (SUMSQ_ROWS * 8), o = e % (SUMSQ_ROWS * 8);
                 const size_t i = (first_chunk + c) * SUMSQ_BLOCK + (size_t)r0 * 8 + o;
-                v[k] = i < n ? load(g, KIND, si, i) : 0.0f;
+                // unconditional (element 0 in place of one past n): a load
+                // under a branch is not issued ahead of the others
+                const float x = load(g, KIND, si, i < n ? i : 0);
+                v[k] = i < n ? x : 0.0f;
             }
 #pragma unroll
             for (int k = 0; k < SUMSQ_BATCH; k++) {
