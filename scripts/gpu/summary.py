@@ -1,0 +1,18 @@
+"""summary.py GPT_JSONL TORCH_LOG: one line per run of run-gpt.sh's JSON
+lines and of torch_gpt.py's, as BENCHMARKS.md quotes them."""
+import json
+import sys
+
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print(j["size"], j["level"], j["compute"], "tok/s %.0f" % j["tokens_per_s"],
+          "step %.1f" % j["step_ms_median"], "fwd %.1f" % j["forward_ms_median"],
+          "peak %.2f GiB" % (j["peak_device_bytes"] / 2**30),
+          "pers %.3f GB" % (j["persistent_bytes"]["total"] / 1e9),
+          "B/lp %.3f" % j["bytes_per_linear_param"],
+          "loss %.4f val %.4f" % (j["final_loss"], j["val_loss"]))
+for line in open(sys.argv[2]):
+    if line.startswith('{"mode"'):
+        j = json.loads(line)
+        print("torch", j["size"], j["mode"], "tok/s %.0f" % j["tokens_per_s"],
+              "step %.1f" % j["step_ms"], "peak %.2f GiB" % j["peak_gib"])
