@@ -394,8 +394,8 @@ LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 #define SUMSQ_BATCH 8  // loads in flight per thread
 
 template <int KIND>
-__device__ __forceinline__ float lane_column(const void* g, float si, size_t n, size_t first_chunk, int lane,
-                                             int chunk, float (*tile)[SUMSQ_PITCH]) {
+__device__ __forceinline__ float lane_column(const void* g, float si, size_t n, int vec, size_t first_chunk,
+                                             int lane, int chunk, float (*tile)[SUMSQ_PITCH]) {
     // rows of 8 in this CUDA block's first element block (the longest)
     const size_t len = min((size_t)SUMSQ_BLOCK, n - first_chunk * SUMSQ_BLOCK);
     const int rows = (int)((len + 7) / 8);
@@ -404,22 +404,32 @@ __device__ __forceinline__ float lane_column(const void* g, float si, size_t n, 
         // 32 blocks x 256 elements; thread t loads elements t, t + 256, ...
         // into registers first: `g` is a generic pointer, so a load after a
         // shared store could alias it and would wait for the store
-        for (int e0 = threadIdx.x; e0 < SUMSQ_CHUNKS * SUMSQ_ROWS * 8; e0 += SUMSQ_BATCH * blockDim.x) {
-            float v[SUMSQ_BATCH];
+        // groups of G: SUMSQ_BATCH per thread, all loads issued first
+        // (unconditional: group 0 in place of one past n)
+        for (int q0 = threadIdx.x; q0 < SUMSQ_CHUNKS * SUMSQ_ROWS * 8 / G; q0 += SUMSQ_BATCH * blockDim.x) {
+            uint4 raw[SUMSQ_BATCH];
+            const size_t base = first_chunk * SUMSQ_BLOCK + (size_t)r0 * 8;
 #pragma unroll
             for (int k = 0; k < SUMSQ_BATCH; k++) {
-                const int e = e0 + k * blockDim.x;
-                const int c = e / (SUMSQ_ROWS * 8), o = e % (SUMSQ_ROWS * 8);
-                const size_t i = (first_chunk + c) * SUMSQ_BLOCK + (size_t)r0 * 8 + o;
-                // unconditional (element 0 in place of one past n): a load
-                // under a branch is not issued ahead of the others
-                const float x = load(g, KIND, si, i < n ? i : 0);
-                v[k] = i < n ? x : 0.0f;
+                const int q = q0 + k * blockDim.x;
+                const int c = q / (SUMSQ_ROWS * 8 / G), o = q % (SUMSQ_ROWS * 8 / G) * G;
+                const size_t at = base + (size_t)c * SUMSQ_BLOCK + o;
+                raw[k] = load_raw(g, KIND, vec && at + G <= n ? at / G : 0);
             }
 #pragma unroll
             for (int k = 0; k < SUMSQ_BATCH; k++) {
-                const int e = e0 + k * blockDim.x;
-                tile[e / (SUMSQ_ROWS * 8)][e % (SUMSQ_ROWS * 8)] = v[k];
+                const int q = q0 + k * blockDim.x;
+                const int c = q / (SUMSQ_ROWS * 8 / G), o = q % (SUMSQ_ROWS * 8 / G) * G;
+                const size_t at = base + (size_t)c * SUMSQ_BLOCK + o;
+                float x[G];
+                if (vec && at + G <= n) {
+                    decode_raw(raw[k], KIND, si, x);
+                } else {
+                    // the tail group, or a stream not 16-byte aligned
+#pragma unroll
+                    for (int j = 0; j < G; j++) x[j] = at + j < n ? load(g, KIND, si, at + j) : 0.0f;
+                }
+                *reinterpret_cast<float4*>(&tile[c][o]) = make_float4(x[0], x[1], x[2], x[3]);
             }
         }
         __syncthreads();
@@ -433,19 +443,13 @@ __device__ __forceinline__ float lane_column(const void* g, float si, size_t n, 
     return acc;
 }
 
-extern "C" __global__ void __launch_bounds__(256) sumsq_partials(const void* g, int kind, const float* si_p,
-                                                                 size_t n, double* partials) {
-    __shared__ float tile[SUMSQ_CHUNKS][SUMSQ_PITCH];
+template <int KIND>
+__device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials) {
+    __shared__ __align__(16) float tile[SUMSQ_CHUNKS][SUMSQ_PITCH];
     const float si = *si_p;
     const size_t first = (size_t)blockIdx.x * SUMSQ_CHUNKS;
     const int chunk = threadIdx.x >> 3, lane = threadIdx.x & 7;
-    float acc;
-    switch (kind) {
-    case K_E4M3: acc = lane_column<K_E4M3>(g, si, n, first, lane, chunk, tile); break;
-    case K_E5M2: acc = lane_column<K_E5M2>(g, si, n, first, lane, chunk, tile); break;
-    case K_F16: acc = lane_column<K_F16>(g, si, n, first, lane, chunk, tile); break;
-    default: acc = lane_column<K_F32>(g, si, n, first, lane, chunk, tile);
-    }
+    const float acc = lane_column<KIND>(g, si, n, vec, first, lane, chunk, tile);
     // the 8 lanes of one element block are 8 consecutive threads of a warp
     double lanes[8];
     const int base = (int)(threadIdx.x & 31) & ~7;
@@ -458,6 +462,17 @@ extern "C" __global__ void __launch_bounds__(256) sumsq_partials(const void* g, 
         partials[first + chunk] = s;
     }
 }
+
+// One kernel per kind: each holds only its kind's registers.
+#define SUMSQ_PARTIALS(NAME, KIND)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                  \
+        sumsq_partials_##NAME(const void* g, const float* si, size_t n, int vec, double* partials) {   \
+        sumsq_partials_impl<KIND>(g, si, n, vec, partials);                                            \
+    }
+SUMSQ_PARTIALS(0, K_E4M3)
+SUMSQ_PARTIALS(1, K_E5M2)
+SUMSQ_PARTIALS(2, K_F16)
+SUMSQ_PARTIALS(3, K_F32)
 
 // groups[b] = partials[256 b] + ... in order (from 0). A block per group.
 extern "C" __global__ void sumsq_groups(const double* partials, size_t count, double* groups) {

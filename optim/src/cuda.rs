@@ -407,12 +407,14 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
         shared_mem_bytes: 0,
     };
     if chunks > 0 {
-        let f = func(&dev, "sumsq_partials")?;
+        let f = func(&dev, &format!("sumsq_partials_{kd}"))?;
         let mut b = stream.launch_builder(&f);
-        b.arg(&gp).arg(&kd).arg(&sp).arg(&n).arg(&mut partials);
-        // SAFETY: gp addresses n elements of kind kd; partials holds one f64
-        // per block of SUMSQ_BLOCK elements; each CUDA block covers
-        // SUMSQ_CHUNKS of them and reads no element at or past n.
+        let vec = i32::from(gp % 16 == 0);
+        b.arg(&gp).arg(&sp).arg(&n).arg(&vec).arg(&mut partials);
+        // SAFETY: gp addresses n elements of kind kd (4-element groups only
+        // where 16-byte aligned, and only whole groups before n); partials
+        // holds one f64 per block of SUMSQ_BLOCK elements; each CUDA block
+        // covers SUMSQ_CHUNKS of them and reads no element at or past n.
         unsafe { b.launch(blocks(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;
         let f = func(&dev, "sumsq_groups")?;
         let mut b = stream.launch_builder(&f);
