@@ -20,7 +20,7 @@ mod train;
 use amp::levels::{Compute, ExportDType, Level};
 use amp::{CurrentScaling, DelayedScaling};
 use anyhow::{Context, Result};
-use candle_core::Device;
+use candle_core::{DType, Device};
 use clap::{CommandFactory, Parser, ValueEnum};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -120,6 +120,11 @@ struct Args {
     /// Leave the first K steps out of tokens/s and the median step time.
     #[arg(long, default_value_t = 0)]
     timing_skip: u64,
+    /// Dtype of the activations between layers (the residual stream, the
+    /// layers' outputs, the logits); weights and optimizer state are not
+    /// affected. BF16 halves what backprop keeps and moves.
+    #[arg(long, value_enum, default_value = "f32")]
+    activations: ExportArg,
     /// Run each of these levels in turn on the same data and seed.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<Level>,
@@ -254,6 +259,10 @@ fn main() -> Result<()> {
         progress: !args.json && std::io::stdout().is_terminal(),
         world_size: args.world_size as usize,
         timing_skip: args.timing_skip,
+        activations: match args.activations {
+            ExportArg::F32 => DType::F32,
+            ExportArg::Bf16 => DType::BF16,
+        },
         ..Default::default()
     };
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {

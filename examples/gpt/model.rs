@@ -92,6 +92,8 @@ pub struct Gpt {
     ln_f: LayerNorm,
     lm_head: Linear,
     cfg: GptConfig,
+    /// Dtype of the activations between layers.
+    act: DType,
 }
 
 const LN_EPS: f64 = 1e-5;
@@ -129,7 +131,22 @@ impl Gpt {
             ln_f: nn::layer_norm(d, LN_EPS, vb.pp("ln_f"))?,
             lm_head: nn::linear_no_bias(d, cfg.vocab, vb.pp("lm_head"))?,
             cfg,
+            act: DType::F32,
         })
+    }
+
+    /// The same model with activations of `dtype` between layers (F32 or
+    /// BF16): the embeddings' sum is cast once, every layer keeps its
+    /// input's dtype (LayerNorm statistics and cross-entropy sums stay F32).
+    ///
+    /// # Errors
+    /// A dtype other than F32 or BF16.
+    pub fn with_activations(mut self, dtype: DType) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            bail!("activations in {dtype:?}: F32 or BF16");
+        }
+        self.act = dtype;
+        Ok(self)
     }
 
     /// The shape.
@@ -151,8 +168,9 @@ impl Gpt {
         }
         let dev = tokens.device();
         let pos = Tensor::arange(0u32, t as u32, dev)?;
-        let mut h =
-            nn::embedding(tokens, &self.wte)?.broadcast_add(&nn::embedding(&pos, &self.wpe)?)?;
+        let mut h = nn::embedding(tokens, &self.wte)?
+            .broadcast_add(&nn::embedding(&pos, &self.wpe)?)?
+            .to_dtype(self.act)?;
         for blk in &self.blocks {
             let a = self.attention(blk, &blk.ln_1.forward(&h)?)?;
             h = (h + a)?;

@@ -64,6 +64,8 @@ pub struct Summary {
     pub device: String,
     /// Data-parallel ranks; memory figures are per rank.
     pub world_size: usize,
+    /// Dtype of the activations between layers ("F32", "BF16").
+    pub activations: String,
     /// Bytes rank 0 sent to other ranks per step (gradient averaging).
     pub wire_bytes_per_step: f64,
     pub wall_s: f64,

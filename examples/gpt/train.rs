@@ -13,7 +13,7 @@ use amp::levels::{
 };
 use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -56,6 +56,8 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Batches per validation.
     pub eval_batches: usize,
+    /// Dtype of the activations between layers (F32 or BF16).
+    pub activations: DType,
     /// Where to run.
     pub device: Device,
     /// Write a checkpoint here at the end.
@@ -106,6 +108,7 @@ impl Default for TrainConfig {
             progress: false,
             world_size: 1,
             timing_skip: 0,
+            activations: DType::F32,
         }
     }
 }
@@ -155,6 +158,7 @@ pub fn train_rank(
         amp::reset_pool_peaks(&cfg.device)?;
     }
     let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
+    let model = model.with_activations(cfg.activations)?;
     let amp_cfg = AmpConfig {
         level: cfg.level,
         compute: cfg.compute.clone(),
@@ -311,6 +315,7 @@ pub fn train_rank(
         skipped_steps: skipped,
         device: device_name(&cfg.device),
         world_size: world,
+        activations: format!("{:?}", cfg.activations).to_uppercase(),
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         wall_s: t0.elapsed().as_secs_f64(),
         train_curve,

@@ -8,7 +8,8 @@
 #
 # LEVELS: space-separated `level:compute` pairs (default: the five runs).
 # Env: STEPS (20), SKIP (5, steps left out of tokens/s), TORCH_MODES
-# (bf16,bf16-compile,fp8-torchao), NO_CHECK=1 skips cuda_check.
+# (bf16,bf16-compile,fp8-torchao), NO_CHECK=1 skips cuda_check, EXTRA
+# (more arguments for every gpt run, e.g. "--activations bf16").
 set -uo pipefail
 C=${1:-.carry/gpu}
 SIZE=${2:-350m}
@@ -30,7 +31,7 @@ for r in $RUNS; do
   level=${r%%:*}; compute=${r#*:}
   echo "== gpt $SIZE $level $compute" | tee -a "$OUT/gpt.log"
   timeout 150 /tmp/gpt --device cuda --size "$SIZE" --vocab 50304 --batch 8 --seq 1024 \
-    --steps "$STEPS" --timing-skip "$SKIP" --eval-every 1000 --level "$level" --compute "$compute" --json \
+    --steps "$STEPS" --timing-skip "$SKIP" --eval-every 1000 --level "$level" --compute "$compute" --json ${EXTRA:-} \
     2>&1 | tee -a "$OUT/gpt.log"
   echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpt.log"
 done

@@ -5,7 +5,7 @@ import sys
 
 for line in open(sys.argv[1]):
     j = json.loads(line)
-    print(j["size"], j["level"], j["compute"], "tok/s %.0f" % j["tokens_per_s"],
+    print(j["size"], j["level"], j["compute"], j.get("activations", "F32"), "tok/s %.0f" % j["tokens_per_s"],
           "step %.1f" % j["step_ms_median"], "fwd %.1f" % j["forward_ms_median"],
           "peak %.2f GiB" % (j["peak_device_bytes"] / 2**30),
           "pers %.3f GB" % (j["persistent_bytes"]["total"] / 1e9),
@@ -14,5 +14,8 @@ for line in open(sys.argv[1]):
 for line in open(sys.argv[2]):
     if line.startswith('{"mode"'):
         j = json.loads(line)
+        if "tokens_per_s" not in j:
+            print("torch", j.get("size"), j.get("mode"), "no result:", j.get("error", j))
+            continue
         print("torch", j["size"], j["mode"], "tok/s %.0f" % j["tokens_per_s"],
               "step %.1f" % j["step_ms"], "peak %.2f GiB" % j["peak_gib"])
