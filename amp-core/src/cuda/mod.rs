@@ -26,15 +26,17 @@
 //! time by the hardware conversion (`cvt.rn.satfinite.e4m3x2.f32`, RNE with
 //! saturation, as the CPU's encode) with no branch; its NaN codes (which keep
 //! the input's sign) are rewritten to 0x7F on the packed word, and zero
-//! codes for the flush count are found there too. Dequantize, decoded amax
-//! and requantize take 16 codes per step the same way. Requantize is two
-//! passes over the codes (amax of the decoded values, then
-//! decode-scale-encode) with the scale update between them; no F32 copy is
-//! written. Scale updates are one block.
+//! codes for the flush count are found there too. Decoded amax and
+//! requantize take 16 codes per step the same way; dequantize writes one
+//! 16-byte word of outputs per thread and step, consecutive threads on
+//! consecutive words (four strided 16-byte stores a thread ran at half the
+//! copy bandwidth). Requantize is two passes over the codes (amax of the
+//! decoded values, then decode-scale-encode) with the scale update between
+//! them; no F32 copy is written. Scale updates are one block; current
+//! scaling's metadata is one of them with no previous scale (1).
 //!
-//! NOT YET RUN ON A GPU (this branch): the version on `cuda` (commit
-//! 897e0dd) is the one checked bit for bit on the H100; run
-//! `cuda_check --bench` on this one before merging it.
+//! Every kernel here is checked bit for bit against the CPU on the H100 by
+//! `cuda_check` (BENCHMARKS.md).
 //!
 //! Scales are read from device memory by the kernels; no op here copies
 //! anything to the host or synchronizes. Unlike the CPU body, quantize
