@@ -1,7 +1,8 @@
 //! CUDA bodies of the optimizer's kernels (feature `cuda`): the fused
-//! low-bit AdamW step ([`LowBitStep`]) and the gradient sum of squares
-//! ([`SumSq`]), from `kernels/lowbit.cu` (PTX built by `build.rs` with nvcc
-//! 13.0 and `-fmad=false`, embedded, loaded once per device).
+//! low-bit AdamW step ([`LowBitStep`]) and the helpers that the gradient
+//! sum of squares (`cuda_sum_sq.rs`) shares, from `kernels/lowbit.cu` (PTX
+//! built by `build.rs` with nvcc 13.0 and `-fmad=false`, embedded, loaded
+//! once per device).
 //!
 //! # Passes of the step, and why the second one is usually empty
 //! The new scale of each low-bit output comes from the amax of the whole
@@ -42,7 +43,7 @@
 //! No host synchronization and no device-to-host copy: scales and amaxes are
 //! read and written by the kernels.
 
-use crate::fused::{LowBitStep, SumSq, Q};
+use crate::fused::{LowBitStep, Q};
 use amp_core::QType;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -54,7 +55,7 @@ use half::f16;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lowbit.ptx"));
 const MODULE: &str = "candle_amp_optim_kernels";
-const THREADS: u32 = 256;
+pub(crate) const THREADS: u32 = 256;
 /// The step kernels hold 4 blocks of 256 threads per SM of an H100
 /// (`__launch_bounds__(256, 4)`): one wave of them, a grid-stride loop over
 /// the rest, no tail of a second wave.
@@ -63,16 +64,10 @@ const STEP_BLOCKS: usize = 132 * 4;
 const FIXED_KINDS: [[i32; 4]; 4] = [[2, 0, 0, 2], [2, 0, 3, 3], [3, 3, 0, 2], [3, 3, 3, 3]];
 /// Scale, scale_inv and amax: the one-element outputs of each stream.
 const META_PER_STREAM: usize = 3;
-/// `SUMSQ_BLOCK` in lowbit.cu: the CPU body's block length.
-const SUMSQ_BLOCK: usize = 2048;
-/// `SUMSQ_GROUP`: blocks' sums per group (the CPU body's `SUMSQ_GROUP`).
-const SUMSQ_GROUP: usize = 256;
-/// `SUMSQ_CHUNKS`: element blocks per CUDA block of `sumsq_partials`.
-const SUMSQ_CHUNKS: usize = 32;
 
-type Outputs = Vec<(CudaStorage, Shape)>;
+pub(crate) type Outputs = Vec<(CudaStorage, Shape)>;
 
-fn func(dev: &CudaDevice, name: &str) -> amp_core::Result<CudaFunction> {
+pub(crate) fn func(dev: &CudaDevice, name: &str) -> amp_core::Result<CudaFunction> {
     Ok(dev
         .get_or_load_custom_func(name, MODULE, PTX)?
         .into_cuda_function())
@@ -90,7 +85,7 @@ fn grid(items: usize) -> LaunchConfig {
     }
 }
 
-fn bad(op: &'static str, what: &str) -> amp_core::Error {
+pub(crate) fn bad(op: &'static str, what: &str) -> amp_core::Error {
     amp_core::Error::Unsupported {
         op,
         what: what.into(),
@@ -98,7 +93,7 @@ fn bad(op: &'static str, what: &str) -> amp_core::Error {
 }
 
 /// A stream's kind in lowbit.cu (`K_E4M3` .. `K_F32`) and its dtype.
-fn kind(q: Q) -> (i32, DType) {
+pub(crate) fn kind(q: Q) -> (i32, DType) {
     match q {
         Some(QType::E4M3) => (0, DType::U8),
         Some(QType::E5M2) => (1, DType::U8),
@@ -109,7 +104,7 @@ fn kind(q: Q) -> (i32, DType) {
 
 /// The device address of a contiguous input's first element, checked
 /// against its expected dtype. The address stays valid while `s` lives.
-fn address(
+pub(crate) fn address(
     op: &'static str,
     s: &CudaStorage,
     l: &Layout,
@@ -158,7 +153,7 @@ fn address(
 }
 
 /// A 1-element F32 input's address.
-fn scalar_address(
+pub(crate) fn scalar_address(
     op: &'static str,
     s: &CudaStorage,
     l: &Layout,
@@ -383,52 +378,4 @@ pub(crate) fn lowbit_step(
         streams.rotate_right(1);
     }
     Ok(streams.into_iter().flatten().collect())
-}
-
-pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core::Result<Outputs> {
-    const OP: &str = "grad_sum_sq";
-    let [(g, lg), (gs, lgs)] = inputs else {
-        return Err(bad(OP, "wrong number of inputs"));
-    };
-    let dev = g.device().clone();
-    let n = lg.shape().elem_count();
-    let (kd, dtype) = kind(k.g);
-    let gp = address(OP, g, lg, dtype, &dev)?;
-    let sp = scalar_address(OP, gs, lgs, &dev)?;
-    let chunks = n.div_ceil(SUMSQ_BLOCK);
-    let groups = chunks.div_ceil(SUMSQ_GROUP);
-    let stream = dev.cuda_stream();
-    let mut partials = dev.alloc_zeros::<f64>(chunks.max(1))?;
-    let mut group_sums = dev.alloc_zeros::<f64>(groups.max(1))?;
-    let mut total = dev.alloc_zeros::<f64>(1)?;
-    let blocks = |b: usize| LaunchConfig {
-        grid_dim: (b as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    if chunks > 0 {
-        let f = func(&dev, &format!("sumsq_partials_{kd}"))?;
-        let mut b = stream.launch_builder(&f);
-        let vec = i32::from(gp % 16 == 0);
-        b.arg(&gp).arg(&sp).arg(&n).arg(&vec).arg(&mut partials);
-        // SAFETY: gp addresses n elements of kind kd (4-element groups only
-        // where 16-byte aligned, and only whole groups before n); partials
-        // holds one f64 per block of SUMSQ_BLOCK elements; each CUDA block
-        // covers SUMSQ_CHUNKS of them and reads no element at or past n.
-        unsafe { b.launch(blocks(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;
-        let f = func(&dev, "sumsq_groups")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&partials).arg(&chunks).arg(&mut group_sums);
-        // SAFETY: partials holds `chunks` f64, group_sums one per group.
-        unsafe { b.launch(blocks(groups)) }.w()?;
-        let f = func(&dev, "sumsq_total")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&group_sums).arg(&groups).arg(&mut total);
-        // SAFETY: group_sums holds `groups` f64, total one.
-        unsafe { b.launch(blocks(1)) }.w()?;
-    }
-    Ok(vec![(
-        CudaStorage::wrap_cuda_slice(total, dev),
-        Shape::from(1usize),
-    )])
 }

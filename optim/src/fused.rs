@@ -259,7 +259,7 @@ impl Kernel for SumSq {
         &self,
         inputs: &[(&candle_core::CudaStorage, &Layout)],
     ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda::sum_sq(self, inputs)
+        crate::cuda_sum_sq::sum_sq(self, inputs)
     }
 }
 

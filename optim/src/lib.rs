@@ -40,6 +40,8 @@
 mod adamw;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_sum_sq;
 mod error;
 mod fused;
 mod grad;

@@ -1,0 +1,66 @@
+//! CUDA body of the gradient sum of squares ([`SumSq`]), from
+//! `kernels/lowbit.cu`: per 2048-element block 8 f32 lanes, the lanes in
+//! f64 in order, groups of 256 blocks in order, the groups in order (the
+//! CPU body's order, so the same bits); three launches, no host read.
+
+use crate::cuda::{address, bad, func, kind, scalar_address, Outputs, THREADS};
+use crate::fused::SumSq;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaStorage, WrapErr};
+use candle_core::{Layout, Shape};
+
+/// `SUMSQ_BLOCK` in lowbit.cu: the CPU body's block length.
+const SUMSQ_BLOCK: usize = 2048;
+/// `SUMSQ_GROUP`: blocks' sums per group (the CPU body's `SUMSQ_GROUP`).
+const SUMSQ_GROUP: usize = 256;
+/// `SUMSQ_CHUNKS`: element blocks per CUDA block of `sumsq_partials`.
+const SUMSQ_CHUNKS: usize = 32;
+
+pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core::Result<Outputs> {
+    const OP: &str = "grad_sum_sq";
+    let [(g, lg), (gs, lgs)] = inputs else {
+        return Err(bad(OP, "wrong number of inputs"));
+    };
+    let dev = g.device().clone();
+    let n = lg.shape().elem_count();
+    let (kd, dtype) = kind(k.g);
+    let gp = address(OP, g, lg, dtype, &dev)?;
+    let sp = scalar_address(OP, gs, lgs, &dev)?;
+    let chunks = n.div_ceil(SUMSQ_BLOCK);
+    let groups = chunks.div_ceil(SUMSQ_GROUP);
+    let stream = dev.cuda_stream();
+    let mut partials = dev.alloc_zeros::<f64>(chunks.max(1))?;
+    let mut group_sums = dev.alloc_zeros::<f64>(groups.max(1))?;
+    let mut total = dev.alloc_zeros::<f64>(1)?;
+    let blocks = |b: usize| LaunchConfig {
+        grid_dim: (b as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    if chunks > 0 {
+        let f = func(&dev, &format!("sumsq_partials_{kd}"))?;
+        let mut b = stream.launch_builder(&f);
+        let vec = i32::from(gp % 16 == 0);
+        b.arg(&gp).arg(&sp).arg(&n).arg(&vec).arg(&mut partials);
+        // SAFETY: gp addresses n elements of kind kd (4-element groups only
+        // where 16-byte aligned, and only whole groups before n); partials
+        // holds one f64 per block of SUMSQ_BLOCK elements; each CUDA block
+        // covers SUMSQ_CHUNKS of them and reads no element at or past n.
+        unsafe { b.launch(blocks(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;
+        let f = func(&dev, "sumsq_groups")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&partials).arg(&chunks).arg(&mut group_sums);
+        // SAFETY: partials holds `chunks` f64, group_sums one per group.
+        unsafe { b.launch(blocks(groups)) }.w()?;
+        let f = func(&dev, "sumsq_total")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&group_sums).arg(&groups).arg(&mut total);
+        // SAFETY: group_sums holds `groups` f64, total one.
+        unsafe { b.launch(blocks(1)) }.w()?;
+    }
+    Ok(vec![(
+        CudaStorage::wrap_cuda_slice(total, dev),
+        Shape::from(1usize),
+    )])
+}
