@@ -173,10 +173,11 @@ impl Linear {
         };
         let y = match (&xq, &wq) {
             // A saturating cast hides inf: a non-finite input amax makes the
-            // output NaN (x 1 when finite), never silently finite.
+            // output NaN (amax * 0 + 1, one launch: 1 when finite, NaN for inf
+            // or NaN), never silently finite.
             // The flag rides in x's scale_inv (see `flagged`).
             (Some(xq), Some(wq)) if fprop => {
-                let flag = ((xq.meta().amax()? * 0.0)? + 1.0)?;
+                let flag = xq.meta().amax()?.affine(0.0, 1.0)?;
                 // Fast accumulation in fprop, as Transformer Engine.
                 fp8_gemm_with(&flagged(xq, &flag)?, wq, x.dtype(), true)?
             }

@@ -229,7 +229,7 @@ impl Fp8LinearOp {
         // into the results (x 1 if finite, NaN otherwise), so an overflowing
         // step is still seen, and skipped, downstream.
         let flag = match &dyq {
-            Some(q) => Some(((q.meta().amax()? * 0.0)? + 1.0)?),
+            Some(q) => Some(q.meta().amax()?.affine(0.0, 1.0)?),
             None => None,
         };
         let finite = |t: Tensor| -> Result<Tensor> {
