@@ -543,7 +543,7 @@ extern "C" __global__ void transpose_u16(const uint16_t* src, uint16_t* dst, int
 // ids[i] >= rows (no host read to refuse it; the CPU body refuses it). The
 // backward dt[r, c] = the sum of g[i, c] over the tokens i with ids[i] == r,
 // in token order from +0 (index_add's order: the same bits as candle's
-// backward of index_select). Block (x, p) of the backward owns columns
+// backward of index_select where the table gets no other gradient). Block (x, p) of the backward owns columns
 // [256 x, 256 x + 256) of the rows r with r & mask == p (grid (.., mask + 1)):
 // no atomics, each sum in one thread, in order. dt is zeroed by the caller.
 

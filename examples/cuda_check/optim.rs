@@ -7,7 +7,7 @@ use crate::util::{same, Rng};
 use amp::optim::{AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, State, StateFormat};
 use amp::{CurrentScaling, QType, ScalingMeta, ScalingTensor, Weight, WeightSlot};
 use anyhow::Result;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use std::time::Instant;
 
 /// Weight storages of the levels.
@@ -171,12 +171,20 @@ pub fn check(dev: &Device) -> Result<bool> {
 }
 
 /// The sum of squares over several groups of 256 blocks (the check above
-/// has one): 4 groups and a partial block, F32 and E4M3 gradients; the
-/// step outcome carries the f64 norm, compared bit for bit.
+/// has one): 4 groups and a partial block, F32 and E4M3 gradients; then
+/// fewer elements than a vector group, and an F32 gradient that is a view
+/// one element into its buffer (not 16-byte aligned: the scalar paths).
+/// The step outcome carries the f64 norm, compared bit for bit.
 fn many_groups(dev: &Device, rng: &mut Rng) -> Result<bool> {
-    let n = 3 * 256 * 2048 + 5 * 2048 + 1001;
+    let big = 3 * 256 * 2048 + 5 * 2048 + 1001;
     let mut ok = true;
-    for g8 in [false, true] {
+    for (n, g8, offset) in [
+        (big, false, false),
+        (big, true, false),
+        (3, false, false),
+        (3, true, false),
+        (4099, false, true),
+    ] {
         let w = (Tensor::from_vec(rng.normal(n), n, &Device::Cpu)? * 0.05)?;
         let (cpu_slot, gpu_slot) = weights(WeightKind::F16, &w, dev)?;
         let cfg = LowBitAdamWConfig {
@@ -189,6 +197,12 @@ fn many_groups(dev: &Device, rng: &mut Rng) -> Result<bool> {
         let (gc, gg) = if g8 {
             let q = quantize(&g, QType::E4M3)?;
             (Grad::Scaled(q.clone()), Grad::Scaled(to_dev(&q, dev)?))
+        } else if offset {
+            let padded = Tensor::cat(&[&Tensor::zeros(1, DType::F32, &Device::Cpu)?, &g], 0)?;
+            (
+                Grad::F32(g.clone()),
+                Grad::F32(padded.to_device(dev)?.narrow(0, 1, n)?),
+            )
         } else {
             (Grad::F32(g.clone()), Grad::F32(g.to_device(dev)?))
         };
@@ -198,8 +212,9 @@ fn many_groups(dev: &Device, rng: &mut Rng) -> Result<bool> {
         let (oc, og) = (cpu.step(&a)?, gpu.step(&b)?);
         let same_norm = format!("{oc:?}") == format!("{og:?}");
         println!(
-            "  sum of squares over {n} elements ({} grad): cuda {og:?} cpu {oc:?}: {}",
+            "  sum of squares over {n} elements ({} grad{}): cuda {og:?} cpu {oc:?}: {}",
             if g8 { "E4M3" } else { "F32" },
+            if offset { ", unaligned view" } else { "" },
             if same_norm { "identical" } else { "DIFFERENT" }
         );
         ok &= same_norm;

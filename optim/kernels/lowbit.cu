@@ -290,7 +290,7 @@ __device__ __forceinline__ float out_scale(int kind, float amax, float prev_si) 
 
 // Pass 1: encode with the expected scales, amax bits into amax[0..3]
 // (zeroed by the caller). copy_si: the E4M3 copy's scale_inv before the
-// step (only its expected scale; null without a copy).
+// step (only its expected scale; without a copy it is never read).
 // Two groups in flight where the kinds are fixed; one for the runtime-kind
 // kernel (whose raw groups are 16 bytes a stream: two would spill).
 #define INFLIGHT(WK, GK, MK, VK) ((WK) >= 0 && (GK) >= 0 && (MK) >= 0 && (VK) >= 0 ? 2 : 1)
@@ -409,12 +409,15 @@ __device__ __forceinline__ float lane_column(const void* g, float si, size_t n, 
         for (int q0 = threadIdx.x; q0 < SUMSQ_CHUNKS * SUMSQ_ROWS * 8 / G; q0 += SUMSQ_BATCH * blockDim.x) {
             uint4 raw[SUMSQ_BATCH];
             const size_t base = first_chunk * SUMSQ_BLOCK + (size_t)r0 * 8;
+            // vector loads only from an aligned stream of at least one
+            // whole group (the same for the whole block: no divergence)
+            const bool vload = vec && n >= G;
 #pragma unroll
             for (int k = 0; k < SUMSQ_BATCH; k++) {
                 const int q = q0 + k * blockDim.x;
                 const int c = q / (SUMSQ_ROWS * 8 / G), o = q % (SUMSQ_ROWS * 8 / G) * G;
                 const size_t at = base + (size_t)c * SUMSQ_BLOCK + o;
-                raw[k] = load_raw(g, KIND, vec && at + G <= n ? at / G : 0);
+                raw[k] = vload ? load_raw(g, KIND, at + G <= n ? at / G : 0) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int k = 0; k < SUMSQ_BATCH; k++) {
@@ -422,7 +425,7 @@ __device__ __forceinline__ float lane_column(const void* g, float si, size_t n, 
                 const int c = q / (SUMSQ_ROWS * 8 / G), o = q % (SUMSQ_ROWS * 8 / G) * G;
                 const size_t at = base + (size_t)c * SUMSQ_BLOCK + o;
                 float x[G];
-                if (vec && at + G <= n) {
+                if (vload && at + G <= n) {
                     decode_raw(raw[k], KIND, si, x);
                 } else {
                     // the tail group, or a stream not 16-byte aligned

@@ -208,7 +208,7 @@ enum Buf {
 
 impl Buf {
     fn alloc(dev: &CudaDevice, dtype: DType, n: usize) -> amp_core::Result<Self> {
-        // SAFETY (all): lowbit_write writes every element.
+        // SAFETY (all): lowbit_step (pass 1) writes every element.
         Ok(match dtype {
             DType::U8 => Self::U8(unsafe { dev.alloc::<u8>(n)? }),
             DType::F16 => Self::F16(unsafe { dev.alloc::<f16>(n)? }),

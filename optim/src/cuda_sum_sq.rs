@@ -43,8 +43,9 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
         let mut b = stream.launch_builder(&f);
         let vec = i32::from(gp % 16 == 0);
         b.arg(&gp).arg(&sp).arg(&n).arg(&vec).arg(&mut partials);
-        // SAFETY: gp addresses n elements of kind kd (4-element groups only
-        // where 16-byte aligned, and only whole groups before n); partials
+        // SAFETY: gp addresses n elements of kind kd (4-element loads only
+        // where it is 16-byte aligned and n >= 4, of whole groups before n,
+        // group 0 in place of the others); partials
         // holds one f64 per block of SUMSQ_BLOCK elements; each CUDA block
         // covers SUMSQ_CHUNKS of them and reads no element at or past n.
         unsafe { b.launch(blocks(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;

@@ -35,8 +35,8 @@
 //! them; no F32 copy is written. Scale updates are one block; current
 //! scaling's metadata is one of them with no previous scale (1).
 //!
-//! Every kernel here is checked bit for bit against the CPU on the H100 by
-//! `cuda_check` (BENCHMARKS.md).
+//! `cuda_check` checks every kernel here bit for bit against the CPU on the
+//! H100 (BENCHMARKS.md names the commit of each run).
 //!
 //! Scales are read from device memory by the kernels; no op here copies
 //! anything to the host or synchronizes. Unlike the CPU body, quantize

@@ -69,11 +69,11 @@ pub(crate) fn embedding_bwd(
     f32_only(OP, g)?;
     let dev = g.device().clone();
     let n = li.shape().elem_count();
-    let cols = lg.dims().last().copied().unwrap_or(1).max(1);
+    let cols = lg.dims().last().copied().unwrap_or(0);
     let iv = view::<u32>(OP, ids, li)?;
     let gv = view::<f32>(OP, g, lg)?;
     let mut dt = dev.alloc_zeros::<f32>(rows * cols)?;
-    if n > 0 && rows > 0 {
+    if n > 0 && rows > 0 && cols > 0 {
         let cfg = LaunchConfig {
             grid_dim: (cols.div_ceil(THREADS as usize) as u32, PARTS, 1),
             block_dim: (THREADS, 1, 1),

@@ -2,11 +2,12 @@
 //! the table's gradient for row `r` is the sum of the output gradient's rows
 //! of the tokens equal to `r`, added in token order from zero, the order of
 //! candle's `index_add` (so the bits equal candle's backward of
-//! `index_select`). On CUDA each sum stays in one thread; candle's kernel
-//! gives a thread a whole column, 768 threads for a GPT-2 table, and was
-//! 4.7 ms of a 125M step.
+//! `index_select` when the table gets no other gradient; a table also used
+//! elsewhere, a tied head say, has this sum added to the rest where candle
+//! adds each row into it, which rounds differently). On CUDA each sum stays
+//! in one thread; candle's kernel gives a thread a whole column, 768 threads
+//! for a GPT-2 table, and was 4.7 ms of a 125M step.
 
-#[cfg(feature = "cuda")]
 use super::ops::wrap;
 use super::ops::{f32s, u32s};
 use crate::error::{Error, Result};
@@ -15,14 +16,16 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 /// `table[ids]`: rows of `table` `[rows, cols]` for U32 `ids` of any shape,
 /// `[ids.., cols]`. F32 tables go through the fused op; other float tables
-/// through candle's `index_select` (same values, candle's backward).
+/// through candle's `index_select` (the same values for ids in range,
+/// candle's backward).
 ///
 /// # Errors
 /// [`Error::DType`] for ids other than U32, [`Error::Rank`] for a table that
 /// is not 2-D, [`Error::Device`]; on the CPU an id outside `0..rows` is
 /// [`Error::Unsupported`]. On CUDA such an id is not read back (no host
-/// copy): its output row is NaN, so the loss is NaN and a loss-scaled step is
-/// skipped, never silently wrong.
+/// copy): with an F32 table its output row is NaN, so the loss is NaN and a
+/// loss-scaled step is skipped, never silently wrong; with another dtype it
+/// is candle's `index_select` (a device-side assertion).
 pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     const OP: &str = "embedding";
     if ids.dtype() != DType::U32 {
