@@ -8,6 +8,7 @@
 //! in one thread; candle's kernel gives a thread a whole column, 768 threads
 //! for a GPT-2 table, and was 4.7 ms of a 125M step.
 
+#[cfg(feature = "cuda")]
 use super::ops::wrap;
 use super::ops::{f32s, u32s};
 use crate::error::{Error, Result};
