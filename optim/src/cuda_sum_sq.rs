@@ -30,8 +30,12 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
     let chunks = n.div_ceil(SUMSQ_BLOCK);
     let groups = chunks.div_ceil(SUMSQ_GROUP);
     let stream = dev.cuda_stream();
-    let mut partials = dev.alloc_zeros::<f64>(chunks.max(1))?;
-    let mut group_sums = dev.alloc_zeros::<f64>(groups.max(1))?;
+    // SAFETY: sumsq_partials writes one partial per element block (the
+    // lane-0 thread of each), sumsq_groups one sum per group; neither is
+    // read before it is written. Only the total, which no kernel writes when
+    // there are no elements, starts at zero.
+    let mut partials = unsafe { dev.alloc::<f64>(chunks.max(1))? };
+    let mut group_sums = unsafe { dev.alloc::<f64>(groups.max(1))? };
     let mut total = dev.alloc_zeros::<f64>(1)?;
     let blocks = |b: usize| LaunchConfig {
         grid_dim: (b as u32, 1, 1),
