@@ -157,6 +157,38 @@ fn every_level_learns_and_reports() -> anyhow::Result<()> {
 }
 
 #[test]
+fn bf16_activations_learn_like_f32_and_are_reported() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let f32_run = train(&quick(Level::O2, current(), 30), &corpus)?;
+    let bf16_run = train(
+        &TrainConfig {
+            activations: DType::BF16,
+            ..quick(Level::O2, current(), 30)
+        },
+        &corpus,
+    )?;
+    assert_eq!(f32_run.activations, "F32");
+    assert_eq!(bf16_run.activations, "BF16");
+    // a different run (BF16 rounding), the same learning
+    assert_ne!(f32_run.final_loss.to_bits(), bf16_run.final_loss.to_bits());
+    assert!(bf16_run.final_loss < 0.8 * bf16_run.first_loss);
+    let (a, b) = (f64::from(f32_run.val_loss), f64::from(bf16_run.val_loss));
+    assert!((a - b).abs() <= 0.05 * a, "val {a} (F32) vs {b} (BF16)");
+    // other activation dtypes are refused with a message
+    let e = train(
+        &TrainConfig {
+            activations: DType::F16,
+            ..quick(Level::O0, current(), 2)
+        },
+        &corpus,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("F32 or BF16"), "{e}");
+    Ok(())
+}
+
+#[test]
 fn same_seed_same_losses() -> anyhow::Result<()> {
     let corpus = data::Corpus::bundled();
     let cfg = quick(Level::O0, delayed(), 6);
