@@ -353,8 +353,9 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
     sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c);
 }
 
-// lowbit_step_NAME / lowbit_fix_NAME: NAME lists the kinds (w, g, m, v) of
-// the combinations the levels use; `any` takes them at run time.
+// lowbit_step_NAME / lowbit_fix_NAME (the same parameters, so the host
+// launches both alike): NAME lists the kinds (w, g, m, v) of the
+// combinations the levels use; `any` takes them at run time.
 #define LOWBIT(NAME, WK, GK, MK, VK)                                                                   \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
         lowbit_step_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,          \
@@ -362,8 +363,8 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
         step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);                                     \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
-        lowbit_fix_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si,                   \
-                          const uint32_t* amax, Outs o) {                                               \
+        lowbit_fix_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,           \
+                          uint32_t* amax) {                                                             \
         fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o);                                      \
     }
 LOWBIT(any, -1, -1, -1, -1)

@@ -325,10 +325,12 @@ pub(crate) fn lowbit_step(
         "any".into()
     };
 
-    // Pass 1: update, encode with the previous scales, the amaxes.
+    // Pass 1 (`lowbit_step_*`): update, encode with the previous scales,
+    // the amaxes. Pass 2 (`lowbit_fix_*`): the final scales; rewrite the
+    // streams whose scale moved. Both take the same arguments.
     let mut amax = dev.alloc_zeros::<u32>(3)?;
-    let f = func(&dev, &format!("lowbit_step_{suffix}"))?;
-    {
+    for pass in ["step", "fix"] {
+        let f = func(&dev, &format!("lowbit_{pass}_{suffix}"))?;
         let mut b = stream.launch_builder(&f);
         b.arg(&streams)
             .arg(&adam)
@@ -341,21 +343,6 @@ pub(crate) fn lowbit_step(
         // of the kinds given (checked above), every output buffer n elements
         // of its kind, every meta slot one f32; `vec` only where all are
         // 16-byte aligned; amax holds 3 words.
-        unsafe { b.launch(grid(n.div_ceil(4))) }.w()?;
-    }
-
-    // Pass 2: the final scales; rewrite the streams whose scale moved.
-    let f = func(&dev, &format!("lowbit_fix_{suffix}"))?;
-    {
-        let mut b = stream.launch_builder(&f);
-        b.arg(&streams)
-            .arg(&adam)
-            .arg(&n)
-            .arg(&vec)
-            .arg(&copy_si)
-            .arg(&amax)
-            .arg(&outs);
-        // SAFETY: as pass 1.
         unsafe { b.launch(grid(n.div_ceil(4))) }.w()?;
     }
 
