@@ -61,6 +61,35 @@ fn cross_entropy_matches_candle_in_f64() -> R<()> {
     Ok(())
 }
 
+/// `[batch, seq, classes]` logits with `[batch, seq]` targets: the same
+/// loss and gradient bits as the flattened call (one op either way).
+#[test]
+fn cross_entropy_takes_leading_dims_as_rows() -> R<()> {
+    let x = Var::from_tensor(&randn(&[3, 5, 11], 7)?)?;
+    let t: Vec<u32> = (0..15).map(|i| ((i * 7) % 11) as u32).collect();
+    let t = Tensor::from_vec(t, (3, 5), &Device::Cpu)?;
+    let loss = fused::cross_entropy(x.as_tensor(), &t)?;
+    let flat = Var::from_tensor(&x.as_tensor().reshape((15, 11))?)?;
+    let loss2 = fused::cross_entropy(flat.as_tensor(), &t.flatten_all()?)?;
+    assert_eq!(
+        loss.to_scalar::<f32>()?.to_bits(),
+        loss2.to_scalar::<f32>()?.to_bits()
+    );
+    let g = loss.backward()?.get(&x).ok_or("no gradient")?.clone();
+    let g2 = loss2.backward()?.get(&flat).ok_or("no gradient")?.clone();
+    assert_eq!(g.dims(), [3, 5, 11]);
+    let bits = |t: &Tensor| -> R<Vec<u32>> {
+        Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+    };
+    assert_eq!(bits(&g)?, bits(&g2)?);
+    // targets must have the logits' leading dimensions, not just their count
+    let e = fused::cross_entropy(x.as_tensor(), &t.flatten_all()?)
+        .err()
+        .ok_or("[15] targets for [3, 5, 11] logits accepted")?;
+    assert!(e.to_string().contains("[3, 5, 11]"), "{e}");
+    Ok(())
+}
+
 #[test]
 fn cross_entropy_refuses_bad_input_and_keeps_nan() -> R<()> {
     let x = randn(&[4, 10], 1)?;

@@ -193,12 +193,9 @@ impl Gpt {
     /// # Errors
     /// Shapes that disagree, candle's.
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        let logits = self.forward(x)?;
-        let (b, t, v) = logits.dims3()?;
-        Ok(nn::cross_entropy(
-            &logits.reshape((b * t, v))?,
-            &y.reshape(b * t)?,
-        )?)
+        // [batch, seq, vocab] as it is: a reshape would add a graph node
+        // whose gradient (as large as the logits) candle zero-fills and adds
+        Ok(nn::cross_entropy(&self.forward(x)?, y)?)
     }
 }
 

@@ -10,12 +10,23 @@ C=.carry/gpu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source $C/device-env.sh
 gzip -dc $C/cuda_check.gz > /tmp/cuda_check && chmod +x /tmp/cuda_check
-timeout 150 /tmp/cuda_check --skip-exhaustive --watchdog 140 > $OUT/check.log 2>&1; echo "cuda_check rc=$?"
-grep -E "^CHECK|DIFFER|FAIL|ERROR" $OUT/check.log | tr '\n' ' '; echo
+# SIZES (default "125m 350m"), CHECK_ARGS (default --skip-exhaustive; empty
+# string: no cuda_check), TORCH350 (torch modes at 350M).
+SIZES=${SIZES:-"125m 350m"}
+CHECK_ARGS=${CHECK_ARGS---skip-exhaustive}
+if [ -n "$CHECK_ARGS" ]; then
+  timeout 200 /tmp/cuda_check $CHECK_ARGS --watchdog 190 > $OUT/check.log 2>&1; echo "cuda_check rc=$?"
+  grep -E "^CHECK|DIFFER|FAIL|ERROR|panic" $OUT/check.log | tr '\n' ' '; echo
+  grep -E "^BENCH (copy|cast|pool)" $OUT/check.log
+  if [[ " $CHECK_ARGS " == *" --bench"* ]]; then
+    PYTHONUNBUFFERED=1 timeout 140 python3 $C/torch_gemm.py > $OUT/torch_gemm.log 2>&1
+    python3 $C/compare.py $OUT/check.log $OUT/torch_gemm.log
+  fi
+fi
 RUNS="O0:native O0:fp8-delayed O1:fp8-current O2:fp8-current O3:fp8-current"
-for size in 125m 350m; do
-  modes=bf16; [ $size = 350m ] && modes=bf16,bf16-compile,fp8-torchao
-  skip=; [ $size = 350m ] && skip=1   # the optimizer's check and bench once
+for size in $SIZES; do
+  modes=bf16; [ $size = 350m ] && modes=${TORCH350:-bf16,bf16-compile,fp8-torchao}
+  skip=; [ $size != "${SIZES%% *}" ] && skip=1   # the optimizer's check and bench once
   NO_CHECK=$skip STEPS=8 SKIP=3 TORCH_MODES=$modes OUT=/tmp/$size bash $C/run-gpt.sh $C $size "$RUNS" > /tmp/$size.log 2>&1
   NO_CHECK=1 STEPS=8 SKIP=3 TORCH_MODES= EXTRA="--activations bf16" OUT=/tmp/$size-bf16 \
     bash $C/run-gpt.sh $C $size "O0:native O2:fp8-current" > /tmp/$size-bf16.log 2>&1

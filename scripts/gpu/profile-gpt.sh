@@ -2,7 +2,8 @@
 # profile-gpt.sh CARRY SIZE "LEVEL:COMPUTE ...": per-kernel GPU time of the
 # GPT example's steps under ncu (one metric, gpu__time_duration.sum, so one
 # pass per kernel), summed by kernel name (ncu_summary.py), next to the same
-# run's own wall-clock step time without the profiler. Env: STEPS (2), OUT.
+# run's own wall-clock step time without the profiler. Env: STEPS (2), OUT,
+# EXTRA (more gpt arguments).
 set -uo pipefail
 C=${1:-.carry/gpu}
 SIZE=${2:-125m}
@@ -14,7 +15,7 @@ source "$C/device-env.sh"
 for r in $RUNS; do
   level=${r%%:*}; compute=${r#*:}
   args=(--device cuda --size "$SIZE" --vocab 50304 --batch 8 --seq 1024 --eval-every 1000 --eval-batches 1
-        --level "$level" --compute "$compute" --json)
+        --level "$level" --compute "$compute" --json ${EXTRA:-})
   echo "== plain $SIZE $level $compute" | tee -a "$OUT/profile.log"
   timeout 120 /tmp/gpt "${args[@]}" --steps 6 --timing-skip 2 2>&1 | grep '^{' | tee -a "$OUT/profile.log"
   echo "== ncu $SIZE $level $compute ($STEPS steps)" | tee -a "$OUT/profile.log"

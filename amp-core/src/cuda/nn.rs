@@ -140,7 +140,8 @@ pub(crate) fn cross_entropy_fwd(
 ) -> Result<CudaStorage> {
     const OP: &str = "cross_entropy";
     let dev = x.device().clone();
-    let (rows, cols) = lx.shape().dims2()?;
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let rows = lx.shape().elem_count() / cols.max(1);
     let c = cols_i32(OP, cols)?;
     let tv = view::<u32>(OP, t, lt)?;
     let stream = dev.cuda_stream();
@@ -168,7 +169,8 @@ pub(crate) fn cross_entropy_bwd(
 ) -> Result<CudaStorage> {
     const OP: &str = "cross_entropy_bwd";
     let dev = x.device().clone();
-    let (rows, cols) = lx.shape().dims2()?;
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let rows = lx.shape().elem_count() / cols.max(1);
     let c = cols_i32(OP, cols)?;
     let tv = view::<u32>(OP, t, lt)?;
     let gv = view::<f32>(OP, gl, lg)?;

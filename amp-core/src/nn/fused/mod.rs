@@ -52,10 +52,14 @@ fn float_dtype(op: &'static str, t: &Tensor) -> Result<()> {
     }
 }
 
-/// Mean cross-entropy of `logits` `[rows, classes]` against `targets`
-/// `[rows]` (class indices, any integer dtype): `mean(logsumexp(x) -
-/// x[target])`, in F32, as a one-element tensor. Forward keeps one F32
-/// pair per row; backward writes `softmax(x) - onehot(t)` in one pass.
+/// Mean cross-entropy of `logits` `[.., classes]` against `targets` of
+/// the leading dimensions (`[rows]` for `[rows, classes]`, `[batch, seq]`
+/// for `[batch, seq, classes]`; class indices, any integer dtype):
+/// `mean(logsumexp(x) - x[target])`, in F32, as a one-element tensor.
+/// Forward keeps one F32 pair per row; backward writes `softmax(x) -
+/// onehot(t)` in one pass. Logits of any rank go into the op as they are:
+/// no reshape node whose gradient candle would zero-fill and add (for a
+/// GPT's logits, hundreds of megabytes per step).
 ///
 /// # Errors
 /// [`Error::Rank`], [`Error::Shape`], [`Error::DType`], [`Error::Device`];
@@ -65,11 +69,15 @@ fn float_dtype(op: &'static str, t: &Tensor) -> Result<()> {
 /// wrong.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     const OP: &str = "cross_entropy";
-    let (rows, classes) = logits.dims2().map_err(|_| Error::Rank {
-        op: OP,
-        expected: 2,
-        got: logits.shape().clone(),
-    })?;
+    if logits.rank() < 2 {
+        return Err(Error::Rank {
+            op: OP,
+            expected: 2,
+            got: logits.shape().clone(),
+        });
+    }
+    let (lead, classes) = logits.dims().split_at(logits.rank() - 1);
+    let (rows, classes) = (lead.iter().product::<usize>(), classes[0]);
     float_dtype(OP, logits)?;
     if rows == 0 || classes == 0 {
         return Err(Error::Unsupported {
@@ -80,7 +88,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             ),
         });
     }
-    if targets.dims() != [rows] {
+    if targets.dims() != lead {
         return Err(Error::Shape {
             op: OP,
             lhs: logits.shape().clone(),
@@ -106,7 +114,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         }
     };
     if !targets.device().is_cuda() {
-        let max = targets.max(0)?.to_scalar::<u32>()?;
+        let max = targets.flatten_all()?.max(0)?.to_scalar::<u32>()?;
         if max as usize >= classes {
             return Err(Error::Unsupported {
                 op: OP,

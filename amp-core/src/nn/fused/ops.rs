@@ -131,7 +131,7 @@ impl CustomOp2 for CrossEntropy {
         t: &CpuStorage,
         lt: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, cols) = lx.shape().dims2()?;
+        let (rows, cols) = (lx.shape().elem_count() / last_dim(lx), last_dim(lx));
         let v = cpu::cross_entropy_fwd(&f32s(x, lx)?, &u32s(t, lt)?, cols);
         Ok((CpuStorage::F32(v), Shape::from((rows, 2))))
     }
@@ -144,7 +144,7 @@ impl CustomOp2 for CrossEntropy {
         t: &candle_core::CudaStorage,
         lt: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let rows = lx.shape().dims2()?.0;
+        let rows = lx.shape().elem_count() / last_dim(lx);
         let out = crate::cuda::nn::cross_entropy_fwd(x, lx, t, lt).map_err(wrap)?;
         Ok((out, Shape::from((rows, 2))))
     }
@@ -179,7 +179,7 @@ impl CustomOp3 for CrossEntropyBwd {
         gl: &CpuStorage,
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let cols = lx.shape().dims2()?.1;
+        let cols = last_dim(lx);
         let v = cpu::cross_entropy_bwd(&f32s(x, lx)?, &u32s(t, lt)?, &f32s(gl, lg)?, cols);
         Ok((store(v, x.dtype()), lx.shape().clone()))
     }
