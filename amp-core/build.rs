@@ -1,5 +1,6 @@
-//! Builds the PTX of `kernels/amp.cu` (casts, scales) and `kernels/nn.cu`
-//! (fused training ops) with nvcc, only under the `cuda`
+//! Builds the PTX of `kernels/amp.cu` (casts, scales), `kernels/cast_t.cu`
+//! (the cast-transpose; both include `kernels/cast.cuh`) and
+//! `kernels/nn.cu` (fused training ops) with nvcc, only under the `cuda`
 //! feature: the default build needs no CUDA toolkit.
 //!
 //! nvcc must be 13.0 (PTX ISA 9.0): the device's CUDA 13.0 driver refuses
@@ -17,6 +18,8 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=kernels/amp.cu");
     println!("cargo:rerun-if-changed=kernels/nn.cu");
+    println!("cargo:rerun-if-changed=kernels/cast_t.cu");
+    println!("cargo:rerun-if-changed=kernels/cast.cuh");
     for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
@@ -37,7 +40,7 @@ fn main() {
             "feature `cuda` needs nvcc ({nvcc}): {e}; build with ../shared/gpu/build-cuda.sh"
         ),
     }
-    for name in ["amp", "nn"] {
+    for name in ["amp", "nn", "cast_t"] {
         ptx(&nvcc, &arch, name, &out_dir);
     }
 }

@@ -79,7 +79,11 @@ fn cross_entropy_takes_leading_dims_as_rows() -> R<()> {
     let g2 = loss2.backward()?.get(&flat).ok_or("no gradient")?.clone();
     assert_eq!(g.dims(), [3, 5, 11]);
     let bits = |t: &Tensor| -> R<Vec<u32>> {
-        Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+        Ok(t.flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect())
     };
     assert_eq!(bits(&g)?, bits(&g2)?);
     // targets must have the logits' leading dimensions, not just their count

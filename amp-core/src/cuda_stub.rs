@@ -20,6 +20,18 @@ pub(crate) fn quantize(_: QType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) mod cast_t {
+    use super::*;
+
+    pub(crate) fn fits(_: usize, _: usize) -> bool {
+        false
+    }
+
+    pub(crate) fn quantize_t(_: QType, _: Inputs<'_>) -> Outputs {
+        Err(Error::NotCompiled("cuda"))
+    }
+}
+
 pub(crate) fn dequantize(_: QType, _: DType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

@@ -1,6 +1,6 @@
 //! `ScalingTensor`: FP8 codes (or FP16 values) with their scaling metadata.
 
-use crate::cast::{arity, Amax, Dequantize, Quantize};
+use crate::cast::{arity, Amax, Dequantize, Quantize, QuantizeT};
 use crate::error::{Error, Result};
 use crate::kernel::{launch, Kernel};
 use crate::meta::ScalingMeta;
@@ -101,6 +101,62 @@ impl ScalingTensor {
             <[Tensor; 3]>::try_from(launch(&Quantize { qtype }, &[x, meta.scale()])?)
                 .map_err(|_| arity(Quantize::NAME))?;
         Self::from_cast(data, meta, amax, counts)
+    }
+
+    /// [`quantize`](Self::quantize) of a 2-D `x` that also returns the
+    /// transpose: `(x, xᵀ, amax)`, one metadata for both (see
+    /// [`quantize_with_t`](Self::quantize_with_t)).
+    ///
+    /// # Errors
+    /// As [`quantize_with_t`](Self::quantize_with_t).
+    pub fn quantize_t(
+        x: &Tensor,
+        qtype: QType,
+        recipe: &CurrentScaling,
+    ) -> Result<(Self, Self, Tensor)> {
+        check_float("ScalingTensor::quantize_t", x)?;
+        let [amax] =
+            <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
+        let meta = ScalingMeta::for_current_amax(qtype, &amax, recipe.scale_rule, recipe.margin)?;
+        let (q, qt, _) = Self::quantize_with_t(x, &meta)?;
+        Ok((q, qt, amax))
+    }
+
+    /// [`quantize_with`](Self::quantize_with) of a 2-D `x` that also returns
+    /// the transposed codes: `(x, xᵀ, amax)`, bit for bit the cast and its
+    /// [`t`](Self::t). The operands of a Linear's dgrad and wgrad GEMMs,
+    /// which take their inputs K-major. For FP8 targets on CUDA one pass
+    /// writes both (Transformer Engine's cast-transpose); the CPU, FP16
+    /// targets and inputs of more than 4M rows cast, then transpose.
+    ///
+    /// # Errors
+    /// As [`quantize_with`](Self::quantize_with); [`Error::Rank`] unless 2-D.
+    pub fn quantize_with_t(x: &Tensor, meta: &ScalingMeta) -> Result<(Self, Self, Tensor)> {
+        check_float("ScalingTensor::quantize_with_t", x)?;
+        let (rows, cols) = x.dims2().map_err(|_| Error::Rank {
+            op: "ScalingTensor::quantize_with_t",
+            expected: 2,
+            got: x.shape().clone(),
+        })?;
+        let one_pass = meta.qtype() != QType::F16
+            && (!x.device().is_cuda() || crate::cuda::cast_t::fits(rows, cols));
+        if !one_pass {
+            let (q, amax) = Self::quantize_with(x, meta)?;
+            let qt = q.t()?;
+            return Ok((q, qt, amax));
+        }
+        let op = QuantizeT {
+            qtype: meta.qtype(),
+        };
+        let [data, data_t, amax, counts] =
+            <[Tensor; 4]>::try_from(launch(&op, &[x, meta.scale()])?)
+                .map_err(|_| arity(QuantizeT::NAME))?;
+        let (q, amax) = Self::from_cast(data, meta, amax, counts)?;
+        let qt = Self {
+            data: data_t,
+            meta: q.meta.clone(),
+        };
+        Ok((q, qt, amax))
     }
 
     /// A cast's outputs as a scaling tensor: the codes, the scale they were

@@ -158,6 +158,21 @@ fn casts(dev: &Device, cuda: &CudaDevice) -> Result<()> {
         5.0 * nf,
         event_ms(cuda, || done(q.dequantize(DType::F32)?))?,
     );
+    // cast-transpose against the cast and the transpose it replaces
+    let (rows, cols) = (n / 4096, 4096);
+    let xb2 = xb.reshape((rows, cols))?;
+    report(
+        "cast_transpose_bf16_e4m3 (2 outputs)",
+        4.0 * nf,
+        event_ms(cuda, || done(ScalingTensor::quantize_with_t(&xb2, &meta)?))?,
+    );
+    report(
+        "quantize_bf16_e4m3 then t() (2 passes)",
+        5.0 * nf,
+        event_ms(cuda, || {
+            done(ScalingTensor::quantize_with(&xb2, &meta)?.0.t()?)
+        })?,
+    );
     let r = CurrentScaling::default();
     report(
         "amax+quantize_f32_e4m3 (current scaling)",

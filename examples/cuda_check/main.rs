@@ -85,6 +85,7 @@ fn main() -> Result<()> {
         check("codes decode", ops::all_codes(&dev));
         check("16-bit inputs", exhaustive::all_16bit_inputs(&dev));
         check("random ops", ops::random_ops(&dev));
+        check("cast-transpose", ops::cast_transpose(&dev));
         check("scale updates", ops::scale_updates(&dev));
         check("fp8 gemm", gemm::check(&dev));
         check("fp8 linear", gemm::linear(&dev));

@@ -170,3 +170,57 @@ pub fn scale_updates(dev: &Device) -> Result<bool> {
     );
     Ok(ok)
 }
+
+/// The cast-transpose (`quantize_with_t`, `quantize_t`) against the CPU,
+/// both outputs bit for bit: full 64 x 64 tiles, partial tiles, shapes off
+/// the vector path (cols not a multiple of 8, rows not of 16), an offset
+/// (unaligned) view, specials sprinkled in; and the transposed codes equal
+/// to the row-major codes' transpose on the device.
+pub fn cast_transpose(dev: &Device) -> Result<bool> {
+    let mut ok = true;
+    let mut rng = Rng(0xCA57);
+    for (rows, cols, offset) in [
+        (256usize, 768usize, 0usize),
+        (192, 200, 0),
+        (100, 72, 0),
+        (33, 17, 0),
+        (1, 1, 0),
+        (128, 64, 1),
+        (4160, 136, 0),
+    ] {
+        let n = rows * cols + offset;
+        let xs = Tensor::from_vec(rng.values(n, 12.0), n, &Device::Cpu)?;
+        let x_cpu = xs.narrow(0, offset, rows * cols)?.reshape((rows, cols))?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let xc = x_cpu.to_dtype(dtype)?;
+            // the offset stays on the device: narrow after the copy
+            let xg = xs
+                .to_dtype(dtype)?
+                .to_device(dev)?
+                .narrow(0, offset, rows * cols)?
+                .reshape((rows, cols))?;
+            for qtype in [QType::E4M3, QType::E5M2] {
+                let what = format!("cast-transpose {rows}x{cols}+{offset} {dtype:?} -> {qtype}");
+                let meta = |d: &Device| -> Result<ScalingMeta> {
+                    Ok(ScalingMeta::new(qtype, 1, d)?.with_scale(3.0)?)
+                };
+                let (g, gt, ga) = ScalingTensor::quantize_with_t(&xg, &meta(dev)?)?;
+                let (c, ct, ca) = ScalingTensor::quantize_with_t(&xc, &meta(&Device::Cpu)?)?;
+                ok &= same(&format!("{what} amax"), &ga, &ca)?;
+                ok &= same_scaled(&what, &g, &c)?;
+                ok &= same_scaled(&format!("{what} transposed"), &gt, &ct)?;
+                ok &= same(&format!("{what} = t()"), gt.data(), g.t()?.data())?;
+                let r = CurrentScaling::default();
+                let (g, gt, _) = ScalingTensor::quantize_t(&xg, qtype, &r)?;
+                let (c, ct, _) = ScalingTensor::quantize_t(&xc, qtype, &r)?;
+                ok &= same_scaled(&format!("{what} current"), &g, &c)?;
+                ok &= same_scaled(&format!("{what} current transposed"), &gt, &ct)?;
+            }
+        }
+    }
+    println!(
+        "cast-transpose against the CPU: {}",
+        if ok { "identical" } else { "DIFFER" }
+    );
+    Ok(ok)
+}

@@ -20,6 +20,18 @@ const NN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nn.ptx"));
 /// Its name in candle's module cache.
 const NN_MODULE: &str = "candle_amp_nn_kernels";
 
+/// The PTX built from `kernels/cast_t.cu` (the cast-transpose).
+const CAST_T_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cast_t.ptx"));
+/// Its name in candle's module cache.
+const CAST_T_MODULE: &str = "candle_amp_cast_t_kernels";
+
+/// A cast-transpose kernel `name` (`kernels/cast_t.cu`), loaded once per device.
+pub(super) fn cast_t_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    Ok(dev
+        .get_or_load_custom_func(name, CAST_T_MODULE, CAST_T_PTX)?
+        .into_cuda_function())
+}
+
 /// Our kernel `name`, loaded once per device.
 pub(super) fn func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     Ok(dev

@@ -45,6 +45,7 @@
 //! normal scales.
 
 mod cast;
+pub(crate) mod cast_t;
 mod gemm;
 mod launch;
 mod meta;

@@ -137,29 +137,37 @@ impl Linear {
         let fwd = fmt.forward();
         // Native copies where a GEMM runs natively.
         let w_native = || -> Result<Tensor> { Ok(weight.master_f32()?.to_dtype(x.dtype())?) };
-        let wq = if fprop || dgrad {
-            Some(match weight {
+        // With dgrad in FP8, the weight's cast also writes Wᵀ (dgrad's
+        // K-major operand); with wgrad, x's writes xᵀ: each is kept for
+        // backward in place of the row-major codes (same bytes), so the
+        // backward GEMMs need no transpose.
+        let (wq, wq_t) = if fprop || dgrad {
+            match weight {
                 // O3: the stored FP8 copy is the GEMM operand as it is.
                 Weight::Fp8 { weight: w8, .. } | Weight::Fp8Gathered(w8)
                     if w8.qtype() == fwd.into() =>
                 {
-                    w8.clone()
+                    (Some(w8.clone()), None)
                 }
-                _ => cast(
-                    &weight.master_f32()?,
-                    fwd,
-                    &scaling,
-                    &self.scaling,
-                    Role::Weight,
-                    step,
-                    &self.casts,
-                )?,
-            })
+                _ => {
+                    let (q, qt) = cast(
+                        &weight.master_f32()?,
+                        fwd,
+                        &scaling,
+                        &self.scaling,
+                        Role::Weight,
+                        step,
+                        &self.casts,
+                        dgrad,
+                    )?;
+                    (Some(q), qt)
+                }
+            }
         } else {
-            None
+            (None, None)
         };
-        let xq = if fprop || wgrad {
-            Some(cast(
+        let (xq, xq_t) = if fprop || wgrad {
+            let (q, qt) = cast(
                 x,
                 fwd,
                 &scaling,
@@ -167,9 +175,11 @@ impl Linear {
                 Role::Input,
                 step,
                 &self.casts,
-            )?)
+                wgrad,
+            )?;
+            (Some(q), qt)
         } else {
-            None
+            (None, None)
         };
         let y = match (&xq, &wq) {
             // A saturating cast hides inf: a non-finite input amax makes the
@@ -183,12 +193,14 @@ impl Linear {
             }
             _ => x.matmul(&w_native()?.t()?)?,
         };
-        let x_saved = match xq {
-            Some(xq) if wgrad => Saved::Fp8(xq),
+        let x_saved = match (xq, xq_t) {
+            (_, Some(xt)) if wgrad => Saved::Fp8T(xt),
+            (Some(xq), None) if wgrad => Saved::Fp8(xq),
             _ => Saved::Native(x.clone()),
         };
-        let w_saved = match wq {
-            Some(wq) if dgrad => Saved::Fp8(wq),
+        let w_saved = match (wq, wq_t) {
+            (_, Some(wt)) if dgrad => Saved::Fp8T(wt),
+            (Some(wq), None) if dgrad => Saved::Fp8(wq),
             _ => Saved::Native(w_native()?),
         };
         *self.saved_bytes.lock().map_err(|_| Error::Poisoned {

@@ -105,6 +105,9 @@ pub(crate) type LastCasts = Arc<Mutex<[Option<ScalingMeta>; 3]>>;
 /// Casts `x` to FP8 for `role` at `step`. Delayed scaling: the first cast of
 /// a role in a new step first rolls its history and takes the next scale
 /// (amaxes up to the previous step); every cast records its amax and counts.
+/// The FP8 cast of `x` for `role`, and with `transpose` also its codes
+/// transposed (one pass on CUDA: the K-major operand of dgrad or wgrad).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn cast(
     x: &Tensor,
     format: Fp8Format,
@@ -113,12 +116,13 @@ pub(crate) fn cast(
     role: Role,
     step: u64,
     casts: &LastCasts,
-) -> Result<ScalingTensor> {
-    let q = cast_scaled(x, format, scaling, state, role, step)?;
+    transpose: bool,
+) -> Result<(ScalingTensor, Option<ScalingTensor>)> {
+    let (q, qt) = cast_scaled(x, format, scaling, state, role, step, transpose)?;
     casts.lock().map_err(|_| Error::Poisoned {
         op: "fp8 linear cast",
     })?[role as usize] = Some(q.meta().clone());
-    Ok(q)
+    Ok((q, qt))
 }
 
 fn cast_scaled(
@@ -128,9 +132,22 @@ fn cast_scaled(
     state: &SharedScaling,
     role: Role,
     step: u64,
-) -> Result<ScalingTensor> {
+    transpose: bool,
+) -> Result<(ScalingTensor, Option<ScalingTensor>)> {
+    let quantize_with = |meta: &ScalingMeta| -> Result<(ScalingTensor, Option<ScalingTensor>)> {
+        Ok(if transpose {
+            let (q, qt, _) = ScalingTensor::quantize_with_t(x, meta)?;
+            (q, Some(qt))
+        } else {
+            (ScalingTensor::quantize_with(x, meta)?.0, None)
+        })
+    };
     match scaling {
-        Scaling::Current(r) => Ok(ScalingTensor::quantize(x, format.into(), r)?.0),
+        Scaling::Current(r) if transpose => {
+            let (q, qt, _) = ScalingTensor::quantize_t(x, format.into(), r)?;
+            Ok((q, Some(qt)))
+        }
+        Scaling::Current(r) => Ok((ScalingTensor::quantize(x, format.into(), r)?.0, None)),
         Scaling::Delayed(recipe) => {
             let mut guard = state.lock().map_err(|_| Error::Poisoned {
                 op: "fp8 linear cast",
@@ -152,9 +169,9 @@ fn cast_scaled(
                 s.last_step[slot] = step;
             }
             let meta = s.meta_mut(role);
-            let (q, _) = ScalingTensor::quantize_with(x, meta)?;
+            let (q, qt) = quantize_with(meta)?;
             meta.record_cast(q.meta())?;
-            Ok(q)
+            Ok((q, qt))
         }
     }
 }
@@ -163,13 +180,16 @@ fn cast_scaled(
 #[derive(Debug, Clone)]
 pub(crate) enum Saved {
     Fp8(ScalingTensor),
+    /// FP8, kept transposed (the cast-transpose's second output): the
+    /// K-major operand its backward GEMM takes.
+    Fp8T(ScalingTensor),
     Native(Tensor),
 }
 
 impl Saved {
     pub(crate) fn nbytes(&self) -> usize {
         match self {
-            Self::Fp8(t) => t.nbytes(),
+            Self::Fp8(t) | Self::Fp8T(t) => t.nbytes(),
             Self::Native(t) => t.elem_count() * t.dtype().size_in_bytes(),
         }
     }
@@ -212,8 +232,8 @@ impl Fp8LinearOp {
     fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
         let p = &self.plan;
-        let dyq = if p.dgrad || p.wgrad {
-            Some(cast(
+        let (dyq, dyq_t) = if p.dgrad || p.wgrad {
+            let (q, qt) = cast(
                 &dy,
                 p.bwd_format,
                 &p.scaling,
@@ -221,9 +241,11 @@ impl Fp8LinearOp {
                 Role::GradOutput,
                 self.step,
                 &self.casts,
-            )?)
+                p.wgrad && matches!(self.x_saved, Saved::Fp8T(_)),
+            )?;
+            (Some(q), qt)
         } else {
-            None
+            (None, None)
         };
         // A saturating cast turns inf into max: carry a non-finite dy amax
         // into the results (x 1 if finite, NaN otherwise), so an overflowing
@@ -240,33 +262,47 @@ impl Fp8LinearOp {
         };
         // The FP8 GEMMs take the flag in dy's scale_inv (no pass over their
         // outputs); the native products multiply by it.
-        let dqf = match (&dyq, &flag) {
-            (Some(q), Some(f)) => Some(flagged(q, f)?),
-            _ => None,
+        let (dqf, dqf_t) = match (&dyq, &flag) {
+            (Some(q), Some(f)) => {
+                let dq = flagged(q, f)?;
+                // the transpose shares the flagged metadata
+                let dqt = dyq_t
+                    .as_ref()
+                    .map(|t| ScalingTensor::from_parts(t.data().clone(), dq.meta().clone()))
+                    .transpose()?;
+                (Some(dq), dqt)
+            }
+            _ => (None, None),
         };
+        let native = |q: &ScalingTensor| q.dequantize(dy.dtype());
         // dgrad: dx = dy · W, i.e. fp8_gemm(dy [m, out], Wᵀ [in, out]).
         let dx = if need_dx {
             Some(match (&dqf, &self.w_saved) {
+                (Some(dq), Saved::Fp8T(wt)) if p.dgrad => fp8_gemm(dq, wt, self.x_dtype)?,
                 (Some(dq), Saved::Fp8(wq)) if p.dgrad => fp8_gemm(dq, &wq.t()?, self.x_dtype)?,
                 (_, Saved::Native(w)) => finite(dy.matmul(&w.to_dtype(dy.dtype())?)?)?,
-                (_, Saved::Fp8(wq)) => finite(dy.matmul(&wq.dequantize(dy.dtype())?)?)?,
+                (_, Saved::Fp8(wq)) => finite(dy.matmul(&native(wq)?)?)?,
+                (_, Saved::Fp8T(wt)) => finite(dy.matmul(&native(wt)?.t()?)?)?,
             })
         } else {
             None
         };
         // wgrad: dW = dyᵀ · x, i.e. fp8_gemm(dyᵀ [out, m], xᵀ [in, m]).
         let dw = match (&dqf, &self.x_saved) {
+            (Some(dq), Saved::Fp8T(xt)) if p.wgrad => match &dqf_t {
+                Some(dqt) => fp8_gemm(dqt, xt, DType::F32)?,
+                None => fp8_gemm(&dq.t()?, xt, DType::F32)?,
+            },
             (Some(dq), Saved::Fp8(xq)) if p.wgrad => fp8_gemm(&dq.t()?, &xq.t()?, DType::F32)?,
             (_, Saved::Native(x)) => finite(
                 dy.t()?
                     .matmul(&x.to_dtype(dy.dtype())?)?
                     .to_dtype(DType::F32)?,
             )?,
-            (_, Saved::Fp8(xq)) => finite(
-                dy.t()?
-                    .matmul(&xq.dequantize(dy.dtype())?)?
-                    .to_dtype(DType::F32)?,
-            )?,
+            (_, Saved::Fp8(xq)) => finite(dy.t()?.matmul(&native(xq)?)?.to_dtype(DType::F32)?)?,
+            (_, Saved::Fp8T(xt)) => {
+                finite(dy.t()?.matmul(&native(xt)?.t()?)?.to_dtype(DType::F32)?)?
+            }
         };
         match &self.sink {
             Some(sink) => {

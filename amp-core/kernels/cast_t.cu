@@ -1,0 +1,107 @@
+// candle-amp CUDA kernels: the cast-transpose (Transformer Engine's
+// cast_transpose). One pass over x [rows, cols] writes its FP8 codes both
+// row-major and transposed ([cols, rows]: the K-major operand that
+// Hopper's FP8 GEMM takes for wgrad and dgrad), with amax and counts as
+// quantize in amp.cu. Every code comes from the same quantize step as
+// amp.cu's, so both outputs are bit-identical to the CPU cast (and its
+// transpose); amax and counts are order-independent folds.
+#include "cast.cuh"
+
+// Tile edge: a block of 256 threads casts a 64 x 64 tile.
+#define TT 64
+// Shared tile row stride in bytes: a multiple of 4 (word stores), not of 8,
+// so that the transposed reads of the four row quarters spread over banks.
+#define TS (TT + 4)
+
+// Eight elements of x as f32 (16- or 32-byte aligned).
+__device__ __forceinline__ void load8(const float* p, float* f) {
+    const uint4 a = __ldcs(reinterpret_cast<const uint4*>(p));
+    const uint4 b = __ldcs(reinterpret_cast<const uint4*>(p) + 1);
+    f[0] = __uint_as_float(a.x); f[1] = __uint_as_float(a.y);
+    f[2] = __uint_as_float(a.z); f[3] = __uint_as_float(a.w);
+    f[4] = __uint_as_float(b.x); f[5] = __uint_as_float(b.y);
+    f[6] = __uint_as_float(b.z); f[7] = __uint_as_float(b.w);
+}
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) {
+    uint4 a = __ldcs(reinterpret_cast<const uint4*>(p));
+    const T* v = reinterpret_cast<const T*>(&a);
+#pragma unroll
+    for (int j = 0; j < 8; j++) f[j] = to_f32(v[j]);
+}
+
+// x [rows, cols] -> out [rows, cols], out_t [cols, rows], amax (u32 bits)
+// and counts[2], both zeroed by the caller. Grid (ceil(cols / TT),
+// ceil(rows / TT)). `vec`: cols % 8 == 0, rows % 16 == 0 and every pointer
+// 16-byte aligned, so full tiles go through 16- and 8-byte accesses;
+// partial tiles (and vec == 0) element by element.
+template <typename T, int FMT>
+__device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict__ scale_p,
+                                uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int rows,
+                                int cols, int vec, uint32_t* amax_out, unsigned long long* counts) {
+    __shared__ __align__(16) uint8_t tile[TT * TS];
+    const float scale = *scale_p;
+    uint32_t amax = 0, sat = 0, flush = 0;
+    const int r0 = blockIdx.y * TT, c0 = blockIdx.x * TT, t = threadIdx.x;
+    const bool full = vec && r0 + TT <= rows && c0 + TT <= cols;
+    if (full) {
+        // 8 column groups of 8 elements x 32 rows, twice
+        const int cg = (t & 7) * 8;
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const int r = (t >> 3) + 32 * p;
+            const size_t at = (size_t)(r0 + r) * cols + c0 + cg;
+            float f[8];
+            load8(x + at, f);
+            const uint32_t lo = quantize4<FMT>(f, scale, amax, sat, flush);
+            const uint32_t hi = quantize4<FMT>(f + 4, scale, amax, sat, flush);
+            __stcs(reinterpret_cast<uint2*>(out + at), make_uint2(lo, hi));
+            *reinterpret_cast<uint32_t*>(tile + r * TS + cg) = lo;
+            *reinterpret_cast<uint32_t*>(tile + r * TS + cg + 4) = hi;
+        }
+    } else {
+        for (int i = t; i < TT * TT; i += blockDim.x) {
+            const int r = i / TT, c = i % TT;
+            if (r0 + r < rows && c0 + c < cols) {
+                const size_t at = (size_t)(r0 + r) * cols + c0 + c;
+                const uint8_t code = quantize_one<FMT>(to_f32(x[at]), scale, amax, sat, flush);
+                out[at] = code;
+                tile[r * TS + c] = code;
+            }
+        }
+    }
+    __syncthreads();
+    if (full) {
+        // out_t row c0 + c: 16 codes of rows r0 + q .. r0 + q + 16 per thread
+        const int c = t >> 2, q = (t & 3) * 16;
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint32_t v = 0;
+#pragma unroll
+            for (int b = 0; b < 4; b++) v |= (uint32_t)tile[(q + 4 * j + b) * TS + c] << (8 * b);
+            w[j] = v;
+        }
+        __stcs(reinterpret_cast<uint4*>(out_t + (size_t)(c0 + c) * rows + r0 + q),
+               make_uint4(w[0], w[1], w[2], w[3]));
+    } else {
+        for (int i = t; i < TT * TT; i += blockDim.x) {
+            const int c = i / TT, r = i % TT;
+            if (r0 + r < rows && c0 + c < cols) out_t[(size_t)(c0 + c) * rows + r0 + r] = tile[r * TS + c];
+        }
+    }
+    block_flush(amax, sat, flush, amax_out, counts);
+}
+
+#define QUANTIZE_T(TN, T, FN, FMT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) quantize_t_##TN##_##FN(                          \
+        const T* x, const float* scale, uint8_t* out, uint8_t* out_t, int rows, int cols, int vec,     \
+        uint32_t* amax, unsigned long long* counts) {                                                  \
+        quantize_t_impl<T, FMT>(x, scale, out, out_t, rows, cols, vec, amax, counts);                  \
+    }
+QUANTIZE_T(f32, float, e4m3, 0)
+QUANTIZE_T(f32, float, e5m2, 1)
+QUANTIZE_T(bf16, __nv_bfloat16, e4m3, 0)
+QUANTIZE_T(bf16, __nv_bfloat16, e5m2, 1)
+QUANTIZE_T(f16, __half, e4m3, 0)
+QUANTIZE_T(f16, __half, e5m2, 1)

@@ -1,0 +1,124 @@
+//! Launch of the cast-transpose kernels (`kernels/cast_t.cu`): x [rows,
+//! cols] to FP8 codes row-major and transposed in one pass, with amax and
+//! the saturated and flushed counts.
+
+use super::launch::{aligned, cast_t_func, scalar, view, THREADS};
+use crate::cast::arity;
+use crate::error::{Error, Result};
+use crate::qtype::QType;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::{DType, Layout, Shape};
+use half::{bf16, f16};
+
+/// The kernels' tile edge (`TT` in cast_t.cu).
+const TILE: usize = 64;
+
+/// Whether the kernel takes a `[rows, cols]` input: its grid has one block
+/// per tile, at most 65535 tile rows, and the kernel indexes with `int`.
+pub(crate) fn fits(rows: usize, cols: usize) -> bool {
+    rows.div_ceil(TILE) <= 65_535 && rows <= i32::MAX as usize && cols <= i32::MAX as usize
+}
+
+/// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`.
+///
+/// # Errors
+/// [`Error::Unsupported`] for a non-FP8 target, a shape [`fits`] refuses
+/// or a non-contiguous input; [`Error::DType`]; the driver's.
+pub(crate) fn quantize_t(
+    qtype: QType,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "quantize_t";
+    let [(x, lx), (s, ls)] = inputs else {
+        return Err(arity(OP));
+    };
+    let (rows, cols) = lx.shape().dims2()?;
+    let fmt = match qtype {
+        QType::E4M3 => "e4m3",
+        QType::E5M2 => "e5m2",
+        QType::F16 => {
+            return Err(Error::Unsupported {
+                op: OP,
+                what: "a transposed FP16 cast (FP8 targets only)".into(),
+            })
+        }
+    };
+    if !fits(rows, cols) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("a [{rows}, {cols}] input (at most 65535 x 64 rows)"),
+        });
+    }
+    let scale = scalar(OP, s, ls)?;
+    let dev = x.device();
+    let go = |name: &str| format!("quantize_t_{name}_{fmt}");
+    match x.dtype() {
+        DType::F32 => launch(dev, &go("f32"), view::<f32>(OP, x, lx)?, &scale, rows, cols),
+        DType::BF16 => launch(
+            dev,
+            &go("bf16"),
+            view::<bf16>(OP, x, lx)?,
+            &scale,
+            rows,
+            cols,
+        ),
+        DType::F16 => launch(dev, &go("f16"), view::<f16>(OP, x, lx)?, &scale, rows, cols),
+        got => Err(Error::DType {
+            op: OP,
+            expected: "F32, F16 or BF16",
+            got,
+        }),
+    }
+}
+
+fn launch<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    name: &str,
+    xv: CudaView<'_, T>,
+    scale: &CudaView<'_, f32>,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    let n = rows * cols;
+    // SAFETY (both): the kernel writes every element of both.
+    let mut out: CudaSlice<u8> = unsafe { dev.alloc::<u8>(n)? };
+    let mut out_t: CudaSlice<u8> = unsafe { dev.alloc::<u8>(n)? };
+    let mut amax = dev.alloc_zeros::<f32>(1)?;
+    let mut counts = dev.alloc_zeros::<i64>(2)?;
+    let vec = cols % 8 == 0
+        && rows % 16 == 0
+        && aligned(&xv, dev)
+        && aligned(&out.slice(..), dev)
+        && aligned(&out_t.slice(..), dev);
+    let (r, c, v) = (rows as i32, cols as i32, i32::from(vec));
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(TILE) as u32, rows.div_ceil(TILE) as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    if n > 0 {
+        let f = cast_t_func(dev, name)?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(scale).arg(&mut out).arg(&mut out_t);
+        b.arg(&r).arg(&c).arg(&v).arg(&mut amax).arg(&mut counts);
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    let wrap = |s, shape: Shape| (CudaStorage::wrap_cuda_slice(s, dev.clone()), shape);
+    Ok(vec![
+        wrap(out, Shape::from((rows, cols))),
+        wrap(out_t, Shape::from((cols, rows))),
+        (
+            CudaStorage::wrap_cuda_slice(amax, dev.clone()),
+            Shape::from(1usize),
+        ),
+        (
+            CudaStorage::wrap_cuda_slice(counts, dev.clone()),
+            Shape::from(2usize),
+        ),
+    ])
+}
