@@ -21,9 +21,9 @@
 template <typename T, int FMT>
 __device__ void quantize_impl(const T* __restrict__ x, const float* __restrict__ scale_p,
                               typename Fmt<FMT>::code_t* __restrict__ out, size_t n, int vec,
-                              uint32_t* amax_out, unsigned long long* counts) {
+                              uint32_t* amax_out, unsigned long long* counts, CUR_PARAMS) {
     typedef typename Fmt<FMT>::code_t C;
-    const float scale = *scale_p;
+    const float scale = cast_scale(scale_p, CUR_ARGS);
     uint32_t amax = 0, sat = 0, flush = 0;
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -65,8 +65,9 @@ __device__ void quantize_impl(const T* __restrict__ x, const float* __restrict__
 #define QUANTIZE(TN, T, FN, FMT)                                                                       \
     extern "C" __global__ void quantize_##TN##_##FN(const T* x, const float* scale,                    \
                                                     Fmt<FMT>::code_t* out, size_t n, int vec,          \
-                                                    uint32_t* amax, unsigned long long* counts) {      \
-        quantize_impl<T, FMT>(x, scale, out, n, vec, amax, counts);                                    \
+                                                    uint32_t* amax, unsigned long long* counts,        \
+                                                    CUR_PARAMS) {                                      \
+        quantize_impl<T, FMT>(x, scale, out, n, vec, amax, counts, CUR_ARGS);                          \
     }
 QUANTIZE(f32, float, e4m3, 0)
 QUANTIZE(f32, float, e5m2, 1)
@@ -291,28 +292,7 @@ REQUANTIZE(f16, 2, e5m2, 1)
 REQUANTIZE(f16, 2, f16, 2)
 
 // ------------------------------------------------ amax history and scale --
-__device__ __forceinline__ float pow2(int e) {
-    if (e < -126) return 0.0f;
-    if (e > 127) return __uint_as_float(0x7F800000u);
-    return __uint_as_float((uint32_t)(e + 127) << 23);
-}
-
-// ScaleRule::compute of scale.rs. rule: 0 = Te, 1 = PowerOfTwo.
-__device__ float compute_scale(int rule, float amax, float prev, float max, unsigned margin) {
-    if (!(amax > 0.0f && isfinite(amax) && max > 0.0f && isfinite(max))) return prev;
-    float s;
-    if (rule == 0) {
-        s = (max / amax) / pow2((int)min(margin, 255u));
-        if (isinf(s)) s = 3.40282347e+38f;
-    } else {
-        const double q = (double)max / (double)amax;
-        long long e = (long long)((__double_as_longlong(q) >> 52) & 0x7FF) - 1023;
-        e -= (long long)margin;
-        e = e < -126 ? -126 : (e > 127 ? 127 : e);
-        s = pow2((int)e);
-    }
-    return (s >= 1.17549435e-38f && isfinite(s)) ? s : prev;
-}
+// pow2 and compute_scale (ScaleRule::compute) are in cast.cuh.
 
 // history[0] = max(history[0], amax), NaN if either is NaN (Rust's f32::NAN).
 extern "C" __global__ void record_amax(const float* hist, const float* amax, float* out, int len) {

@@ -190,3 +190,47 @@ __device__ __forceinline__ uint32_t quantize4(const float* x, float scale, uint3
     flush += __popc(zero & nonzero);
     return w;
 }
+
+// ------------------------------------------------------------------ scale --
+__device__ __forceinline__ float pow2(int e) {
+    if (e < -126) return 0.0f;
+    if (e > 127) return __uint_as_float(0x7F800000u);
+    return __uint_as_float((uint32_t)(e + 127) << 23);
+}
+
+// ScaleRule::compute of scale.rs. rule: 0 = Te, 1 = PowerOfTwo.
+__device__ float compute_scale(int rule, float amax, float prev, float max, unsigned margin) {
+    if (!(amax > 0.0f && isfinite(amax) && max > 0.0f && isfinite(max))) return prev;
+    float s;
+    if (rule == 0) {
+        s = (max / amax) / pow2((int)min(margin, 255u));
+        if (isinf(s)) s = 3.40282347e+38f;
+    } else {
+        const double q = (double)max / (double)amax;
+        long long e = (long long)((__double_as_longlong(q) >> 52) & 0x7FF) - 1023;
+        e -= (long long)margin;
+        e = e < -126 ? -126 : (e > 127 ? 127 : e);
+        s = pow2((int)e);
+    }
+    return (s >= 1.17549435e-38f && isfinite(s)) ? s : prev;
+}
+
+// The scale a cast applies: `*scale_p` (delayed scaling: the meta's), or
+// with `amax_in` (current scaling) compute_scale(rule, *amax_in, 1, max,
+// margin), the scale_update of a one-slot history with no previous scale,
+// which the first thread of the grid also writes out with its inverse.
+__device__ __forceinline__ float cast_scale(const float* scale_p, const float* amax_in, int rule,
+                                            unsigned margin, float max, float* scale_out,
+                                            float* scale_inv_out) {
+    if (!amax_in) return *scale_p;
+    const float s = compute_scale(rule, *amax_in, 1.0f, max, margin);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        *scale_out = s;
+        *scale_inv_out = 1.0f / s;
+    }
+    return s;
+}
+
+// The kernel parameters of cast_scale after the cast's own.
+#define CUR_PARAMS const float *amax_in, int rule, unsigned margin, float max, float *scale_out, float *scale_inv_out
+#define CUR_ARGS amax_in, rule, margin, max, scale_out, scale_inv_out

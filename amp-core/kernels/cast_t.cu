@@ -38,9 +38,10 @@ __device__ __forceinline__ void load8(const T* p, float* f) {
 template <typename T, int FMT>
 __device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict__ scale_p,
                                 uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int rows,
-                                int cols, int vec, uint32_t* amax_out, unsigned long long* counts) {
+                                int cols, int vec, uint32_t* amax_out, unsigned long long* counts,
+                                CUR_PARAMS) {
     __shared__ __align__(16) uint8_t tile[TT * TS];
-    const float scale = *scale_p;
+    const float scale = cast_scale(scale_p, CUR_ARGS);
     uint32_t amax = 0, sat = 0, flush = 0;
     const int r0 = blockIdx.y * TT, c0 = blockIdx.x * TT, t = threadIdx.x;
     const bool full = vec && r0 + TT <= rows && c0 + TT <= cols;
@@ -96,8 +97,8 @@ __device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict
 #define QUANTIZE_T(TN, T, FN, FMT)                                                                     \
     extern "C" __global__ void __launch_bounds__(256) quantize_t_##TN##_##FN(                          \
         const T* x, const float* scale, uint8_t* out, uint8_t* out_t, int rows, int cols, int vec,     \
-        uint32_t* amax, unsigned long long* counts) {                                                  \
-        quantize_t_impl<T, FMT>(x, scale, out, out_t, rows, cols, vec, amax, counts);                  \
+        uint32_t* amax, unsigned long long* counts, CUR_PARAMS) {                                      \
+        quantize_t_impl<T, FMT>(x, scale, out, out_t, rows, cols, vec, amax, counts, CUR_ARGS);        \
     }
 QUANTIZE_T(f32, float, e4m3, 0)
 QUANTIZE_T(f32, float, e5m2, 1)

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::format::F16_MAX;
 use crate::kernel::{scalar, slice, Kernel};
 use crate::qtype::QType;
+use crate::scale::ScaleRule;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape};
 use half::{bf16, f16};
@@ -149,10 +150,32 @@ impl Kernel for Amax {
     }
 }
 
+/// Current scaling inside a cast: the scale comes from the input's amax
+/// (`rule.compute(amax, 1, max, margin)`, the scale update of a one-slot
+/// history with no previous scale), computed by the cast kernel itself,
+/// which also returns it and its inverse: no launch of its own.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FromAmax {
+    pub rule: ScaleRule,
+    pub margin: u32,
+}
+
+impl FromAmax {
+    /// The scale a cast to `qtype` applies: from the amax, or the scale.
+    fn scale(from: Option<Self>, qtype: QType, op: &'static str, v: f32) -> Result<f32> {
+        match from {
+            Some(c) => Ok(c.rule.compute(v, 1.0, qtype.max(), c.margin)),
+            None => check_scale(op, v).map(|()| v),
+        }
+    }
+}
+
 /// `(encode(x * scale), max |x|, [saturated, flushed])` in one pass.
-/// Inputs: x, scale.
+/// Inputs: x, scale; or with `from_amax`, x and its amax, and two more
+/// outputs: the scale and its inverse.
 pub(crate) struct Quantize {
     pub qtype: QType,
+    pub from_amax: Option<FromAmax>,
 }
 
 impl Kernel for Quantize {
@@ -161,21 +184,29 @@ impl Kernel for Quantize {
         let [(x, lx), (s, ls)] = inputs else {
             return Err(arity(Self::NAME));
         };
-        let scale = scalar(Self::NAME, s, ls)?;
-        check_scale(Self::NAME, scale)?;
+        let scale = FromAmax::scale(
+            self.from_amax,
+            self.qtype,
+            Self::NAME,
+            scalar(Self::NAME, s, ls)?,
+        )?;
         let shape = lx.shape().clone();
         let (codes, amax, counts) = with_float!(Self::NAME, *x, |xs: T| {
             let xs = slice::<T>(Self::NAME, xs, lx)?;
             Ok::<_, Error>(quantize_slice(self.qtype, xs, scale))
         })?;
-        Ok(vec![
+        let mut out = vec![
             (codes, shape),
             one(amax),
             (CpuStorage::I64(counts.to_vec()), Shape::from(2usize)),
-        ])
+        ];
+        if self.from_amax.is_some() {
+            out.extend([one(scale), one(1.0 / scale)]);
+        }
+        Ok(out)
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::cuda::quantize(self.qtype, inputs)
+        crate::cuda::quantize(self.qtype, self.from_amax, inputs)
     }
 }
 
@@ -185,12 +216,17 @@ impl Kernel for Quantize {
 /// One pass on CUDA; the CPU casts, then transposes the codes.
 pub(crate) struct QuantizeT {
     pub qtype: QType,
+    pub from_amax: Option<FromAmax>,
 }
 
 impl Kernel for QuantizeT {
     const NAME: &'static str = "quantize_t";
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        let mut out = Quantize { qtype: self.qtype }.cpu(inputs)?;
+        let mut out = Quantize {
+            qtype: self.qtype,
+            from_amax: self.from_amax,
+        }
+        .cpu(inputs)?;
         let (rows, cols) = out[0].1.dims2()?;
         let CpuStorage::U8(codes) = &out[0].0 else {
             return Err(Error::Unsupported {
@@ -208,7 +244,7 @@ impl Kernel for QuantizeT {
         Ok(out)
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::cuda::cast_t::quantize_t(self.qtype, inputs)
+        crate::cuda::cast_t::quantize_t(self.qtype, self.from_amax, inputs)
     }
 }
 

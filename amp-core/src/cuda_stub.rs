@@ -16,7 +16,7 @@ pub(crate) fn amax(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
-pub(crate) fn quantize(_: QType, _: Inputs<'_>) -> Outputs {
+pub(crate) fn quantize(_: QType, _: Option<crate::cast::FromAmax>, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
@@ -27,7 +27,7 @@ pub(crate) mod cast_t {
         false
     }
 
-    pub(crate) fn quantize_t(_: QType, _: Inputs<'_>) -> Outputs {
+    pub(crate) fn quantize_t(_: QType, _: Option<crate::cast::FromAmax>, _: Inputs<'_>) -> Outputs {
         Err(Error::NotCompiled("cuda"))
     }
 }

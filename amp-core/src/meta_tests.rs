@@ -1,4 +1,6 @@
-//! ScalingMeta::for_current_amax against the three-step path it replaces.
+//! Current scaling's scale, computed inside the cast kernel (quantize) and
+//! by `ScalingMeta::for_current_amax` (requantize), against the
+//! three-step path it replaces (record the amax, update the scale).
 
 use super::*;
 
@@ -21,16 +23,25 @@ fn current_amax_meta_equals_new_record_update() -> Result<()> {
             for margin in [0, 2] {
                 for a in amaxes {
                     let amax = Tensor::new(&[a], &dev)?;
+                    let recipe = crate::recipe::CurrentScaling {
+                        scale_rule: rule,
+                        margin,
+                        ..Default::default()
+                    };
                     let mut old = ScalingMeta::new(qtype, 1, &dev)?;
                     old.record_amax(&amax)?;
                     old.update_scale(rule, AmaxComputeAlgo::MostRecent, margin)?;
-                    let new = ScalingMeta::for_current_amax(qtype, &amax, rule, margin)?;
+                    let (q, _) = crate::tensor::ScalingTensor::quantize(&amax, qtype, &recipe)?;
+                    let new = q.meta();
+                    let req = ScalingMeta::for_current_amax(qtype, &amax, rule, margin)?;
                     let bits = |t: &Tensor| -> Result<Vec<u32>> {
                         Ok(t.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect())
                     };
                     assert_eq!(bits(new.scale())?, bits(old.scale())?, "{qtype:?} {a}");
                     assert_eq!(bits(new.scale_inv())?, bits(old.scale_inv())?);
-                    assert_eq!(new.updates, old.updates);
+                    assert_eq!(bits(req.scale())?, bits(old.scale())?, "{qtype:?} {a}");
+                    assert_eq!(bits(req.scale_inv())?, bits(old.scale_inv())?);
+                    assert_eq!(req.updates, old.updates);
                 }
             }
         }

@@ -1,6 +1,6 @@
 //! `ScalingTensor`: FP8 codes (or FP16 values) with their scaling metadata.
 
-use crate::cast::{arity, Amax, Dequantize, Quantize, QuantizeT};
+use crate::cast::{arity, Amax, Dequantize, FromAmax, Quantize, QuantizeT};
 use crate::error::{Error, Result};
 use crate::kernel::{launch, Kernel};
 use crate::meta::ScalingMeta;
@@ -80,9 +80,20 @@ impl ScalingTensor {
         check_float("ScalingTensor::quantize", x)?;
         let [amax] =
             <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
-        let meta = ScalingMeta::for_current_amax(qtype, &amax, recipe.scale_rule, recipe.margin)?;
-        let (t, _) = Self::quantize_with(x, &meta)?;
-        Ok((t, amax))
+        let op = Quantize {
+            qtype,
+            from_amax: Some(FromAmax {
+                rule: recipe.scale_rule,
+                margin: recipe.margin,
+            }),
+        };
+        let [data, amax, counts, scale, scale_inv] =
+            <[Tensor; 5]>::try_from(launch(&op, &[x, &amax])?)
+                .map_err(|_| arity(Quantize::NAME))?;
+        Ok((
+            Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?,
+            amax,
+        ))
     }
 
     /// Casts `x` with `meta`'s scale as it is (delayed scaling: one pass over
@@ -97,9 +108,14 @@ impl ScalingTensor {
     pub fn quantize_with(x: &Tensor, meta: &ScalingMeta) -> Result<(Self, Tensor)> {
         check_float("ScalingTensor::quantize_with", x)?;
         let qtype = meta.qtype();
-        let [data, amax, counts] =
-            <[Tensor; 3]>::try_from(launch(&Quantize { qtype }, &[x, meta.scale()])?)
-                .map_err(|_| arity(Quantize::NAME))?;
+        let [data, amax, counts] = <[Tensor; 3]>::try_from(launch(
+            &Quantize {
+                qtype,
+                from_amax: None,
+            },
+            &[x, meta.scale()],
+        )?)
+        .map_err(|_| arity(Quantize::NAME))?;
         Self::from_cast(data, meta, amax, counts)
     }
 
@@ -117,8 +133,29 @@ impl ScalingTensor {
         check_float("ScalingTensor::quantize_t", x)?;
         let [amax] =
             <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
-        let meta = ScalingMeta::for_current_amax(qtype, &amax, recipe.scale_rule, recipe.margin)?;
-        let (q, qt, _) = Self::quantize_with_t(x, &meta)?;
+        let from_amax = Some(FromAmax {
+            rule: recipe.scale_rule,
+            margin: recipe.margin,
+        });
+        let (rows, cols) = x.dims2().map_err(|_| Error::Rank {
+            op: "ScalingTensor::quantize_t",
+            expected: 2,
+            got: x.shape().clone(),
+        })?;
+        if qtype == QType::F16 || (x.device().is_cuda() && !crate::cuda::cast_t::fits(rows, cols)) {
+            let (q, amax) = Self::quantize(x, qtype, recipe)?;
+            let qt = q.t()?;
+            return Ok((q, qt, amax));
+        }
+        let op = QuantizeT { qtype, from_amax };
+        let [data, data_t, amax, counts, scale, scale_inv] =
+            <[Tensor; 6]>::try_from(launch(&op, &[x, &amax])?)
+                .map_err(|_| arity(QuantizeT::NAME))?;
+        let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?;
+        let qt = Self {
+            data: data_t,
+            meta: q.meta.clone(),
+        };
         Ok((q, qt, amax))
     }
 
@@ -147,6 +184,7 @@ impl ScalingTensor {
         }
         let op = QuantizeT {
             qtype: meta.qtype(),
+            from_amax: None,
         };
         let [data, data_t, amax, counts] =
             <[Tensor; 4]>::try_from(launch(&op, &[x, meta.scale()])?)
@@ -157,6 +195,21 @@ impl ScalingTensor {
             meta: q.meta.clone(),
         };
         Ok((q, qt, amax))
+    }
+
+    /// A current-scaling cast's outputs as a scaling tensor: the codes, the
+    /// scale the kernel computed from the amax, the amax and the counts.
+    fn from_current(
+        data: Tensor,
+        qtype: QType,
+        scale: Tensor,
+        scale_inv: Tensor,
+        amax: &Tensor,
+        counts: Tensor,
+    ) -> Result<Self> {
+        let meta =
+            ScalingMeta::from_parts(qtype, scale, scale_inv, amax.clone())?.with_last_cast(counts);
+        Ok(Self { data, meta })
     }
 
     /// A cast's outputs as a scaling tensor: the codes, the scale they were

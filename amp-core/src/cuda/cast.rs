@@ -1,7 +1,8 @@
 //! Launches of the cast kernels: amax, quantize, dequantize, requantize.
 
-use super::launch::{aligned, func, grid, scalar, view};
+use super::launch::{aligned, func, grid, scalar, view, Current};
 use crate::cast::arity;
+use crate::cast::FromAmax;
 use crate::error::{Error, Result};
 use crate::qtype::QType;
 use candle_core::backend::BackendStorage;
@@ -149,15 +150,22 @@ impl Codes {
     }
 }
 
-/// `(encode(x * scale), max |x|, [saturated, flushed])` in one pass.
-pub(crate) fn quantize(qtype: QType, inputs: &[(&CudaStorage, &Layout)]) -> Result<Outputs> {
+/// `(encode(x * scale), max |x|, [saturated, flushed])` in one pass; with
+/// `from_amax` the second input is x's amax, the kernel computes the scale
+/// and two outputs follow: scale, scale_inv.
+pub(crate) fn quantize(
+    qtype: QType,
+    from_amax: Option<FromAmax>,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Outputs> {
     const OP: &str = "quantize";
     let [(x, lx), (s, ls)] = inputs else {
         return Err(arity(OP));
     };
     let dev = x.device().clone();
     let n = lx.shape().elem_count();
-    let scale = scalar(OP, s, ls)?;
+    let input = scalar(OP, s, ls)?;
+    let mut cur = Current::new(&dev, qtype, from_amax)?;
     let mut codes = Codes::alloc(&dev, qtype, n)?;
     let mut amax = dev.alloc_zeros::<f32>(1)?;
     let mut counts = dev.alloc_zeros::<i64>(2)?;
@@ -172,17 +180,21 @@ pub(crate) fn quantize(qtype: QType, inputs: &[(&CudaStorage, &Layout)]) -> Resu
     with_float_view!(OP, x, lx, |xv| {
         let vec = i32::from(out_aligned && aligned(&xv, &dev));
         let mut b = stream.launch_builder(&f);
-        b.arg(&xv).arg(&scale);
+        b.arg(&xv);
+        Current::push_scale(&cur, &mut b, &input);
         codes.push(&mut b);
         b.arg(&n).arg(&vec).arg(&mut amax).arg(&mut counts);
+        Current::push_tail(&mut cur, &mut b, &input);
         unsafe { b.launch(grid(items(n, vec))) }.w()?;
         Ok::<_, Error>(())
     })?;
-    Ok(vec![
+    let mut out = vec![
         codes.wrap(&dev, lx.shape().clone()),
         wrap(amax, &dev, one()),
         wrap(counts, &dev, Shape::from(2usize)),
-    ])
+    ];
+    out.extend(Current::outputs(cur, &dev));
+    Ok(out)
 }
 
 fn launch_dequantize<O: CudaDType + DeviceRepr>(

@@ -2,8 +2,9 @@
 //! cols] to FP8 codes row-major and transposed in one pass, with amax and
 //! the saturated and flushed counts.
 
-use super::launch::{aligned, cast_t_func, scalar, view, THREADS};
+use super::launch::{aligned, cast_t_func, scalar, view, Current, THREADS};
 use crate::cast::arity;
+use crate::cast::FromAmax;
 use crate::error::{Error, Result};
 use crate::qtype::QType;
 use candle_core::backend::BackendStorage;
@@ -23,13 +24,15 @@ pub(crate) fn fits(rows: usize, cols: usize) -> bool {
     rows.div_ceil(TILE) <= 65_535 && rows <= i32::MAX as usize && cols <= i32::MAX as usize
 }
 
-/// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`.
+/// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`; with
+/// `from_amax`, of `[x, amax]`, and scale and scale_inv follow.
 ///
 /// # Errors
 /// [`Error::Unsupported`] for a non-FP8 target, a shape [`fits`] refuses
 /// or a non-contiguous input; [`Error::DType`]; the driver's.
 pub(crate) fn quantize_t(
     qtype: QType,
+    from_amax: Option<FromAmax>,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     const OP: &str = "quantize_t";
@@ -55,18 +58,36 @@ pub(crate) fn quantize_t(
     }
     let scale = scalar(OP, s, ls)?;
     let dev = x.device();
+    let cur = Current::new(dev, qtype, from_amax)?;
     let go = |name: &str| format!("quantize_t_{name}_{fmt}");
     match x.dtype() {
-        DType::F32 => launch(dev, &go("f32"), view::<f32>(OP, x, lx)?, &scale, rows, cols),
+        DType::F32 => launch(
+            dev,
+            &go("f32"),
+            view::<f32>(OP, x, lx)?,
+            &scale,
+            cur,
+            rows,
+            cols,
+        ),
         DType::BF16 => launch(
             dev,
             &go("bf16"),
             view::<bf16>(OP, x, lx)?,
             &scale,
+            cur,
             rows,
             cols,
         ),
-        DType::F16 => launch(dev, &go("f16"), view::<f16>(OP, x, lx)?, &scale, rows, cols),
+        DType::F16 => launch(
+            dev,
+            &go("f16"),
+            view::<f16>(OP, x, lx)?,
+            &scale,
+            cur,
+            rows,
+            cols,
+        ),
         got => Err(Error::DType {
             op: OP,
             expected: "F32, F16 or BF16",
@@ -80,6 +101,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     name: &str,
     xv: CudaView<'_, T>,
     scale: &CudaView<'_, f32>,
+    mut cur: Option<Current>,
     rows: usize,
     cols: usize,
 ) -> Result<Vec<(CudaStorage, Shape)>> {
@@ -104,12 +126,15 @@ fn launch<T: CudaDType + DeviceRepr>(
         let f = cast_t_func(dev, name)?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&f);
-        b.arg(&xv).arg(scale).arg(&mut out).arg(&mut out_t);
+        b.arg(&xv);
+        Current::push_scale(&cur, &mut b, scale);
+        b.arg(&mut out).arg(&mut out_t);
         b.arg(&r).arg(&c).arg(&v).arg(&mut amax).arg(&mut counts);
+        Current::push_tail(&mut cur, &mut b, scale);
         unsafe { b.launch(cfg) }.w()?;
     }
     let wrap = |s, shape: Shape| (CudaStorage::wrap_cuda_slice(s, dev.clone()), shape);
-    Ok(vec![
+    let mut outputs = vec![
         wrap(out, Shape::from((rows, cols))),
         wrap(out_t, Shape::from((cols, rows))),
         (
@@ -120,5 +145,7 @@ fn launch<T: CudaDType + DeviceRepr>(
             CudaStorage::wrap_cuda_slice(counts, dev.clone()),
             Shape::from(2usize),
         ),
-    ])
+    ];
+    outputs.extend(Current::outputs(cur, dev));
+    Ok(outputs)
 }

@@ -104,3 +104,98 @@ pub(super) fn scalar<'a>(
     }
     view::<f32>(op, s, l)
 }
+
+/// The current-scaling arguments of the cast kernels (`CUR_PARAMS` in
+/// cast.cuh): the scale rule, margin and format max, and the two outputs
+/// the kernel writes (scale, scale_inv). Without it the kernels take their
+/// scale input as the scale and get nulls here.
+pub(super) struct Current {
+    rule: i32,
+    margin: u32,
+    max: f32,
+    scale: candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+    scale_inv: candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+}
+
+/// Null pointers and zeros for a cast without [`Current`].
+const NO_CURRENT: (u64, i32, u32, f32) = (0, 0, 0, 0.0);
+
+impl Current {
+    pub(super) fn new(
+        dev: &CudaDevice,
+        qtype: crate::qtype::QType,
+        from: Option<crate::cast::FromAmax>,
+    ) -> Result<Option<Self>> {
+        let Some(from) = from else {
+            return Ok(None);
+        };
+        Ok(Some(Self {
+            rule: match from.rule {
+                crate::scale::ScaleRule::Te => 0,
+                crate::scale::ScaleRule::PowerOfTwo => 1,
+            },
+            margin: from.margin,
+            max: qtype.max(),
+            // SAFETY (both): the kernel's first thread writes them.
+            scale: unsafe { dev.alloc::<f32>(1)? },
+            scale_inv: unsafe { dev.alloc::<f32>(1)? },
+        }))
+    }
+
+    /// Pushes the scale parameter (`input` is the scale, or null when the
+    /// kernel computes it).
+    pub(super) fn push_scale<'a>(
+        cur: &Option<Self>,
+        b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
+        input: &'a candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>,
+    ) {
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        match cur {
+            Some(_) => b.arg(&NO_CURRENT.0),
+            None => b.arg(input),
+        };
+    }
+
+    /// Pushes the trailing `CUR_PARAMS` (`input` is the amax when current).
+    pub(super) fn push_tail<'a>(
+        cur: &'a mut Option<Self>,
+        b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>,
+        input: &'a candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>,
+    ) {
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        match cur {
+            Some(c) => b
+                .arg(input)
+                .arg(&c.rule)
+                .arg(&c.margin)
+                .arg(&c.max)
+                .arg(&mut c.scale)
+                .arg(&mut c.scale_inv),
+            None => b
+                .arg(&NO_CURRENT.0)
+                .arg(&NO_CURRENT.1)
+                .arg(&NO_CURRENT.2)
+                .arg(&NO_CURRENT.3)
+                .arg(&NO_CURRENT.0)
+                .arg(&NO_CURRENT.0),
+        };
+    }
+
+    /// The scale and scale_inv outputs, when current.
+    pub(super) fn outputs(
+        cur: Option<Self>,
+        dev: &CudaDevice,
+    ) -> Vec<(CudaStorage, candle_core::Shape)> {
+        cur.map(|c| {
+            let one = candle_core::Shape::from(1usize);
+            vec![
+                (
+                    CudaStorage::wrap_cuda_slice(c.scale, dev.clone()),
+                    one.clone(),
+                ),
+                (CudaStorage::wrap_cuda_slice(c.scale_inv, dev.clone()), one),
+            ]
+        })
+        .unwrap_or_default()
+    }
+}
