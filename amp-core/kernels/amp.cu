@@ -306,24 +306,35 @@ extern "C" __global__ void record_amax(const float* hist, const float* amax, flo
     }
 }
 
+// max(a, b), NaN if either is NaN (Rust's f32::NAN): order-independent.
+__device__ __forceinline__ float nan_max(float a, float b) {
+    return (isnan(a) || isnan(b)) ? __uint_as_float(RUST_F32_NAN) : fmaxf(a, b);
+}
+
 // Reduce the history (algo 0 = max, 1 = most recent), roll it left by one with
 // slot 0 zeroed, and derive the scale (and 1 / scale) from the reduced amax;
 // `scale` is the previous scale, or null for 1.
-// One block.
+// One block; the max over the history (TE's default length is 1024) is
+// reduced by the whole block: NaN-absorbing max is order-independent, so
+// the result is the CPU's sequential fold.
 extern "C" __global__ void scale_update(const float* hist, const float* scale, float* out_hist,
                                         float* out_scale, float* out_scale_inv, int len, int algo,
                                         int rule, unsigned margin, float max) {
-    if (threadIdx.x == 0) {
-        float amax;
-        if (algo == 0) {
+    __shared__ float s_warp[32];
+    float amax = 0.0f;
+    if (algo == 0) {
+        for (int i = threadIdx.x; i < len; i += blockDim.x) amax = nan_max(amax, hist[i]);
+        for (int o = 16; o > 0; o >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = amax;
+        __syncthreads();
+        if (threadIdx.x == 0) {
             amax = 0.0f;
-            for (int i = 0; i < len; i++) {
-                const float a = hist[i];
-                amax = (isnan(amax) || isnan(a)) ? __uint_as_float(RUST_F32_NAN) : fmaxf(amax, a);
-            }
-        } else {
-            amax = len > 0 ? hist[0] : 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); w++) amax = nan_max(amax, s_warp[w]);
         }
+    } else {
+        amax = len > 0 ? hist[0] : 0.0f;
+    }
+    if (threadIdx.x == 0) {
         const float s = compute_scale(rule, amax, scale ? *scale : 1.0f, max, margin);
         *out_scale = s;
         *out_scale_inv = 1.0f / s;
