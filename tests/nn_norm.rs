@@ -95,12 +95,7 @@ fn fused_modules_compute_the_unfused_composition() {
             .unwrap()
             .to_vec1()
             .unwrap();
-        let h = mlp
-            .fc1
-            .forward(&mlp.norm.forward(&x).unwrap())
-            .unwrap()
-            .gelu()
-            .unwrap();
+        let h = nn::gelu(&mlp.fc1.forward(&mlp.norm.forward(&x).unwrap()).unwrap()).unwrap();
         let unfused: Vec<f32> = mlp
             .fc2
             .forward(&h)

@@ -174,8 +174,9 @@ impl Gpt {
         for blk in &self.blocks {
             let a = self.attention(blk, &blk.ln_1.forward(&h)?)?;
             h = (h + a)?;
-            let m = nn::gelu(&blk.c_fc.forward(&blk.ln_2.forward(&h)?)?)?;
-            h = (h + blk.mlp_proj.forward(&m)?)?;
+            // GELU inside mlp_proj's op: its output is no graph tensor
+            let m = blk.c_fc.forward(&blk.ln_2.forward(&h)?)?;
+            h = (h + blk.mlp_proj.forward_gelu(&m)?)?;
         }
         Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
     }

@@ -71,7 +71,7 @@ impl Linear {
                     .to_dtype(x.dtype())?
             }
             // the op adds the bias itself
-            _ => return self.scaled_forward(x, &weight, &mode, out_dim),
+            _ => return self.scaled_forward(x, &weight, &mode, out_dim, false),
         };
         match &self.bias {
             Some(b) => super::fused::bias_add(&y, b),
@@ -79,21 +79,58 @@ impl Linear {
         }
     }
 
+    /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]) with the
+    /// GELU applied inside the layer's op wherever the layer runs one (FP8
+    /// modes, low-bit weights): the GELU's output is then no graph tensor,
+    /// so candle neither keeps it until backward (only the FP8 codes the
+    /// GEMMs take are kept) nor zero-fills and adds a gradient for it; the
+    /// op's backward applies GELU's backward to its dgrad. The output and
+    /// the gradients have the values of the two layers in sequence (the
+    /// same kernels in the same order). In native compute with an F32
+    /// weight, it is the two layers in sequence.
+    ///
+    /// [`fused::gelu`]: super::fused::gelu
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward).
+    pub fn forward_gelu(&self, z: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(z, in_dim)?;
+        let mode = if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        };
+        match (&mode, &weight) {
+            (ComputeMode::Native, Weight::F32(_)) => self.try_forward(&super::fused::gelu(z)?),
+            _ => self.scaled_forward(z, &weight, &mode, out_dim, true),
+        }
+    }
+
     /// Forward through the custom op (FP8 mode, or a low-bit weight in
     /// native mode). The op takes `x` as it is (any rank) and flattens it
-    /// inside, so the graph holds one node, not two reshapes around it.
+    /// inside, so the graph holds one node, not two reshapes around it;
+    /// with `gelu` the op's input is GELU's input (see
+    /// [`forward_gelu`](Self::forward_gelu)).
     fn scaled_forward(
         &self,
         x_nd: &Tensor,
         weight: &Weight,
         mode: &ComputeMode,
         out_dim: usize,
+        gelu: bool,
     ) -> Result<Tensor> {
         let in_dim = x_nd.dim(candle_core::D::Minus1)?;
         let mut out_dims = x_nd.dims().to_vec();
         let last = out_dims.len() - 1;
         out_dims[last] = out_dim;
         let x = &x_nd.detach().reshape(((), in_dim))?.contiguous()?;
+        let x = &if gelu {
+            super::fused::gelu_detached(x)?
+        } else {
+            x.clone()
+        };
         let sink = self
             .sink
             .lock()
@@ -231,6 +268,7 @@ impl Linear {
         let op = Fp8LinearOp {
             y: Precomputed::new("amp_fp8_linear", y),
             has_bias: self.bias.is_some(),
+            gelu,
             x_saved,
             w_saved,
             plan: Plan {

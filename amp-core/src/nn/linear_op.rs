@@ -210,6 +210,9 @@ pub(crate) struct Fp8LinearOp {
     pub y: Precomputed,
     /// Whether the third argument is a bias (else a placeholder).
     pub has_bias: bool,
+    /// The op's input is GELU's: the GEMMs take `gelu(x)`, and dgrad goes
+    /// back through GELU's backward.
+    pub gelu: bool,
     pub x_saved: Saved,
     pub w_saved: Saved,
     pub plan: Plan,
@@ -355,6 +358,13 @@ impl CustomOp3 for Fp8LinearOp {
         let out_dim = dy.dim(candle_core::D::Minus1)?;
         let dy2 = dy.reshape(((), out_dim))?;
         let (dx, dw) = self.backward(&dy2, x.track_op()).map_err(wrap)?;
+        let dx = match dx {
+            Some(d) if self.gelu => {
+                let z = x.reshape(((), x.dim(candle_core::D::Minus1)?))?;
+                Some(crate::nn::fused::gelu_bwd_detached(&z, &d).map_err(wrap)?)
+            }
+            d => d,
+        };
         let dx = dx.map(|d| d.reshape(x.shape())).transpose()?;
         // A weight gradient only goes to the GradStore for a tracked weight.
         let dw = if w.track_op() { dw } else { None };

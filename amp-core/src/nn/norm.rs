@@ -131,8 +131,10 @@ impl Module for LayerNormLinear {
     }
 }
 
-/// LayerNorm, fc1, GELU (tanh approximation, TE's `gelu`), fc2 (TE's
-/// `LayerNormMLP`); both GEMMs in FP8 inside a scope.
+/// LayerNorm, fc1, GELU (tanh approximation, TE's `gelu`: [`fused::gelu`]),
+/// fc2 (TE's `LayerNormMLP`); both GEMMs in FP8 inside a scope.
+///
+/// [`fused::gelu`]: super::fused::gelu
 #[derive(Debug, Clone)]
 pub struct LayerNormMLP {
     /// The normalisation (`<prefix>.layer_norm`).
@@ -161,8 +163,11 @@ pub fn layer_norm_mlp(
 }
 
 impl Module for LayerNormMLP {
+    /// `fc2(gelu(fc1(norm(x))))`, the GELU inside fc2's op
+    /// ([`Linear::forward_gelu`]): its output is not kept for backward.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.fc2
-            .forward(&self.fc1.forward(&self.norm.forward(x)?)?.gelu()?)
+            .forward_gelu(&self.fc1.forward(&self.norm.forward(x)?)?)
+            .map_err(candle_core::Error::wrap)
     }
 }

@@ -128,6 +128,24 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok(pairs.narrow(1, 0, 1)?.mean_all()?)
 }
 
+/// GELU of a detached `x` (no graph node): what a layer that applies it
+/// inside its own op computes.
+pub(crate) fn gelu_detached(x: &Tensor) -> Result<Tensor> {
+    float_dtype("gelu", x)?;
+    Ok(x.detach()
+        .contiguous()?
+        .apply_op1_no_bwd(&pointwise::Gelu)?)
+}
+
+/// `dy * gelu'(x)`, detached: GELU's backward for a layer that applied it
+/// inside its own op.
+pub(crate) fn gelu_bwd_detached(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    Ok(pointwise::gelu_bwd(
+        &x.detach().contiguous()?,
+        &dy.contiguous()?,
+    )?)
+}
+
 /// GELU, tanh form (candle's `gelu`), with a one-kernel backward.
 ///
 /// # Errors

@@ -33,8 +33,13 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&dy.contiguous()?, &GeluBwd)?))
+        Ok(Some(gelu_bwd(x, &dy.contiguous()?)?))
     }
+}
+
+/// `dy * gelu'(x)` of a contiguous `dy`, one kernel, no graph node.
+pub(super) fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    x.apply_op2_no_bwd(dy, &GeluBwd)
 }
 
 /// `dy * gelu'(x)` of `(x, dy)`.
