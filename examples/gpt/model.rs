@@ -10,7 +10,7 @@
 //! `candle_nn::linear` reads); Hugging Face's GPT-2 `Conv1D` stores the
 //! transpose.
 
-use amp::nn::{self, LayerNorm, Linear};
+use amp::nn::{self, Fuse, LayerNorm, Linear};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -172,21 +172,30 @@ impl Gpt {
             .broadcast_add(&nn::embedding(&pos, &self.wpe)?)?
             .to_dtype(self.act)?;
         for blk in &self.blocks {
-            let a = self.attention(blk, &blk.ln_1.forward(&h)?)?;
-            h = (h + a)?;
-            // GELU inside mlp_proj's op: its output is no graph tensor
+            h = self.attention(blk, &blk.ln_1.forward(&h)?, &h)?;
+            // GELU and the residual add inside mlp_proj's op (FP8 levels):
+            // neither its input nor the sum's second operand is a graph tensor
             let m = blk.c_fc.forward(&blk.ln_2.forward(&h)?)?;
-            h = (h + blk.mlp_proj.forward_gelu(&m)?)?;
+            let fuse = Fuse {
+                gelu: true,
+                residual: Some(&h),
+            };
+            h = blk.mlp_proj.forward_with(&m, fuse)?;
         }
         Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
     }
 
-    /// Causal self-attention: the products in BF16 on CUDA (as PyTorch
-    /// autocast), the scale and mask inside the fused softmax
-    /// (`amp::nn::causal_attention`), one matrix per layer kept for backprop.
-    fn attention(&self, blk: &Block, x: &Tensor) -> Result<Tensor> {
+    /// `residual` + causal self-attention of `x`: the products in BF16 on
+    /// CUDA (as PyTorch autocast), the scale and mask inside the fused
+    /// softmax (`amp::nn::causal_attention`), one matrix per layer kept for
+    /// backprop, the residual added inside c_proj's op.
+    fn attention(&self, blk: &Block, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let y = nn::causal_attention_qkv(&blk.c_attn.forward(x)?, self.cfg.n_head)?;
-        Ok(blk.c_proj.forward(&y)?)
+        let fuse = Fuse {
+            gelu: false,
+            residual: Some(residual),
+        };
+        Ok(blk.c_proj.forward_with(&y, fuse)?)
     }
 
     /// Mean cross-entropy of next-token prediction.

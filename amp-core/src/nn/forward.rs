@@ -10,6 +10,15 @@ use crate::gemm::fp8_gemm_with;
 use crate::weight::Weight;
 use candle_core::{DType, Tensor, Var};
 
+/// What [`Linear::forward_with`] applies inside the layer's op.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fuse<'a> {
+    /// GELU (tanh form) on the input: the layer computes `gelu(x) Wᵀ + b`.
+    pub gelu: bool,
+    /// A tensor added to the output (a residual stream).
+    pub residual: Option<&'a Tensor>,
+}
+
 impl Linear {
     fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
         const OP: &str = "Linear::forward";
@@ -71,7 +80,7 @@ impl Linear {
                     .to_dtype(x.dtype())?
             }
             // the op adds the bias itself
-            _ => return self.scaled_forward(x, &weight, &mode, out_dim, false),
+            _ => return self.scaled_forward(x, &weight, &mode, out_dim, false, None),
         };
         match &self.bias {
             Some(b) => super::fused::bias_add(&y, b),
@@ -79,32 +88,92 @@ impl Linear {
         }
     }
 
-    /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]) with the
-    /// GELU applied inside the layer's op wherever the layer runs one (FP8
-    /// modes, low-bit weights): the GELU's output is then no graph tensor,
-    /// so candle neither keeps it until backward (only the FP8 codes the
-    /// GEMMs take are kept) nor zero-fills and adds a gradient for it; the
-    /// op's backward applies GELU's backward to its dgrad. The output and
-    /// the gradients have the values of the two layers in sequence (the
-    /// same kernels in the same order). In native compute with an F32
-    /// weight, it is the two layers in sequence.
+    /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]); see
+    /// [`forward_with`](Self::forward_with).
     ///
     /// [`fused::gelu`]: super::fused::gelu
     ///
     /// # Errors
     /// As [`try_forward`](Self::try_forward).
     pub fn forward_gelu(&self, z: &Tensor) -> Result<Tensor> {
+        self.forward_with(
+            z,
+            Fuse {
+                gelu: true,
+                residual: None,
+            },
+        )
+    }
+
+    /// The layer with `fuse`'s neighbours applied inside its op:
+    /// `residual + self.forward(&gelu(x))` (each part optional). With
+    /// `gelu`, wherever the layer runs its own op (FP8 modes, low-bit
+    /// weights) GELU's output is no graph tensor: candle neither keeps it
+    /// until backward (only the FP8 codes the GEMMs take are kept) nor
+    /// zero-fills and adds a gradient for it, and the op's backward applies
+    /// GELU's backward to dgrad. With `residual` (same shape and dtype as
+    /// the output), where the weight's gradient goes to a sink (O1-O3), the
+    /// sum is the op's output and the residual its second argument, whose
+    /// gradient is the output's: no add node, whose inputs candle would
+    /// keep and whose second gradient it would zero-fill and add. The
+    /// output and gradients have the values of the parts in sequence (the
+    /// same kernels in the same order; `r + y` is `y + r`). Elsewhere (native
+    /// compute with an F32 weight, no sink for the residual) the parts run
+    /// in sequence.
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
+    /// [`Error::DType`] for a residual unlike the output.
+    pub fn forward_with(&self, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
         let weight = self.weight.read()?.clone();
         let (out_dim, in_dim) = weight.shape().dims2()?;
-        self.check_input(z, in_dim)?;
+        self.check_input(x, in_dim)?;
+        if let Some(r) = fuse.residual {
+            let mut dims = x.dims().to_vec();
+            if let Some(last) = dims.last_mut() {
+                *last = out_dim;
+            }
+            if r.dims() != dims.as_slice() {
+                return Err(Error::Shape {
+                    op: "Linear::forward_with",
+                    lhs: dims.into(),
+                    rhs: r.shape().clone(),
+                });
+            }
+            if r.dtype() != x.dtype() {
+                return Err(Error::DType {
+                    op: "Linear::forward_with",
+                    expected: "a residual of the input's dtype",
+                    got: r.dtype(),
+                });
+            }
+        }
         let mode = if self.is_high_precision() {
             ComputeMode::Native
         } else {
             current_mode()
         };
-        match (&mode, &weight) {
-            (ComputeMode::Native, Weight::F32(_)) => self.try_forward(&super::fused::gelu(z)?),
-            _ => self.scaled_forward(z, &weight, &mode, out_dim, true),
+        let own_op = !matches!((&mode, &weight), (ComputeMode::Native, Weight::F32(_)));
+        let sink = self.sink.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::forward",
+        })?;
+        let residual_in_op = own_op && sink.is_some();
+        drop(sink);
+        let y = match (own_op, fuse.gelu) {
+            (true, _) => self.scaled_forward(
+                x,
+                &weight,
+                &mode,
+                out_dim,
+                fuse.gelu,
+                fuse.residual.filter(|_| residual_in_op),
+            )?,
+            (false, true) => self.try_forward(&super::fused::gelu(x)?)?,
+            (false, false) => self.try_forward(x)?,
+        };
+        match fuse.residual {
+            Some(r) if !residual_in_op => Ok((r + y)?),
+            _ => Ok(y),
         }
     }
 
@@ -120,6 +189,7 @@ impl Linear {
         mode: &ComputeMode,
         out_dim: usize,
         gelu: bool,
+        residual: Option<&Tensor>,
     ) -> Result<Tensor> {
         let in_dim = x_nd.dim(candle_core::D::Minus1)?;
         let mut out_dims = x_nd.dims().to_vec();
@@ -247,8 +317,10 @@ impl Linear {
         // to candle's GradStore; otherwise a tracked one-element placeholder,
         // so candle runs the backward (and feeds the sink) even when `x` is
         // plain data, as for the first layer of a model.
-        let w_arg = match weight {
-            Weight::F32(var) if sink.is_none() => var.as_tensor().clone(),
+        let w_arg = match (weight, residual) {
+            (Weight::F32(var), _) if sink.is_none() => var.as_tensor().clone(),
+            // with a sink the residual takes the weight's place
+            (_, Some(r)) => r.clone(),
             _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
         };
         // The bias is added in one pass here and its gradient (a column
@@ -259,6 +331,10 @@ impl Linear {
             None => y,
         };
         let y = y.reshape(out_dims)?;
+        let y = match residual {
+            Some(r) => (r.detach() + y)?,
+            None => y,
+        };
         // without a bias the weight argument stands in (its third gradient
         // is never returned), so no placeholder is allocated per forward
         let b_arg = self.bias.clone().unwrap_or_else(|| w_arg.clone());
@@ -269,6 +345,7 @@ impl Linear {
             y: Precomputed::new("amp_fp8_linear", y),
             has_bias: self.bias.is_some(),
             gelu,
+            residual: residual.is_some() && sink.is_some(),
             x_saved,
             w_saved,
             plan: Plan {

@@ -213,6 +213,9 @@ pub(crate) struct Fp8LinearOp {
     /// The op's input is GELU's: the GEMMs take `gelu(x)`, and dgrad goes
     /// back through GELU's backward.
     pub gelu: bool,
+    /// The second argument is a residual added to the output (its gradient
+    /// is the output's); the weight's gradient goes to the sink.
+    pub residual: bool,
     pub x_saved: Saved,
     pub w_saved: Saved,
     pub plan: Plan,
@@ -366,8 +369,13 @@ impl CustomOp3 for Fp8LinearOp {
             d => d,
         };
         let dx = dx.map(|d| d.reshape(x.shape())).transpose()?;
-        // A weight gradient only goes to the GradStore for a tracked weight.
-        let dw = if w.track_op() { dw } else { None };
+        // A weight gradient only goes to the GradStore for a tracked weight;
+        // a residual in the weight's place gets the output's gradient.
+        let dw = match (self.residual, w.track_op()) {
+            (true, true) => Some(dy.clone()),
+            (false, true) => dw,
+            (_, false) => None,
+        };
         let db = if self.has_bias && b.track_op() {
             Some(
                 crate::nn::fused::col_sum(&dy2)

@@ -50,6 +50,7 @@ mod registry;
 mod sink;
 
 pub use build::{linear, linear_b, linear_no_bias};
+pub use forward::Fuse;
 pub use fused::{causal_attention, causal_attention_qkv, cross_entropy, embedding, gelu};
 pub use linear::Linear;
 pub use linear_op::LayerScaling;
