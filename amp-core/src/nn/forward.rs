@@ -323,26 +323,40 @@ impl Linear {
             (_, Some(r)) => r.clone(),
             _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
         };
-        // The bias is added in one pass here and its gradient (a column
-        // sum of dy) comes from the op's backward: no separate graph node
-        // holding the product without the bias.
-        let y = match &self.bias {
-            Some(b) => super::fused::bias_add_detached(&y, b)?,
-            None => y,
-        };
-        let y = y.reshape(out_dims)?;
-        let y = match residual {
-            Some(r) => (r.detach() + y)?,
-            None => y,
-        };
         // without a bias the weight argument stands in (its third gradient
         // is never returned), so no placeholder is allocated per forward
         let b_arg = self.bias.clone().unwrap_or_else(|| w_arg.clone());
-        if !x_nd.track_op() && !w_arg.track_op() && !b_arg.track_op() {
+        let tracked = x_nd.track_op() || w_arg.track_op() || b_arg.track_op();
+        // The bias is added in one pass and its gradient (a column sum of
+        // dy) comes from the op's backward: no graph node holds the product
+        // without the bias. Where the bias kernel takes it, the op's
+        // forward adds bias (and residual) into the storage it returns,
+        // rather than copying a finished output into it.
+        let epilogue = tracked
+            && self
+                .bias
+                .as_ref()
+                .is_some_and(|b| super::fused::bias_kernel_takes(&y, b));
+        let y = if epilogue {
+            y
+        } else {
+            let y = match &self.bias {
+                Some(b) => super::fused::bias_add_detached(&y, b)?,
+                None => y,
+            };
+            let y = y.reshape(out_dims.clone())?;
+            match residual {
+                Some(r) => (r.detach() + y)?,
+                None => y,
+            }
+        };
+        if !tracked {
             return Ok(y);
         }
         let op = Fp8LinearOp {
             y: Precomputed::new("amp_fp8_linear", y),
+            epilogue,
+            out_shape: out_dims.into(),
             has_bias: self.bias.is_some(),
             gelu,
             residual: residual.is_some() && sink.is_some(),

@@ -2,14 +2,17 @@
 //! wgrad in FP8 (or natively where overridden), the input saved as FP8,
 //! the weight gradient handed to a sink or to candle's `GradStore`.
 
-use super::precomputed::{precomputed_fwd, Precomputed};
+use super::precomputed::Precomputed;
 use super::sink::GradSink;
 use crate::error::{Error, Result};
 use crate::format::Fp8Format;
 use crate::gemm::fp8_gemm;
 use crate::meta::ScalingMeta;
+use crate::nn::fused::BiasAdd;
 use crate::recipe::{CurrentScaling, DelayedScaling};
 use crate::tensor::ScalingTensor;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Storage};
 use candle_core::{CustomOp3, DType, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -207,7 +210,13 @@ pub(crate) struct Plan {
 /// The autograd node. Its forward returns the output computed before the op
 /// was applied (candle's custom ops compute on storages; ours on tensors).
 pub(crate) struct Fp8LinearOp {
+    /// The output; with `epilogue`, the product before bias and residual.
     pub y: Precomputed,
+    /// The forward adds bias (and the residual, with `residual`) to `y`
+    /// into the storage it returns (see [`Fp8LinearOp::epilogue`]).
+    pub epilogue: bool,
+    /// The output's shape (`x`'s with the last dimension `out`).
+    pub out_shape: candle_core::Shape,
     /// Whether the third argument is a bias (else a placeholder).
     pub has_bias: bool,
     /// The op's input is GELU's: the GEMMs take `gelu(x)`, and dgrad goes
@@ -320,6 +329,25 @@ impl Fp8LinearOp {
     }
 }
 
+impl Fp8LinearOp {
+    /// The epilogue's last part: `r + out` (the residual, the op's second
+    /// argument, as the left operand: `r + y` as the unfused path adds it)
+    /// with `residual`, `out` otherwise; shaped as the output.
+    fn add_residual<S: BackendStorage>(
+        &self,
+        out: S,
+        r: &S,
+        lr: &Layout,
+    ) -> candle_core::Result<(S, candle_core::Shape)> {
+        let shape = self.out_shape.clone();
+        if !self.residual {
+            return Ok((out, shape));
+        }
+        let lo = Layout::contiguous(shape.clone());
+        Ok((r.binary_impl::<candle_core::op::Add>(&out, lr, &lo)?, shape))
+    }
+}
+
 /// `t` with its scale_inv multiplied by `flag` (1-element F32: 1, or NaN
 /// where a cast's amax was not finite). An FP8 GEMM applies scale_inv to its
 /// result (cuBLASLt through its scale pointers), so the flag reaches every
@@ -347,7 +375,48 @@ impl CustomOp3 for Fp8LinearOp {
         "amp_fp8_linear"
     }
 
-    precomputed_fwd!(3);
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        r: &CpuStorage,
+        lr: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
+        if !self.epilogue {
+            return self.y.cpu();
+        }
+        let y = self.y.take()?;
+        let (ys, ly) = y.storage_and_layout();
+        let Storage::Cpu(ys) = &*ys else {
+            candle_core::bail!("amp_fp8_linear: the output is not on the CPU")
+        };
+        let (out, _) = BiasAdd.cpu_fwd(ys, ly, b, lb)?;
+        self.add_residual(out, r, lr)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        r: &candle_core::CudaStorage,
+        lr: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        if !self.epilogue {
+            return self.y.cuda();
+        }
+        let y = self.y.take()?;
+        let (ys, ly) = y.storage_and_layout();
+        let Storage::Cuda(ys) = &*ys else {
+            candle_core::bail!("amp_fp8_linear: the output is not on CUDA")
+        };
+        let (out, _) = BiasAdd.cuda_fwd(ys, ly, b, lb)?;
+        self.add_residual(out, r, lr)
+    }
 
     fn bwd(
         &self,

@@ -218,6 +218,18 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
         .apply_op2(&bias.contiguous()?, pointwise::BiasAdd)?)
 }
 
+/// Whether [`bias_add`] runs its own kernel for `x` and `bias` (F32 bias,
+/// F32 or BF16 `x`): then [`BiasAdd`] is that kernel, for ops that run it on
+/// storages.
+pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
+    bias.dtype() == DType::F32
+        && matches!(x.dtype(), DType::F32 | DType::BF16)
+        && x.rank() > 0
+        && x.dims().last() == Some(&bias.elem_count())
+}
+
+pub(crate) use pointwise::BiasAdd;
+
 /// `x + bias` as [`bias_add`] computes it, outside the graph (for ops
 /// that return the bias's gradient themselves, such as the FP8 Linear).
 pub(crate) fn bias_add_detached(x: &Tensor, bias: &Tensor) -> Result<Tensor> {

@@ -105,7 +105,7 @@ impl CustomOp1 for Transpose2d {
 
 /// `x + b` over the rows of `x` (F32 `b`); backward: `dy`, and the column
 /// sums of `dy` for `b`.
-pub(super) struct BiasAdd;
+pub(crate) struct BiasAdd;
 
 impl CustomOp2 for BiasAdd {
     fn name(&self) -> &'static str {
