@@ -181,3 +181,29 @@ fn forward_with_refuses_a_residual_unlike_the_output() {
         assert!(layer.forward_with(&x, fuse).is_err(), "{:?}", r.shape());
     }
 }
+
+/// An untracked input and residual, no bias, a sink: the op is still built
+/// (its placeholder argument is tracked) and the sink gets the weight's
+/// gradient; the residual is added after the op.
+#[test]
+fn an_untracked_residual_still_feeds_the_sink() {
+    let w = Var::from_tensor(&randt(&[8, 16], 5, 0.5)).unwrap();
+    let layer = nn::Linear::new("untracked.weight", w.as_tensor().clone(), None).unwrap();
+    let sink = GradSink::new();
+    layer.set_grad_sink(Some(sink.clone())).unwrap();
+    let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
+    let (x, r) = (randt(&[3, 16], 6, 1.0), randt(&[3, 8], 7, 1.0));
+    let fuse = Fuse {
+        gelu: true,
+        residual: Some(&r),
+    };
+    let y = layer.forward_with(&x, fuse).unwrap();
+    let want = (&r + layer.try_forward(&nn::gelu(&x).unwrap()).unwrap()).unwrap();
+    assert_eq!(values(&y), values(&want));
+    sink.take().unwrap();
+    y.sum_all().unwrap().backward().unwrap();
+    assert!(
+        sink.take().unwrap().contains_key("untracked.weight"),
+        "no weight gradient in the sink"
+    );
+}

@@ -21,7 +21,9 @@ const TILE: usize = 64;
 /// Whether the kernel takes a `[rows, cols]` input: its grid has one block
 /// per tile, at most 65535 tile rows, and the kernel indexes with `int`.
 pub(crate) fn fits(rows: usize, cols: usize) -> bool {
-    rows.div_ceil(TILE) <= 65_535 && rows <= i32::MAX as usize && cols <= i32::MAX as usize
+    // a tile's first row and column (`int` in the kernel) stay in range
+    let max = i32::MAX as usize - TILE;
+    rows.div_ceil(TILE) <= 65_535 && rows <= max && cols <= max
 }
 
 /// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`; with
@@ -117,12 +119,18 @@ fn launch<T: CudaDType + DeviceRepr>(
         && aligned(&out.slice(..), dev)
         && aligned(&out_t.slice(..), dev);
     let (r, c, v) = (rows as i32, cols as i32, i32::from(vec));
+    // at least one block, also for an empty input: it writes the scale
+    // (current scaling) where there is nothing to cast
     let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(TILE) as u32, rows.div_ceil(TILE) as u32, 1),
+        grid_dim: (
+            cols.div_ceil(TILE).max(1) as u32,
+            rows.div_ceil(TILE).max(1) as u32,
+            1,
+        ),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    if n > 0 {
+    {
         let f = cast_t_func(dev, name)?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&f);

@@ -112,9 +112,9 @@ impl Linear {
     /// until backward (only the FP8 codes the GEMMs take are kept) nor
     /// zero-fills and adds a gradient for it, and the op's backward applies
     /// GELU's backward to dgrad. With `residual` (same shape and dtype as
-    /// the output), where the weight's gradient goes to a sink (O1-O3), the
-    /// sum is the op's output and the residual its second argument, whose
-    /// gradient is the output's: no add node, whose inputs candle would
+    /// the output), where the weight's gradient goes to a sink (O1-O3) and
+    /// the residual is tracked, the sum is the op's output and the residual
+    /// its second argument, whose gradient is the output's: no add node, whose inputs candle would
     /// keep and whose second gradient it would zero-fill and add. The
     /// output and gradients have the values of the parts in sequence (the
     /// same kernels in the same order; `r + y` is `y + r`). Elsewhere (native
@@ -154,26 +154,18 @@ impl Linear {
             current_mode()
         };
         let own_op = !matches!((&mode, &weight), (ComputeMode::Native, Weight::F32(_)));
-        let sink = self.sink.lock().map_err(|_| Error::Poisoned {
-            op: "Linear::forward",
-        })?;
-        let residual_in_op = own_op && sink.is_some();
-        drop(sink);
+        // the op decides whether it takes the residual (it adds it outside
+        // itself where it cannot)
         let y = match (own_op, fuse.gelu) {
-            (true, _) => self.scaled_forward(
-                x,
-                &weight,
-                &mode,
-                out_dim,
-                fuse.gelu,
-                fuse.residual.filter(|_| residual_in_op),
-            )?,
+            (true, _) => {
+                return self.scaled_forward(x, &weight, &mode, out_dim, fuse.gelu, fuse.residual)
+            }
             (false, true) => self.try_forward(&super::fused::gelu(x)?)?,
             (false, false) => self.try_forward(x)?,
         };
         match fuse.residual {
-            Some(r) if !residual_in_op => Ok((r + y)?),
-            _ => Ok(y),
+            Some(r) => Ok((r + y)?),
+            None => Ok(y),
         }
     }
 
@@ -208,6 +200,14 @@ impl Linear {
                 op: "Linear::forward",
             })?
             .clone();
+        // The residual goes into the op where the weight's gradient goes to
+        // the sink (the residual takes the weight's argument slot) and it is
+        // tracked (else the op might not be built, and the sink not fed);
+        // otherwise it is added after the op.
+        let (residual, residual_after) = match residual {
+            Some(r) if sink.is_some() && r.track_op() => (Some(r), None),
+            r => (None, r),
+        };
         if sink.is_none() && !matches!(weight, Weight::F32(_)) {
             return Err(Error::Unsupported {
                 op: "Linear::forward",
@@ -351,7 +351,10 @@ impl Linear {
             }
         };
         if !tracked {
-            return Ok(y);
+            return Ok(match residual_after {
+                Some(r) => (r + y)?,
+                None => y,
+            });
         }
         let op = Fp8LinearOp {
             y: Precomputed::new("amp_fp8_linear", y),
@@ -359,7 +362,7 @@ impl Linear {
             out_shape: out_dims.into(),
             has_bias: self.bias.is_some(),
             gelu,
-            residual: residual.is_some() && sink.is_some(),
+            residual: residual.is_some(),
             x_saved,
             w_saved,
             plan: Plan {
@@ -376,6 +379,10 @@ impl Linear {
             x_dtype: x.dtype(),
             w_dtype: w_arg.dtype(),
         };
-        Ok(x_nd.apply_op3(&w_arg, &b_arg, op)?)
+        let y = x_nd.apply_op3(&w_arg, &b_arg, op)?;
+        match residual_after {
+            Some(r) => Ok((r + y)?),
+            None => Ok(y),
+        }
     }
 }

@@ -218,11 +218,12 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
         .apply_op2(&bias.contiguous()?, pointwise::BiasAdd)?)
 }
 
-/// Whether [`bias_add`] runs its own kernel for `x` and `bias` (F32 bias,
-/// F32 or BF16 `x`): then [`BiasAdd`] is that kernel, for ops that run it on
-/// storages.
+/// Whether [`bias_add`]'s kernel takes `x` and `bias` as they are (a
+/// contiguous F32 bias, F32 or BF16 `x`): then [`BiasAdd`] is that kernel,
+/// for ops that run it on storages.
 pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
     bias.dtype() == DType::F32
+        && bias.is_contiguous()
         && matches!(x.dtype(), DType::F32 | DType::BF16)
         && x.rank() > 0
         && x.dims().last() == Some(&bias.elem_count())
