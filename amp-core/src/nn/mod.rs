@@ -43,6 +43,7 @@ mod forward;
 pub mod fused;
 mod linear;
 mod linear_op;
+mod linear_scaling;
 mod mode;
 mod norm;
 mod precomputed;
