@@ -121,6 +121,7 @@ fn forward_with_equals_the_parts_in_sequence() {
                 let fuse = Fuse {
                     gelu,
                     residual: Some(res.as_tensor()),
+                    ..Default::default()
                 };
                 let y1 = fused.forward_with(x.as_tensor(), fuse).unwrap();
                 let a = if gelu {
@@ -175,8 +176,8 @@ fn forward_with_refuses_a_residual_unlike_the_output() {
         randt(&[3, 8], 2, 1.0).to_dtype(DType::BF16).unwrap(),
     ] {
         let fuse = Fuse {
-            gelu: false,
             residual: Some(&r),
+            ..Default::default()
         };
         assert!(layer.forward_with(&x, fuse).is_err(), "{:?}", r.shape());
     }
@@ -196,6 +197,7 @@ fn an_untracked_residual_still_feeds_the_sink() {
     let fuse = Fuse {
         gelu: true,
         residual: Some(&r),
+        ..Default::default()
     };
     let y = layer.forward_with(&x, fuse).unwrap();
     let want = (&r + layer.try_forward(&nn::gelu(&x).unwrap()).unwrap()).unwrap();
@@ -206,4 +208,87 @@ fn an_untracked_residual_still_feeds_the_sink() {
         sink.take().unwrap().contains_key("untracked.weight"),
         "no weight gradient in the sink"
     );
+}
+
+/// `Fuse { norm }`: the LayerNorm's output handed to the Linear's op gives
+/// the values of `forward(&norm(h))`: output and the gradients of the
+/// input, both LayerNorm parameters, the weight (GradStore or sink) and
+/// the bias, over delayed-scaling steps, F32 and BF16 inputs.
+#[test]
+fn a_handed_layer_norm_equals_norm_then_forward() {
+    let modes = [
+        ComputeMode::Native,
+        ComputeMode::Fp8Current(Default::default()),
+        ComputeMode::Fp8Delayed(DelayedScaling {
+            amax_history_len: 4,
+            ..Default::default()
+        }),
+    ];
+    let ln_w = randt(&[32], 8, 0.3).affine(1.0, 1.0).unwrap();
+    let ln_b = randt(&[32], 9, 0.1);
+    for (m, mode) in modes.into_iter().enumerate() {
+        for (c, (dtype, with_sink)) in
+            [(DType::F32, true), (DType::BF16, true), (DType::F32, false)]
+                .into_iter()
+                .enumerate()
+        {
+            let [(fused, wf, bf), (plain, wp, bp)] = pair(&format!("n{m}{c}"), 16, 32);
+            let norms = [0, 1].map(|_| {
+                let (w, b) = (
+                    Var::from_tensor(&ln_w).unwrap(),
+                    Var::from_tensor(&ln_b).unwrap(),
+                );
+                let ln = nn::LayerNorm::new(w.as_tensor().clone(), b.as_tensor().clone(), 1e-5);
+                (ln.unwrap(), w, b)
+            });
+            let sinks = [GradSink::new(), GradSink::new()];
+            if with_sink {
+                fused.set_grad_sink(Some(sinks[0].clone())).unwrap();
+                plain.set_grad_sink(Some(sinks[1].clone())).unwrap();
+            }
+            for step in 0..3u64 {
+                let what = format!("{mode:?} {dtype:?} sink {with_sink} step {step}");
+                let h =
+                    Var::from_tensor(&randt(&[2, 3, 32], 60 + step, 2.0).to_dtype(dtype).unwrap())
+                        .unwrap();
+                let r = randt(&[2, 3, 16], 70 + step, 1.0).to_dtype(dtype).unwrap();
+                let _s = fp8_autocast(true, mode.clone());
+                let fuse = Fuse {
+                    norm: Some(&norms[0].0),
+                    ..Default::default()
+                };
+                let y1 = fused.forward_with(h.as_tensor(), fuse).unwrap();
+                let y2 = plain
+                    .try_forward(&norms[1].0.try_forward(h.as_tensor()).unwrap())
+                    .unwrap();
+                assert_eq!(y1.dims(), [2, 3, 16], "{what}");
+                assert_eq!(values(&y1), values(&y2), "{what}: y");
+                let g1 = (&y1 * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (&y2 * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let fp8_weight_grad = with_sink && !matches!(mode, ComputeMode::Native);
+                let mut pairs = vec![
+                    ("dh", h.as_tensor(), h.as_tensor()),
+                    ("dln_w", norms[0].1.as_tensor(), norms[1].1.as_tensor()),
+                    ("dln_b", norms[0].2.as_tensor(), norms[1].2.as_tensor()),
+                    ("db", bf.as_tensor(), bp.as_tensor()),
+                ];
+                if !fp8_weight_grad {
+                    pairs.push(("dw", wf.as_tensor(), wp.as_tensor()));
+                }
+                for (name, a, b) in pairs {
+                    let (ga, gb) = (g1.get(a).expect(name), g2.get(b).expect(name));
+                    assert_eq!(values(ga), values(gb), "{what}: {name}");
+                }
+                if fp8_weight_grad {
+                    let (s1, s2) = (sinks[0].take().unwrap(), sinks[1].take().unwrap());
+                    let key = |i: usize| format!("n{m}{c}{i}.weight");
+                    assert_eq!(
+                        values(&s1[&key(0)].dequantize(DType::F32).unwrap()),
+                        values(&s2[&key(1)].dequantize(DType::F32).unwrap()),
+                        "{what}: sink dw"
+                    );
+                }
+            }
+        }
+    }
 }

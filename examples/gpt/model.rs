@@ -172,28 +172,40 @@ impl Gpt {
             .broadcast_add(&nn::embedding(&pos, &self.wpe)?)?
             .to_dtype(self.act)?;
         for blk in &self.blocks {
-            h = self.attention(blk, &blk.ln_1.forward(&h)?, &h)?;
-            // GELU and the residual add inside mlp_proj's op (FP8 levels):
-            // neither its input nor the sum's second operand is a graph tensor
-            let m = blk.c_fc.forward(&blk.ln_2.forward(&h)?)?;
+            h = self.attention(blk, &h)?;
+            // ln_2 handed to c_fc, GELU and the residual add inside
+            // mlp_proj's op (FP8 levels): none of their outputs is a graph
+            // tensor that candle keeps or zero-fills a gradient for
+            let norm = Fuse {
+                norm: Some(&blk.ln_2),
+                ..Default::default()
+            };
+            let m = blk.c_fc.forward_with(&h, norm)?;
             let fuse = Fuse {
                 gelu: true,
                 residual: Some(&h),
+                ..Default::default()
             };
             h = blk.mlp_proj.forward_with(&m, fuse)?;
         }
         Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
     }
 
-    /// `residual` + causal self-attention of `x`: the products in BF16 on
-    /// CUDA (as PyTorch autocast), the scale and mask inside the fused
-    /// softmax (`amp::nn::causal_attention`), one matrix per layer kept for
-    /// backprop, the residual added inside c_proj's op.
-    fn attention(&self, blk: &Block, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let y = nn::causal_attention_qkv(&blk.c_attn.forward(x)?, self.cfg.n_head)?;
+    /// `h` + causal self-attention of `ln_1(h)`: ln_1 handed to c_attn's
+    /// op, the products in BF16 on CUDA (as PyTorch autocast), the scale
+    /// and mask inside the fused softmax (`amp::nn::causal_attention`), one
+    /// matrix per layer kept for backprop, the residual added inside
+    /// c_proj's op.
+    fn attention(&self, blk: &Block, h: &Tensor) -> Result<Tensor> {
+        let norm = Fuse {
+            norm: Some(&blk.ln_1),
+            ..Default::default()
+        };
+        let qkv = blk.c_attn.forward_with(h, norm)?;
+        let y = nn::causal_attention_qkv(&qkv, self.cfg.n_head)?;
         let fuse = Fuse {
-            gelu: false,
-            residual: Some(residual),
+            residual: Some(h),
+            ..Default::default()
         };
         Ok(blk.c_proj.forward_with(&y, fuse)?)
     }

@@ -1,6 +1,7 @@
 //! The forward pass of `amp::nn::Linear`: checks, the native path, and the
 //! FP8 path through the autograd op.
 
+use super::fused::Handoff;
 use super::linear::Linear;
 use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling};
 use super::mode::{current_mode, current_step, ComputeMode};
@@ -17,6 +18,23 @@ pub struct Fuse<'a> {
     pub gelu: bool,
     /// A tensor added to the output (a residual stream).
     pub residual: Option<&'a Tensor>,
+    /// A LayerNorm on the input first (TE's `LayerNormLinear`): its output
+    /// goes to the Linear's op outside candle's graph (the graph carries a
+    /// one-element token), so it is neither kept until backward nor given
+    /// a zero-filled gradient; the LayerNorm's parameters get their
+    /// gradients as usual. Not combined with `gelu` (then the parts run in
+    /// sequence).
+    pub norm: Option<&'a super::LayerNorm>,
+}
+
+/// What the op applies, as [`scaled_forward`](Linear::scaled_forward)
+/// takes it: `x` is the op's value; with `handoff` the graph carries its
+/// token instead.
+#[derive(Default)]
+struct OpFuse<'a> {
+    gelu: bool,
+    residual: Option<&'a Tensor>,
+    handoff: Option<(Tensor, Handoff)>,
 }
 
 impl Linear {
@@ -80,7 +98,7 @@ impl Linear {
                     .to_dtype(x.dtype())?
             }
             // the op adds the bias itself
-            _ => return self.scaled_forward(x, &weight, &mode, out_dim, false, None),
+            _ => return self.scaled_forward(x, &weight, &mode, out_dim, OpFuse::default()),
         };
         match &self.bias {
             Some(b) => super::fused::bias_add(&y, b),
@@ -100,7 +118,7 @@ impl Linear {
             z,
             Fuse {
                 gelu: true,
-                residual: None,
+                ..Default::default()
             },
         )
     }
@@ -154,11 +172,30 @@ impl Linear {
             current_mode()
         };
         let own_op = !matches!((&mode, &weight), (ComputeMode::Native, Weight::F32(_)));
+        let normed;
+        let (x, handoff) = match fuse.norm {
+            Some(ln) => match ln.try_handoff(x)? {
+                Some((out, token, h)) if own_op && !fuse.gelu => {
+                    normed = out;
+                    (&normed, Some((token, h)))
+                }
+                _ => {
+                    normed = ln.try_forward(x)?;
+                    (&normed, None)
+                }
+            },
+            None => (x, None),
+        };
         // the op decides whether it takes the residual (it adds it outside
         // itself where it cannot)
         let y = match (own_op, fuse.gelu) {
             (true, _) => {
-                return self.scaled_forward(x, &weight, &mode, out_dim, fuse.gelu, fuse.residual)
+                let op_fuse = OpFuse {
+                    gelu: fuse.gelu,
+                    residual: fuse.residual,
+                    handoff,
+                };
+                return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
             }
             (false, true) => self.try_forward(&super::fused::gelu(x)?)?,
             (false, false) => self.try_forward(x)?,
@@ -180,9 +217,18 @@ impl Linear {
         weight: &Weight,
         mode: &ComputeMode,
         out_dim: usize,
-        gelu: bool,
-        residual: Option<&Tensor>,
+        fuse: OpFuse<'_>,
     ) -> Result<Tensor> {
+        let OpFuse {
+            gelu,
+            residual,
+            handoff,
+        } = fuse;
+        // the op's first argument in the graph: x, or the token standing for it
+        let (arg0, handoff) = match handoff {
+            Some((token, h)) => (token, Some(h)),
+            None => (x_nd.clone(), None),
+        };
         let in_dim = x_nd.dim(candle_core::D::Minus1)?;
         let mut out_dims = x_nd.dims().to_vec();
         let last = out_dims.len() - 1;
@@ -326,7 +372,7 @@ impl Linear {
         // without a bias the weight argument stands in (its third gradient
         // is never returned), so no placeholder is allocated per forward
         let b_arg = self.bias.clone().unwrap_or_else(|| w_arg.clone());
-        let tracked = x_nd.track_op() || w_arg.track_op() || b_arg.track_op();
+        let tracked = arg0.track_op() || w_arg.track_op() || b_arg.track_op();
         // The bias is added in one pass and its gradient (a column sum of
         // dy) comes from the op's backward: no graph node holds the product
         // without the bias. Where the bias kernel takes it, the op's
@@ -363,6 +409,8 @@ impl Linear {
             has_bias: self.bias.is_some(),
             gelu,
             residual: residual.is_some(),
+            handoff,
+            x_shape: x_nd.shape().clone(),
             x_saved,
             w_saved,
             plan: Plan {
@@ -379,7 +427,7 @@ impl Linear {
             x_dtype: x.dtype(),
             w_dtype: w_arg.dtype(),
         };
-        let y = x_nd.apply_op3(&w_arg, &b_arg, op)?;
+        let y = arg0.apply_op3(&w_arg, &b_arg, op)?;
         match residual_after {
             Some(r) => Ok((r + y)?),
             None => Ok(y),

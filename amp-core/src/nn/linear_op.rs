@@ -64,6 +64,11 @@ pub(crate) struct Fp8LinearOp {
     /// The second argument is a residual added to the output (its gradient
     /// is the output's); the weight's gradient goes to the sink.
     pub residual: bool,
+    /// The first argument is a token for the input (see
+    /// `fused::Handoff`): the input's gradient is left there.
+    pub handoff: Option<crate::nn::fused::Handoff>,
+    /// The input's shape (the first argument's, unless a token).
+    pub x_shape: candle_core::Shape,
     pub x_saved: Saved,
     pub w_saved: Saved,
     pub plan: Plan,
@@ -276,7 +281,13 @@ impl CustomOp3 for Fp8LinearOp {
             }
             d => d,
         };
-        let dx = dx.map(|d| d.reshape(x.shape())).transpose()?;
+        let dx = match (&self.handoff, dx) {
+            (Some(h), Some(d)) => {
+                h.put(d.reshape(self.x_shape.clone())?).map_err(wrap)?;
+                Some(crate::nn::fused::Handoff::token_grad(x).map_err(wrap)?)
+            }
+            (_, d) => d.map(|d| d.reshape(x.shape())).transpose()?,
+        };
         // A weight gradient only goes to the GradStore for a tracked weight;
         // a residual in the weight's place gets the output's gradient.
         let dw = match (self.residual, w.track_op()) {

@@ -82,6 +82,37 @@ impl LayerNorm {
     }
 }
 
+impl LayerNorm {
+    /// The forward handed to the next op outside candle's graph (see
+    /// [`Fuse::norm`](super::Fuse::norm)): `(out, token, handoff)` where
+    /// the fused kernels run (F32 parameters, F32 or BF16 input; any float
+    /// input on the CPU) and an input or parameter is tracked; `None`
+    /// otherwise (then [`try_forward`](Self::try_forward)).
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward).
+    pub(crate) fn try_handoff(
+        &self,
+        x: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor, super::fused::Handoff)>> {
+        let dim = self.weight.elem_count();
+        if x.rank() == 0 || x.dim(D::Minus1)? != dim {
+            return Err(Error::Shape {
+                op: "LayerNorm::forward",
+                lhs: x.shape().clone(),
+                rhs: (dim,).into(),
+            });
+        }
+        let tracked = x.track_op() || self.weight.track_op() || self.bias.track_op();
+        let fused_dtype = matches!(x.dtype(), DType::F32 | DType::BF16) || !x.device().is_cuda();
+        let f32_params = self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32;
+        if !(tracked && fused_dtype && f32_params) {
+            return Ok(None);
+        }
+        super::fused::layer_norm_handoff(x, &self.weight, &self.bias, self.eps).map(Some)
+    }
+}
+
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.try_forward(x).map_err(candle_core::Error::wrap)

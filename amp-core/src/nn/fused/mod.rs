@@ -30,6 +30,7 @@
 mod attention;
 mod cpu;
 mod embedding;
+mod handoff;
 mod heads;
 mod ops;
 mod pointwise;
@@ -229,6 +230,7 @@ pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
         && x.dims().last() == Some(&bias.elem_count())
 }
 
+pub(crate) use handoff::{layer_norm_handoff, Handoff};
 pub(crate) use pointwise::BiasAdd;
 
 /// `x + bias` as [`bias_add`] computes it, outside the graph (for ops

@@ -1,0 +1,134 @@
+//! A tensor handed from one of our ops to the next outside candle's graph.
+//!
+//! candle's backward gives every graph edge a zero-filled gradient and an
+//! add, and keeps every op's inputs until backward ends. Between two of our
+//! own ops neither is needed: the producer computes its output before the
+//! graph sees it and puts a one-element token in the graph in its place;
+//! the consumer takes the token as its graph input (the real tensor as a
+//! value) and, in its backward, leaves the real gradient in the
+//! [`Handoff`] and returns a one-element gradient for the token; the
+//! producer's backward, which candle runs next, takes it from there. The
+//! output is then freed as soon as the consumer's forward is done with it.
+
+use super::ops::LayerNormOp;
+use crate::error::{Error, Result};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use std::sync::{Arc, Mutex};
+
+/// The gradient slot between a producer and its consumer.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Handoff(Arc<Mutex<Option<Tensor>>>);
+
+impl Handoff {
+    /// The consumer's backward leaves the gradient of the handed tensor.
+    pub(crate) fn put(&self, grad: Tensor) -> Result<()> {
+        *self
+            .0
+            .lock()
+            .map_err(|_| Error::Poisoned { op: "Handoff" })? = Some(grad);
+        Ok(())
+    }
+
+    /// The producer's backward takes it (None: no gradient reached it).
+    fn take(&self) -> Result<Option<Tensor>> {
+        Ok(self
+            .0
+            .lock()
+            .map_err(|_| Error::Poisoned { op: "Handoff" })?
+            .take())
+    }
+
+    /// The one-element gradient a consumer returns for the token.
+    pub(crate) fn token_grad(token: &Tensor) -> Result<Tensor> {
+        Ok(Tensor::zeros(1, DType::F32, token.device())?)
+    }
+}
+
+/// LayerNorm of `x` (F32 `weight` and `bias`, F32 or BF16 `x`, as
+/// [`layer_norm`](super::layer_norm)) handed to the next op: `(out, token,
+/// handoff)`. `out` is detached; the token (F32 `[1]`) stands for it in the
+/// graph, and the LayerNorm's backward (input, weight and bias gradients)
+/// runs from the gradient the consumer leaves in `handoff`.
+///
+/// # Errors
+/// As [`layer_norm`](super::layer_norm).
+pub(crate) fn layer_norm_handoff(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Handoff)> {
+    let out = super::layer_norm(&x.detach(), &weight.detach(), &bias.detach(), eps)?;
+    let handoff = Handoff::default();
+    let op = LayerNormToken {
+        eps: eps as f32,
+        handoff: handoff.clone(),
+    };
+    let dim = weight.elem_count();
+    let token =
+        x.contiguous()?
+            .apply_op3(&weight.contiguous()?, &bias.reshape(dim)?.contiguous()?, op)?;
+    Ok((out, token, handoff))
+}
+
+/// The LayerNorm's graph node: a one-element output; backward from the
+/// handed gradient, as [`LayerNormOp`]'s.
+struct LayerNormToken {
+    eps: f32,
+    handoff: Handoff,
+}
+
+impl CustomOp3 for LayerNormToken {
+    fn name(&self) -> &'static str {
+        "amp_layer_norm_token"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(1usize)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let dev = x.device().clone();
+        let zero = dev.alloc_zeros::<f32>(1)?;
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(zero, dev),
+            Shape::from(1usize),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        _token_grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some(dy) = self.handoff.take().map_err(candle_core::Error::wrap)? else {
+            return Ok((None, None, None));
+        };
+        let op = LayerNormOp {
+            eps: self.eps,
+            dx: false,
+        };
+        op.bwd(x, w, b, res, &dy)
+    }
+}
