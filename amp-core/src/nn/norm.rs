@@ -157,8 +157,16 @@ pub fn layer_norm_linear(
 }
 
 impl Module for LayerNormLinear {
+    /// `linear(norm(x))`, the normalised output handed to the Linear's op
+    /// ([`Fuse::norm`](super::Fuse::norm)): not kept for backward.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.linear.forward(&self.norm.forward(x)?)
+        let fuse = super::Fuse {
+            norm: Some(&self.norm),
+            ..Default::default()
+        };
+        self.linear
+            .forward_with(x, fuse)
+            .map_err(candle_core::Error::wrap)
     }
 }
 
