@@ -191,23 +191,20 @@ impl Gpt {
         Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
     }
 
-    /// `h` + causal self-attention of `ln_1(h)`: ln_1 handed to c_attn's
-    /// op, the products in BF16 on CUDA (as PyTorch autocast), the scale
-    /// and mask inside the fused softmax (`amp::nn::causal_attention`), one
-    /// matrix per layer kept for backprop, the residual added inside
-    /// c_proj's op.
+    /// `h` + causal self-attention of `ln_1(h)` (`amp::nn::causal_self_attention`:
+    /// the products in BF16 on CUDA, as PyTorch autocast; the scale and
+    /// mask inside the fused softmax; one matrix per layer kept for
+    /// backprop; at the FP8 levels every tensor between ln_1 and c_proj
+    /// handed from op to op outside candle's graph, the residual added
+    /// inside c_proj's op).
     fn attention(&self, blk: &Block, h: &Tensor) -> Result<Tensor> {
-        let norm = Fuse {
-            norm: Some(&blk.ln_1),
-            ..Default::default()
-        };
-        let qkv = blk.c_attn.forward_with(h, norm)?;
-        let y = nn::causal_attention_qkv(&qkv, self.cfg.n_head)?;
-        let fuse = Fuse {
-            residual: Some(h),
-            ..Default::default()
-        };
-        Ok(blk.c_proj.forward_with(&y, fuse)?)
+        Ok(nn::causal_self_attention(
+            h,
+            &blk.ln_1,
+            &blk.c_attn,
+            &blk.c_proj,
+            self.cfg.n_head,
+        )?)
     }
 
     /// Mean cross-entropy of next-token prediction.

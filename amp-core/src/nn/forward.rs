@@ -1,7 +1,6 @@
 //! The forward pass of `amp::nn::Linear`: checks, the native path, and the
 //! FP8 path through the autograd op.
 
-use super::fused::Handoff;
 use super::linear::Linear;
 use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling};
 use super::mode::{current_mode, current_step, ComputeMode};
@@ -11,34 +10,8 @@ use crate::gemm::fp8_gemm_with;
 use crate::weight::Weight;
 use candle_core::{DType, Tensor, Var};
 
-/// What [`Linear::forward_with`] applies inside the layer's op.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Fuse<'a> {
-    /// GELU (tanh form) on the input: the layer computes `gelu(x) Wᵀ + b`.
-    pub gelu: bool,
-    /// A tensor added to the output (a residual stream).
-    pub residual: Option<&'a Tensor>,
-    /// A LayerNorm on the input first (TE's `LayerNormLinear`): its output
-    /// goes to the Linear's op outside candle's graph (the graph carries a
-    /// one-element token), so it is neither kept until backward nor given
-    /// a zero-filled gradient; the LayerNorm's parameters get their
-    /// gradients as usual. Not combined with `gelu` (then the parts run in
-    /// sequence).
-    pub norm: Option<&'a super::LayerNorm>,
-}
-
-/// What the op applies, as [`scaled_forward`](Linear::scaled_forward)
-/// takes it: `x` is the op's value; with `handoff` the graph carries its
-/// token instead.
-#[derive(Default)]
-struct OpFuse<'a> {
-    gelu: bool,
-    residual: Option<&'a Tensor>,
-    handoff: Option<(Tensor, Handoff)>,
-}
-
 impl Linear {
-    fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
+    pub(super) fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
         const OP: &str = "Linear::forward";
         if !x.dtype().is_float() {
             return Err(Error::DType {
@@ -98,110 +71,18 @@ impl Linear {
                     .to_dtype(x.dtype())?
             }
             // the op adds the bias itself
-            _ => return self.scaled_forward(x, &weight, &mode, out_dim, OpFuse::default()),
+            _ => {
+                return self.scaled_forward(
+                    x,
+                    &weight,
+                    &mode,
+                    out_dim,
+                    super::forward_fused::OpFuse::default(),
+                )
+            }
         };
         match &self.bias {
             Some(b) => super::fused::bias_add(&y, b),
-            None => Ok(y),
-        }
-    }
-
-    /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]); see
-    /// [`forward_with`](Self::forward_with).
-    ///
-    /// [`fused::gelu`]: super::fused::gelu
-    ///
-    /// # Errors
-    /// As [`try_forward`](Self::try_forward).
-    pub fn forward_gelu(&self, z: &Tensor) -> Result<Tensor> {
-        self.forward_with(
-            z,
-            Fuse {
-                gelu: true,
-                ..Default::default()
-            },
-        )
-    }
-
-    /// The layer with `fuse`'s neighbours applied inside its op:
-    /// `residual + self.forward(&gelu(x))` (each part optional). With
-    /// `gelu`, wherever the layer runs its own op (FP8 modes, low-bit
-    /// weights) GELU's output is no graph tensor: candle neither keeps it
-    /// until backward (only the FP8 codes the GEMMs take are kept) nor
-    /// zero-fills and adds a gradient for it, and the op's backward applies
-    /// GELU's backward to dgrad. With `residual` (same shape and dtype as
-    /// the output), where the weight's gradient goes to a sink (O1-O3) and
-    /// the residual is tracked, the sum is the op's output and the residual
-    /// its second argument, whose gradient is the output's: no add node, whose inputs candle would
-    /// keep and whose second gradient it would zero-fill and add. The
-    /// output and gradients have the values of the parts in sequence (the
-    /// same kernels in the same order; `r + y` is `y + r`). Elsewhere (native
-    /// compute with an F32 weight, no sink for the residual) the parts run
-    /// in sequence.
-    ///
-    /// # Errors
-    /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
-    /// [`Error::DType`] for a residual unlike the output.
-    pub fn forward_with(&self, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
-        let weight = self.weight.read()?.clone();
-        let (out_dim, in_dim) = weight.shape().dims2()?;
-        self.check_input(x, in_dim)?;
-        if let Some(r) = fuse.residual {
-            let mut dims = x.dims().to_vec();
-            if let Some(last) = dims.last_mut() {
-                *last = out_dim;
-            }
-            if r.dims() != dims.as_slice() {
-                return Err(Error::Shape {
-                    op: "Linear::forward_with",
-                    lhs: dims.into(),
-                    rhs: r.shape().clone(),
-                });
-            }
-            if r.dtype() != x.dtype() {
-                return Err(Error::DType {
-                    op: "Linear::forward_with",
-                    expected: "a residual of the input's dtype",
-                    got: r.dtype(),
-                });
-            }
-        }
-        let mode = if self.is_high_precision() {
-            ComputeMode::Native
-        } else {
-            current_mode()
-        };
-        let own_op = !matches!((&mode, &weight), (ComputeMode::Native, Weight::F32(_)));
-        let normed;
-        let (x, handoff) = match fuse.norm {
-            Some(ln) => match ln.try_handoff(x)? {
-                Some((out, token, h)) if own_op && !fuse.gelu => {
-                    normed = out;
-                    (&normed, Some((token, h)))
-                }
-                _ => {
-                    normed = ln.try_forward(x)?;
-                    (&normed, None)
-                }
-            },
-            None => (x, None),
-        };
-        // the op decides whether it takes the residual (it adds it outside
-        // itself where it cannot)
-        let y = match (own_op, fuse.gelu) {
-            (true, _) => {
-                let op_fuse = OpFuse {
-                    gelu: fuse.gelu,
-                    residual: fuse.residual,
-                    handoff,
-                };
-                return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
-            }
-            (false, true) => self.try_forward(&super::fused::gelu(x)?)?,
-            (false, false) => self.try_forward(x)?,
-        };
-        match fuse.residual {
-            Some(r) => Ok((r + y)?),
             None => Ok(y),
         }
     }
@@ -211,18 +92,19 @@ impl Linear {
     /// inside, so the graph holds one node, not two reshapes around it;
     /// with `gelu` the op's input is GELU's input (see
     /// [`forward_gelu`](Self::forward_gelu)).
-    fn scaled_forward(
+    pub(super) fn scaled_forward(
         &self,
         x_nd: &Tensor,
         weight: &Weight,
         mode: &ComputeMode,
         out_dim: usize,
-        fuse: OpFuse<'_>,
+        fuse: super::forward_fused::OpFuse<'_>,
     ) -> Result<Tensor> {
-        let OpFuse {
+        let super::forward_fused::OpFuse {
             gelu,
             residual,
             handoff,
+            hand_out,
         } = fuse;
         // the op's first argument in the graph: x, or the token standing for it
         let (arg0, handoff) = match handoff {
@@ -379,6 +261,7 @@ impl Linear {
         // forward adds bias (and residual) into the storage it returns,
         // rather than copying a finished output into it.
         let epilogue = tracked
+            && hand_out.is_none()
             && self
                 .bias
                 .as_ref()
@@ -396,6 +279,9 @@ impl Linear {
                 None => y,
             }
         };
+        if let Some(h) = &hand_out {
+            h.put_value(y.clone())?;
+        }
         if !tracked {
             return Ok(match residual_after {
                 Some(r) => (r + y)?,
@@ -410,6 +296,7 @@ impl Linear {
             gelu,
             residual: residual.is_some(),
             handoff,
+            hand_out,
             x_shape: x_nd.shape().clone(),
             x_saved,
             w_saved,

@@ -67,6 +67,9 @@ pub(crate) struct Fp8LinearOp {
     /// The first argument is a token for the input (see
     /// `fused::Handoff`): the input's gradient is left there.
     pub handoff: Option<crate::nn::fused::Handoff>,
+    /// The output is handed on: the forward returns a token, the backward
+    /// takes the output's gradient from here.
+    pub hand_out: Option<crate::nn::fused::Handoff>,
     /// The input's shape (the first argument's, unless a token).
     pub x_shape: candle_core::Shape,
     pub x_saved: Saved,
@@ -228,6 +231,10 @@ impl CustomOp3 for Fp8LinearOp {
         b: &CpuStorage,
         lb: &Layout,
     ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
+        if self.hand_out.is_some() {
+            drop(self.y.take()?);
+            return Ok(crate::nn::fused::Handoff::cpu_token());
+        }
         if !self.epilogue {
             return self.y.cpu();
         }
@@ -250,6 +257,10 @@ impl CustomOp3 for Fp8LinearOp {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        if self.hand_out.is_some() {
+            drop(self.y.take()?);
+            return crate::nn::fused::Handoff::cuda_token(r.device());
+        }
         if !self.epilogue {
             return self.y.cuda();
         }
@@ -270,6 +281,18 @@ impl CustomOp3 for Fp8LinearOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // a handed-on output's gradient comes through the handoff
+        let handed;
+        let dy = match &self.hand_out {
+            Some(h) => match h.take().map_err(wrap)? {
+                Some(g) => {
+                    handed = g;
+                    &handed
+                }
+                None => return Ok((None, None, None)),
+            },
+            None => dy,
+        };
         // the op flattens its input: dy to 2-D, dx back to x's shape
         let out_dim = dy.dim(candle_core::D::Minus1)?;
         let dy2 = dy.reshape(((), out_dim))?;

@@ -40,6 +40,7 @@
 
 mod build;
 mod forward;
+mod forward_fused;
 pub mod fused;
 mod linear;
 mod linear_op;
@@ -48,10 +49,11 @@ mod mode;
 mod norm;
 mod precomputed;
 mod registry;
+mod self_attention;
 mod sink;
 
 pub use build::{linear, linear_b, linear_no_bias};
-pub use forward::Fuse;
+pub use forward_fused::Fuse;
 pub use fused::{causal_attention, causal_attention_qkv, cross_entropy, embedding, gelu};
 pub use linear::Linear;
 pub use linear_op::LayerScaling;
@@ -60,4 +62,5 @@ pub use norm::{
     layer_norm, layer_norm_linear, layer_norm_mlp, LayerNorm, LayerNormLinear, LayerNormMLP,
 };
 pub use registry::registered_linear;
+pub use self_attention::causal_self_attention;
 pub use sink::GradSink;

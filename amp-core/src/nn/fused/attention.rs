@@ -4,6 +4,7 @@
 //! scores, the masked scores and the probabilities, and backprop spends
 //! no zero-fill and add on each of them.
 
+use super::handoff::Handoff;
 use super::heads::Qkv;
 use super::ops::{CausalSoftmax, CausalSoftmaxBwd};
 use crate::error::{Error, Result};
@@ -156,22 +157,7 @@ fn attend_bwd(
 /// not `3 * heads * head_dim`, [`Error::DType`] for a non-float input.
 pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
     const OP: &str = "causal_attention_qkv";
-    let (b, t, three_d) = qkv.dims3().map_err(|_| Error::Rank {
-        op: OP,
-        expected: 3,
-        got: qkv.shape().clone(),
-    })?;
-    if heads == 0 || three_d % (3 * heads) != 0 || three_d == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            lhs: qkv.shape().clone(),
-            rhs: Shape::from((3, heads)),
-        });
-    }
-    let compute = compute_dtype(OP, qkv)?;
-    let hd = three_d / 3 / heads;
-    let shape = Qkv { b, t, heads, hd };
-    let scale = 1.0 / (hd as f32).sqrt();
+    let (shape, compute, scale) = qkv_layout(OP, qkv, heads)?;
     let [q, k, v] = shape.split(qkv, compute)?;
     let (p, y) = attend(&q, &k, &v, scale)?;
     let y = shape.rows(&[y], qkv.dtype())?;
@@ -211,5 +197,111 @@ impl CustomOp1 for CausalAttentionQkv {
         let grads = attend_bwd(&self.p, [&q, &k, &v], &dy, self.scale)?;
         let dqkv = s.rows(&grads, qkv.dtype())?;
         Ok(Some(dqkv))
+    }
+}
+
+/// The layout, compute dtype and scale of a fused projection's output.
+fn qkv_layout(op: &'static str, qkv: &Tensor, heads: usize) -> Result<(Qkv, DType, f32)> {
+    let (b, t, three_d) = qkv.dims3().map_err(|_| Error::Rank {
+        op,
+        expected: 3,
+        got: qkv.shape().clone(),
+    })?;
+    if heads == 0 || three_d % (3 * heads) != 0 || three_d == 0 {
+        return Err(Error::Shape {
+            op,
+            lhs: qkv.shape().clone(),
+            rhs: Shape::from((3, heads)),
+        });
+    }
+    let compute = compute_dtype(op, qkv)?;
+    let hd = three_d / 3 / heads;
+    Ok((Qkv { b, t, heads, hd }, compute, 1.0 / (hd as f32).sqrt()))
+}
+
+/// [`causal_attention_qkv`] between two handoffs: `qkv` comes from the
+/// previous op (`token` stands for it in the graph, `from` takes its
+/// gradient) and the output is handed on: `(y, token, handoff)`. The op
+/// keeps q, k, v (compute dtype) and the probabilities for backward.
+pub(crate) fn causal_attention_handed(
+    qkv: &Tensor,
+    token: &Tensor,
+    from: &Handoff,
+    heads: usize,
+) -> Result<(Tensor, Tensor, Handoff)> {
+    const OP: &str = "causal_attention_qkv";
+    let (shape, compute, scale) = qkv_layout(OP, qkv, heads)?;
+    let qkv_parts = shape.split(qkv, compute)?;
+    let [q, k, v] = &qkv_parts;
+    let (p, y) = attend(q, k, v, scale)?;
+    let y = shape.rows(&[y], qkv.dtype())?;
+    let to = Handoff::default();
+    let op = AttentionHanded {
+        qkv: qkv_parts,
+        p,
+        scale,
+        compute,
+        shape,
+        dtype: qkv.dtype(),
+        from: from.clone(),
+        to: to.clone(),
+    };
+    let token = token.apply_op1(op)?;
+    Ok((y, token, to))
+}
+
+/// The graph node of [`causal_attention_handed`]: a token in, a token out.
+struct AttentionHanded {
+    qkv: [Tensor; 3],
+    p: Tensor,
+    scale: f32,
+    compute: DType,
+    shape: Qkv,
+    dtype: DType,
+    from: Handoff,
+    to: Handoff,
+}
+
+impl CustomOp1 for AttentionHanded {
+    fn name(&self) -> &'static str {
+        "amp_causal_attention_handed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        Ok(Handoff::cpu_token())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        Handoff::cuda_token(s.device())
+    }
+
+    /// As [`CausalAttentionQkv`]'s, from the handed gradient; qkv's
+    /// gradient is handed back.
+    fn bwd(
+        &self,
+        token: &Tensor,
+        _res: &Tensor,
+        _token_grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let wrap = candle_core::Error::wrap;
+        let Some(dy) = self.to.take().map_err(wrap)? else {
+            return Ok(None);
+        };
+        let s = self.shape;
+        let dy = s.heads(&dy, self.compute)?;
+        let [q, k, v] = &self.qkv;
+        let grads = attend_bwd(&self.p, [q, k, v], &dy, self.scale)?;
+        self.from.put(s.rows(&grads, self.dtype)?).map_err(wrap)?;
+        Ok(Some(Handoff::token_grad(token).map_err(wrap)?))
     }
 }

@@ -15,27 +15,68 @@ use crate::error::{Error, Result};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
 
-/// The gradient slot between a producer and its consumer.
+/// The slots between a producer and its consumer: the handed tensor (for
+/// producers that return it through the slot) and its gradient.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Handoff(Arc<Mutex<Option<Tensor>>>);
+pub(crate) struct Handoff {
+    value: Arc<Mutex<Option<Tensor>>>,
+    grad: Arc<Mutex<Option<Tensor>>>,
+}
+
+fn slot_put(slot: &Mutex<Option<Tensor>>, t: Tensor) -> Result<()> {
+    *slot.lock().map_err(|_| Error::Poisoned { op: "Handoff" })? = Some(t);
+    Ok(())
+}
+
+fn slot_take(slot: &Mutex<Option<Tensor>>) -> Result<Option<Tensor>> {
+    Ok(slot
+        .lock()
+        .map_err(|_| Error::Poisoned { op: "Handoff" })?
+        .take())
+}
 
 impl Handoff {
     /// The consumer's backward leaves the gradient of the handed tensor.
     pub(crate) fn put(&self, grad: Tensor) -> Result<()> {
-        *self
-            .0
-            .lock()
-            .map_err(|_| Error::Poisoned { op: "Handoff" })? = Some(grad);
-        Ok(())
+        slot_put(&self.grad, grad)
     }
 
     /// The producer's backward takes it (None: no gradient reached it).
-    fn take(&self) -> Result<Option<Tensor>> {
-        Ok(self
-            .0
-            .lock()
-            .map_err(|_| Error::Poisoned { op: "Handoff" })?
-            .take())
+    pub(crate) fn take(&self) -> Result<Option<Tensor>> {
+        slot_take(&self.grad)
+    }
+
+    /// A producer leaves the handed tensor for its caller.
+    pub(crate) fn put_value(&self, value: Tensor) -> Result<()> {
+        slot_put(&self.value, value)
+    }
+
+    /// The caller takes it.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the producer left none.
+    pub(crate) fn take_value(&self) -> Result<Tensor> {
+        slot_take(&self.value)?.ok_or_else(|| Error::Unsupported {
+            op: "Handoff",
+            what: "no handed value".into(),
+        })
+    }
+
+    /// A one-element token's storage (F32 0) on the CPU.
+    pub(crate) fn cpu_token() -> (CpuStorage, Shape) {
+        (CpuStorage::F32(vec![0.0]), Shape::from(1usize))
+    }
+
+    /// A one-element token's storage (F32 0) on `dev`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_token(
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let zero = dev.alloc_zeros::<f32>(1)?;
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(zero, dev.clone()),
+            Shape::from(1usize),
+        ))
     }
 
     /// The one-element gradient a consumer returns for the token.
@@ -92,7 +133,7 @@ impl CustomOp3 for LayerNormToken {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((CpuStorage::F32(vec![0.0]), Shape::from(1usize)))
+        Ok(Handoff::cpu_token())
     }
 
     #[cfg(feature = "cuda")]
@@ -106,12 +147,7 @@ impl CustomOp3 for LayerNormToken {
         _: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let dev = x.device().clone();
-        let zero = dev.alloc_zeros::<f32>(1)?;
-        Ok((
-            candle_core::CudaStorage::wrap_cuda_slice(zero, dev),
-            Shape::from(1usize),
-        ))
+        Handoff::cuda_token(x.device())
     }
 
     fn bwd(

@@ -230,6 +230,7 @@ pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
         && x.dims().last() == Some(&bias.elem_count())
 }
 
+pub(crate) use attention::causal_attention_handed;
 pub(crate) use handoff::{layer_norm_handoff, Handoff};
 pub(crate) use pointwise::BiasAdd;
 

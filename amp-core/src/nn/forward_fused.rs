@@ -1,0 +1,217 @@
+//! `Linear::forward_with`: the layer with its neighbours (a LayerNorm
+//! before, GELU on its input, a residual after) applied inside its op, and
+//! the crate's handing of tensors to and from it (`fused::Handoff`).
+
+use super::fused::Handoff;
+use super::linear::Linear;
+use super::mode::{current_mode, ComputeMode};
+use crate::error::{Error, Result};
+use crate::weight::Weight;
+use candle_core::Tensor;
+
+/// What [`Linear::forward_with`] applies inside the layer's op.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fuse<'a> {
+    /// GELU (tanh form) on the input: the layer computes `gelu(x) Wᵀ + b`.
+    pub gelu: bool,
+    /// A tensor added to the output (a residual stream).
+    pub residual: Option<&'a Tensor>,
+    /// A LayerNorm on the input first (TE's `LayerNormLinear`): its output
+    /// goes to the Linear's op outside candle's graph (the graph carries a
+    /// one-element token), so it is neither kept until backward nor given
+    /// a zero-filled gradient; the LayerNorm's parameters get their
+    /// gradients as usual. Not combined with `gelu` (then the parts run in
+    /// sequence).
+    pub norm: Option<&'a super::LayerNorm>,
+}
+
+/// What the op applies, as [`scaled_forward`](Linear::scaled_forward)
+/// takes it: `x` is the op's value; with `handoff` the graph carries its
+/// token instead.
+#[derive(Default)]
+pub(super) struct OpFuse<'a> {
+    pub gelu: bool,
+    pub residual: Option<&'a Tensor>,
+    pub handoff: Option<(Tensor, Handoff)>,
+    /// Hand the output on: the op's graph output is a token, the output
+    /// goes through this handoff's value slot.
+    pub hand_out: Option<Handoff>,
+}
+
+impl Linear {
+    /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]); see
+    /// [`forward_with`](Self::forward_with).
+    ///
+    /// [`fused::gelu`]: super::fused::gelu
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward).
+    pub fn forward_gelu(&self, z: &Tensor) -> Result<Tensor> {
+        self.forward_with(
+            z,
+            Fuse {
+                gelu: true,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// The layer with `fuse`'s neighbours applied inside its op:
+    /// `residual + self.forward(&gelu(x))` (each part optional). With
+    /// `gelu`, wherever the layer runs its own op (FP8 modes, low-bit
+    /// weights) GELU's output is no graph tensor: candle neither keeps it
+    /// until backward (only the FP8 codes the GEMMs take are kept) nor
+    /// zero-fills and adds a gradient for it, and the op's backward applies
+    /// GELU's backward to dgrad. With `residual` (same shape and dtype as
+    /// the output), where the weight's gradient goes to a sink (O1-O3) and
+    /// the residual is tracked, the sum is the op's output and the residual
+    /// its second argument, whose gradient is the output's: no add node, whose inputs candle would
+    /// keep and whose second gradient it would zero-fill and add. The
+    /// output and gradients have the values of the parts in sequence (the
+    /// same kernels in the same order; `r + y` is `y + r`). Elsewhere (native
+    /// compute with an F32 weight, no sink for the residual) the parts run
+    /// in sequence.
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
+    /// [`Error::DType`] for a residual unlike the output.
+    pub fn forward_with(&self, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(x, in_dim)?;
+        if let Some(r) = fuse.residual {
+            let mut dims = x.dims().to_vec();
+            if let Some(last) = dims.last_mut() {
+                *last = out_dim;
+            }
+            if r.dims() != dims.as_slice() {
+                return Err(Error::Shape {
+                    op: "Linear::forward_with",
+                    lhs: dims.into(),
+                    rhs: r.shape().clone(),
+                });
+            }
+            if r.dtype() != x.dtype() {
+                return Err(Error::DType {
+                    op: "Linear::forward_with",
+                    expected: "a residual of the input's dtype",
+                    got: r.dtype(),
+                });
+            }
+        }
+        let mode = if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        };
+        let own_op = !matches!((&mode, &weight), (ComputeMode::Native, Weight::F32(_)));
+        let normed;
+        let (x, handoff) = match fuse.norm {
+            Some(ln) => match ln.try_handoff(x)? {
+                Some((out, token, h)) if own_op && !fuse.gelu => {
+                    normed = out;
+                    (&normed, Some((token, h)))
+                }
+                _ => {
+                    normed = ln.try_forward(x)?;
+                    (&normed, None)
+                }
+            },
+            None => (x, None),
+        };
+        // the op decides whether it takes the residual (it adds it outside
+        // itself where it cannot)
+        let y = match (own_op, fuse.gelu) {
+            (true, _) => {
+                let op_fuse = OpFuse {
+                    gelu: fuse.gelu,
+                    residual: fuse.residual,
+                    handoff,
+                    hand_out: None,
+                };
+                return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
+            }
+            (false, true) => self.try_forward(&super::fused::gelu(x)?)?,
+            (false, false) => self.try_forward(x)?,
+        };
+        match fuse.residual {
+            Some(r) => Ok((r + y)?),
+            None => Ok(y),
+        }
+    }
+
+    /// Whether the layer runs its own op in the current mode (FP8 modes,
+    /// low-bit weights): the condition for handing tensors to and from it.
+    pub(crate) fn runs_own_op(&self) -> Result<bool> {
+        let native = self.is_high_precision() || matches!(current_mode(), ComputeMode::Native);
+        Ok(!(native && matches!(&*self.weight.read()?, Weight::F32(_))))
+    }
+
+    /// [`forward_with`](Self::forward_with) whose output is handed on:
+    /// `(out, token, handoff)` (see `fused::Handoff`); the caller checks
+    /// [`runs_own_op`](Self::runs_own_op) first.
+    pub(crate) fn forward_handing(
+        &self,
+        x: &Tensor,
+        fuse: Fuse<'_>,
+    ) -> Result<(Tensor, Tensor, Handoff)> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(x, in_dim)?;
+        let mode = if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        };
+        let normed;
+        let (x, handoff) = match fuse.norm {
+            Some(ln) => match ln.try_handoff(x)? {
+                Some((out, token, h)) if !fuse.gelu => {
+                    normed = out;
+                    (&normed, Some((token, h)))
+                }
+                _ => {
+                    normed = ln.try_forward(x)?;
+                    (&normed, None)
+                }
+            },
+            None => (x, None),
+        };
+        let out = Handoff::default();
+        let op_fuse = OpFuse {
+            gelu: fuse.gelu,
+            residual: fuse.residual,
+            handoff,
+            hand_out: Some(out.clone()),
+        };
+        let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
+        Ok((out.take_value()?, token, out))
+    }
+
+    /// The layer on a tensor handed from another op (`token` stands for
+    /// `x` in the graph, `from` takes its gradient), `residual` added as in
+    /// [`forward_with`](Self::forward_with); the caller checks
+    /// [`runs_own_op`](Self::runs_own_op) first.
+    pub(crate) fn forward_from(
+        &self,
+        x: &Tensor,
+        token: Tensor,
+        from: Handoff,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(x, in_dim)?;
+        let mode = if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        };
+        let op_fuse = OpFuse {
+            residual,
+            handoff: Some((token, from)),
+            ..Default::default()
+        };
+        self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)
+    }
+}

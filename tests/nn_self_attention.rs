@@ -1,0 +1,125 @@
+//! `nn::causal_self_attention`: the tensors handed between LayerNorm, the
+//! fused projection, the attention and the output projection give the
+//! values of the parts in sequence (output and every gradient: input,
+//! LayerNorm, both Linears' weights (GradStore or sink) and biases) in
+//! every compute mode, F32 and BF16, over delayed-scaling steps.
+
+mod common;
+
+use amp::nn::{self, fp8_autocast, ComputeMode, GradSink};
+use amp::DelayedScaling;
+use candle_core::{DType, Tensor, Var};
+use common::randt;
+
+struct Block {
+    ln: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    vars: Vec<Var>,
+    sink: GradSink,
+}
+
+/// A block over fresh Vars with the values of `seed` (names from `tag`).
+fn block(tag: &str, d: usize, with_sink: bool) -> Block {
+    let var = |shape: &[usize], seed: u64, scale: f32| {
+        Var::from_tensor(&randt(shape, seed, scale)).unwrap()
+    };
+    let vars = vec![
+        Var::from_tensor(&randt(&[d], 1, 0.3).affine(1.0, 1.0).unwrap()).unwrap(),
+        var(&[d], 2, 0.1),
+        var(&[3 * d, d], 3, 0.3),
+        var(&[3 * d], 4, 0.1),
+        var(&[d, d], 5, 0.3),
+        var(&[d], 6, 0.1),
+    ];
+    let t = |i: usize| vars[i].as_tensor().clone();
+    let ln = nn::LayerNorm::new(t(0), t(1), 1e-5).unwrap();
+    let qkv = nn::Linear::new(format!("{tag}.qkv.weight"), t(2), Some(t(3))).unwrap();
+    let proj = nn::Linear::new(format!("{tag}.proj.weight"), t(4), Some(t(5))).unwrap();
+    let sink = GradSink::new();
+    if with_sink {
+        qkv.set_grad_sink(Some(sink.clone())).unwrap();
+        proj.set_grad_sink(Some(sink.clone())).unwrap();
+    }
+    Block {
+        ln,
+        qkv,
+        proj,
+        vars,
+        sink,
+    }
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+#[test]
+fn handed_self_attention_equals_the_parts_in_sequence() {
+    let modes = [
+        ComputeMode::Native,
+        ComputeMode::Fp8Current(Default::default()),
+        ComputeMode::Fp8Delayed(DelayedScaling {
+            amax_history_len: 4,
+            ..Default::default()
+        }),
+    ];
+    let (d, heads) = (16, 2);
+    for (m, mode) in modes.into_iter().enumerate() {
+        for (c, (dtype, with_sink)) in
+            [(DType::F32, true), (DType::BF16, true), (DType::F32, false)]
+                .into_iter()
+                .enumerate()
+        {
+            let (a, b) = (
+                block(&format!("sa{m}{c}a"), d, with_sink),
+                block(&format!("sa{m}{c}b"), d, with_sink),
+            );
+            for step in 0..3u64 {
+                let what = format!("{mode:?} {dtype:?} sink {with_sink} step {step}");
+                let h =
+                    Var::from_tensor(&randt(&[2, 5, d], 80 + step, 1.5).to_dtype(dtype).unwrap())
+                        .unwrap();
+                let r = randt(&[2, 5, d], 90 + step, 1.0).to_dtype(dtype).unwrap();
+                let _s = fp8_autocast(true, mode.clone());
+                let h_t = h.as_tensor();
+                let y1 = nn::causal_self_attention(h_t, &a.ln, &a.qkv, &a.proj, heads).unwrap();
+                let qkv = b.qkv.try_forward(&b.ln.try_forward(h_t).unwrap()).unwrap();
+                let att = nn::causal_attention_qkv(&qkv, heads).unwrap();
+                let y2 = (h_t + b.proj.try_forward(&att).unwrap()).unwrap();
+                assert_eq!(values(&y1), values(&y2), "{what}: y");
+                let g1 = (&y1 * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (&y2 * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let dh = |g: &candle_core::backprop::GradStore| values(g.get(h_t).expect("dh"));
+                assert_eq!(dh(&g1), dh(&g2), "{what}: dh");
+                let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
+                for (i, (va, vb)) in a.vars.iter().zip(&b.vars).enumerate() {
+                    let in_sink = fp8_weights && (i == 2 || i == 4);
+                    if in_sink {
+                        continue;
+                    }
+                    let (ga, gb) = (g1.get(va.as_tensor()), g2.get(vb.as_tensor()));
+                    let (ga, gb) = (ga.expect("grad a"), gb.expect("grad b"));
+                    assert_eq!(values(ga), values(gb), "{what}: parameter {i}");
+                }
+                if fp8_weights {
+                    let (sa, sb) = (a.sink.take().unwrap(), b.sink.take().unwrap());
+                    for part in ["qkv", "proj"] {
+                        let ka = format!("sa{m}{c}a.{part}.weight");
+                        let kb = format!("sa{m}{c}b.{part}.weight");
+                        assert_eq!(
+                            values(&sa[&ka].dequantize(DType::F32).unwrap()),
+                            values(&sb[&kb].dequantize(DType::F32).unwrap()),
+                            "{what}: sink {part}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
