@@ -10,7 +10,7 @@
 //! `candle_nn::linear` reads); Hugging Face's GPT-2 `Conv1D` stores the
 //! transpose.
 
-use amp::nn::{self, Fuse, LayerNorm, Linear};
+use amp::nn::{self, LayerNorm, Linear};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -173,20 +173,9 @@ impl Gpt {
             .to_dtype(self.act)?;
         for blk in &self.blocks {
             h = self.attention(blk, &h)?;
-            // ln_2 handed to c_fc, GELU and the residual add inside
-            // mlp_proj's op (FP8 levels): none of their outputs is a graph
-            // tensor that candle keeps or zero-fills a gradient for
-            let norm = Fuse {
-                norm: Some(&blk.ln_2),
-                ..Default::default()
-            };
-            let m = blk.c_fc.forward_with(&h, norm)?;
-            let fuse = Fuse {
-                gelu: true,
-                residual: Some(&h),
-                ..Default::default()
-            };
-            h = blk.mlp_proj.forward_with(&m, fuse)?;
+            // h + mlp_proj(gelu(c_fc(ln_2(h)))), the tensors between the
+            // parts handed op to op at the FP8 levels
+            h = nn::pre_norm_mlp(&h, &blk.ln_2, &blk.c_fc, &blk.mlp_proj, true)?;
         }
         Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
     }

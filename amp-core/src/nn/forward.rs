@@ -116,6 +116,9 @@ impl Linear {
         let last = out_dims.len() - 1;
         out_dims[last] = out_dim;
         let x = &x_nd.detach().reshape(((), in_dim))?.contiguous()?;
+        // with a handed input the op keeps GELU's input itself (its graph
+        // argument is a token)
+        let gelu_z = (gelu && handoff.is_some()).then(|| x.clone());
         let x = &if gelu {
             super::fused::gelu_detached(x)?
         } else {
@@ -294,6 +297,7 @@ impl Linear {
             out_shape: out_dims.into(),
             has_bias: self.bias.is_some(),
             gelu,
+            gelu_z,
             residual: residual.is_some(),
             handoff,
             hand_out,

@@ -189,14 +189,15 @@ impl Linear {
     }
 
     /// The layer on a tensor handed from another op (`token` stands for
-    /// `x` in the graph, `from` takes its gradient), `residual` added as in
-    /// [`forward_with`](Self::forward_with); the caller checks
+    /// `x` in the graph, `from` takes its gradient), GELU on it and
+    /// `residual` added as in [`forward_with`](Self::forward_with); the caller checks
     /// [`runs_own_op`](Self::runs_own_op) first.
     pub(crate) fn forward_from(
         &self,
         x: &Tensor,
         token: Tensor,
         from: Handoff,
+        gelu: bool,
         residual: Option<&Tensor>,
     ) -> Result<Tensor> {
         let weight = self.weight.read()?.clone();
@@ -208,6 +209,7 @@ impl Linear {
             current_mode()
         };
         let op_fuse = OpFuse {
+            gelu,
             residual,
             handoff: Some((token, from)),
             ..Default::default()

@@ -61,6 +61,8 @@ pub(crate) struct Fp8LinearOp {
     /// The op's input is GELU's: the GEMMs take `gelu(x)`, and dgrad goes
     /// back through GELU's backward.
     pub gelu: bool,
+    /// GELU's input (2-D) where the first argument is a token.
+    pub gelu_z: Option<Tensor>,
     /// The second argument is a residual added to the output (its gradient
     /// is the output's); the weight's gradient goes to the sink.
     pub residual: bool,
@@ -299,7 +301,10 @@ impl CustomOp3 for Fp8LinearOp {
         let (dx, dw) = self.backward(&dy2, x.track_op()).map_err(wrap)?;
         let dx = match dx {
             Some(d) if self.gelu => {
-                let z = x.reshape(((), x.dim(candle_core::D::Minus1)?))?;
+                let z = match &self.gelu_z {
+                    Some(z) => z.clone(),
+                    None => x.reshape(((), x.dim(candle_core::D::Minus1)?))?,
+                };
                 Some(crate::nn::fused::gelu_bwd_detached(&z, &d).map_err(wrap)?)
             }
             d => d,

@@ -62,5 +62,5 @@ pub use norm::{
     layer_norm, layer_norm_linear, layer_norm_mlp, LayerNorm, LayerNormLinear, LayerNormMLP,
 };
 pub use registry::registered_linear;
-pub use self_attention::causal_self_attention;
+pub use self_attention::{causal_self_attention, pre_norm_mlp};
 pub use sink::GradSink;

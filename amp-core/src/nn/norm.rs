@@ -202,11 +202,10 @@ pub fn layer_norm_mlp(
 }
 
 impl Module for LayerNormMLP {
-    /// `fc2(gelu(fc1(norm(x))))`, the GELU inside fc2's op
-    /// ([`Linear::forward_gelu`]): its output is not kept for backward.
+    /// `fc2(gelu(fc1(norm(x))))` through [`pre_norm_mlp`](super::pre_norm_mlp):
+    /// the tensors between the parts handed op to op.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.fc2
-            .forward_gelu(&self.fc1.forward(&self.norm.forward(x)?)?)
+        super::pre_norm_mlp(x, &self.norm, &self.fc1, &self.fc2, false)
             .map_err(candle_core::Error::wrap)
     }
 }

@@ -1,6 +1,7 @@
-//! Pre-LayerNorm causal self-attention with its residual as one call (TE's
-//! `MultiheadAttention` block): every tensor between the LayerNorm and the
-//! output projection is handed from op to op outside candle's graph.
+//! The two halves of a pre-LayerNorm transformer block as one call each
+//! (TE's `MultiheadAttention` and `LayerNormMLP`, with the residual): every
+//! tensor between the LayerNorm and the output projection is handed from
+//! op to op outside candle's graph.
 
 use super::forward_fused::Fuse;
 use super::fused;
@@ -36,13 +37,49 @@ pub fn causal_self_attention(
         let (x, token, from) = qkv.forward_handing(h, normed)?;
         let (y, token, from) = fused::causal_attention_handed(&x, &token, &from, heads)?;
         drop(x);
-        return proj.forward_from(&y, token, from, Some(h));
+        return proj.forward_from(&y, token, from, false, Some(h));
     }
     let y = fused::causal_attention_qkv(&qkv.forward_with(h, normed)?, heads)?;
     proj.forward_with(
         &y,
         Fuse {
             residual: Some(h),
+            ..Default::default()
+        },
+    )
+}
+
+/// `h + fc2(gelu(fc1(norm(h))))` (`residual` true) or `fc2(gelu(fc1(norm(
+/// h))))`. Where both Linears run their own ops the LayerNorm's output and
+/// fc1's output are handed between the ops (fc2's op keeps GELU's input
+/// for its backward, as the unfused GELU would), the GELU and the residual
+/// applied inside fc2's op; otherwise the parts in sequence. The values are
+/// those of the parts in sequence either way.
+///
+/// # Errors
+/// As [`Linear::forward_with`].
+pub fn pre_norm_mlp(
+    h: &Tensor,
+    norm: &LayerNorm,
+    fc1: &Linear,
+    fc2: &Linear,
+    residual: bool,
+) -> Result<Tensor> {
+    let normed = Fuse {
+        norm: Some(norm),
+        ..Default::default()
+    };
+    let res = residual.then_some(h);
+    if fc1.runs_own_op()? && fc2.runs_own_op()? {
+        let (m, token, from) = fc1.forward_handing(h, normed)?;
+        return fc2.forward_from(&m, token, from, true, res);
+    }
+    let m = fc1.forward_with(h, normed)?;
+    fc2.forward_with(
+        &m,
+        Fuse {
+            gelu: true,
+            residual: res,
             ..Default::default()
         },
     )

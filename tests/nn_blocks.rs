@@ -1,8 +1,8 @@
-//! `nn::causal_self_attention`: the tensors handed between LayerNorm, the
-//! fused projection, the attention and the output projection give the
-//! values of the parts in sequence (output and every gradient: input,
-//! LayerNorm, both Linears' weights (GradStore or sink) and biases) in
-//! every compute mode, F32 and BF16, over delayed-scaling steps.
+//! `nn::causal_self_attention` and `nn::pre_norm_mlp`: the tensors handed
+//! between LayerNorm, the Linears and the attention give the values of the
+//! parts in sequence (output and every gradient: input, LayerNorm, both
+//! Linears' weights (GradStore or sink) and biases) in every compute mode,
+//! F32 and BF16, over delayed-scaling steps.
 
 mod common;
 
@@ -19,8 +19,9 @@ struct Block {
     sink: GradSink,
 }
 
-/// A block over fresh Vars with the values of `seed` (names from `tag`).
-fn block(tag: &str, d: usize, with_sink: bool) -> Block {
+/// A block over fresh Vars (names from `tag`): the second Linear `d ->
+/// 3d` (attention) or `3d -> d` (`mlp`).
+fn block(tag: &str, d: usize, with_sink: bool, mlp: bool) -> Block {
     let var = |shape: &[usize], seed: u64, scale: f32| {
         Var::from_tensor(&randt(shape, seed, scale)).unwrap()
     };
@@ -29,7 +30,7 @@ fn block(tag: &str, d: usize, with_sink: bool) -> Block {
         var(&[d], 2, 0.1),
         var(&[3 * d, d], 3, 0.3),
         var(&[3 * d], 4, 0.1),
-        var(&[d, d], 5, 0.3),
+        var(&[d, if mlp { 3 * d } else { d }], 5, 0.3),
         var(&[d], 6, 0.1),
     ];
     let t = |i: usize| vars[i].as_tensor().clone();
@@ -59,8 +60,10 @@ fn values(t: &Tensor) -> Vec<f32> {
         .unwrap()
 }
 
-#[test]
-fn handed_self_attention_equals_the_parts_in_sequence() {
+type Forward<'a> = dyn Fn(&Block, &Tensor) -> Tensor + 'a;
+
+/// `fused` against `parts` on two blocks with equal values.
+fn check(name: &str, mlp: bool, fused: &Forward<'_>, parts: &Forward<'_>) {
     let modes = [
         ComputeMode::Native,
         ComputeMode::Fp8Current(Default::default()),
@@ -69,7 +72,7 @@ fn handed_self_attention_equals_the_parts_in_sequence() {
             ..Default::default()
         }),
     ];
-    let (d, heads) = (16, 2);
+    let d = 16;
     for (m, mode) in modes.into_iter().enumerate() {
         for (c, (dtype, with_sink)) in
             [(DType::F32, true), (DType::BF16, true), (DType::F32, false)]
@@ -77,21 +80,18 @@ fn handed_self_attention_equals_the_parts_in_sequence() {
                 .enumerate()
         {
             let (a, b) = (
-                block(&format!("sa{m}{c}a"), d, with_sink),
-                block(&format!("sa{m}{c}b"), d, with_sink),
+                block(&format!("{name}{m}{c}a"), d, with_sink, mlp),
+                block(&format!("{name}{m}{c}b"), d, with_sink, mlp),
             );
             for step in 0..3u64 {
-                let what = format!("{mode:?} {dtype:?} sink {with_sink} step {step}");
+                let what = format!("{name} {mode:?} {dtype:?} sink {with_sink} step {step}");
                 let h =
                     Var::from_tensor(&randt(&[2, 5, d], 80 + step, 1.5).to_dtype(dtype).unwrap())
                         .unwrap();
                 let r = randt(&[2, 5, d], 90 + step, 1.0).to_dtype(dtype).unwrap();
                 let _s = fp8_autocast(true, mode.clone());
                 let h_t = h.as_tensor();
-                let y1 = nn::causal_self_attention(h_t, &a.ln, &a.qkv, &a.proj, heads).unwrap();
-                let qkv = b.qkv.try_forward(&b.ln.try_forward(h_t).unwrap()).unwrap();
-                let att = nn::causal_attention_qkv(&qkv, heads).unwrap();
-                let y2 = (h_t + b.proj.try_forward(&att).unwrap()).unwrap();
+                let (y1, y2) = (fused(&a, h_t), parts(&b, h_t));
                 assert_eq!(values(&y1), values(&y2), "{what}: y");
                 let g1 = (&y1 * &r).unwrap().sum_all().unwrap().backward().unwrap();
                 let g2 = (&y2 * &r).unwrap().sum_all().unwrap().backward().unwrap();
@@ -99,8 +99,7 @@ fn handed_self_attention_equals_the_parts_in_sequence() {
                 assert_eq!(dh(&g1), dh(&g2), "{what}: dh");
                 let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
                 for (i, (va, vb)) in a.vars.iter().zip(&b.vars).enumerate() {
-                    let in_sink = fp8_weights && (i == 2 || i == 4);
-                    if in_sink {
+                    if fp8_weights && (i == 2 || i == 4) {
                         continue;
                     }
                     let (ga, gb) = (g1.get(va.as_tensor()), g2.get(vb.as_tensor()));
@@ -110,8 +109,8 @@ fn handed_self_attention_equals_the_parts_in_sequence() {
                 if fp8_weights {
                     let (sa, sb) = (a.sink.take().unwrap(), b.sink.take().unwrap());
                     for part in ["qkv", "proj"] {
-                        let ka = format!("sa{m}{c}a.{part}.weight");
-                        let kb = format!("sa{m}{c}b.{part}.weight");
+                        let ka = format!("{name}{m}{c}a.{part}.weight");
+                        let kb = format!("{name}{m}{c}b.{part}.weight");
                         assert_eq!(
                             values(&sa[&ka].dequantize(DType::F32).unwrap()),
                             values(&sb[&kb].dequantize(DType::F32).unwrap()),
@@ -121,5 +120,40 @@ fn handed_self_attention_equals_the_parts_in_sequence() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn handed_self_attention_equals_the_parts_in_sequence() {
+    let heads = 2;
+    check(
+        "sa",
+        false,
+        &move |b, h| nn::causal_self_attention(h, &b.ln, &b.qkv, &b.proj, heads).unwrap(),
+        &move |b, h| {
+            let qkv = b.qkv.try_forward(&b.ln.try_forward(h).unwrap()).unwrap();
+            let att = nn::causal_attention_qkv(&qkv, heads).unwrap();
+            (h + b.proj.try_forward(&att).unwrap()).unwrap()
+        },
+    );
+}
+
+#[test]
+fn handed_mlp_equals_the_parts_in_sequence() {
+    for residual in [true, false] {
+        check(
+            if residual { "mr" } else { "mn" },
+            true,
+            &move |b, h| nn::pre_norm_mlp(h, &b.ln, &b.qkv, &b.proj, residual).unwrap(),
+            &move |b, h| {
+                let m = b.qkv.try_forward(&b.ln.try_forward(h).unwrap()).unwrap();
+                let y = b.proj.try_forward(&nn::gelu(&m).unwrap()).unwrap();
+                if residual {
+                    (h + y).unwrap()
+                } else {
+                    y
+                }
+            },
+        );
     }
 }
