@@ -157,3 +157,40 @@ fn handed_mlp_equals_the_parts_in_sequence() {
         );
     }
 }
+
+/// One Linear in high precision: the half-block falls back to the parts
+/// in sequence (same values); a projection whose output does not match
+/// the residual is an error on both paths, never a panic.
+#[test]
+fn mixed_precision_falls_back_and_bad_residuals_are_errors() {
+    let d = 16;
+    let (a, b) = (block("mx_a", d, true, false), block("mx_b", d, true, false));
+    a.proj.set_high_precision(true);
+    b.proj.set_high_precision(true);
+    let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
+    let h = Var::from_tensor(&randt(&[2, 5, d], 3, 1.0)).unwrap();
+    let y1 = nn::causal_self_attention(h.as_tensor(), &a.ln, &a.qkv, &a.proj, 2).unwrap();
+    let qkv = b
+        .qkv
+        .try_forward(&b.ln.try_forward(h.as_tensor()).unwrap())
+        .unwrap();
+    let att = nn::causal_attention_qkv(&qkv, 2).unwrap();
+    let y2 = (h.as_tensor() + b.proj.try_forward(&att).unwrap()).unwrap();
+    assert_eq!(values(&y1), values(&y2));
+    // a d -> d + 1 projection: its output cannot take the residual
+    let wide = nn::Linear::new(
+        "mx_wide.weight",
+        Var::from_tensor(&randt(&[d + 1, d], 4, 0.3))
+            .unwrap()
+            .as_tensor()
+            .clone(),
+        None,
+    )
+    .unwrap();
+    wide.set_grad_sink(Some(GradSink::new())).unwrap();
+    let e = nn::causal_self_attention(h.as_tensor(), &a.ln, &a.qkv, &wide, 2);
+    assert!(e.is_err(), "a residual of another width accepted");
+    let c = block("mx_c", d, true, true);
+    let e = nn::pre_norm_mlp(h.as_tensor(), &c.ln, &c.qkv, &wide, true);
+    assert!(e.is_err(), "an MLP output of another width accepted");
+}

@@ -9,6 +9,9 @@ use crate::error::{Error, Result};
 use crate::weight::Weight;
 use candle_core::Tensor;
 
+/// A handed tensor's token and its handoff.
+type Handed = (Tensor, Handoff);
+
 /// What [`Linear::forward_with`] applies inside the layer's op.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fuse<'a> {
@@ -32,13 +35,57 @@ pub struct Fuse<'a> {
 pub(super) struct OpFuse<'a> {
     pub gelu: bool,
     pub residual: Option<&'a Tensor>,
-    pub handoff: Option<(Tensor, Handoff)>,
+    pub handoff: Option<Handed>,
     /// Hand the output on: the op's graph output is a token, the output
     /// goes through this handoff's value slot.
     pub hand_out: Option<Handoff>,
 }
 
 impl Linear {
+    /// A residual must have the output's shape and the input's dtype.
+    fn check_residual(&self, x: &Tensor, out_dim: usize, residual: Option<&Tensor>) -> Result<()> {
+        if let Some(r) = residual {
+            let mut dims = x.dims().to_vec();
+            if let Some(last) = dims.last_mut() {
+                *last = out_dim;
+            }
+            if r.dims() != dims.as_slice() {
+                return Err(Error::Shape {
+                    op: "Linear::forward_with",
+                    lhs: dims.into(),
+                    rhs: r.shape().clone(),
+                });
+            }
+            if r.dtype() != x.dtype() {
+                return Err(Error::DType {
+                    op: "Linear::forward_with",
+                    expected: "a residual of the input's dtype",
+                    got: r.dtype(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// LayerNorm of `x` for the op: handed (`(out, Some((token, handoff)))`)
+    /// where `hand` holds and the LayerNorm can hand it, else run in the
+    /// graph (`(out, None)`).
+    fn normed(
+        norm: Option<&super::LayerNorm>,
+        x: &Tensor,
+        hand: bool,
+    ) -> Result<(Option<Tensor>, Option<Handed>)> {
+        let Some(ln) = norm else {
+            return Ok((None, None));
+        };
+        if hand {
+            if let Some((out, token, h)) = ln.try_handoff(x)? {
+                return Ok((Some(out), Some((token, h))));
+            }
+        }
+        Ok((Some(ln.try_forward(x)?), None))
+    }
+
     /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]); see
     /// [`forward_with`](Self::forward_with).
     ///
@@ -79,46 +126,15 @@ impl Linear {
         let weight = self.weight.read()?.clone();
         let (out_dim, in_dim) = weight.shape().dims2()?;
         self.check_input(x, in_dim)?;
-        if let Some(r) = fuse.residual {
-            let mut dims = x.dims().to_vec();
-            if let Some(last) = dims.last_mut() {
-                *last = out_dim;
-            }
-            if r.dims() != dims.as_slice() {
-                return Err(Error::Shape {
-                    op: "Linear::forward_with",
-                    lhs: dims.into(),
-                    rhs: r.shape().clone(),
-                });
-            }
-            if r.dtype() != x.dtype() {
-                return Err(Error::DType {
-                    op: "Linear::forward_with",
-                    expected: "a residual of the input's dtype",
-                    got: r.dtype(),
-                });
-            }
-        }
+        self.check_residual(x, out_dim, fuse.residual)?;
         let mode = if self.is_high_precision() {
             ComputeMode::Native
         } else {
             current_mode()
         };
         let own_op = !matches!((&mode, &weight), (ComputeMode::Native, Weight::F32(_)));
-        let normed;
-        let (x, handoff) = match fuse.norm {
-            Some(ln) => match ln.try_handoff(x)? {
-                Some((out, token, h)) if own_op && !fuse.gelu => {
-                    normed = out;
-                    (&normed, Some((token, h)))
-                }
-                _ => {
-                    normed = ln.try_forward(x)?;
-                    (&normed, None)
-                }
-            },
-            None => (x, None),
-        };
+        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu)?;
+        let x = normed.as_ref().unwrap_or(x);
         // the op decides whether it takes the residual (it adds it outside
         // itself where it cannot)
         let y = match (own_op, fuse.gelu) {
@@ -158,31 +174,24 @@ impl Linear {
         let weight = self.weight.read()?.clone();
         let (out_dim, in_dim) = weight.shape().dims2()?;
         self.check_input(x, in_dim)?;
+        if fuse.gelu || fuse.residual.is_some() {
+            return Err(Error::Unsupported {
+                op: "Linear::forward_handing",
+                what: "GELU or a residual on a handed-on output".into(),
+            });
+        }
         let mode = if self.is_high_precision() {
             ComputeMode::Native
         } else {
             current_mode()
         };
-        let normed;
-        let (x, handoff) = match fuse.norm {
-            Some(ln) => match ln.try_handoff(x)? {
-                Some((out, token, h)) if !fuse.gelu => {
-                    normed = out;
-                    (&normed, Some((token, h)))
-                }
-                _ => {
-                    normed = ln.try_forward(x)?;
-                    (&normed, None)
-                }
-            },
-            None => (x, None),
-        };
+        let (normed, handoff) = Self::normed(fuse.norm, x, true)?;
+        let x = normed.as_ref().unwrap_or(x);
         let out = Handoff::default();
         let op_fuse = OpFuse {
-            gelu: fuse.gelu,
-            residual: fuse.residual,
             handoff,
             hand_out: Some(out.clone()),
+            ..Default::default()
         };
         let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
         Ok((out.take_value()?, token, out))
@@ -203,6 +212,7 @@ impl Linear {
         let weight = self.weight.read()?.clone();
         let (out_dim, in_dim) = weight.shape().dims2()?;
         self.check_input(x, in_dim)?;
+        self.check_residual(x, out_dim, residual)?;
         let mode = if self.is_high_precision() {
             ComputeMode::Native
         } else {

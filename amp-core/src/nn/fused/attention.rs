@@ -294,9 +294,7 @@ impl CustomOp1 for AttentionHanded {
         _token_grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
         let wrap = candle_core::Error::wrap;
-        let Some(dy) = self.to.take().map_err(wrap)? else {
-            return Ok(None);
-        };
+        let dy = self.to.take().map_err(wrap)?;
         let s = self.shape;
         let dy = s.heads(&dy, self.compute)?;
         let [q, k, v] = &self.qkv;

@@ -24,7 +24,14 @@ pub(crate) struct Handoff {
 }
 
 fn slot_put(slot: &Mutex<Option<Tensor>>, t: Tensor) -> Result<()> {
-    *slot.lock().map_err(|_| Error::Poisoned { op: "Handoff" })? = Some(t);
+    let mut slot = slot.lock().map_err(|_| Error::Poisoned { op: "Handoff" })?;
+    if slot.is_some() {
+        return Err(Error::Unsupported {
+            op: "Handoff",
+            what: "a second tensor for one handoff (one consumer per handed tensor)".into(),
+        });
+    }
+    *slot = Some(t);
     Ok(())
 }
 
@@ -41,9 +48,14 @@ impl Handoff {
         slot_put(&self.grad, grad)
     }
 
-    /// The producer's backward takes it (None: no gradient reached it).
-    pub(crate) fn take(&self) -> Result<Option<Tensor>> {
-        slot_take(&self.grad)
+    /// The producer's backward takes it. candle runs a producer's backward
+    /// only after its consumer's, which always leaves one: an empty slot is
+    /// an error, never a silently missing gradient.
+    pub(crate) fn take(&self) -> Result<Tensor> {
+        slot_take(&self.grad)?.ok_or_else(|| Error::Unsupported {
+            op: "Handoff",
+            what: "no gradient was handed back (the consumer's backward did not run)".into(),
+        })
     }
 
     /// A producer leaves the handed tensor for its caller.
@@ -158,9 +170,7 @@ impl CustomOp3 for LayerNormToken {
         res: &Tensor,
         _token_grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some(dy) = self.handoff.take().map_err(candle_core::Error::wrap)? else {
-            return Ok((None, None, None));
-        };
+        let dy = self.handoff.take().map_err(candle_core::Error::wrap)?;
         let op = LayerNormOp {
             eps: self.eps,
             dx: false,
