@@ -194,3 +194,93 @@ fn mixed_precision_falls_back_and_bad_residuals_are_errors() {
     let e = nn::pre_norm_mlp(h.as_tensor(), &c.ln, &c.qkv, &wide, true);
     assert!(e.is_err(), "an MLP output of another width accepted");
 }
+
+/// `linear_cross_entropy`: the handed logits give the loss and gradients
+/// (input, LayerNorm, the head's weight in the GradStore or the sink) of
+/// the parts in sequence, in every mode, F32 and BF16.
+#[test]
+fn handed_head_and_loss_equal_the_parts_in_sequence() {
+    let modes = [
+        ComputeMode::Native,
+        ComputeMode::Fp8Current(Default::default()),
+        ComputeMode::Fp8Delayed(DelayedScaling {
+            amax_history_len: 4,
+            ..Default::default()
+        }),
+    ];
+    let (d, vocab) = (16, 40);
+    let targets = Tensor::from_vec(
+        (0..10u32).map(|i| (i * 7) % 40).collect(),
+        (2, 5),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    for (m, mode) in modes.into_iter().enumerate() {
+        for (c, (dtype, with_sink)) in
+            [(DType::F32, true), (DType::BF16, true), (DType::F32, false)]
+                .into_iter()
+                .enumerate()
+        {
+            let heads = [0, 1].map(|i| {
+                let b = block(&format!("ce{m}{c}{i}"), d, false, false);
+                let w = Var::from_tensor(&randt(&[vocab, d], 11, 0.3)).unwrap();
+                let head = nn::Linear::new(
+                    format!("ce{m}{c}{i}.head.weight"),
+                    w.as_tensor().clone(),
+                    None,
+                )
+                .unwrap();
+                let sink = GradSink::new();
+                if with_sink {
+                    head.set_grad_sink(Some(sink.clone())).unwrap();
+                }
+                (b, head, w, sink)
+            });
+            for step in 0..3u64 {
+                let what = format!("{mode:?} {dtype:?} sink {with_sink} step {step}");
+                let h =
+                    Var::from_tensor(&randt(&[2, 5, d], 100 + step, 1.5).to_dtype(dtype).unwrap())
+                        .unwrap();
+                let _s = fp8_autocast(true, mode.clone());
+                let (a, b) = (&heads[0], &heads[1]);
+                let l1 =
+                    nn::linear_cross_entropy(h.as_tensor(), Some(&a.0.ln), &a.1, &targets).unwrap();
+                let logits =
+                    b.1.try_forward(&b.0.ln.try_forward(h.as_tensor()).unwrap())
+                        .unwrap();
+                let l2 = nn::cross_entropy(&logits, &targets).unwrap();
+                assert_eq!(values(&l1), values(&l2), "{what}: loss");
+                let (g1, g2) = (l1.backward().unwrap(), l2.backward().unwrap());
+                let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
+                let mut pairs = vec![
+                    ("dh", h.as_tensor(), h.as_tensor()),
+                    ("dln_w", a.0.vars[0].as_tensor(), b.0.vars[0].as_tensor()),
+                    ("dln_b", a.0.vars[1].as_tensor(), b.0.vars[1].as_tensor()),
+                ];
+                if !fp8_weights {
+                    pairs.push(("dw", a.2.as_tensor(), b.2.as_tensor()));
+                }
+                for (name, x, y) in pairs {
+                    let (gx, gy) = (g1.get(x).expect(name), g2.get(y).expect(name));
+                    assert_eq!(values(gx), values(gy), "{what}: {name}");
+                }
+                if fp8_weights {
+                    let (sa, sb) = (a.3.take().unwrap(), b.3.take().unwrap());
+                    assert_eq!(
+                        values(
+                            &sa[&format!("ce{m}{c}0.head.weight")]
+                                .dequantize(DType::F32)
+                                .unwrap()
+                        ),
+                        values(
+                            &sb[&format!("ce{m}{c}1.head.weight")]
+                                .dequantize(DType::F32)
+                                .unwrap()
+                        ),
+                        "{what}: sink dw"
+                    );
+                }
+            }
+        }
+    }
+}

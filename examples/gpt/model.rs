@@ -159,6 +159,12 @@ impl Gpt {
     /// # Errors
     /// A sequence longer than the context, candle's.
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let h = self.hidden(tokens)?;
+        Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
+    }
+
+    /// The residual stream after the last block (before `ln_f`).
+    fn hidden(&self, tokens: &Tensor) -> Result<Tensor> {
         let (_, t) = tokens.dims2()?;
         if t > self.cfg.ctx {
             bail!(
@@ -177,7 +183,7 @@ impl Gpt {
             // parts handed op to op at the FP8 levels
             h = nn::pre_norm_mlp(&h, &blk.ln_2, &blk.c_fc, &blk.mlp_proj, true)?;
         }
-        Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
+        Ok(h)
     }
 
     /// `h` + causal self-attention of `ln_1(h)` (`amp::nn::causal_self_attention`:
@@ -201,9 +207,16 @@ impl Gpt {
     /// # Errors
     /// Shapes that disagree, candle's.
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        // [batch, seq, vocab] as it is: a reshape would add a graph node
-        // whose gradient (as large as the logits) candle zero-fills and adds
-        Ok(nn::cross_entropy(&self.forward(x)?, y)?)
+        // ln_f -> lm_head -> cross-entropy with the normalised states and
+        // the [batch, seq, vocab] logits handed op to op at the FP8 levels:
+        // the logits never become a graph tensor (no reshape either)
+        let h = self.hidden(x)?;
+        Ok(nn::linear_cross_entropy(
+            &h,
+            Some(&self.ln_f),
+            &self.lm_head,
+            y,
+        )?)
     }
 }
 

@@ -38,6 +38,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod blocks;
 mod build;
 mod forward;
 mod forward_fused;
@@ -49,9 +50,9 @@ mod mode;
 mod norm;
 mod precomputed;
 mod registry;
-mod self_attention;
 mod sink;
 
+pub use blocks::{causal_self_attention, linear_cross_entropy, pre_norm_mlp};
 pub use build::{linear, linear_b, linear_no_bias};
 pub use forward_fused::Fuse;
 pub use fused::{causal_attention, causal_attention_qkv, cross_entropy, embedding, gelu};
@@ -62,5 +63,4 @@ pub use norm::{
     layer_norm, layer_norm_linear, layer_norm_mlp, LayerNorm, LayerNormLinear, LayerNormMLP,
 };
 pub use registry::registered_linear;
-pub use self_attention::{causal_self_attention, pre_norm_mlp};
 pub use sink::GradSink;

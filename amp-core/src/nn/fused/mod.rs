@@ -69,6 +69,15 @@ fn float_dtype(op: &'static str, t: &Tensor) -> Result<()> {
 /// NaN, so the mean is NaN and a loss-scaled step is skipped, never silently
 /// wrong.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let targets = ce_targets(logits, targets)?;
+    let pairs = logits
+        .contiguous()?
+        .apply_op2(&targets, ops::CrossEntropy)?;
+    Ok(pairs.narrow(1, 0, 1)?.mean_all()?)
+}
+
+/// [`cross_entropy`]'s checks; the targets as contiguous U32.
+fn ce_targets(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     const OP: &str = "cross_entropy";
     if logits.rank() < 2 {
         return Err(Error::Rank {
@@ -123,10 +132,29 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             });
         }
     }
-    let pairs = logits
-        .contiguous()?
-        .apply_op2(&targets, ops::CrossEntropy)?;
-    Ok(pairs.narrow(1, 0, 1)?.mean_all()?)
+    Ok(targets)
+}
+
+/// [`cross_entropy`] of logits handed from the previous op (`token`
+/// stands for them in the graph, `from` takes their gradient): the logits
+/// never become a graph tensor (no zero-filled gradient as large as the
+/// logits); the op keeps them for its backward.
+pub(crate) fn cross_entropy_handed(
+    logits: &Tensor,
+    token: &Tensor,
+    from: &Handoff,
+    targets: &Tensor,
+) -> Result<Tensor> {
+    let targets = ce_targets(logits, targets)?;
+    let logits = logits.contiguous()?;
+    let pairs = logits.apply_op2_no_bwd(&targets, &ops::CrossEntropy)?;
+    let op = ops::CrossEntropyHanded {
+        y: crate::nn::precomputed::Precomputed::new("amp_cross_entropy_handed", pairs),
+        logits,
+        targets,
+        from: from.clone(),
+    };
+    Ok(token.apply_op1(op)?.narrow(1, 0, 1)?.mean_all()?)
 }
 
 /// GELU of a detached `x` (no graph node): what a layer that applies it

@@ -162,6 +162,36 @@ impl CustomOp2 for CrossEntropy {
     }
 }
 
+/// [`CrossEntropy`] on handed logits: a token in, the `[rows, 2]` pairs (`y`)
+/// out; backward hands the logits' gradient back.
+pub(super) struct CrossEntropyHanded {
+    pub y: crate::nn::precomputed::Precomputed,
+    pub logits: Tensor,
+    pub targets: Tensor,
+    pub from: super::Handoff,
+}
+
+impl CustomOp1 for CrossEntropyHanded {
+    fn name(&self) -> &'static str {
+        "amp_cross_entropy_handed"
+    }
+
+    crate::nn::precomputed::precomputed_fwd!(1);
+
+    fn bwd(&self, token: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let gl = Tensor::cat(&[grad.narrow(1, 0, 1)?, res.narrow(1, 1, 1)?], 1)?;
+        let dx = self
+            .logits
+            .apply_op3_no_bwd(&self.targets, &gl, &CrossEntropyBwd)?;
+        self.from.put(dx).map_err(wrap_any)?;
+        Ok(Some(super::Handoff::token_grad(token).map_err(wrap_any)?))
+    }
+}
+
+fn wrap_any(e: crate::Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
 /// `g * (softmax(x) - onehot(t))` of `(x, t, [g, lse] per row)`.
 struct CrossEntropyBwd;
 

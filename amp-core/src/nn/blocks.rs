@@ -1,7 +1,7 @@
 //! The two halves of a pre-LayerNorm transformer block as one call each
-//! (TE's `MultiheadAttention` and `LayerNormMLP`, with the residual): every
-//! tensor between the LayerNorm and the output projection is handed from
-//! op to op outside candle's graph.
+//! (TE's `MultiheadAttention` and `LayerNormMLP`, with the residual) and
+//! the output head with its loss: every tensor between the parts is handed
+//! from op to op outside candle's graph.
 
 use super::forward_fused::Fuse;
 use super::fused;
@@ -83,4 +83,31 @@ pub fn pre_norm_mlp(
             ..Default::default()
         },
     )
+}
+
+/// `cross_entropy(head(norm(h)), targets)` (`norm` optional): where the
+/// head runs its own op the normalised input and the logits are handed
+/// between the ops, so the logits (a GPT's largest activation) never
+/// become a graph tensor with a zero-filled gradient of their size, and
+/// the head's op returns a token instead of a copy of them. Otherwise the
+/// parts in sequence; the values are the same either way.
+///
+/// # Errors
+/// As [`Linear::forward_with`] and
+/// [`cross_entropy`](fused::cross_entropy).
+pub fn linear_cross_entropy(
+    h: &Tensor,
+    norm: Option<&LayerNorm>,
+    head: &Linear,
+    targets: &Tensor,
+) -> Result<Tensor> {
+    let normed = Fuse {
+        norm,
+        ..Default::default()
+    };
+    if head.runs_own_op()? {
+        let (logits, token, from) = head.forward_handing(h, normed)?;
+        return fused::cross_entropy_handed(&logits, &token, &from, targets);
+    }
+    fused::cross_entropy(&head.forward_with(h, normed)?, targets)
 }
