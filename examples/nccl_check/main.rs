@@ -13,6 +13,8 @@
 //!
 //! Prints `PASS`/`FAIL` lines prefixed by the rank; exits 1 on any FAIL.
 
+mod bench;
+
 use amp::comm::{
     fp8_all_reduce, run_ranks, shard_range, Communicator, Fp8ReduceConfig, NcclComm, ReduceOp,
 };
@@ -277,107 +279,6 @@ fn fp8_check(ck: &mut Checker) -> Result<()> {
     Ok(())
 }
 
-/// Median seconds of `iters` calls of `f`, with the device synchronised
-/// around each (after 3 warm-ups).
-fn time(device: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    device.synchronize()?;
-    let mut t = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let start = Instant::now();
-        f()?;
-        device.synchronize()?;
-        t.push(start.elapsed().as_secs_f64());
-    }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
-}
-
-fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
-    let (rank, n) = (comm.rank(), comm.world_size());
-    let len = args.mib * (1 << 20) / 4;
-    let dev = comm.device();
-    let g = Tensor::randn(0f32, 1e-2, len, dev)?;
-    let line = |path: &str, secs: f64, bytes: u64| {
-        let gb = len as f64 * 4.0 / 1e9;
-        println!(
-            "[rank {rank}/{n}] BENCH {path}: {:.3} ms median of {}, {bytes} bytes sent by this rank ({:.1} MiB), {:.1} GB/s of gradient",
-            secs * 1e3,
-            args.iters,
-            bytes as f64 / (1 << 20) as f64,
-            gb / secs
-        );
-    };
-    comm.barrier()?;
-    let f32_s = time(dev, args.iters, || {
-        comm.all_reduce_sum(&g)?;
-        Ok(())
-    })?;
-    comm.reset_bytes_sent();
-    comm.all_reduce_sum(&g)?;
-    let f32_bytes = comm.bytes_sent();
-    line(
-        &format!("f32 all_reduce {} MiB", args.mib),
-        f32_s,
-        f32_bytes,
-    );
-
-    // The FP8 path's communication alone: U8 all-to-all + all-gather of the
-    // codes and the two one-element amax all-reduces (no casts).
-    let codes = Tensor::zeros(len, DType::U8, dev)?;
-    let amax = Tensor::zeros(1, DType::F32, dev)?;
-    let chunks = (0..n)
-        .map(|j| {
-            let r = shard_range(len, j, n);
-            Ok(codes.narrow(0, r.start, r.len())?)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let own = shard_range(len, rank, n);
-    let wire = || -> Result<()> {
-        comm.all_reduce_max(&amax)?;
-        comm.all_to_all(&chunks)?;
-        comm.all_reduce_max(&amax)?;
-        comm.all_gather_shards(&codes.narrow(0, own.start, own.len())?, len)?;
-        Ok(())
-    };
-    comm.barrier()?;
-    let wire_s = time(dev, args.iters, wire)?;
-    comm.reset_bytes_sent();
-    wire()?;
-    line("fp8 path, communication only", wire_s, comm.bytes_sent());
-
-    let cfg = Fp8ReduceConfig::default();
-    comm.barrier()?;
-    match time(dev, args.iters, || {
-        fp8_all_reduce(comm, &g, &cfg)?;
-        Ok(())
-    }) {
-        Ok(fp8_s) => {
-            comm.reset_bytes_sent();
-            fp8_all_reduce(comm, &g, &cfg)?;
-            let fp8_bytes = comm.bytes_sent();
-            line(
-                &format!("fp8_all_reduce {} MiB", args.mib),
-                fp8_s,
-                fp8_bytes,
-            );
-            println!(
-                "[rank {rank}/{n}] BENCH ratios: time fp8/f32 {:.3}, bytes fp8/f32 {}",
-                fp8_s / f32_s,
-                if f32_bytes == 0 {
-                    "n/a (world of 1: nothing on the wire)".to_string()
-                } else {
-                    format!("{:.4}", fp8_bytes as f64 / f32_bytes as f64)
-                }
-            );
-        }
-        Err(e) => println!("[rank {rank}/{n}] BENCH fp8_all_reduce: not run: {e:#}"),
-    }
-    Ok(())
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let start = Instant::now();
@@ -398,7 +299,7 @@ fn main() -> Result<()> {
     fp8_check(&mut ck)?;
     let failures = ck.failures;
     if args.bench {
-        bench(&comm, &args)?;
+        bench::bench(&comm, &args)?;
     }
     comm.barrier()?;
     println!(
