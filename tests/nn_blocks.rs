@@ -7,9 +7,8 @@
 mod common;
 
 use amp::nn::{self, fp8_autocast, ComputeMode, GradSink};
-use amp::DelayedScaling;
 use candle_core::{DType, Tensor, Var};
-use common::randt;
+use common::{modes, randt, values, DTYPE_SINK};
 
 struct Block {
     ln: nn::LayerNorm,
@@ -51,34 +50,14 @@ fn block(tag: &str, d: usize, with_sink: bool, mlp: bool) -> Block {
     }
 }
 
-fn values(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
 type Forward<'a> = dyn Fn(&Block, &Tensor) -> Tensor + 'a;
 
 /// `fused` against `parts` on two blocks with equal values.
 fn check(name: &str, mlp: bool, fused: &Forward<'_>, parts: &Forward<'_>) {
-    let modes = [
-        ComputeMode::Native,
-        ComputeMode::Fp8Current(Default::default()),
-        ComputeMode::Fp8Delayed(DelayedScaling {
-            amax_history_len: 4,
-            ..Default::default()
-        }),
-    ];
+    let modes = modes();
     let d = 16;
     for (m, mode) in modes.into_iter().enumerate() {
-        for (c, (dtype, with_sink)) in
-            [(DType::F32, true), (DType::BF16, true), (DType::F32, false)]
-                .into_iter()
-                .enumerate()
-        {
+        for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
             let (a, b) = (
                 block(&format!("{name}{m}{c}a"), d, with_sink, mlp),
                 block(&format!("{name}{m}{c}b"), d, with_sink, mlp),
@@ -200,14 +179,7 @@ fn mixed_precision_falls_back_and_bad_residuals_are_errors() {
 /// the parts in sequence, in every mode, F32 and BF16.
 #[test]
 fn handed_head_and_loss_equal_the_parts_in_sequence() {
-    let modes = [
-        ComputeMode::Native,
-        ComputeMode::Fp8Current(Default::default()),
-        ComputeMode::Fp8Delayed(DelayedScaling {
-            amax_history_len: 4,
-            ..Default::default()
-        }),
-    ];
+    let modes = modes();
     let (d, vocab) = (16, 40);
     let targets = Tensor::from_vec(
         (0..10u32).map(|i| (i * 7) % 40).collect(),
@@ -216,11 +188,7 @@ fn handed_head_and_loss_equal_the_parts_in_sequence() {
     )
     .unwrap();
     for (m, mode) in modes.into_iter().enumerate() {
-        for (c, (dtype, with_sink)) in
-            [(DType::F32, true), (DType::BF16, true), (DType::F32, false)]
-                .into_iter()
-                .enumerate()
-        {
+        for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
             let heads = [0, 1].map(|i| {
                 let b = block(&format!("ce{m}{c}{i}"), d, false, false);
                 let w = Var::from_tensor(&randt(&[vocab, d], 11, 0.3)).unwrap();

@@ -171,8 +171,8 @@ impl FromAmax {
 }
 
 /// `(encode(x * scale), max |x|, [saturated, flushed])` in one pass.
-/// Inputs: x, scale; or with `from_amax`, x and its amax, and two more
-/// outputs: the scale and its inverse.
+/// Inputs: x, scale; or with `from_amax`, x and its amax, and then the
+/// outputs are `(codes, counts, scale, scale_inv)`.
 pub(crate) struct Quantize {
     pub qtype: QType,
     pub from_amax: Option<FromAmax>,
@@ -195,15 +195,12 @@ impl Kernel for Quantize {
             let xs = slice::<T>(Self::NAME, xs, lx)?;
             Ok::<_, Error>(quantize_slice(self.qtype, xs, scale))
         })?;
-        let mut out = vec![
-            (codes, shape),
-            one(amax),
-            (CpuStorage::I64(counts.to_vec()), Shape::from(2usize)),
-        ];
-        if self.from_amax.is_some() {
-            out.extend([one(scale), one(1.0 / scale)]);
-        }
-        Ok(out)
+        let counts = (CpuStorage::I64(counts.to_vec()), Shape::from(2usize));
+        Ok(match self.from_amax {
+            // the amax was an input: not returned again
+            Some(_) => vec![(codes, shape), counts, one(scale), one(1.0 / scale)],
+            None => vec![(codes, shape), one(amax), counts],
+        })
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
         crate::cuda::quantize(self.qtype, self.from_amax, inputs)

@@ -87,9 +87,8 @@ impl ScalingTensor {
                 margin: recipe.margin,
             }),
         };
-        let [data, amax, counts, scale, scale_inv] =
-            <[Tensor; 5]>::try_from(launch(&op, &[x, &amax])?)
-                .map_err(|_| arity(Quantize::NAME))?;
+        let [data, counts, scale, scale_inv] = <[Tensor; 4]>::try_from(launch(&op, &[x, &amax])?)
+            .map_err(|_| arity(Quantize::NAME))?;
         Ok((
             Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?,
             amax,
@@ -148,8 +147,8 @@ impl ScalingTensor {
             return Ok((q, qt, amax));
         }
         let op = QuantizeT { qtype, from_amax };
-        let [data, data_t, amax, counts, scale, scale_inv] =
-            <[Tensor; 6]>::try_from(launch(&op, &[x, &amax])?)
+        let [data, data_t, counts, scale, scale_inv] =
+            <[Tensor; 5]>::try_from(launch(&op, &[x, &amax])?)
                 .map_err(|_| arity(QuantizeT::NAME))?;
         let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?;
         let qt = Self {

@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use amp::Fp8Format;
+use amp::nn::ComputeMode;
+use amp::{DelayedScaling, Fp8Format};
 use candle_core::{DType, Device, Tensor};
 
 /// Every finite non-negative value of `format`, sorted, computed in f64 from
@@ -103,4 +104,32 @@ pub fn f64s(x: &Tensor) -> Vec<f64> {
 pub fn randt(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     let n = shape.iter().product();
     t(randn(n, seed).iter().map(|v| v * scale).collect(), shape)
+}
+
+/// The three compute modes a fused layer is checked in: native, MS-AMP
+/// current scaling, TE delayed scaling (a history of 4).
+pub fn modes() -> [ComputeMode; 3] {
+    [
+        ComputeMode::Native,
+        ComputeMode::Fp8Current(Default::default()),
+        ComputeMode::Fp8Delayed(DelayedScaling {
+            amax_history_len: 4,
+            ..Default::default()
+        }),
+    ]
+}
+
+/// Activation dtype and whether the weights' gradients go to a sink: the
+/// cases of the fused-layer tests.
+pub const DTYPE_SINK: [(DType, bool); 3] =
+    [(DType::F32, true), (DType::BF16, true), (DType::F32, false)];
+
+/// A tensor's values as f32, flattened (any float dtype).
+pub fn values(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }

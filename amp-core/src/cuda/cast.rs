@@ -151,8 +151,8 @@ impl Codes {
 }
 
 /// `(encode(x * scale), max |x|, [saturated, flushed])` in one pass; with
-/// `from_amax` the second input is x's amax, the kernel computes the scale
-/// and two outputs follow: scale, scale_inv.
+/// `from_amax` the second input is x's amax, the kernel computes the scale,
+/// the amax is not returned again and two outputs follow: scale, scale_inv.
 pub(crate) fn quantize(
     qtype: QType,
     from_amax: Option<FromAmax>,
@@ -167,7 +167,12 @@ pub(crate) fn quantize(
     let input = scalar(OP, s, ls)?;
     let mut cur = Current::new(&dev, qtype, from_amax)?;
     let mut codes = Codes::alloc(&dev, qtype, n)?;
-    let mut amax = dev.alloc_zeros::<f32>(1)?;
+    // with the amax as input the kernel need not fold it again (null)
+    let mut amax = match cur {
+        Some(_) => None,
+        None => Some(dev.alloc_zeros::<f32>(1)?),
+    };
+    let null = 0u64;
     let mut counts = dev.alloc_zeros::<i64>(2)?;
     let name = format!(
         "quantize_{}_{}",
@@ -183,16 +188,19 @@ pub(crate) fn quantize(
         b.arg(&xv);
         Current::push_scale(&cur, &mut b, &input);
         codes.push(&mut b);
-        b.arg(&n).arg(&vec).arg(&mut amax).arg(&mut counts);
+        b.arg(&n).arg(&vec);
+        match &mut amax {
+            Some(a) => b.arg(a),
+            None => b.arg(&null),
+        };
+        b.arg(&mut counts);
         Current::push_tail(&mut cur, &mut b, &input);
         unsafe { b.launch(grid(items(n, vec))) }.w()?;
         Ok::<_, Error>(())
     })?;
-    let mut out = vec![
-        codes.wrap(&dev, lx.shape().clone()),
-        wrap(amax, &dev, one()),
-        wrap(counts, &dev, Shape::from(2usize)),
-    ];
+    let mut out = vec![codes.wrap(&dev, lx.shape().clone())];
+    out.extend(amax.map(|a| wrap(a, &dev, one())));
+    out.push(wrap(counts, &dev, Shape::from(2usize)));
     out.extend(Current::outputs(cur, &dev));
     Ok(out)
 }

@@ -27,7 +27,7 @@ pub(crate) fn fits(rows: usize, cols: usize) -> bool {
 }
 
 /// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`; with
-/// `from_amax`, of `[x, amax]`, and scale and scale_inv follow.
+/// `from_amax`, `[codes, codes_t, counts, scale, scale_inv]` of `[x, amax]`.
 ///
 /// # Errors
 /// [`Error::Unsupported`] for a non-FP8 target, a shape [`fits`] refuses
@@ -111,7 +111,12 @@ fn launch<T: CudaDType + DeviceRepr>(
     // SAFETY (both): the kernel writes every element of both.
     let mut out: CudaSlice<u8> = unsafe { dev.alloc::<u8>(n)? };
     let mut out_t: CudaSlice<u8> = unsafe { dev.alloc::<u8>(n)? };
-    let mut amax = dev.alloc_zeros::<f32>(1)?;
+    // with the amax as input the kernel need not fold it again (null)
+    let mut amax = match cur {
+        Some(_) => None,
+        None => Some(dev.alloc_zeros::<f32>(1)?),
+    };
+    let null = 0u64;
     let mut counts = dev.alloc_zeros::<i64>(2)?;
     let vec = cols % 8 == 0
         && rows % 16 == 0
@@ -137,7 +142,12 @@ fn launch<T: CudaDType + DeviceRepr>(
         b.arg(&xv);
         Current::push_scale(&cur, &mut b, scale);
         b.arg(&mut out).arg(&mut out_t);
-        b.arg(&r).arg(&c).arg(&v).arg(&mut amax).arg(&mut counts);
+        b.arg(&r).arg(&c).arg(&v);
+        match &mut amax {
+            Some(a) => b.arg(a),
+            None => b.arg(&null),
+        };
+        b.arg(&mut counts);
         Current::push_tail(&mut cur, &mut b, scale);
         unsafe { b.launch(cfg) }.w()?;
     }
@@ -145,15 +155,17 @@ fn launch<T: CudaDType + DeviceRepr>(
     let mut outputs = vec![
         wrap(out, Shape::from((rows, cols))),
         wrap(out_t, Shape::from((cols, rows))),
-        (
-            CudaStorage::wrap_cuda_slice(amax, dev.clone()),
-            Shape::from(1usize),
-        ),
-        (
-            CudaStorage::wrap_cuda_slice(counts, dev.clone()),
-            Shape::from(2usize),
-        ),
     ];
+    outputs.extend(amax.map(|a| {
+        (
+            CudaStorage::wrap_cuda_slice(a, dev.clone()),
+            Shape::from(1usize),
+        )
+    }));
+    outputs.push((
+        CudaStorage::wrap_cuda_slice(counts, dev.clone()),
+        Shape::from(2usize),
+    ));
     outputs.extend(Current::outputs(cur, dev));
     Ok(outputs)
 }

@@ -11,7 +11,7 @@ use crate::weight::Weight;
 use candle_core::{DType, Tensor, Var};
 
 impl Linear {
-    pub(super) fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
+    fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
         const OP: &str = "Linear::forward";
         if !x.dtype().is_float() {
             return Err(Error::DType {
@@ -37,6 +37,31 @@ impl Linear {
         Ok(())
     }
 
+    /// The weight, its output width and the compute mode for input `x`,
+    /// after checking `x` against the weight: where every forward starts.
+    pub(super) fn prepare(&self, x: &Tensor) -> Result<(Weight, usize, ComputeMode)> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(x, in_dim)?;
+        Ok((weight, out_dim, self.mode()))
+    }
+
+    /// The compute mode now: native for a high-precision layer, else the
+    /// scope's.
+    pub(super) fn mode(&self) -> ComputeMode {
+        if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        }
+    }
+
+    /// Whether the layer runs its own op in `mode` (FP8 modes, low-bit
+    /// weights) rather than candle's ops (native compute, F32 weight).
+    pub(super) fn own_op(mode: &ComputeMode, weight: &Weight) -> bool {
+        !matches!((mode, weight), (ComputeMode::Native, Weight::F32(_)))
+    }
+
     /// The forward pass; see the type's docs.
     ///
     /// # Errors
@@ -45,14 +70,7 @@ impl Linear {
     /// and weight are on different devices, [`Error::Unsupported`] for a
     /// low-bit weight without a gradient sink.
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.read()?.clone();
-        let (out_dim, in_dim) = weight.shape().dims2()?;
-        self.check_input(x, in_dim)?;
-        let mode = if self.is_high_precision() {
-            ComputeMode::Native
-        } else {
-            current_mode()
-        };
+        let (weight, out_dim, mode) = self.prepare(x)?;
         let y = match (&mode, &weight) {
             (ComputeMode::Native, Weight::F32(var)) => {
                 *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
@@ -282,9 +300,10 @@ impl Linear {
                 None => y,
             }
         };
-        if let Some(h) = &hand_out {
-            h.put_value(y.clone())?;
-        }
+        let hand_out = hand_out.map(|(h, slot)| {
+            *slot = Some(y.clone());
+            h
+        });
         if !tracked {
             return Ok(match residual_after {
                 Some(r) => (r + y)?,

@@ -4,9 +4,7 @@
 
 use super::fused::Handoff;
 use super::linear::Linear;
-use super::mode::{current_mode, ComputeMode};
 use crate::error::{Error, Result};
-use crate::weight::Weight;
 use candle_core::Tensor;
 
 /// A handed tensor's token and its handoff.
@@ -37,8 +35,9 @@ pub(super) struct OpFuse<'a> {
     pub residual: Option<&'a Tensor>,
     pub handoff: Option<Handed>,
     /// Hand the output on: the op's graph output is a token, the output
-    /// goes through this handoff's value slot.
-    pub hand_out: Option<Handoff>,
+    /// itself is left in the slot; the op's backward takes its gradient
+    /// from the handoff.
+    pub hand_out: Option<(Handoff, &'a mut Option<Tensor>)>,
 }
 
 impl Linear {
@@ -123,16 +122,9 @@ impl Linear {
     /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
     /// [`Error::DType`] for a residual unlike the output.
     pub fn forward_with(&self, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
-        let weight = self.weight.read()?.clone();
-        let (out_dim, in_dim) = weight.shape().dims2()?;
-        self.check_input(x, in_dim)?;
+        let (weight, out_dim, mode) = self.prepare(x)?;
         self.check_residual(x, out_dim, fuse.residual)?;
-        let mode = if self.is_high_precision() {
-            ComputeMode::Native
-        } else {
-            current_mode()
-        };
-        let own_op = !matches!((&mode, &weight), (ComputeMode::Native, Weight::F32(_)));
+        let own_op = Self::own_op(&mode, &weight);
         let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu)?;
         let x = normed.as_ref().unwrap_or(x);
         // the op decides whether it takes the residual (it adds it outside
@@ -159,8 +151,7 @@ impl Linear {
     /// Whether the layer runs its own op in the current mode (FP8 modes,
     /// low-bit weights): the condition for handing tensors to and from it.
     pub(crate) fn runs_own_op(&self) -> Result<bool> {
-        let native = self.is_high_precision() || matches!(current_mode(), ComputeMode::Native);
-        Ok(!(native && matches!(&*self.weight.read()?, Weight::F32(_))))
+        Ok(Self::own_op(&self.mode(), &*self.weight.read()?))
     }
 
     /// [`forward_with`](Self::forward_with) whose output is handed on:
@@ -171,30 +162,28 @@ impl Linear {
         x: &Tensor,
         fuse: Fuse<'_>,
     ) -> Result<(Tensor, Tensor, Handoff)> {
-        let weight = self.weight.read()?.clone();
-        let (out_dim, in_dim) = weight.shape().dims2()?;
-        self.check_input(x, in_dim)?;
+        let (weight, out_dim, mode) = self.prepare(x)?;
         if fuse.gelu || fuse.residual.is_some() {
             return Err(Error::Unsupported {
                 op: "Linear::forward_handing",
                 what: "GELU or a residual on a handed-on output".into(),
             });
         }
-        let mode = if self.is_high_precision() {
-            ComputeMode::Native
-        } else {
-            current_mode()
-        };
         let (normed, handoff) = Self::normed(fuse.norm, x, true)?;
         let x = normed.as_ref().unwrap_or(x);
         let out = Handoff::default();
+        let mut value = None;
         let op_fuse = OpFuse {
             handoff,
-            hand_out: Some(out.clone()),
+            hand_out: Some((out.clone(), &mut value)),
             ..Default::default()
         };
         let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
-        Ok((out.take_value()?, token, out))
+        let value = value.ok_or(Error::Unsupported {
+            op: "Linear::forward_handing",
+            what: "no output handed".into(),
+        })?;
+        Ok((value, token, out))
     }
 
     /// The layer on a tensor handed from another op (`token` stands for
@@ -209,15 +198,8 @@ impl Linear {
         gelu: bool,
         residual: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let weight = self.weight.read()?.clone();
-        let (out_dim, in_dim) = weight.shape().dims2()?;
-        self.check_input(x, in_dim)?;
+        let (weight, out_dim, mode) = self.prepare(x)?;
         self.check_residual(x, out_dim, residual)?;
-        let mode = if self.is_high_precision() {
-            ComputeMode::Native
-        } else {
-            current_mode()
-        };
         let op_fuse = OpFuse {
             gelu,
             residual,

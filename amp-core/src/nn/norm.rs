@@ -38,11 +38,8 @@ impl LayerNorm {
         Ok(Self { weight, bias, eps })
     }
 
-    /// The forward pass.
-    ///
-    /// # Errors
-    /// [`Error::Shape`] when the last dimension is not the layer's.
-    pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x`'s last dimension must be the layer's.
+    fn check(&self, x: &Tensor) -> Result<()> {
         let dim = self.weight.elem_count();
         if x.rank() == 0 || x.dim(D::Minus1)? != dim {
             return Err(Error::Shape {
@@ -51,6 +48,22 @@ impl LayerNorm {
                 rhs: (dim,).into(),
             });
         }
+        Ok(())
+    }
+
+    /// Whether `fused::layer_norm`'s kernels take `x` and the parameters
+    /// (F32 parameters; F32 or BF16 input on CUDA, any float on the CPU).
+    fn fused_kernels(&self, x: &Tensor) -> bool {
+        let fused_dtype = matches!(x.dtype(), DType::F32 | DType::BF16) || !x.device().is_cuda();
+        self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32 && fused_dtype
+    }
+
+    /// The forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the last dimension is not the layer's.
+    pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.check(x)?;
         if !(x.track_op() || self.weight.track_op() || self.bias.track_op())
             && x.is_contiguous()
             && x.dtype() == DType::F32
@@ -62,8 +75,7 @@ impl LayerNorm {
                 self.eps as f32,
             )?);
         }
-        let fused_dtype = matches!(x.dtype(), DType::F32 | DType::BF16) || !x.device().is_cuda();
-        if self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32 && fused_dtype {
+        if self.fused_kernels(x) {
             // one kernel forward, two backward (`fused::layer_norm`)
             return super::fused::layer_norm(x, &self.weight, &self.bias, self.eps);
         }
@@ -95,18 +107,9 @@ impl LayerNorm {
         &self,
         x: &Tensor,
     ) -> Result<Option<(Tensor, Tensor, super::fused::Handoff)>> {
-        let dim = self.weight.elem_count();
-        if x.rank() == 0 || x.dim(D::Minus1)? != dim {
-            return Err(Error::Shape {
-                op: "LayerNorm::forward",
-                lhs: x.shape().clone(),
-                rhs: (dim,).into(),
-            });
-        }
+        self.check(x)?;
         let tracked = x.track_op() || self.weight.track_op() || self.bias.track_op();
-        let fused_dtype = matches!(x.dtype(), DType::F32 | DType::BF16) || !x.device().is_cuda();
-        let f32_params = self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32;
-        if !(tracked && fused_dtype && f32_params) {
+        if !(tracked && self.fused_kernels(x)) {
             return Ok(None);
         }
         super::fused::layer_norm_handoff(x, &self.weight, &self.bias, self.eps).map(Some)

@@ -15,62 +15,40 @@ use crate::error::{Error, Result};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
 
-/// The slots between a producer and its consumer: the handed tensor (for
-/// producers that return it through the slot) and its gradient.
+/// The slot between a producer and its consumer: the handed tensor's
+/// gradient.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Handoff {
-    value: Arc<Mutex<Option<Tensor>>>,
     grad: Arc<Mutex<Option<Tensor>>>,
 }
 
-fn slot_put(slot: &Mutex<Option<Tensor>>, t: Tensor) -> Result<()> {
-    let mut slot = slot.lock().map_err(|_| Error::Poisoned { op: "Handoff" })?;
-    if slot.is_some() {
-        return Err(Error::Unsupported {
-            op: "Handoff",
-            what: "a second tensor for one handoff (one consumer per handed tensor)".into(),
-        });
-    }
-    *slot = Some(t);
-    Ok(())
-}
-
-fn slot_take(slot: &Mutex<Option<Tensor>>) -> Result<Option<Tensor>> {
-    Ok(slot
-        .lock()
-        .map_err(|_| Error::Poisoned { op: "Handoff" })?
-        .take())
-}
-
 impl Handoff {
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
+        self.grad
+            .lock()
+            .map_err(|_| Error::Poisoned { op: "Handoff" })
+    }
+
     /// The consumer's backward leaves the gradient of the handed tensor.
     pub(crate) fn put(&self, grad: Tensor) -> Result<()> {
-        slot_put(&self.grad, grad)
+        let mut slot = self.lock()?;
+        if slot.is_some() {
+            return Err(Error::Unsupported {
+                op: "Handoff",
+                what: "a second gradient for one handoff (one consumer per handed tensor)".into(),
+            });
+        }
+        *slot = Some(grad);
+        Ok(())
     }
 
     /// The producer's backward takes it. candle runs a producer's backward
     /// only after its consumer's, which always leaves one: an empty slot is
     /// an error, never a silently missing gradient.
     pub(crate) fn take(&self) -> Result<Tensor> {
-        slot_take(&self.grad)?.ok_or_else(|| Error::Unsupported {
+        self.lock()?.take().ok_or_else(|| Error::Unsupported {
             op: "Handoff",
             what: "no gradient was handed back (the consumer's backward did not run)".into(),
-        })
-    }
-
-    /// A producer leaves the handed tensor for its caller.
-    pub(crate) fn put_value(&self, value: Tensor) -> Result<()> {
-        slot_put(&self.value, value)
-    }
-
-    /// The caller takes it.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`] when the producer left none.
-    pub(crate) fn take_value(&self) -> Result<Tensor> {
-        slot_take(&self.value)?.ok_or_else(|| Error::Unsupported {
-            op: "Handoff",
-            what: "no handed value".into(),
         })
     }
 
