@@ -1,7 +1,8 @@
 //! Builds the PTX of `kernels/amp.cu` (casts, scales), `kernels/cast_t.cu`
-//! (the cast-transpose; both include `kernels/cast.cuh`) and
-//! `kernels/nn.cu` (fused training ops) with nvcc, only under the `cuda`
-//! feature: the default build needs no CUDA toolkit.
+//! (the cast-transpose; both include `kernels/cast.cuh`), `kernels/nn.cu`
+//! (fused training ops) and `kernels/flash.cu` (causal flash attention)
+//! with nvcc, only under the `cuda` feature: the default build needs no
+//! CUDA toolkit.
 //!
 //! nvcc must be 13.0 (PTX ISA 9.0): the device's CUDA 13.0 driver refuses
 //! PTX from newer toolkits (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`). Build
@@ -20,6 +21,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/nn.cu");
     println!("cargo:rerun-if-changed=kernels/cast_t.cu");
     println!("cargo:rerun-if-changed=kernels/cast.cuh");
+    println!("cargo:rerun-if-changed=kernels/flash.cu");
     for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
@@ -40,7 +42,7 @@ fn main() {
             "feature `cuda` needs nvcc ({nvcc}): {e}; build with ../shared/gpu/build-cuda.sh"
         ),
     }
-    for name in ["amp", "nn", "cast_t"] {
+    for name in ["amp", "nn", "cast_t", "flash"] {
         ptx(&nvcc, &arch, name, &out_dir);
     }
 }

@@ -20,6 +20,19 @@ pub(crate) fn quantize(_: QType, _: Option<crate::cast::FromAmax>, _: Inputs<'_>
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) mod flash {
+    use super::*;
+    use crate::nn::fused::flash::Flash;
+
+    pub(crate) fn fwd(_: Flash, _: Inputs<'_>) -> Outputs {
+        Err(Error::NotCompiled("cuda"))
+    }
+
+    pub(crate) fn bwd(_: Flash, _: Inputs<'_>) -> Outputs {
+        Err(Error::NotCompiled("cuda"))
+    }
+}
+
 pub(crate) mod cast_t {
     use super::*;
 

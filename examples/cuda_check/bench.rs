@@ -17,7 +17,7 @@ const WARMUP: usize = 5;
 const REPS: usize = 30;
 
 /// Milliseconds per call of `f`, CUDA events around `REPS` back-to-back calls.
-fn event_ms(dev: &CudaDevice, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub(crate) fn event_ms(dev: &CudaDevice, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..WARMUP {
         f()?;
     }

@@ -14,6 +14,7 @@
 //! the fused low-bit AdamW step and gradient sum of squares against the CPU
 //! (`--optim-only` for just those).
 
+mod attention;
 mod bench;
 mod capture;
 mod exhaustive;
@@ -42,7 +43,8 @@ struct Args {
     /// Skip the 2^32 sweep (quick runs).
     #[arg(long)]
     skip_exhaustive: bool,
-    /// Only the fused training ops' checks.
+    /// Only the fused training ops' and the attention's checks (with
+    /// --bench also the attention's timing).
     #[arg(long)]
     fused_only: bool,
     /// Only the optimizer's checks (and with --bench its timing).
@@ -76,6 +78,10 @@ fn main() -> Result<()> {
     };
     if args.fused_only {
         check("fused ops", fused::check(&dev));
+        check("attention", attention::check(&dev));
+        if args.bench {
+            check("attention bench", attention::bench(&dev));
+        }
     } else if args.optim_only {
         check("lowbit adamw", optim::check(&dev));
         if args.bench {
@@ -90,12 +96,14 @@ fn main() -> Result<()> {
         check("fp8 gemm", gemm::check(&dev));
         check("fp8 linear", gemm::linear(&dev));
         check("fused ops", fused::check(&dev));
+        check("attention", attention::check(&dev));
         check("no device-to-host copy", capture::check(&dev));
         check("lowbit adamw", optim::check(&dev));
     }
     // Before the long sweep, so a slow sweep cannot cost the timings.
     if !args.optim_only && !args.fused_only && (args.bench || args.bench_only) {
         check("bench", bench::run(&dev));
+        check("attention bench", attention::bench(&dev));
         check("lowbit adamw bench", optim::bench(&dev));
     }
     if !args.optim_only && !args.fused_only && !args.bench_only && !args.skip_exhaustive {

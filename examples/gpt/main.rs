@@ -125,6 +125,10 @@ struct Args {
     /// affected. BF16 halves what backprop keeps and moves.
     #[arg(long, value_enum, default_value = "f32")]
     activations: ExportArg,
+    /// On CUDA, materialise the attention's probabilities instead of
+    /// running flash attention (the comparison runs of BENCHMARKS.md).
+    #[arg(long)]
+    no_flash: bool,
     /// Run each of these levels in turn on the same data and seed.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<Level>,
@@ -198,6 +202,7 @@ fn main() -> Result<()> {
     // nothing else runs yet, so setting the environment is safe here.
     std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    amp::nn::set_flash_attention(!args.no_flash);
     if args.recipe.is_some() && !matches!(args.compute, None | Some(ComputeArg::Fp8Delayed)) {
         usage("--recipe is a delayed-scaling recipe: it goes with --compute fp8-delayed");
     }

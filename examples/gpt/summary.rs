@@ -66,6 +66,8 @@ pub struct Summary {
     pub world_size: usize,
     /// Dtype of the activations between layers ("F32", "BF16").
     pub activations: String,
+    /// Whether attention ran as flash attention (CUDA, head dimension 64).
+    pub flash_attention: bool,
     /// Bytes rank 0 sent to other ranks per step (gradient averaging).
     pub wire_bytes_per_step: f64,
     pub wall_s: f64,

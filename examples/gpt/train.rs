@@ -316,6 +316,9 @@ pub fn train_rank(
         device: device_name(&cfg.device),
         world_size: world,
         activations: format!("{:?}", cfg.activations).to_uppercase(),
+        flash_attention: cfg.device.is_cuda()
+            && gcfg.n_embd == 64 * gcfg.n_head
+            && amp::nn::flash_attention_enabled(),
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         wall_s: t0.elapsed().as_secs_f64(),
         train_curve,

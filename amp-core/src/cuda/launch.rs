@@ -25,6 +25,18 @@ const CAST_T_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cast_t.ptx"));
 /// Its name in candle's module cache.
 const CAST_T_MODULE: &str = "candle_amp_cast_t_kernels";
 
+/// The PTX built from `kernels/flash.cu` (causal flash attention).
+const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
+/// Its name in candle's module cache.
+const FLASH_MODULE: &str = "candle_amp_flash_kernels";
+
+/// A flash-attention kernel `name` (`kernels/flash.cu`), loaded once per device.
+pub(super) fn flash_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    Ok(dev
+        .get_or_load_custom_func(name, FLASH_MODULE, FLASH_PTX)?
+        .into_cuda_function())
+}
+
 /// A cast-transpose kernel `name` (`kernels/cast_t.cu`), loaded once per device.
 pub(super) fn cast_t_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     Ok(dev

@@ -46,6 +46,7 @@
 
 mod cast;
 pub(crate) mod cast_t;
+pub(crate) mod flash;
 mod gemm;
 mod launch;
 mod meta;

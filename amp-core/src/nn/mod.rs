@@ -55,7 +55,10 @@ mod sink;
 pub use blocks::{causal_self_attention, linear_cross_entropy, pre_norm_mlp};
 pub use build::{linear, linear_b, linear_no_bias};
 pub use forward_fused::Fuse;
-pub use fused::{causal_attention, causal_attention_qkv, cross_entropy, embedding, gelu};
+pub use fused::{
+    causal_attention, causal_attention_qkv, cross_entropy, embedding, flash_attention_enabled,
+    gelu, set_flash_attention,
+};
 pub use linear::Linear;
 pub use linear_op::LayerScaling;
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};

@@ -2,8 +2,11 @@
 //! mask) v` with the scale and the mask inside the softmax kernel, so the
 //! graph keeps one matrix per layer (the probabilities) instead of the
 //! scores, the masked scores and the probabilities, and backprop spends
-//! no zero-fill and add on each of them.
+//! no zero-fill and add on each of them. On CUDA with a head dimension of
+//! 64 the body is flash attention instead ([`super::flash`]): no
+//! probabilities at all, backward recomputes them.
 
+use super::flash::{self, Flash};
 use super::handoff::Handoff;
 use super::heads::Qkv;
 use super::ops::{CausalSoftmax, CausalSoftmaxBwd};
@@ -52,27 +55,22 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     }
     let compute = compute_dtype(OP, q)?;
     let scale = 1.0 / (d.max(1) as f32).sqrt();
-    let cast = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().to_dtype(compute)?.contiguous()?) };
-    let (p, y) = attend(&cast(q)?, &cast(k)?, &cast(v)?, scale)?;
+    let (y, kept) = attend_separate([q, k, v], compute, scale)?;
     let y = y.to_dtype(q.dtype())?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(y);
     }
     let op = CausalAttention {
         y: Precomputed::new(OP, y),
-        p,
-        scale,
-        compute,
+        kept,
     };
     Ok(q.apply_op3(k, v, op)?)
 }
 
-/// The autograd node: the forward's output, the probabilities for backward.
+/// The autograd node: the forward's output, what backward needs.
 struct CausalAttention {
     y: Precomputed,
-    p: Tensor,
-    scale: f32,
-    compute: DType,
+    kept: Kept,
 }
 
 impl CustomOp3 for CausalAttention {
@@ -82,26 +80,129 @@ impl CustomOp3 for CausalAttention {
 
     precomputed_fwd!(3);
 
-    /// `dP = dy vᵀ`, `dS = P (dP - rowsum(P dP)) / sqrt(d)`, `dq = dS k`,
-    /// `dk = dSᵀ q`, `dv = Pᵀ dy`.
     fn bwd(
         &self,
         q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let cast = |t: &Tensor| t.detach().to_dtype(self.compute)?.contiguous();
-        let [dq, dk, dv] = attend_bwd(
-            &self.p,
-            [&cast(q)?, &cast(k)?, &cast(v)?],
-            &cast(dy)?,
-            self.scale,
-        )?;
-        let back = |t: Tensor| t.to_dtype(q.dtype());
-        Ok((Some(back(dq)?), Some(back(dk)?), Some(back(dv)?)))
+        let back = |t: &Tensor| t.to_dtype(q.dtype());
+        match &self.kept.grads(dy)?[..] {
+            [dq, dk, dv] => Ok((Some(back(dq)?), Some(back(dk)?), Some(back(dv)?))),
+            _ => candle_core::bail!("amp_causal_attention: three gradients expected"),
+        }
     }
+}
+
+/// What backward keeps besides the op's inputs.
+enum Kept {
+    /// q, k, v (heads, the compute dtype) and the probabilities.
+    Probs {
+        qkv: [Tensor; 3],
+        p: Tensor,
+        scale: f32,
+    },
+    /// The flash kernels' BF16 inputs (the packed projection, or q, k,
+    /// v), the output and the rows' log-sum-exp.
+    Flash {
+        flash: Flash,
+        inputs: Vec<Tensor>,
+        o: Tensor,
+        lse: Tensor,
+    },
+}
+
+impl Kept {
+    /// The gradients of what the forward took (dq, dk, dv as heads of the
+    /// compute dtype; flash: of its inputs, BF16) from `dy` (heads; rows
+    /// for a packed flash).
+    fn grads(&self, dy: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        match self {
+            Kept::Probs { qkv, p, scale } => {
+                let dy = dy.detach().to_dtype(qkv[0].dtype())?.contiguous()?;
+                let [q, k, v] = qkv;
+                Ok(attend_bwd(p, [q, k, v], &dy, *scale)?.to_vec())
+            }
+            Kept::Flash {
+                flash,
+                inputs,
+                o,
+                lse,
+            } => flash
+                .backward(inputs, o, dy, lse)
+                .map_err(candle_core::Error::wrap),
+        }
+    }
+
+    /// The packed projection's gradient (rows of `dtype`) from the
+    /// output's, rows too.
+    fn packed_grad(&self, s: Qkv, dy: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        match self {
+            Kept::Probs { qkv, .. } => {
+                let dy = s.heads(dy, qkv[0].dtype())?;
+                s.rows(&self.grads(&dy)?, dtype)
+            }
+            Kept::Flash { .. } => match self.grads(dy)?.pop() {
+                Some(g) => g.to_dtype(dtype),
+                None => candle_core::bail!("amp_causal_attention_qkv: no gradient"),
+            },
+        }
+    }
+}
+
+/// The output (compute dtype, heads) and what backward keeps, of
+/// separate q, k, v.
+fn attend_separate(qkv: [&Tensor; 3], compute: DType, scale: f32) -> Result<(Tensor, Kept)> {
+    if let Some(f) = Flash::separate(qkv[0]) {
+        let inputs = qkv
+            .iter()
+            .map(|t| flash::input(t))
+            .collect::<Result<Vec<_>>>()?;
+        let (o, lse) = f.forward(&inputs)?;
+        let kept = Kept::Flash {
+            flash: f,
+            inputs,
+            o: o.clone(),
+            lse,
+        };
+        return Ok((o, kept));
+    }
+    let cast = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().to_dtype(compute)?.contiguous()?) };
+    let qkv = [cast(qkv[0])?, cast(qkv[1])?, cast(qkv[2])?];
+    let (p, y) = attend(&qkv[0], &qkv[1], &qkv[2], scale)?;
+    Ok((y, Kept::Probs { qkv, p, scale }))
+}
+
+/// The output (rows of the projection's dtype) and what backward keeps,
+/// of a packed projection.
+fn attend_packed(s: Qkv, qkv: &Tensor, compute: DType, scale: f32) -> Result<(Tensor, Kept)> {
+    if let Some(f) = Flash::packed(qkv, s.heads, s.hd) {
+        let inputs = vec![flash::input(qkv)?];
+        let (o, lse) = f.forward(&inputs)?;
+        let y = o.to_dtype(qkv.dtype())?;
+        return Ok((
+            y,
+            Kept::Flash {
+                flash: f,
+                inputs,
+                o,
+                lse,
+            },
+        ));
+    }
+    let parts = s.split(qkv, compute)?;
+    let (p, y) = attend(&parts[0], &parts[1], &parts[2], scale)?;
+    let y = s.rows(&[y], qkv.dtype())?;
+    Ok((
+        y,
+        Kept::Probs {
+            qkv: parts,
+            p,
+            scale,
+        },
+    ))
 }
 
 /// The products' dtype for a float input: BF16 on CUDA (as PyTorch
@@ -158,17 +259,13 @@ fn attend_bwd(
 pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
     const OP: &str = "causal_attention_qkv";
     let (shape, compute, scale) = qkv_layout(OP, qkv, heads)?;
-    let [q, k, v] = shape.split(qkv, compute)?;
-    let (p, y) = attend(&q, &k, &v, scale)?;
-    let y = shape.rows(&[y], qkv.dtype())?;
+    let (y, kept) = attend_packed(shape, qkv, compute, scale)?;
     if !qkv.track_op() {
         return Ok(y);
     }
     let op = CausalAttentionQkv {
         y: Precomputed::new(OP, y),
-        p,
-        scale,
-        compute,
+        kept,
         shape,
     };
     Ok(qkv.apply_op1(op)?)
@@ -177,9 +274,7 @@ pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
 /// The autograd node of [`causal_attention_qkv`].
 struct CausalAttentionQkv {
     y: Precomputed,
-    p: Tensor,
-    scale: f32,
-    compute: DType,
+    kept: Kept,
     shape: Qkv,
 }
 
@@ -191,12 +286,7 @@ impl CustomOp1 for CausalAttentionQkv {
     precomputed_fwd!(1);
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let s = self.shape;
-        let [q, k, v] = s.split(qkv, self.compute)?;
-        let dy = s.heads(dy, self.compute)?;
-        let grads = attend_bwd(&self.p, [&q, &k, &v], &dy, self.scale)?;
-        let dqkv = s.rows(&grads, qkv.dtype())?;
-        Ok(Some(dqkv))
+        Ok(Some(self.kept.packed_grad(self.shape, dy, qkv.dtype())?))
     }
 }
 
@@ -231,16 +321,10 @@ pub(crate) fn causal_attention_handed(
 ) -> Result<(Tensor, Tensor, Handoff)> {
     const OP: &str = "causal_attention_qkv";
     let (shape, compute, scale) = qkv_layout(OP, qkv, heads)?;
-    let qkv_parts = shape.split(qkv, compute)?;
-    let [q, k, v] = &qkv_parts;
-    let (p, y) = attend(q, k, v, scale)?;
-    let y = shape.rows(&[y], qkv.dtype())?;
+    let (y, kept) = attend_packed(shape, qkv, compute, scale)?;
     let to = Handoff::default();
     let op = AttentionHanded {
-        qkv: qkv_parts,
-        p,
-        scale,
-        compute,
+        kept,
         shape,
         dtype: qkv.dtype(),
         from: from.clone(),
@@ -252,10 +336,7 @@ pub(crate) fn causal_attention_handed(
 
 /// The graph node of [`causal_attention_handed`]: a token in, a token out.
 struct AttentionHanded {
-    qkv: [Tensor; 3],
-    p: Tensor,
-    scale: f32,
-    compute: DType,
+    kept: Kept,
     shape: Qkv,
     dtype: DType,
     from: Handoff,
@@ -295,11 +376,8 @@ impl CustomOp1 for AttentionHanded {
     ) -> candle_core::Result<Option<Tensor>> {
         let wrap = candle_core::Error::wrap;
         let dy = self.to.take().map_err(wrap)?;
-        let s = self.shape;
-        let dy = s.heads(&dy, self.compute)?;
-        let [q, k, v] = &self.qkv;
-        let grads = attend_bwd(&self.p, [q, k, v], &dy, self.scale)?;
-        self.from.put(s.rows(&grads, self.dtype)?).map_err(wrap)?;
+        let dqkv = self.kept.packed_grad(self.shape, &dy, self.dtype)?;
+        self.from.put(dqkv).map_err(wrap)?;
         Ok(Some(Handoff::token_grad(token).map_err(wrap)?))
     }
 }

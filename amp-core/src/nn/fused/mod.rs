@@ -30,6 +30,7 @@
 mod attention;
 mod cpu;
 mod embedding;
+pub(crate) mod flash;
 mod handoff;
 mod heads;
 mod ops;
@@ -37,6 +38,7 @@ mod pointwise;
 
 pub use attention::{causal_attention, causal_attention_qkv};
 pub use embedding::embedding;
+pub use flash::{flash_attention_enabled, set_flash_attention};
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor, D};
