@@ -93,6 +93,18 @@ pub fn keep_freed_memory(_: &Device) -> Result<()> {
     Err(Error::NotCompiled("cuda"))
 }
 
+/// Stops cudarc's per-allocation events (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Safety
+/// Nothing to uphold in this build.
+///
+/// # Errors
+/// Always, in this build.
+pub unsafe fn skip_event_tracking(_: &Device) -> Result<bool> {
+    Err(Error::NotCompiled("cuda"))
+}
+
 /// Peak bytes of the CUDA memory pool (built without `cuda`: always
 /// [`Error::NotCompiled`]).
 ///

@@ -58,7 +58,10 @@ mod tensor;
 mod weight;
 
 pub use cast::F16_NAN_BITS;
-pub use cuda::{keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold};
+pub use cuda::{
+    keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
+    skip_event_tracking,
+};
 pub use error::{Error, Result};
 pub use format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
 pub use gemm::{fp8_gemm, fp8_gemm_with};

@@ -129,6 +129,10 @@ struct Args {
     /// running flash attention (the comparison runs of BENCHMARKS.md).
     #[arg(long)]
     no_flash: bool,
+    /// On CUDA, keep cudarc's two CUDA events per allocation (off by
+    /// default: everything runs on one stream; for A/B runs).
+    #[arg(long)]
+    event_tracking: bool,
     /// Run each of these levels in turn on the same data and seed.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<Level>,
@@ -268,6 +272,7 @@ fn main() -> Result<()> {
             ExportArg::F32 => DType::F32,
             ExportArg::Bf16 => DType::BF16,
         },
+        event_tracking: args.event_tracking,
         ..Default::default()
     };
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {

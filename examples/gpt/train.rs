@@ -58,6 +58,9 @@ pub struct TrainConfig {
     pub eval_batches: usize,
     /// Dtype of the activations between layers (F32 or BF16).
     pub activations: DType,
+    /// Keep cudarc's per-allocation CUDA events (off by default: one
+    /// stream never waits on them).
+    pub event_tracking: bool,
     /// Where to run.
     pub device: Device,
     /// Write a checkpoint here at the end.
@@ -109,6 +112,7 @@ impl Default for TrainConfig {
             world_size: 1,
             timing_skip: 0,
             activations: DType::F32,
+            event_tracking: false,
         }
     }
 }
@@ -156,6 +160,11 @@ pub fn train_rank(
         // measure the pool's peak from here on.
         amp::keep_freed_memory(&cfg.device)?;
         amp::reset_pool_peaks(&cfg.device)?;
+        if !cfg.event_tracking {
+            // SAFETY: this program runs every op, collective included, on
+            // the candle device's one stream.
+            unsafe { amp::skip_event_tracking(&cfg.device)? };
+        }
     }
     let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
     let model = model.with_activations(cfg.activations)?;

@@ -58,4 +58,7 @@ mod pool;
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use gemm::fp8_gemm;
 pub(crate) use meta::{record_amax, scale_update};
-pub use pool::{keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold};
+pub use pool::{
+    keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
+    skip_event_tracking,
+};

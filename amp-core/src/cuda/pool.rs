@@ -36,6 +36,40 @@ pub fn keep_freed_memory(device: &Device) -> Result<()> {
     set_pool_release_threshold(device, u64::MAX)
 }
 
+/// Stops cudarc from creating (and later destroying) two CUDA events with
+/// every allocation on `device`'s context. They exist to order a buffer's
+/// uses across streams; candle's device (`Device::new_cuda`) runs every
+/// op on one stream (the per-thread default stream, which cudarc does not
+/// count as a second stream), and so do candle-amp's kernels, cuBLASLt and
+/// NCCL collectives, so the events are never waited on, yet cost four
+/// driver calls per allocation on the host (a few thousand allocations per
+/// GPT step). Returns whether tracking was on; a context that already runs
+/// several streams is left as it is (`Ok(false)`).
+///
+/// # Safety
+/// Buffers allocated afterwards carry no events: nothing may use them on
+/// another stream of this context (one created later by
+/// `CudaContext::new_stream`, or by another library) without its own
+/// synchronization.
+///
+/// # Errors
+/// [`Error::UnsupportedDevice`] off CUDA.
+pub unsafe fn skip_event_tracking(device: &Device) -> Result<bool> {
+    let Device::Cuda(dev) = device else {
+        return Err(Error::UnsupportedDevice {
+            op: "skip_event_tracking",
+            device: device.location(),
+        });
+    };
+    let ctx = dev.cuda_stream().context().clone();
+    if ctx.is_in_multi_stream_mode() || !ctx.is_event_tracking() {
+        return Ok(false);
+    }
+    // SAFETY: one stream in this context now; the caller vouches for later.
+    unsafe { ctx.disable_event_tracking() };
+    Ok(true)
+}
+
 pub(super) fn set_threshold(dev: &CudaDevice, mut bytes: u64) -> Result<()> {
     use driver::sys as dsys;
     let ctx = dev.cuda_stream().context().clone();
