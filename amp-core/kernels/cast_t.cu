@@ -30,18 +30,43 @@ __device__ __forceinline__ void load8(const T* p, float* f) {
     for (int j = 0; j < 8; j++) f[j] = to_f32(v[j]);
 }
 
+// An element as f32. SCALED: x holds an FP16 tensor's codes, and the value
+// is the dequantized one, decode(code) * pre (amp.cu's dequantize, NaN
+// codes to the canonical NaN), one IEEE f32 product: bit for bit what a
+// dequantize to F32 then a cast reads.
+template <bool SCALED, typename T>
+__device__ __forceinline__ float in_f32(T v, float pre) {
+    if constexpr (SCALED) return Fmt<2>::decode(__half_as_ushort(v)) * pre;
+    else return to_f32(v);
+}
+
+template <bool SCALED, typename T>
+__device__ __forceinline__ void load8_in(const T* p, float* f, float pre) {
+    if constexpr (SCALED) {
+        uint4 a = __ldcs(reinterpret_cast<const uint4*>(p));
+        const T* v = reinterpret_cast<const T*>(&a);
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] = in_f32<true>(v[j], pre);
+    } else {
+        load8(p, f);
+    }
+}
+
 // x [rows, cols] -> out [rows, cols], out_t [cols, rows], amax (u32 bits)
 // and counts[2], both zeroed by the caller. Grid (ceil(cols / TT),
 // ceil(rows / TT)). `vec`: cols % 8 == 0, rows % 16 == 0 and every pointer
 // 16-byte aligned, so full tiles go through 16- and 8-byte accesses;
-// partial tiles (and vec == 0) element by element.
-template <typename T, int FMT>
-__device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict__ scale_p,
+// partial tiles (and vec == 0) element by element. SCALED: see in_f32
+// (`pre_p` is the FP16 tensor's scale_inv; null otherwise).
+template <typename T, int FMT, bool SCALED>
+__device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict__ pre_p,
+                                const float* __restrict__ scale_p,
                                 uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int rows,
                                 int cols, int vec, uint32_t* amax_out, unsigned long long* counts,
                                 CUR_PARAMS) {
     __shared__ __align__(16) uint8_t tile[TT * TS];
     const float scale = cast_scale(scale_p, CUR_ARGS);
+    const float pre = SCALED ? *pre_p : 1.0f;
     uint32_t amax = 0, sat = 0, flush = 0;
     const int r0 = blockIdx.y * TT, c0 = blockIdx.x * TT, t = threadIdx.x;
     const bool full = vec && r0 + TT <= rows && c0 + TT <= cols;
@@ -53,7 +78,7 @@ __device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict
             const int r = (t >> 3) + 32 * p;
             const size_t at = (size_t)(r0 + r) * cols + c0 + cg;
             float f[8];
-            load8(x + at, f);
+            load8_in<SCALED>(x + at, f, pre);
             const uint32_t lo = quantize4<FMT>(f, scale, amax, sat, flush);
             const uint32_t hi = quantize4<FMT>(f + 4, scale, amax, sat, flush);
             __stcs(reinterpret_cast<uint2*>(out + at), make_uint2(lo, hi));
@@ -65,7 +90,7 @@ __device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict
             const int r = i / TT, c = i % TT;
             if (r0 + r < rows && c0 + c < cols) {
                 const size_t at = (size_t)(r0 + r) * cols + c0 + c;
-                const uint8_t code = quantize_one<FMT>(to_f32(x[at]), scale, amax, sat, flush);
+                const uint8_t code = quantize_one<FMT>(in_f32<SCALED>(x[at], pre), scale, amax, sat, flush);
                 out[at] = code;
                 tile[r * TS + c] = code;
             }
@@ -94,15 +119,19 @@ __device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict
     block_flush(amax, sat, flush, amax_out, counts);
 }
 
-#define QUANTIZE_T(TN, T, FN, FMT)                                                                     \
+#define QUANTIZE_T(TN, T, FN, FMT, SCALED)                                                             \
     extern "C" __global__ void __launch_bounds__(256) quantize_t_##TN##_##FN(                          \
-        const T* x, const float* scale, uint8_t* out, uint8_t* out_t, int rows, int cols, int vec,     \
-        uint32_t* amax, unsigned long long* counts, CUR_PARAMS) {                                      \
-        quantize_t_impl<T, FMT>(x, scale, out, out_t, rows, cols, vec, amax, counts, CUR_ARGS);        \
+        const T* x, const float* pre, const float* scale, uint8_t* out, uint8_t* out_t, int rows,      \
+        int cols, int vec, uint32_t* amax, unsigned long long* counts, CUR_PARAMS) {                   \
+        quantize_t_impl<T, FMT, SCALED>(x, pre, scale, out, out_t, rows, cols, vec, amax, counts,      \
+                                        CUR_ARGS);                                                     \
     }
-QUANTIZE_T(f32, float, e4m3, 0)
-QUANTIZE_T(f32, float, e5m2, 1)
-QUANTIZE_T(bf16, __nv_bfloat16, e4m3, 0)
-QUANTIZE_T(bf16, __nv_bfloat16, e5m2, 1)
-QUANTIZE_T(f16, __half, e4m3, 0)
-QUANTIZE_T(f16, __half, e5m2, 1)
+QUANTIZE_T(f32, float, e4m3, 0, false)
+QUANTIZE_T(f32, float, e5m2, 1, false)
+QUANTIZE_T(bf16, __nv_bfloat16, e4m3, 0, false)
+QUANTIZE_T(bf16, __nv_bfloat16, e5m2, 1, false)
+QUANTIZE_T(f16, __half, e4m3, 0, false)
+QUANTIZE_T(f16, __half, e5m2, 1, false)
+// an FP16 scaling tensor's codes, dequantized as read
+QUANTIZE_T(f16s, __half, e4m3, 0, true)
+QUANTIZE_T(f16s, __half, e5m2, 1, true)

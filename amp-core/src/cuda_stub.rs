@@ -40,7 +40,12 @@ pub(crate) mod cast_t {
         false
     }
 
-    pub(crate) fn quantize_t(_: QType, _: Option<crate::cast::FromAmax>, _: Inputs<'_>) -> Outputs {
+    pub(crate) fn quantize_t(
+        _: QType,
+        _: Option<crate::cast::FromAmax>,
+        _: bool,
+        _: Inputs<'_>,
+    ) -> Outputs {
         Err(Error::NotCompiled("cuda"))
     }
 }

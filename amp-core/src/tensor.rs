@@ -146,7 +146,11 @@ impl ScalingTensor {
             let qt = q.t()?;
             return Ok((q, qt, amax));
         }
-        let op = QuantizeT { qtype, from_amax };
+        let op = QuantizeT {
+            qtype,
+            from_amax,
+            scaled: false,
+        };
         let [data, data_t, counts, scale, scale_inv] =
             <[Tensor; 5]>::try_from(launch(&op, &[x, &amax])?)
                 .map_err(|_| arity(QuantizeT::NAME))?;
@@ -184,6 +188,7 @@ impl ScalingTensor {
         let op = QuantizeT {
             qtype: meta.qtype(),
             from_amax: None,
+            scaled: false,
         };
         let [data, data_t, amax, counts] =
             <[Tensor; 4]>::try_from(launch(&op, &[x, meta.scale()])?)
@@ -264,6 +269,86 @@ impl ScalingTensor {
         )?)
         .map_err(|_| arity(Requantize::NAME))?;
         Self::from_cast(data, &meta, amax, counts)
+    }
+
+    /// [`quantize_t`](Self::quantize_t) of this tensor's value: bit for bit
+    /// `quantize_t(&self.dequantize(F32)?, qtype, recipe)`. For an FP16
+    /// tensor and an FP8 target no F32 copy is written: the amax comes from
+    /// the codes and the cast decodes as it reads (how a Linear's FP16
+    /// weight becomes its GEMM operands each step, 6 bytes moved per
+    /// element instead of 14); other cases go through the F32 copy.
+    ///
+    /// # Errors
+    /// As [`quantize_t`](Self::quantize_t).
+    pub fn requantize_t(
+        &self,
+        qtype: QType,
+        recipe: &CurrentScaling,
+    ) -> Result<(Self, Self, Tensor)> {
+        if !self.casts_t_in_place(qtype) {
+            return Self::quantize_t(&self.dequantize(DType::F32)?, qtype, recipe);
+        }
+        let scale_inv = self.meta.scale_inv();
+        let [amax] = <[Tensor; 1]>::try_from(launch(
+            &DecodedAmax { qtype: QType::F16 },
+            &[&self.data, scale_inv],
+        )?)
+        .map_err(|_| arity(DecodedAmax::NAME))?;
+        let op = QuantizeT {
+            qtype,
+            from_amax: Some(FromAmax {
+                rule: recipe.scale_rule,
+                margin: recipe.margin,
+            }),
+            scaled: true,
+        };
+        let [data, data_t, counts, scale, scale_inv] =
+            <[Tensor; 5]>::try_from(launch(&op, &[&self.data, &amax, scale_inv])?)
+                .map_err(|_| arity(QuantizeT::NAME))?;
+        let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?;
+        let qt = Self {
+            data: data_t,
+            meta: q.meta.clone(),
+        };
+        Ok((q, qt, amax))
+    }
+
+    /// [`quantize_with_t`](Self::quantize_with_t) of this tensor's value,
+    /// as [`requantize_t`](Self::requantize_t) (no F32 copy for an FP16
+    /// tensor and an FP8 target).
+    ///
+    /// # Errors
+    /// As [`quantize_with_t`](Self::quantize_with_t).
+    pub fn requantize_with_t(&self, meta: &ScalingMeta) -> Result<(Self, Self, Tensor)> {
+        if !self.casts_t_in_place(meta.qtype()) {
+            return Self::quantize_with_t(&self.dequantize(DType::F32)?, meta);
+        }
+        let op = QuantizeT {
+            qtype: meta.qtype(),
+            from_amax: None,
+            scaled: true,
+        };
+        let [data, data_t, amax, counts] = <[Tensor; 4]>::try_from(launch(
+            &op,
+            &[&self.data, meta.scale(), self.meta.scale_inv()],
+        )?)
+        .map_err(|_| arity(QuantizeT::NAME))?;
+        let (q, amax) = Self::from_cast(data, meta, amax, counts)?;
+        let qt = Self {
+            data: data_t,
+            meta: q.meta.clone(),
+        };
+        Ok((q, qt, amax))
+    }
+
+    /// Whether the cast-transpose reads this tensor's codes directly: FP16
+    /// to FP8, 2-D, a shape the CUDA kernel takes.
+    fn casts_t_in_place(&self, to: QType) -> bool {
+        self.qtype() == QType::F16
+            && to != QType::F16
+            && self.data.dims2().is_ok_and(|(rows, cols)| {
+                !self.data.device().is_cuda() || crate::cuda::cast_t::fits(rows, cols)
+            })
     }
 
     /// The transpose of a 2-D tensor (data copied contiguous, same scale):

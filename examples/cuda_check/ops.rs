@@ -217,6 +217,34 @@ pub fn cast_transpose(dev: &Device) -> Result<bool> {
                 ok &= same_scaled(&format!("{what} current transposed"), &gt, &ct)?;
             }
         }
+        // from a scaled FP16 tensor's codes (an O2 weight): the kernel
+        // decodes as it reads, the CPU dequantizes then casts
+        let r = CurrentScaling::default();
+        let (wc, _) = ScalingTensor::quantize(&x_cpu, QType::F16, &r)?;
+        let (wg, _) = ScalingTensor::quantize(
+            &xs.to_device(dev)?
+                .narrow(0, offset, rows * cols)?
+                .reshape((rows, cols))?,
+            QType::F16,
+            &r,
+        )?;
+        ok &= same_scaled(&format!("fp16 master {rows}x{cols}+{offset}"), &wg, &wc)?;
+        for qtype in [QType::E4M3, QType::E5M2] {
+            let what = format!("requantize-transpose {rows}x{cols}+{offset} F16 -> {qtype}");
+            let (g, gt, ga) = wg.requantize_t(qtype, &r)?;
+            let (c, ct, ca) = wc.requantize_t(qtype, &r)?;
+            ok &= same(&format!("{what} amax"), &ga, &ca)?;
+            ok &= same_scaled(&format!("{what} current"), &g, &c)?;
+            ok &= same_scaled(&format!("{what} current transposed"), &gt, &ct)?;
+            let meta = |d: &Device| -> Result<ScalingMeta> {
+                Ok(ScalingMeta::new(qtype, 1, d)?.with_scale(3.0)?)
+            };
+            let (g, gt, ga) = wg.requantize_with_t(&meta(dev)?)?;
+            let (c, ct, ca) = wc.requantize_with_t(&meta(&Device::Cpu)?)?;
+            ok &= same(&format!("{what} delayed amax"), &ga, &ca)?;
+            ok &= same_scaled(&format!("{what} delayed"), &g, &c)?;
+            ok &= same_scaled(&format!("{what} delayed transposed"), &gt, &ct)?;
+        }
     }
     println!(
         "cast-transpose against the CPU: {}",

@@ -28,6 +28,8 @@ pub(crate) fn fits(rows: usize, cols: usize) -> bool {
 
 /// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`; with
 /// `from_amax`, `[codes, codes_t, counts, scale, scale_inv]` of `[x, amax]`.
+/// `scaled`: x is an FP16 scaling tensor's data and a third input its
+/// scale_inv; the kernel casts the dequantized values.
 ///
 /// # Errors
 /// [`Error::Unsupported`] for a non-FP8 target, a shape [`fits`] refuses
@@ -35,12 +37,22 @@ pub(crate) fn fits(rows: usize, cols: usize) -> bool {
 pub(crate) fn quantize_t(
     qtype: QType,
     from_amax: Option<FromAmax>,
+    scaled: bool,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     const OP: &str = "quantize_t";
-    let [(x, lx), (s, ls)] = inputs else {
-        return Err(arity(OP));
+    let ((x, lx), (s, ls), pre) = match inputs {
+        [x, s] if !scaled => (x, s, None),
+        [x, s, (p, lp)] if scaled => (x, s, Some(scalar(OP, p, lp)?)),
+        _ => return Err(arity(OP)),
     };
+    if scaled && x.dtype() != DType::F16 {
+        return Err(Error::DType {
+            op: OP,
+            expected: "F16 codes",
+            got: x.dtype(),
+        });
+    }
     let (rows, cols) = lx.shape().dims2()?;
     let fmt = match qtype {
         QType::E4M3 => "e4m3",
@@ -62,10 +74,12 @@ pub(crate) fn quantize_t(
     let dev = x.device();
     let cur = Current::new(dev, qtype, from_amax)?;
     let go = |name: &str| format!("quantize_t_{name}_{fmt}");
+    let pre = pre.as_ref();
     match x.dtype() {
         DType::F32 => launch(
             dev,
             &go("f32"),
+            pre,
             view::<f32>(OP, x, lx)?,
             &scale,
             cur,
@@ -75,6 +89,7 @@ pub(crate) fn quantize_t(
         DType::BF16 => launch(
             dev,
             &go("bf16"),
+            pre,
             view::<bf16>(OP, x, lx)?,
             &scale,
             cur,
@@ -83,7 +98,8 @@ pub(crate) fn quantize_t(
         ),
         DType::F16 => launch(
             dev,
-            &go("f16"),
+            &go(if scaled { "f16s" } else { "f16" }),
+            pre,
             view::<f16>(OP, x, lx)?,
             &scale,
             cur,
@@ -98,9 +114,11 @@ pub(crate) fn quantize_t(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
     name: &str,
+    pre: Option<&CudaView<'_, f32>>,
     xv: CudaView<'_, T>,
     scale: &CudaView<'_, f32>,
     mut cur: Option<Current>,
@@ -140,6 +158,10 @@ fn launch<T: CudaDType + DeviceRepr>(
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&f);
         b.arg(&xv);
+        match pre {
+            Some(p) => b.arg(p),
+            None => b.arg(&null),
+        };
         Current::push_scale(&cur, &mut b, scale);
         b.arg(&mut out).arg(&mut out_t);
         b.arg(&r).arg(&c).arg(&v);

@@ -2,7 +2,7 @@
 //! FP8 path through the autograd op.
 
 use super::linear::Linear;
-use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling};
+use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling, Source};
 use super::mode::{current_mode, current_step, ComputeMode};
 use super::precomputed::Precomputed;
 use crate::error::{Error, Result};
@@ -206,8 +206,14 @@ impl Linear {
                     (Some(w8.clone()), None)
                 }
                 _ => {
+                    let source = match weight {
+                        Weight::F32(var) => Source::Tensor(var.as_tensor()),
+                        Weight::F16(t) | Weight::Fp8 { master: t, .. } | Weight::Fp8Gathered(t) => {
+                            Source::Scaled(t)
+                        }
+                    };
                     let (q, qt) = cast(
-                        &weight.master_f32()?,
+                        source,
                         fwd,
                         &scaling,
                         &self.scaling,
@@ -224,7 +230,7 @@ impl Linear {
         };
         let (xq, xq_t) = if fprop || wgrad {
             let (q, qt) = cast(
-                x,
+                Source::Tensor(x),
                 fwd,
                 &scaling,
                 &self.scaling,

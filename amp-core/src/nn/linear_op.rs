@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Storage};
 use candle_core::{CustomOp3, DType, Tensor};
 
 pub use super::linear_scaling::LayerScaling;
-pub(crate) use super::linear_scaling::{cast, LastCasts, Role, Scaling, SharedScaling};
+pub(crate) use super::linear_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
 
 /// A tensor kept for backward: FP8, or native where that GEMM is overridden.
 #[derive(Debug, Clone)]
@@ -98,7 +98,7 @@ impl Fp8LinearOp {
         let p = &self.plan;
         let (dyq, dyq_t) = if p.dgrad || p.wgrad {
             let (q, qt) = cast(
-                &dy,
+                Source::Tensor(&dy),
                 p.bwd_format,
                 &p.scaling,
                 &self.state,

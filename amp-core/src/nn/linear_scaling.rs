@@ -104,9 +104,35 @@ pub(crate) type LastCasts = Arc<Mutex<[Option<ScalingMeta>; 3]>>;
 /// wgrad). Delayed scaling: the first cast of a role in a new step first
 /// rolls its history and takes the next scale (amaxes up to the previous
 /// step); every cast records its amax and counts.
+/// What a cast reads: a tensor, or a scaling tensor's value (a weight
+/// stored in FP16, cast from its codes without an F32 copy where the
+/// cast-transpose takes it).
+#[derive(Clone, Copy)]
+pub(crate) enum Source<'a> {
+    Tensor(&'a Tensor),
+    Scaled(&'a ScalingTensor),
+}
+
+impl Source<'_> {
+    fn device(&self) -> &candle_core::Device {
+        match self {
+            Self::Tensor(t) => t.device(),
+            Self::Scaled(t) => t.device(),
+        }
+    }
+
+    /// The value as a plain tensor (the casts without an in-place path).
+    fn tensor(&self) -> Result<Tensor> {
+        match self {
+            Self::Tensor(t) => Ok((*t).clone()),
+            Self::Scaled(t) => t.dequantize(candle_core::DType::F32),
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cast(
-    x: &Tensor,
+    x: Source<'_>,
     format: Fp8Format,
     scaling: &Scaling,
     state: &SharedScaling,
@@ -123,7 +149,7 @@ pub(crate) fn cast(
 }
 
 fn cast_scaled(
-    x: &Tensor,
+    x: Source<'_>,
     format: Fp8Format,
     scaling: &Scaling,
     state: &SharedScaling,
@@ -132,19 +158,30 @@ fn cast_scaled(
     transpose: bool,
 ) -> Result<(ScalingTensor, Option<ScalingTensor>)> {
     let quantize_with = |meta: &ScalingMeta| -> Result<(ScalingTensor, Option<ScalingTensor>)> {
-        Ok(if transpose {
-            let (q, qt, _) = ScalingTensor::quantize_with_t(x, meta)?;
-            (q, Some(qt))
-        } else {
-            (ScalingTensor::quantize_with(x, meta)?.0, None)
+        Ok(match (x, transpose) {
+            (Source::Scaled(w), true) => {
+                let (q, qt, _) = w.requantize_with_t(meta)?;
+                (q, Some(qt))
+            }
+            (_, true) => {
+                let (q, qt, _) = ScalingTensor::quantize_with_t(&x.tensor()?, meta)?;
+                (q, Some(qt))
+            }
+            (_, false) => (ScalingTensor::quantize_with(&x.tensor()?, meta)?.0, None),
         })
     };
     match scaling {
         Scaling::Current(r) if transpose => {
-            let (q, qt, _) = ScalingTensor::quantize_t(x, format.into(), r)?;
+            let (q, qt, _) = match x {
+                Source::Scaled(w) => w.requantize_t(format.into(), r)?,
+                Source::Tensor(t) => ScalingTensor::quantize_t(t, format.into(), r)?,
+            };
             Ok((q, Some(qt)))
         }
-        Scaling::Current(r) => Ok((ScalingTensor::quantize(x, format.into(), r)?.0, None)),
+        Scaling::Current(r) => Ok((
+            ScalingTensor::quantize(&x.tensor()?, format.into(), r)?.0,
+            None,
+        )),
         Scaling::Delayed(recipe) => {
             let mut guard = state.lock().map_err(|_| Error::Poisoned {
                 op: "fp8 linear cast",
