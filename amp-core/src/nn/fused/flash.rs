@@ -50,10 +50,16 @@ impl Flash {
             && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
     }
 
+    /// Whether the launch grid takes `b` x `heads` (grid y and z, at most
+    /// 65535 each) and the kernels' `int` row index takes `t`.
+    fn grid_fits(b: usize, heads: usize, t: usize) -> bool {
+        b * heads * t > 0 && b <= 65_535 && heads <= 65_535 && t < i32::MAX as usize - 64
+    }
+
     /// The problem of separate q, k, v shaped as `q`, if flash applies.
     pub(crate) fn separate(q: &Tensor) -> Option<Self> {
         let (b, heads, t, hd) = q.dims4().ok()?;
-        (Self::applies(q, hd) && b * heads * t > 0).then_some(Self {
+        (Self::applies(q, hd) && Self::grid_fits(b, heads, t)).then_some(Self {
             b,
             heads,
             t,
@@ -65,7 +71,7 @@ impl Flash {
     /// flash applies.
     pub(crate) fn packed(qkv: &Tensor, heads: usize, hd: usize) -> Option<Self> {
         let (b, t, _) = qkv.dims3().ok()?;
-        (Self::applies(qkv, hd) && b * heads * t > 0).then_some(Self {
+        (Self::applies(qkv, hd) && Self::grid_fits(b, heads, t)).then_some(Self {
             b,
             heads,
             t,
