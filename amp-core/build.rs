@@ -22,6 +22,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/cast_t.cu");
     println!("cargo:rerun-if-changed=kernels/cast.cuh");
     println!("cargo:rerun-if-changed=kernels/flash.cu");
+    println!("cargo:rerun-if-changed=kernels/flash.cuh");
     for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }

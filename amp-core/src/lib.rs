@@ -37,6 +37,7 @@
 
 mod bulk;
 mod cast;
+mod cast_t;
 pub mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
