@@ -342,3 +342,23 @@ extern "C" __global__ void scale_update(const float* hist, const float* scale, f
     // rotate_left(1), then slot 0 = 0
     for (int i = threadIdx.x; i < len; i += blockDim.x) out_hist[i] = i == 0 ? 0.0f : hist[(i + 1) % len];
 }
+
+// Up to GATHER_MAX one-element scalars, F32 or F64 (bit i of `f64_bits`
+// set: pointer i is an F64), into out[0..n] as F64 (F32 widened exactly):
+// many per-tensor results read to the host with one copy. The pointers
+// travel as a by-value parameter (2 KiB), so nothing is copied to the
+// device first.
+#define GATHER_MAX 256
+struct GatherPtrs {
+    unsigned long long p[GATHER_MAX];
+};
+struct GatherBits {
+    unsigned int w[GATHER_MAX / 32];
+};
+extern "C" __global__ void gather_scalars(GatherPtrs ptrs, GatherBits f64_bits, int n, double* out) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const bool wide = (f64_bits.w[i >> 5] >> (i & 31)) & 1u;
+    out[i] = wide ? *reinterpret_cast<const double*>(ptrs.p[i])
+                  : (double)*reinterpret_cast<const float*>(ptrs.p[i]);
+}

@@ -54,6 +54,10 @@ pub(crate) fn dequantize(_: QType, _: DType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn gather_scalars(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn decoded_amax(_: QType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

@@ -53,6 +53,7 @@ pub mod nn;
 mod qtype;
 mod recipe;
 mod requantize;
+mod scalars;
 mod scale;
 mod stats;
 mod tensor;
@@ -71,6 +72,7 @@ pub use qtype::QType;
 pub use recipe::{
     AmaxComputeAlgo, CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision, MAX_MARGIN,
 };
+pub use scalars::read_scalars;
 pub use scale::ScaleRule;
 pub use stats::CastStats;
 pub use tensor::ScalingTensor;

@@ -93,6 +93,7 @@ fn main() -> Result<()> {
         check("random ops", ops::random_ops(&dev));
         check("cast-transpose", ops::cast_transpose(&dev));
         check("scale updates", ops::scale_updates(&dev));
+        check("read scalars", ops::read_scalars(&dev));
         check("fp8 gemm", gemm::check(&dev));
         check("fp8 linear", gemm::linear(&dev));
         check("fused ops", fused::check(&dev));

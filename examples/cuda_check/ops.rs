@@ -252,3 +252,51 @@ pub fn cast_transpose(dev: &Device) -> Result<bool> {
     );
     Ok(ok)
 }
+
+/// `read_scalars` on the GPU against the CPU: F32 and F64 one-element
+/// tensors mixed, views at offsets, NaN, inf, a subnormal, and more than
+/// one launch's 256 values; equal bit for bit.
+pub fn read_scalars(dev: &Device) -> Result<bool> {
+    let mut rng = Rng(0x5ca1);
+    let vals = rng.values(700, 1e3);
+    let mut cpu: Vec<Tensor> = Vec::new();
+    for (i, v) in vals.iter().enumerate() {
+        let v = match i {
+            3 => f32::NAN,
+            4 => f32::INFINITY,
+            5 => 1e-40,
+            _ => *v,
+        };
+        cpu.push(if i % 3 == 0 {
+            Tensor::new(&[f64::from(v) * 1.000_000_1], &Device::Cpu)?
+        } else if i % 3 == 1 {
+            Tensor::new(&[0.0f32, v, 1.0], &Device::Cpu)?.narrow(0, 1, 1)?
+        } else {
+            Tensor::new(&[[v]], &Device::Cpu)?
+        });
+    }
+    // the offset stays on the device: narrow after the copy
+    let gpu: Vec<Tensor> = cpu
+        .iter()
+        .enumerate()
+        .map(|(i, t)| -> Result<Tensor> {
+            Ok(if i % 3 == 1 {
+                let full = Tensor::new(&[0.0f32, t.to_vec1::<f32>()?[0], 1.0], dev)?;
+                full.narrow(0, 1, 1)?
+            } else {
+                t.to_device(dev)?
+            })
+        })
+        .collect::<Result<_>>()?;
+    let c = amp::read_scalars(&cpu.iter().collect::<Vec<_>>())?;
+    let g = amp::read_scalars(&gpu.iter().collect::<Vec<_>>())?;
+    let same = c.len() == g.len()
+        && c.iter()
+            .zip(&g)
+            .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+    println!(
+        "read_scalars (700 values, F32 and F64, views): {}",
+        if same { "identical" } else { "DIFFER" }
+    );
+    Ok(same)
+}

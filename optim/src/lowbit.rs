@@ -381,14 +381,9 @@ impl LowBitAdamW {
 }
 
 /// The one-element sums, then the amaxes (as F64, exactly), read to the
-/// host in one copy.
+/// host in one copy (`amp_core::read_scalars`: one gather launch per 256
+/// values, where a concatenation launched a copy per value).
 fn read_all(sums: &[(bool, Tensor)], amaxes: &[(bool, Tensor)]) -> Result<Vec<f64>> {
-    let mut all: Vec<Tensor> = sums.iter().map(|(_, t)| t.clone()).collect();
-    for (_, a) in amaxes {
-        all.push(a.to_dtype(candle_core::DType::F64)?);
-    }
-    if all.is_empty() {
-        return Ok(Vec::new());
-    }
-    Ok(Tensor::cat(&all, 0)?.to_vec1::<f64>()?)
+    let all: Vec<&Tensor> = sums.iter().chain(amaxes).map(|(_, t)| t).collect();
+    Ok(amp_core::read_scalars(&all)?)
 }

@@ -54,6 +54,7 @@ pub(crate) mod nn;
 pub(crate) mod nn_embedding;
 pub(crate) mod nn_layout;
 mod pool;
+mod scalars;
 
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use gemm::fp8_gemm;
@@ -62,3 +63,4 @@ pub use pool::{
     keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
     skip_event_tracking,
 };
+pub(crate) use scalars::gather_scalars;
