@@ -1,7 +1,8 @@
 //! CUDA body of the gradient sum of squares ([`SumSq`]), from
 //! `kernels/lowbit.cu`: per 2048-element block 8 f32 lanes, the lanes in
 //! f64 in order, groups of 256 blocks in order, the groups in order (the
-//! CPU body's order, so the same bits); three launches, no host read.
+//! CPU body's order, so the same bits); three launches (one or two for a
+//! tensor of one element block or one group), no host read.
 
 use crate::cuda::{address, bad, func, kind, scalar_address, Outputs, THREADS};
 use crate::fused::SumSq;
@@ -30,37 +31,58 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
     let chunks = n.div_ceil(SUMSQ_BLOCK);
     let groups = chunks.div_ceil(SUMSQ_GROUP);
     let stream = dev.cuda_stream();
-    // SAFETY: sumsq_partials writes one partial per element block (the
-    // lane-0 thread of each), sumsq_groups one sum per group; neither is
-    // read before it is written. Only the total, which no kernel writes when
-    // there are no elements, starts at zero.
-    let mut partials = unsafe { dev.alloc::<f64>(chunks.max(1))? };
-    let mut group_sums = unsafe { dev.alloc::<f64>(groups.max(1))? };
+    // Only the total, which no kernel writes when there are no elements,
+    // starts at zero.
     let mut total = dev.alloc_zeros::<f64>(1)?;
     let blocks = |b: usize| LaunchConfig {
         grid_dim: (b as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    // One element block: its partial is the group's sum and the total; one
+    // group: its sum is the total (0.0 + s is s for the s here, sums of
+    // squares: +0 or more, or NaN). So a small tensor takes one or two
+    // launches, not three, with the same bits.
+    // SAFETY (both): sumsq_partials writes one partial per element block
+    // (the lane-0 thread of each), sumsq_groups one sum per group; neither
+    // is read before it is written.
+    let mut partials = (chunks > 1)
+        .then(|| unsafe { dev.alloc::<f64>(chunks) })
+        .transpose()?;
+    let mut group_sums = (groups > 1)
+        .then(|| unsafe { dev.alloc::<f64>(groups) })
+        .transpose()?;
     if chunks > 0 {
         let f = func(&dev, &format!("sumsq_partials_{kd}"))?;
         let mut b = stream.launch_builder(&f);
         let vec = i32::from(gp % 16 == 0);
-        b.arg(&gp).arg(&sp).arg(&n).arg(&vec).arg(&mut partials);
+        b.arg(&gp).arg(&sp).arg(&n).arg(&vec);
+        match partials.as_mut() {
+            Some(p) => b.arg(p),
+            None => b.arg(&mut total),
+        };
         // SAFETY: gp addresses n elements of kind kd (4-element loads only
         // where it is 16-byte aligned and n >= 4, of whole groups before n,
         // group 0 in place of the others); partials
         // holds one f64 per block of SUMSQ_BLOCK elements; each CUDA block
         // covers SUMSQ_CHUNKS of them and reads no element at or past n.
         unsafe { b.launch(blocks(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;
+    }
+    if let Some(partials) = &partials {
         let f = func(&dev, "sumsq_groups")?;
         let mut b = stream.launch_builder(&f);
-        b.arg(&partials).arg(&chunks).arg(&mut group_sums);
-        // SAFETY: partials holds `chunks` f64, group_sums one per group.
+        b.arg(partials).arg(&chunks);
+        match group_sums.as_mut() {
+            Some(g) => b.arg(g),
+            None => b.arg(&mut total),
+        };
+        // SAFETY: partials holds `chunks` f64, the output one per group.
         unsafe { b.launch(blocks(groups)) }.w()?;
+    }
+    if let Some(group_sums) = &group_sums {
         let f = func(&dev, "sumsq_total")?;
         let mut b = stream.launch_builder(&f);
-        b.arg(&group_sums).arg(&groups).arg(&mut total);
+        b.arg(group_sums).arg(&groups).arg(&mut total);
         // SAFETY: group_sums holds `groups` f64, total one.
         unsafe { b.launch(blocks(1)) }.w()?;
     }
