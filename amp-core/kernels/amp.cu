@@ -362,3 +362,11 @@ extern "C" __global__ void gather_scalars(GatherPtrs ptrs, GatherBits f64_bits, 
     out[i] = wide ? *reinterpret_cast<const double*>(ptrs.p[i])
                   : (double)*reinterpret_cast<const float*>(ptrs.p[i]);
 }
+
+// scale_inv * (amax * 0 + 1): the scale_inv where the amax is finite, NaN
+// where it is not (the FP8 Linear's non-finite flag, carried into a GEMM
+// by its operand's scale_inv). One thread; the CPU's f32 operations.
+extern "C" __global__ void flag_scale_inv(const float* scale_inv, const float* amax, float* out) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        *out = __fmul_rn(*scale_inv, __fadd_rn(__fmul_rn(*amax, 0.0f), 1.0f));
+}

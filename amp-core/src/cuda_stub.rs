@@ -54,6 +54,10 @@ pub(crate) fn dequantize(_: QType, _: DType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn flag_scale_inv(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn gather_scalars(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

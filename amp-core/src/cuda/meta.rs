@@ -35,6 +35,28 @@ pub(crate) fn record_amax(inputs: &[(&CudaStorage, &Layout)]) -> Result<Outputs>
     )])
 }
 
+/// scale_inv, amax -> scale_inv * (amax * 0 + 1) (nn/flag.rs's FlagScaleInv).
+pub(crate) fn flag_scale_inv(inputs: &[(&CudaStorage, &Layout)]) -> Result<Outputs> {
+    const OP: &str = "flag_scale_inv";
+    let [(s, ls), (a, la)] = inputs else {
+        return Err(arity(OP));
+    };
+    let dev = s.device().clone();
+    let scale_inv = scalar(OP, s, ls)?;
+    let amax = scalar(OP, a, la)?;
+    // SAFETY: the kernel writes the one element.
+    let mut out = unsafe { dev.alloc::<f32>(1)? };
+    let f = func(&dev, "flag_scale_inv")?;
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
+    b.arg(&scale_inv).arg(&amax).arg(&mut out);
+    unsafe { b.launch(one_block()) }.w()?;
+    Ok(vec![(
+        CudaStorage::wrap_cuda_slice(out, dev),
+        ls.shape().clone(),
+    )])
+}
+
 /// history, scale -> rolled history, scale, scale_inv (meta.rs's ScaleUpdate).
 pub(crate) fn scale_update(
     rule: ScaleRule,

@@ -58,7 +58,7 @@ mod scalars;
 
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use gemm::fp8_gemm;
-pub(crate) use meta::{record_amax, scale_update};
+pub(crate) use meta::{flag_scale_inv, record_amax, scale_update};
 pub use pool::{
     keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
     skip_event_tracking,

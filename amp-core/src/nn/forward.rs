@@ -1,8 +1,9 @@
 //! The forward pass of `amp::nn::Linear`: checks, the native path, and the
 //! FP8 path through the autograd op.
 
+use super::flag::flagged_by_amax;
 use super::linear::Linear;
-use super::linear_op::{cast, flagged, Fp8LinearOp, Plan, Role, Saved, Scaling, Source};
+use super::linear_op::{cast, Fp8LinearOp, Plan, Role, Saved, Scaling, Source};
 use super::mode::{current_mode, current_step, ComputeMode};
 use super::precomputed::Precomputed;
 use crate::error::{Error, Result};
@@ -245,13 +246,11 @@ impl Linear {
         };
         let y = match (&xq, &wq) {
             // A saturating cast hides inf: a non-finite input amax makes the
-            // output NaN (amax * 0 + 1, one launch: 1 when finite, NaN for inf
-            // or NaN), never silently finite.
-            // The flag rides in x's scale_inv (see `flagged`).
+            // output NaN, never silently finite; the flag rides in x's
+            // scale_inv (flag.rs).
             (Some(xq), Some(wq)) if fprop => {
-                let flag = xq.meta().amax()?.affine(0.0, 1.0)?;
                 // Fast accumulation in fprop, as Transformer Engine.
-                fp8_gemm_with(&flagged(xq, &flag)?, wq, x.dtype(), true)?
+                fp8_gemm_with(&flagged_by_amax(xq)?, wq, x.dtype(), true)?
             }
             _ => x.matmul(&w_native()?.t()?)?,
         };

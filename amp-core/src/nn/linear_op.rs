@@ -2,12 +2,12 @@
 //! wgrad in FP8 (or natively where overridden), the input saved as FP8,
 //! the weight gradient handed to a sink or to candle's `GradStore`.
 
+use super::flag::flagged_by_amax;
 use super::precomputed::Precomputed;
 use super::sink::GradSink;
 use crate::error::{Error, Result};
 use crate::format::Fp8Format;
 use crate::gemm::fp8_gemm;
-use crate::meta::ScalingMeta;
 use crate::nn::fused::BiasAdd;
 use crate::recipe::CurrentScaling;
 use crate::tensor::ScalingTensor;
@@ -114,21 +114,21 @@ impl Fp8LinearOp {
         // A saturating cast turns inf into max: carry a non-finite dy amax
         // into the results (x 1 if finite, NaN otherwise), so an overflowing
         // step is still seen, and skipped, downstream.
-        let flag = match &dyq {
-            Some(q) => Some(q.meta().amax()?.affine(0.0, 1.0)?),
-            None => None,
-        };
+        // (the flag as a tensor only where a native product needs it)
         let finite = |t: Tensor| -> Result<Tensor> {
-            match &flag {
-                Some(f) => Ok(t.broadcast_mul(&f.to_dtype(t.dtype())?)?),
+            match &dyq {
+                Some(q) => {
+                    let f = q.meta().amax()?.affine(0.0, 1.0)?;
+                    Ok(t.broadcast_mul(&f.to_dtype(t.dtype())?)?)
+                }
                 None => Ok(t),
             }
         };
         // The FP8 GEMMs take the flag in dy's scale_inv (no pass over their
         // outputs); the native products multiply by it.
-        let (dqf, dqf_t) = match (&dyq, &flag) {
-            (Some(q), Some(f)) => {
-                let dq = flagged(q, f)?;
+        let (dqf, dqf_t) = match &dyq {
+            Some(q) => {
+                let dq = flagged_by_amax(q)?;
                 // the transpose shares the flagged metadata
                 let dqt = dyq_t
                     .as_ref()
@@ -195,22 +195,6 @@ impl Fp8LinearOp {
         let lo = Layout::contiguous(shape.clone());
         Ok((r.binary_impl::<candle_core::op::Add>(&out, lr, &lo)?, shape))
     }
-}
-
-/// `t` with its scale_inv multiplied by `flag` (1-element F32: 1, or NaN
-/// where a cast's amax was not finite). An FP8 GEMM applies scale_inv to its
-/// result (cuBLASLt through its scale pointers), so the flag reaches every
-/// output element at no extra pass over the output; with flag 1 the
-/// product is bit-identical to the unflagged one.
-pub(crate) fn flagged(t: &ScalingTensor, flag: &Tensor) -> Result<ScalingTensor> {
-    let m = t.meta();
-    let meta = ScalingMeta::from_parts(
-        t.qtype(),
-        m.scale().clone(),
-        (m.scale_inv() * flag)?,
-        m.amax_history().clone(),
-    )?;
-    ScalingTensor::from_parts(t.data().clone(), meta)
 }
 
 /// A weight gradient as the sink keeps it: E4M3 with a power-of-two scale;

@@ -40,6 +40,7 @@
 
 mod blocks;
 mod build;
+mod flag;
 mod forward;
 mod forward_fused;
 pub mod fused;
