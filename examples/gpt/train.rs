@@ -160,9 +160,12 @@ pub fn train_rank(
         // measure the pool's peak from here on.
         amp::keep_freed_memory(&cfg.device)?;
         amp::reset_pool_peaks(&cfg.device)?;
-        if !cfg.event_tracking {
-            // SAFETY: this program runs every op, collective included, on
-            // the candle device's one stream.
+        // One rank: this host thread alone drives the device (in-process
+        // ranks are threads sharing it, each with its own per-thread
+        // stream; they keep cudarc's events).
+        if !cfg.event_tracking && world == 1 {
+            // SAFETY: every op, from this one host thread, runs on the
+            // candle device's one (per-thread) stream.
             unsafe { amp::skip_event_tracking(&cfg.device)? };
         }
     }

@@ -27,6 +27,10 @@ fn qkv_views<'a>(
     inputs: &'a [(&'a CudaStorage, &'a Layout)],
     dev: &CudaDevice,
 ) -> Result<[CudaView<'a, bf16>; 3]> {
+    let n_in = f.in_shape().elem_count();
+    if inputs.iter().any(|(_, l)| l.shape().elem_count() != n_in) {
+        return Err(arity());
+    }
     let views = match inputs {
         [(s, l)] if f.packed => {
             let x = super::launch::view::<bf16>(OP, s, l)?;
@@ -137,6 +141,11 @@ pub(crate) fn bwd(
     let [(o, lo), (dout, ld), (lse, ll)] = rest else {
         return Err(arity());
     };
+    // the kernels index these by the problem's strides: sizes must match
+    let out = f.out_shape();
+    if lo.shape() != &out || ld.shape() != &out || ll.shape().elem_count() != f.rows() {
+        return Err(arity());
+    }
     let o = super::launch::view::<bf16>(OP, o, lo)?;
     let dout = super::launch::view::<bf16>(OP, dout, ld)?;
     let lse = super::launch::view::<f32>(OP, lse, ll)?;

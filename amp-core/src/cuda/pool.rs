@@ -50,7 +50,8 @@ pub fn keep_freed_memory(device: &Device) -> Result<()> {
 /// Buffers allocated afterwards carry no events: nothing may use them on
 /// another stream of this context (one created later by
 /// `CudaContext::new_stream`, or by another library) without its own
-/// synchronization.
+/// synchronization, and no other host thread may use this device (each
+/// host thread gets its own per-thread stream).
 ///
 /// # Errors
 /// [`Error::UnsupportedDevice`] off CUDA.
