@@ -161,6 +161,14 @@ pub(crate) struct FromAmax {
 }
 
 impl FromAmax {
+    /// Current scaling by `recipe`'s rule and margin.
+    pub(crate) fn of(recipe: &crate::recipe::CurrentScaling) -> Self {
+        Self {
+            rule: recipe.scale_rule,
+            margin: recipe.margin,
+        }
+    }
+
     /// The scale a cast to `qtype` applies: from the amax, or the scale.
     fn scale(from: Option<Self>, qtype: QType, op: &'static str, v: f32) -> Result<f32> {
         match from {

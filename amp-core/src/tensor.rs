@@ -32,6 +32,12 @@ pub struct ScalingTensor {
     meta: ScalingMeta,
 }
 
+/// Whether the cast-transpose kernel takes a `[rows, cols]` input to `to`
+/// in one pass: FP8 targets, and on CUDA a shape its grid fits.
+pub(crate) fn one_pass_t(to: QType, rows: usize, cols: usize, device: &Device) -> bool {
+    to != QType::F16 && (!device.is_cuda() || crate::cuda::cast_t::fits(rows, cols))
+}
+
 fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
     match x.dtype() {
         DType::F32 | DType::F16 | DType::BF16 => Ok(()),
@@ -84,10 +90,7 @@ impl ScalingTensor {
             <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
         let op = Quantize {
             qtype,
-            from_amax: Some(FromAmax {
-                rule: recipe.scale_rule,
-                margin: recipe.margin,
-            }),
+            from_amax: Some(FromAmax::of(recipe)),
         };
         let [data, counts, scale, scale_inv] = <[Tensor; 4]>::try_from(launch(&op, &[x, &amax])?)
             .map_err(|_| arity(Quantize::NAME))?;
@@ -132,36 +135,69 @@ impl ScalingTensor {
         recipe: &CurrentScaling,
     ) -> Result<(Self, Self, Tensor)> {
         check_float("ScalingTensor::quantize_t", x)?;
-        let [amax] =
-            <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
-        let from_amax = Some(FromAmax {
-            rule: recipe.scale_rule,
-            margin: recipe.margin,
-        });
         let (rows, cols) = x.dims2().map_err(|_| Error::Rank {
             op: "ScalingTensor::quantize_t",
             expected: 2,
             got: x.shape().clone(),
         })?;
-        if qtype == QType::F16 || (x.device().is_cuda() && !crate::cuda::cast_t::fits(rows, cols)) {
+        if !one_pass_t(qtype, rows, cols, x.device()) {
             let (q, amax) = Self::quantize(x, qtype, recipe)?;
             let qt = q.t()?;
             return Ok((q, qt, amax));
         }
+        let [amax] =
+            <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
+        Self::cast_t_current(qtype, recipe, false, &[x, &amax], amax.clone())
+    }
+
+    /// The cast-transpose under current scaling: `op`'s outputs `[codes,
+    /// codes_t, counts, scale, scale_inv]` of `inputs` (`[x, amax]`, and
+    /// with `scaled` the FP16 source's scale_inv) as `(q, qᵀ, amax)`.
+    pub(super) fn cast_t_current(
+        qtype: QType,
+        recipe: &CurrentScaling,
+        scaled: bool,
+        inputs: &[&Tensor],
+        amax: Tensor,
+    ) -> Result<(Self, Self, Tensor)> {
         let op = QuantizeT {
             qtype,
-            from_amax,
-            scaled: false,
+            from_amax: Some(FromAmax::of(recipe)),
+            scaled,
         };
         let [data, data_t, counts, scale, scale_inv] =
-            <[Tensor; 5]>::try_from(launch(&op, &[x, &amax])?)
-                .map_err(|_| arity(QuantizeT::NAME))?;
+            <[Tensor; 5]>::try_from(launch(&op, inputs)?).map_err(|_| arity(QuantizeT::NAME))?;
         let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?;
-        let qt = Self {
-            data: data_t,
-            meta: q.meta.clone(),
-        };
+        let qt = q.with_data(data_t);
         Ok((q, qt, amax))
+    }
+
+    /// The cast-transpose with `meta`'s scale: `op`'s outputs `[codes,
+    /// codes_t, amax, counts]` of `inputs` (`[x, scale]`, and with `scaled`
+    /// the FP16 source's scale_inv) as `(q, qᵀ, amax)`.
+    pub(super) fn cast_t_with(
+        meta: &ScalingMeta,
+        scaled: bool,
+        inputs: &[&Tensor],
+    ) -> Result<(Self, Self, Tensor)> {
+        let op = QuantizeT {
+            qtype: meta.qtype(),
+            from_amax: None,
+            scaled,
+        };
+        let [data, data_t, amax, counts] =
+            <[Tensor; 4]>::try_from(launch(&op, inputs)?).map_err(|_| arity(QuantizeT::NAME))?;
+        let (q, amax) = Self::from_cast(data, meta, amax, counts)?;
+        let qt = q.with_data(data_t);
+        Ok((q, qt, amax))
+    }
+
+    /// Other codes (the transpose) with this tensor's metadata.
+    fn with_data(&self, data: Tensor) -> Self {
+        Self {
+            data,
+            meta: self.meta.clone(),
+        }
     }
 
     /// [`quantize_with`](Self::quantize_with) of a 2-D `x` that also returns
@@ -180,27 +216,12 @@ impl ScalingTensor {
             expected: 2,
             got: x.shape().clone(),
         })?;
-        let one_pass = meta.qtype() != QType::F16
-            && (!x.device().is_cuda() || crate::cuda::cast_t::fits(rows, cols));
-        if !one_pass {
+        if !one_pass_t(meta.qtype(), rows, cols, x.device()) {
             let (q, amax) = Self::quantize_with(x, meta)?;
             let qt = q.t()?;
             return Ok((q, qt, amax));
         }
-        let op = QuantizeT {
-            qtype: meta.qtype(),
-            from_amax: None,
-            scaled: false,
-        };
-        let [data, data_t, amax, counts] =
-            <[Tensor; 4]>::try_from(launch(&op, &[x, meta.scale()])?)
-                .map_err(|_| arity(QuantizeT::NAME))?;
-        let (q, amax) = Self::from_cast(data, meta, amax, counts)?;
-        let qt = Self {
-            data: data_t,
-            meta: q.meta.clone(),
-        };
-        Ok((q, qt, amax))
+        Self::cast_t_with(meta, false, &[x, meta.scale()])
     }
 
     /// A current-scaling cast's outputs as a scaling tensor: the codes, the

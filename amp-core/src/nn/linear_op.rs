@@ -114,13 +114,17 @@ impl Fp8LinearOp {
         // A saturating cast turns inf into max: carry a non-finite dy amax
         // into the results (x 1 if finite, NaN otherwise), so an overflowing
         // step is still seen, and skipped, downstream.
-        // (the flag as a tensor only where a native product needs it)
+        // (the flag as a tensor only where a native product needs it, once)
+        let flag = std::cell::OnceCell::new();
         let finite = |t: Tensor| -> Result<Tensor> {
-            match &dyq {
-                Some(q) => {
-                    let f = q.meta().amax()?.affine(0.0, 1.0)?;
-                    Ok(t.broadcast_mul(&f.to_dtype(t.dtype())?)?)
-                }
+            let Some(q) = &dyq else {
+                return Ok(t);
+            };
+            if flag.get().is_none() {
+                let _ = flag.set(q.meta().amax()?.affine(0.0, 1.0)?);
+            }
+            match flag.get() {
+                Some(f) => Ok(t.broadcast_mul(&f.to_dtype(t.dtype())?)?),
                 None => Ok(t),
             }
         };

@@ -5,6 +5,7 @@
 use crate::error::{Error, Result};
 use crate::format::Fp8Format;
 use crate::meta::ScalingMeta;
+use crate::qtype::QType;
 use crate::recipe::{CurrentScaling, DelayedScaling};
 use crate::tensor::ScalingTensor;
 use candle_core::Tensor;
@@ -99,11 +100,6 @@ pub(crate) type SharedScaling = Arc<Mutex<Option<LayerScaling>>>;
 /// gradient), in every FP8 mode: precision telemetry.
 pub(crate) type LastCasts = Arc<Mutex<[Option<ScalingMeta>; 3]>>;
 
-/// Casts `x` to FP8 for `role` at `step`, and with `transpose` also returns
-/// its codes transposed (one pass on CUDA: the K-major operand of dgrad or
-/// wgrad). Delayed scaling: the first cast of a role in a new step first
-/// rolls its history and takes the next scale (amaxes up to the previous
-/// step); every cast records its amax and counts.
 /// What a cast reads: a tensor, or a scaling tensor's value (a weight
 /// stored in FP16, cast from its codes without an F32 copy where the
 /// cast-transpose takes it).
@@ -128,8 +124,35 @@ impl Source<'_> {
             Self::Scaled(t) => t.dequantize(candle_core::DType::F32),
         }
     }
+
+    /// The cast and its transpose, current scaling by `r`.
+    fn quantize_t(
+        &self,
+        qtype: QType,
+        r: &CurrentScaling,
+    ) -> Result<(ScalingTensor, ScalingTensor)> {
+        let (q, qt, _) = match self {
+            Self::Tensor(t) => ScalingTensor::quantize_t(t, qtype, r)?,
+            Self::Scaled(w) => w.requantize_t(qtype, r)?,
+        };
+        Ok((q, qt))
+    }
+
+    /// The cast and its transpose with `meta`'s scale.
+    fn quantize_with_t(&self, meta: &ScalingMeta) -> Result<(ScalingTensor, ScalingTensor)> {
+        let (q, qt, _) = match self {
+            Self::Tensor(t) => ScalingTensor::quantize_with_t(t, meta)?,
+            Self::Scaled(w) => w.requantize_with_t(meta)?,
+        };
+        Ok((q, qt))
+    }
 }
 
+/// Casts `x` to FP8 for `role` at `step`, and with `transpose` also returns
+/// its codes transposed (one pass on CUDA: the K-major operand of dgrad or
+/// wgrad). Delayed scaling: the first cast of a role in a new step first
+/// rolls its history and takes the next scale (amaxes up to the previous
+/// step); every cast records its amax and counts.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cast(
     x: Source<'_>,
@@ -158,24 +181,16 @@ fn cast_scaled(
     transpose: bool,
 ) -> Result<(ScalingTensor, Option<ScalingTensor>)> {
     let quantize_with = |meta: &ScalingMeta| -> Result<(ScalingTensor, Option<ScalingTensor>)> {
-        Ok(match (x, transpose) {
-            (Source::Scaled(w), true) => {
-                let (q, qt, _) = w.requantize_with_t(meta)?;
-                (q, Some(qt))
-            }
-            (_, true) => {
-                let (q, qt, _) = ScalingTensor::quantize_with_t(&x.tensor()?, meta)?;
-                (q, Some(qt))
-            }
-            (_, false) => (ScalingTensor::quantize_with(&x.tensor()?, meta)?.0, None),
+        Ok(if transpose {
+            let (q, qt) = x.quantize_with_t(meta)?;
+            (q, Some(qt))
+        } else {
+            (ScalingTensor::quantize_with(&x.tensor()?, meta)?.0, None)
         })
     };
     match scaling {
         Scaling::Current(r) if transpose => {
-            let (q, qt, _) = match x {
-                Source::Scaled(w) => w.requantize_t(format.into(), r)?,
-                Source::Tensor(t) => ScalingTensor::quantize_t(t, format.into(), r)?,
-            };
+            let (q, qt) = x.quantize_t(format.into(), r)?;
             Ok((q, Some(qt)))
         }
         Scaling::Current(r) => Ok((

@@ -4,8 +4,7 @@
 //! reading the codes). Each is bit for bit the cast of `dequantize(F32)`.
 
 use super::ScalingTensor;
-use crate::cast::{arity, FromAmax};
-use crate::cast_t::QuantizeT;
+use crate::cast::arity;
 use crate::error::Result;
 use crate::kernel::{launch, Kernel};
 use crate::meta::ScalingMeta;
@@ -61,23 +60,13 @@ impl ScalingTensor {
             &[&self.data, scale_inv],
         )?)
         .map_err(|_| arity(DecodedAmax::NAME))?;
-        let op = QuantizeT {
+        Self::cast_t_current(
             qtype,
-            from_amax: Some(FromAmax {
-                rule: recipe.scale_rule,
-                margin: recipe.margin,
-            }),
-            scaled: true,
-        };
-        let [data, data_t, counts, scale, scale_inv] =
-            <[Tensor; 5]>::try_from(launch(&op, &[&self.data, &amax, scale_inv])?)
-                .map_err(|_| arity(QuantizeT::NAME))?;
-        let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?;
-        let qt = Self {
-            data: data_t,
-            meta: q.meta.clone(),
-        };
-        Ok((q, qt, amax))
+            recipe,
+            true,
+            &[&self.data, &amax, scale_inv],
+            amax.clone(),
+        )
     }
 
     /// [`quantize_with_t`](Self::quantize_with_t) of this tensor's value,
@@ -90,31 +79,20 @@ impl ScalingTensor {
         if !self.casts_t_in_place(meta.qtype()) {
             return Self::quantize_with_t(&self.dequantize(DType::F32)?, meta);
         }
-        let op = QuantizeT {
-            qtype: meta.qtype(),
-            from_amax: None,
-            scaled: true,
-        };
-        let [data, data_t, amax, counts] = <[Tensor; 4]>::try_from(launch(
-            &op,
+        Self::cast_t_with(
+            meta,
+            true,
             &[&self.data, meta.scale(), self.meta.scale_inv()],
-        )?)
-        .map_err(|_| arity(QuantizeT::NAME))?;
-        let (q, amax) = Self::from_cast(data, meta, amax, counts)?;
-        let qt = Self {
-            data: data_t,
-            meta: q.meta.clone(),
-        };
-        Ok((q, qt, amax))
+        )
     }
 
     /// Whether the cast-transpose reads this tensor's codes directly: FP16
     /// to FP8, 2-D, a shape the CUDA kernel takes.
     fn casts_t_in_place(&self, to: QType) -> bool {
         self.qtype() == QType::F16
-            && to != QType::F16
-            && self.data.dims2().is_ok_and(|(rows, cols)| {
-                !self.data.device().is_cuda() || crate::cuda::cast_t::fits(rows, cols)
-            })
+            && self
+                .data
+                .dims2()
+                .is_ok_and(|(rows, cols)| super::one_pass_t(to, rows, cols, self.data.device()))
     }
 }

@@ -7,7 +7,7 @@
 //! probabilities at all, backward recomputes them.
 
 use super::flash::{self, Flash};
-use super::handoff::Handoff;
+use super::handoff::{token_fwd, Handoff};
 use super::heads::Qkv;
 use super::ops::{CausalSoftmax, CausalSoftmaxBwd};
 use crate::error::{Error, Result};
@@ -348,23 +348,7 @@ impl CustomOp1 for AttentionHanded {
         "amp_causal_attention_handed"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        Ok(Handoff::cpu_token())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        Handoff::cuda_token(s.device())
-    }
+    token_fwd!(1);
 
     /// As [`CausalAttentionQkv`]'s, from the handed gradient; qkv's
     /// gradient is handed back.

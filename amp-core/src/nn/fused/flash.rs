@@ -83,11 +83,15 @@ impl Flash {
     /// the output (BF16, [`Self::out_shape`]) and the rows' log-sum-exp.
     pub(crate) fn forward(&self, inputs: &[Tensor]) -> Result<(Tensor, Tensor)> {
         let refs: Vec<&Tensor> = inputs.iter().collect();
-        let mut out = launch(&Fwd(*self), &refs)?;
+        let fwd = Kernels {
+            flash: *self,
+            backward: false,
+        };
+        let mut out = launch(&fwd, &refs)?;
         match (out.pop(), out.pop()) {
             (Some(lse), Some(o)) => Ok((o, lse)),
             _ => Err(Error::Unsupported {
-                op: Fwd::NAME,
+                op: Kernels::NAME,
                 what: "a kernel without its two outputs".into(),
             }),
         }
@@ -106,7 +110,11 @@ impl Flash {
         let dy = input(dy)?;
         let mut refs: Vec<&Tensor> = inputs.iter().collect();
         refs.extend([o, &dy, lse]);
-        launch(&Bwd(*self), &refs)
+        let bwd = Kernels {
+            flash: *self,
+            backward: true,
+        };
+        launch(&bwd, &refs)
     }
 }
 
@@ -179,32 +187,26 @@ pub(crate) fn input(x: &Tensor) -> Result<Tensor> {
     Ok(x.to_dtype(DType::F32)?.to_dtype(DType::BF16)?)
 }
 
-struct Fwd(Flash);
-struct Bwd(Flash);
-
-fn cpu_refused(op: &'static str) -> Error {
-    Error::UnsupportedDevice {
-        op,
-        device: candle_core::DeviceLocation::Cpu,
-    }
+/// The flash kernels as a [`Kernel`]: the forward, or (`backward`) the
+/// backward. CUDA only: the attention ops choose flash only there.
+struct Kernels {
+    flash: Flash,
+    backward: bool,
 }
 
-impl Kernel for Fwd {
+impl Kernel for Kernels {
     const NAME: &'static str = "flash_attention";
     fn cpu(&self, _: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        Err(cpu_refused(Self::NAME))
+        Err(Error::UnsupportedDevice {
+            op: Self::NAME,
+            device: candle_core::DeviceLocation::Cpu,
+        })
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::cuda::flash::fwd(self.0, inputs)
-    }
-}
-
-impl Kernel for Bwd {
-    const NAME: &'static str = "flash_attention_bwd";
-    fn cpu(&self, _: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        Err(cpu_refused(Self::NAME))
-    }
-    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::cuda::flash::bwd(self.0, inputs)
+        if self.backward {
+            crate::cuda::flash::bwd(self.flash, inputs)
+        } else {
+            crate::cuda::flash::fwd(self.flash, inputs)
+        }
     }
 }

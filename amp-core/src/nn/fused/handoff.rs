@@ -12,7 +12,7 @@
 
 use super::ops::LayerNormOp;
 use crate::error::{Error, Result};
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Shape, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// The slot between a producer and its consumer: the handed tensor's
@@ -114,31 +114,7 @@ impl CustomOp3 for LayerNormToken {
         "amp_layer_norm_token"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok(Handoff::cpu_token())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        Handoff::cuda_token(x.device())
-    }
+    token_fwd!(3);
 
     fn bwd(
         &self,
@@ -156,3 +132,56 @@ impl CustomOp3 for LayerNormToken {
         op.bwd(x, w, b, res, &dy)
     }
 }
+
+/// `cpu_fwd` and `cuda_fwd` of a graph node that stands in for a handed
+/// tensor: a one-element token on the first input's device (as
+/// `precomputed_fwd!` for an op whose output was computed before).
+macro_rules! token_fwd {
+    (1) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            Ok($crate::nn::fused::Handoff::cpu_token())
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            s: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            use candle_core::backend::BackendStorage;
+            $crate::nn::fused::Handoff::cuda_token(s.device())
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            Ok($crate::nn::fused::Handoff::cpu_token())
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            s: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            use candle_core::backend::BackendStorage;
+            $crate::nn::fused::Handoff::cuda_token(s.device())
+        }
+    };
+}
+pub(crate) use token_fwd;
