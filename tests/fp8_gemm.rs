@@ -2,7 +2,7 @@
 
 mod common;
 
-use amp::{fp8_gemm, CurrentScaling, QType, ScalingTensor};
+use amp::{fp8_gemm, fp8_gemm_fused, CurrentScaling, Epilogue, QType, ScalingTensor};
 use candle_core::DType;
 use common::{f64s, randn, rel_err, t};
 
@@ -59,6 +59,98 @@ fn fp8_gemm_matches_a_float64_matmul_of_the_decoded_inputs() {
             assert_eq!(y16.dtype(), DType::BF16);
             let err = rel_err(&f64s(&y16), &want);
             assert!(err < GEMM_BF16_RTOL, "bf16 out: rel err {err:e}");
+        }
+    }
+}
+
+/// The epilogue: `round((A·Bᵀ·α + residual) + bias)` is the F32 product with
+/// the two addends added in that order in f32 and one rounding (bit for bit
+/// on the CPU), within BF16's rounding of a float64 reference, and without
+/// addends the plain GEMM.
+#[test]
+fn fp8_gemm_fused_adds_residual_and_bias_before_one_rounding() {
+    let sc = CurrentScaling::default();
+    let (m, k, n) = (24, 48, 32);
+    let a = t(randn(m * k, 31), &[m, k]);
+    let b = t(randn(n * k, 32).iter().map(|v| v * 0.05).collect(), &[n, k]);
+    let (aq, _) = ScalingTensor::quantize(&a, QType::E4M3, &sc).unwrap();
+    let (bq, _) = ScalingTensor::quantize(&b, QType::E4M3, &sc).unwrap();
+    let bias = t(randn(n, 33), &[n]).to_dtype(DType::BF16).unwrap();
+    let res = t(randn(m * n, 34).iter().map(|v| v * 3.0).collect(), &[m, n])
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let f32s = |x: &candle_core::Tensor| x.to_dtype(DType::F32).unwrap();
+    let product = fp8_gemm(&aq, &bq, DType::F32).unwrap();
+    for (with_bias, with_res) in [(true, true), (true, false), (false, true)] {
+        let epi = Epilogue {
+            bias: with_bias.then_some(&bias),
+            residual: with_res.then_some(&res),
+        };
+        let y = fp8_gemm_fused(&aq, &bq, DType::BF16, true, epi).unwrap();
+        let mut want = product.clone();
+        if with_res {
+            want = (want + f32s(&res)).unwrap();
+        }
+        if with_bias {
+            want = want.broadcast_add(&f32s(&bias)).unwrap();
+        }
+        let exact = want.to_dtype(DType::BF16).unwrap();
+        assert_eq!(
+            f64s(&y),
+            f64s(&exact),
+            "bias {with_bias} residual {with_res}"
+        );
+        // against float64 sums of the decoded operands and the addends
+        let (ad, bd) = (
+            f64s(&aq.dequantize(DType::F64).unwrap()),
+            f64s(&bq.dequantize(DType::F64).unwrap()),
+        );
+        let (bias64, res64) = (f64s(&bias), f64s(&res));
+        let mut want64 = vec![0f64; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                let dot: f64 = (0..k).map(|j| ad[r * k + j] * bd[c * k + j]).sum();
+                want64[r * n + c] = dot
+                    + if with_res { res64[r * n + c] } else { 0.0 }
+                    + if with_bias { bias64[c] } else { 0.0 };
+            }
+        }
+        let err = rel_err(&f64s(&y), &want64);
+        assert!(err < GEMM_BF16_RTOL, "rel err {err:e}");
+    }
+    let plain = fp8_gemm_fused(&aq, &bq, DType::BF16, false, Epilogue::default()).unwrap();
+    let want = fp8_gemm(&aq, &bq, DType::BF16).unwrap();
+    assert_eq!(f64s(&plain), f64s(&want), "no addends");
+}
+
+#[test]
+fn fp8_gemm_fused_refuses_addends_of_the_wrong_shape_or_dtype() {
+    let sc = CurrentScaling::default();
+    let (aq, _) = ScalingTensor::quantize(&t(randn(64, 1), &[4, 16]), QType::E4M3, &sc).unwrap();
+    let (bq, _) = ScalingTensor::quantize(&t(randn(128, 2), &[8, 16]), QType::E4M3, &sc).unwrap();
+    let bad = [
+        t(randn(7, 3), &[7]),
+        t(randn(8, 3), &[1, 8]),
+        t(randn(32, 3), &[8, 4]),
+        t(randn(8, 3), &[8]).to_dtype(DType::U32).unwrap(),
+    ];
+    for (i, x) in bad.iter().enumerate() {
+        let as_bias = Epilogue {
+            bias: Some(x),
+            residual: None,
+        };
+        let as_res = Epilogue {
+            bias: None,
+            residual: Some(x),
+        };
+        for epi in [as_bias, as_res] {
+            let e = fp8_gemm_fused(&aq, &bq, DType::BF16, false, epi);
+            assert!(
+                e.is_err(),
+                "addend {i} {:?} {:?} accepted",
+                x.dims(),
+                x.dtype()
+            );
         }
     }
 }

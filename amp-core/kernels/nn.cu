@@ -19,6 +19,11 @@ __device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
 __device__ __forceinline__ float ld(const __nv_bfloat16* p, size_t i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void st(float* p, size_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(__nv_bfloat16* p, size_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+// v rounded to T's precision, as f32.
+__device__ __forceinline__ float rounded(const float*, float v) { return v; }
+__device__ __forceinline__ float rounded(const __nv_bfloat16*, float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
 
 // W elements at p[i..i+W]: one 16-byte load when W is the pack width.
 template <typename T, int W>
@@ -284,8 +289,8 @@ __device__ void layer_norm_stats_impl(const T* __restrict__ x, float* __restrict
 // dx = rstd * (w dy - mean(w dy) - xhat * mean(w dy xhat)).
 template <typename T, int W>
 __device__ void layer_norm_dx_impl(const T* __restrict__ x, const float* __restrict__ w,
-                                   const T* __restrict__ dy, T* __restrict__ dx, size_t rows, int cols,
-                                   float eps) {
+                                   const T* __restrict__ dy, const T* __restrict__ res,
+                                   T* __restrict__ dx, size_t rows, int cols, float eps) {
     const int lane = threadIdx.x & 31;
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -313,6 +318,14 @@ __device__ void layer_norm_dx_impl(const T* __restrict__ x, const float* __restr
         for (int k = 0; k < W; ++k) {
             const float xhat = (v[k] - st.x) * st.y;
             v[k] = st.y * (w[j0 + k] * g[k] - s1 - xhat * s2);
+        }
+        if (res) {
+            // the gradient, then a residual's gradient added to it in T as
+            // candle's add would (two values of T summed in f32, rounded)
+            float r[W];
+            load<T, W>(res + base, j0, r);
+#pragma unroll
+            for (int k = 0; k < W; ++k) v[k] = rounded(dx, v[k]) + r[k];
         }
         store<T, W>(dx + base, j0, v);
     }
@@ -608,10 +621,11 @@ extern "C" __global__ void embedding_bwd_f32(const uint32_t* __restrict__ ids, c
         if (vec) layer_norm_fwd_impl<T, Pack<T>::N>(x, w, b, y, rows, cols, eps);                    \
         else layer_norm_fwd_impl<T, 1>(x, w, b, y, rows, cols, eps);                                 \
     }                                                                                                \
-    extern "C" __global__ void layer_norm_dx_##TN(const T* x, const float* w, const T* dy, T* dx,    \
-                                                 size_t rows, int cols, float eps, int vec) {        \
-        if (vec) layer_norm_dx_impl<T, Pack<T>::N>(x, w, dy, dx, rows, cols, eps);                   \
-        else layer_norm_dx_impl<T, 1>(x, w, dy, dx, rows, cols, eps);                                \
+    extern "C" __global__ void layer_norm_dx_##TN(const T* x, const float* w, const T* dy,          \
+                                                 const T* res, T* dx, size_t rows, int cols,         \
+                                                 float eps, int vec) {                               \
+        if (vec) layer_norm_dx_impl<T, Pack<T>::N>(x, w, dy, res, dx, rows, cols, eps);              \
+        else layer_norm_dx_impl<T, 1>(x, w, dy, res, dx, rows, cols, eps);                           \
     }                                                                                                \
     extern "C" __global__ void layer_norm_stats_##TN(const T* x, float* stats, size_t rows, int cols,\
                                                     float eps, int vec) {                            \

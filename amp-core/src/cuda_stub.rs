@@ -84,7 +84,13 @@ pub(crate) fn scale_update(
     Err(Error::NotCompiled("cuda"))
 }
 
-pub(crate) fn fp8_gemm(_: &ScalingTensor, _: &ScalingTensor, _: DType, _: bool) -> Result<Tensor> {
+pub(crate) fn fp8_gemm(
+    _: &ScalingTensor,
+    _: &ScalingTensor,
+    _: DType,
+    _: bool,
+    _: crate::gemm::Epilogue<'_>,
+) -> Result<Tensor> {
     Err(Error::NotCompiled("cuda"))
 }
 

@@ -24,6 +24,16 @@
 //! device. `fast_accum` ([`fp8_gemm_with`]) is cuBLASLt's FAST_ACCUM (Hopper
 //! folds partial sums into F32 less often), which Transformer Engine uses
 //! for fprop; it changes nothing on the CPU.
+//!
+//! # Epilogue
+//! [`fp8_gemm_fused`] adds a residual `[m, n]` and a bias `[n]` to the
+//! scaled product before the output's one rounding:
+//! `round((A · Bᵀ · α + residual) + bias)`, the sums in f32, each addend
+//! taken as the value of its own dtype. On CUDA with BF16 output, a BF16
+//! bias and residual and no padding this is cuBLASLt's epilogue (beta = 1
+//! on the residual as C, `CUBLASLT_EPILOGUE_BIAS`: cuBLASLt takes only a
+//! BF16 bias with BF16 output), so neither addend costs a pass over the
+//! output; otherwise the F32 product and the same two adds in f32.
 
 use crate::cast::{arity, Dequantize};
 use crate::error::{Error, Result};
@@ -95,7 +105,7 @@ pub fn fp8_gemm_with(
     }
     let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
     if a.device().is_cuda() && !both_e5m2 {
-        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum);
+        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default());
     }
     let unit = Tensor::ones(1, DType::F32, a.device())?;
     let decode = |t: &ScalingTensor| -> Result<Tensor> {
@@ -110,4 +120,80 @@ pub fn fp8_gemm_with(
     let alpha = (a.meta().scale_inv() * b.meta().scale_inv())?;
     let acc = decode(a)?.matmul(&decode(b)?.t()?)?;
     Ok(acc.broadcast_mul(&alpha)?.to_dtype(out_dtype)?)
+}
+
+/// What [`fp8_gemm_fused`] adds to the scaled product before rounding.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Epilogue<'a> {
+    /// `[n]`, added to every row (a Linear's bias).
+    pub bias: Option<&'a Tensor>,
+    /// `[m, n]`, added to the product (a residual stream).
+    pub residual: Option<&'a Tensor>,
+}
+
+/// `round_out((A · Bᵀ · α + residual) + bias)` (see the module docs'
+/// Epilogue): [`fp8_gemm_with`] with the residual and the bias added before
+/// the one rounding to `out_dtype`.
+///
+/// # Errors
+/// As [`fp8_gemm_with`]; [`Error::Shape`] for a bias that is not `[n]` or
+/// a residual that is not `[m, n]`, [`Error::DType`] for a non-float
+/// addend, [`Error::Device`] for one on another device.
+pub fn fp8_gemm_fused(
+    a: &ScalingTensor,
+    b: &ScalingTensor,
+    out_dtype: DType,
+    fast_accum: bool,
+    epi: Epilogue<'_>,
+) -> Result<Tensor> {
+    if epi.bias.is_none() && epi.residual.is_none() {
+        return fp8_gemm_with(a, b, out_dtype, fast_accum);
+    }
+    let (m, n) = (a.shape().dims()[0], b.shape().dims()[0]);
+    let checks = [(epi.bias, vec![n]), (epi.residual, vec![m, n])];
+    for (t, want) in checks.iter().filter_map(|(t, w)| t.map(|t| (t, w))) {
+        if t.dims() != want.as_slice() {
+            return Err(Error::Shape {
+                op: OP,
+                lhs: t.shape().clone(),
+                rhs: want.clone().into(),
+            });
+        }
+        if !t.dtype().is_float() {
+            return Err(Error::DType {
+                op: OP,
+                expected: "a float bias or residual",
+                got: t.dtype(),
+            });
+        }
+        if !t.device().same_device(a.device()) {
+            return Err(Error::Device {
+                op: OP,
+                lhs: a.device().location(),
+                rhs: t.device().location(),
+            });
+        }
+    }
+    let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
+    let in_lt = |t: Option<&Tensor>| t.is_none_or(|t| t.dtype() == DType::BF16);
+    if a.device().is_cuda()
+        && !both_e5m2
+        && out_dtype == DType::BF16
+        && in_lt(epi.bias)
+        && in_lt(epi.residual)
+        && m % 16 == 0
+        && n % 16 == 0
+        && a.shape().dims()[1] % 16 == 0
+    {
+        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, epi);
+    }
+    // the product in f32, then the addends in the epilogue's order
+    let mut y = fp8_gemm_with(a, b, DType::F32, fast_accum)?;
+    if let Some(r) = epi.residual {
+        y = (y + r.to_dtype(DType::F32)?)?;
+    }
+    if let Some(bias) = epi.bias {
+        y = y.broadcast_add(&bias.to_dtype(DType::F32)?)?;
+    }
+    Ok(y.to_dtype(out_dtype)?)
 }

@@ -1,9 +1,11 @@
 //! The cuBLASLt FP8 GEMM against a float64 product of the decoded inputs
 //! on the GPU, and the FP8 Linear's forward and backward against the CPU.
 
-use crate::util::{rel_err, Rng};
+use crate::util::{rel_err, to_dev, Rng};
 use amp::nn::{self, fp8_autocast, ComputeMode};
-use amp::{fp8_gemm_with, CurrentScaling, DelayedScaling, QType, ScalingTensor};
+use amp::{
+    fp8_gemm_fused, fp8_gemm_with, CurrentScaling, DelayedScaling, Epilogue, QType, ScalingTensor,
+};
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, Var};
 
@@ -78,6 +80,55 @@ pub fn check(dev: &Device) -> Result<bool> {
         "cuBLASLt FP8 GEMM vs float64 on the GPU: {}",
         if ok { "within tolerance" } else { "FAILED" }
     );
+    Ok(ok)
+}
+
+/// The epilogue (`fp8_gemm_fused`: residual and BF16 bias added before the
+/// BF16 output's one rounding): cuBLASLt's epilogue at aligned shapes, the
+/// F32 product and two adds at a padded one, against a float64 reference
+/// of the decoded operands plus the addends, and against the CPU's result
+/// (the same inputs; only the accumulation order differs).
+pub fn epilogue(dev: &Device) -> Result<bool> {
+    let mut ok = true;
+    let mut rng = Rng(5151);
+    for (m, k, n) in [(256, 512, 384), (8192, 1024, 3072), (100, 72, 40)] {
+        let a = quantized(&mut rng, m, k, QType::E4M3, dev)?;
+        let b = quantized(&mut rng, n, k, QType::E4M3, dev)?;
+        let bias = Tensor::from_vec(rng.normal(n), n, dev)?.to_dtype(DType::BF16)?;
+        let res =
+            (Tensor::from_vec(rng.normal(m * n), (m, n), dev)? * 3.0)?.to_dtype(DType::BF16)?;
+        let product = a
+            .dequantize(DType::F64)?
+            .matmul(&b.dequantize(DType::F64)?.t()?)?;
+        let (ac, bc) = (to_dev(&a, &Device::Cpu)?, to_dev(&b, &Device::Cpu)?);
+        let (bias_c, res_c) = (bias.to_device(&Device::Cpu)?, res.to_device(&Device::Cpu)?);
+        for (with_bias, with_res) in [(true, true), (true, false), (false, true)] {
+            let epi = Epilogue {
+                bias: with_bias.then_some(&bias),
+                residual: with_res.then_some(&res),
+            };
+            let y = fp8_gemm_fused(&a, &b, DType::BF16, true, epi)?;
+            let mut want = product.clone();
+            if with_res {
+                want = (want + res.to_dtype(DType::F64)?)?;
+            }
+            if with_bias {
+                want = want.broadcast_add(&bias.to_dtype(DType::F64)?)?;
+            }
+            let epi_c = Epilogue {
+                bias: with_bias.then_some(&bias_c),
+                residual: with_res.then_some(&res_c),
+            };
+            let y_cpu = fp8_gemm_fused(&ac, &bc, DType::BF16, true, epi_c)?;
+            let (e64, ecpu) = (rel_err(&y, &want)?, rel_err(&y, &y_cpu)?);
+            let pass = e64 < 5e-3 && ecpu < 5e-3 && y.dims() == [m, n];
+            println!(
+                "  epilogue {m}x{k}x{n} bias {with_bias} residual {with_res}: rel err {e64:.3e} vs float64, {ecpu:.3e} vs CPU (tol 5e-3){}",
+                if pass { "" } else { " FAILED" }
+            );
+            ok &= pass;
+        }
+    }
     Ok(ok)
 }
 

@@ -16,6 +16,7 @@
 
 mod attention;
 mod bench;
+mod blocks;
 mod capture;
 mod exhaustive;
 mod fused;
@@ -78,6 +79,7 @@ fn main() -> Result<()> {
     };
     if args.fused_only {
         check("fused ops", fused::check(&dev));
+        check("half-blocks", blocks::check(&dev));
         check("attention", attention::check(&dev));
         if args.bench {
             check("attention bench", attention::bench(&dev));
@@ -95,8 +97,10 @@ fn main() -> Result<()> {
         check("scale updates", ops::scale_updates(&dev));
         check("read scalars", ops::read_scalars(&dev));
         check("fp8 gemm", gemm::check(&dev));
+        check("fp8 gemm epilogue", gemm::epilogue(&dev));
         check("fp8 linear", gemm::linear(&dev));
         check("fused ops", fused::check(&dev));
+        check("half-blocks", blocks::check(&dev));
         check("attention", attention::check(&dev));
         check("no device-to-host copy", capture::check(&dev));
         check("lowbit adamw", optim::check(&dev));

@@ -3,9 +3,9 @@
 //! devices, every output compared bit for bit; and the step's time over its
 //! bandwidth floor.
 
-use crate::util::{same, Rng};
+use crate::util::{same, to_dev, Rng};
 use amp::optim::{AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, State, StateFormat};
-use amp::{CurrentScaling, QType, ScalingMeta, ScalingTensor, Weight, WeightSlot};
+use amp::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use std::time::Instant;
@@ -16,17 +16,6 @@ enum WeightKind {
     F32,
     F16,
     Fp8Master,
-}
-
-fn to_dev(t: &ScalingTensor, dev: &Device) -> Result<ScalingTensor> {
-    let m = t.meta();
-    let meta = ScalingMeta::from_parts(
-        m.qtype(),
-        m.scale().to_device(dev)?,
-        m.scale_inv().to_device(dev)?,
-        m.amax_history().to_device(dev)?,
-    )?;
-    Ok(ScalingTensor::from_parts(t.data().to_device(dev)?, meta)?)
 }
 
 fn quantize(x: &Tensor, q: QType) -> Result<ScalingTensor> {

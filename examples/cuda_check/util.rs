@@ -125,3 +125,15 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
     let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
     Ok(num / den)
 }
+
+/// A scaled tensor (codes and metadata) on `dev`.
+pub fn to_dev(t: &ScalingTensor, dev: &Device) -> Result<ScalingTensor> {
+    let m = t.meta();
+    let meta = amp::ScalingMeta::from_parts(
+        m.qtype(),
+        m.scale().to_device(dev)?,
+        m.scale_inv().to_device(dev)?,
+        m.amax_history().to_device(dev)?,
+    )?;
+    Ok(ScalingTensor::from_parts(t.data().to_device(dev)?, meta)?)
+}

@@ -133,3 +133,25 @@ pub fn values(t: &Tensor) -> Vec<f32> {
         .to_vec1()
         .unwrap()
 }
+
+/// Whether a BF16 FP8-GEMM output with its residual added in the GEMM's
+/// epilogue (`round(p + r)`, one rounding) agrees with the parts in sequence
+/// (`round(r + round(p))`): the two differ by the second rounding, at most
+/// one unit in the last place of `round(p)` and of the sum, so by
+/// `2^-6 (|parts| + |r|)` per element. Any other difference (a missing
+/// bias or residual, a wrong row) is far above that.
+pub fn within_one_rerounding(fused: &Tensor, parts: &Tensor, residual: &Tensor) -> bool {
+    let (f, p, r) = (values(fused), values(parts), values(residual));
+    f.len() == p.len()
+        && p.len() == r.len()
+        && f.iter()
+            .zip(&p)
+            .zip(&r)
+            .all(|((f, p), r)| (f - p).abs() <= (p.abs() + r.abs()) / 64.0)
+}
+
+/// Where the fused path adds the residual in the FP8 GEMM's epilogue: BF16
+/// activations, an FP8 mode, the residual taken into the op (a sink).
+pub fn residual_in_gemm(mode: &ComputeMode, dtype: DType, with_sink: bool) -> bool {
+    dtype == DType::BF16 && with_sink && !matches!(mode, ComputeMode::Native)
+}

@@ -16,8 +16,12 @@
 //!   `scale_inv` tensors on the device (no host read). cuBLASLt refuses a
 //!   scale pointer that is not 16-byte aligned (seen on the H100); such a
 //!   scale is first copied, on the stream, into a 16-byte-aligned slot.
-//! - Per shape (m, n, k, formats, output dtype, fast accumulation) the
-//!   descriptors and the heuristic's first algorithm are made once and
+//! - Epilogue ([`Epilogue`]): a BF16 bias through `CUBLASLT_EPILOGUE_BIAS`
+//!   (its length is D's row count, our `n`) and a residual as C with
+//!   beta = 1, C's layout that of D; the caller sends only unpadded BF16
+//!   cases here.
+//! - Per shape (m, n, k, formats, output dtype, fast accumulation,
+//!   epilogue) the descriptors and the heuristic's first algorithm are made once and
 //!   cached; the 32 MiB workspace is allocated once per device.
 //! - Output buffers come from the stream-ordered pool; creating a context
 //!   raises the default pool's release threshold (see
@@ -26,6 +30,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::Fp8Format;
+use crate::gemm::Epilogue;
 use crate::tensor::ScalingTensor;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
@@ -73,8 +78,18 @@ impl Drop for Plan {
     }
 }
 
-/// (m, n, k, A format, B format, output dtype, fast accumulation).
-type PlanKey = (usize, usize, usize, Fp8Format, Fp8Format, DType, bool);
+/// (m, n, k, A format, B format, output dtype, fast accumulation, bias, C).
+type PlanKey = (
+    usize,
+    usize,
+    usize,
+    Fp8Format,
+    Fp8Format,
+    DType,
+    bool,
+    bool,
+    bool,
+);
 
 /// One device's cuBLASLt state.
 struct LtContext {
@@ -166,9 +181,9 @@ unsafe fn set_attr<T>(
 impl LtContext {
     /// Descriptors and heuristic for `key`; the scale pointers are set before
     /// the heuristic, as NVIDIA's samples do.
-    fn plan(&self, key: PlanKey, scales: (u64, u64)) -> Result<Plan> {
+    fn plan(&self, key: PlanKey, scales: (u64, u64), bias: u64) -> Result<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as A;
-        let (m, n, k, fa, fb, out, fast) = key;
+        let (m, n, k, fa, fb, out, fast, with_bias, _) = key;
         // SAFETY: descriptors are created here and owned by the Plan; every
         // attribute gets a value of its documented type.
         unsafe {
@@ -186,6 +201,13 @@ impl LtContext {
             set_attr(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &i8::from(fast))?;
             set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scales.0)?;
             set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scales.1)?;
+            if with_bias {
+                let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
+                let ty = sys::cudaDataType_t::CUDA_R_16BF;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &ty)?;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+            }
             // A = b: k x n (ld k); B = a: k x m (ld k); D = y: n x m (ld n).
             let (k64, n64, m64) = (k as u64, n as u64, m as u64);
             let a = lt::create_matrix_layout(fp8_type(fb), k64, n64, k as i64)
@@ -215,7 +237,9 @@ impl LtContext {
             };
             let heur = heur.map_err(|e| {
                 lt_err(
-                    &format!("no algorithm for m={m} n={n} k={k} {fa} x {fb} -> {out:?}"),
+                    &format!(
+                        "no algorithm for m={m} n={n} k={k} {fa} x {fb} -> {out:?} (bias {with_bias})"
+                    ),
                     e,
                 )
             })?;
@@ -251,10 +275,11 @@ fn address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
     let base = match s.dtype() {
         DType::U8 => s.as_cuda_slice::<u8>()?.device_ptr(stream).0,
         DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(stream).0,
+        DType::BF16 => s.as_cuda_slice::<bf16>()?.device_ptr(stream).0,
         got => {
             return Err(Error::DType {
                 op: OP,
-                expected: "U8 codes or an F32 scale",
+                expected: "U8 codes, an F32 scale or a BF16 addend",
                 got,
             })
         }
@@ -262,13 +287,30 @@ fn address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
     Ok(base + bytes * layout.start_offset() as u64)
 }
 
+/// A BF16 addend's address, 16-byte aligned (a copy where the tensor's own
+/// is not, as cuBLASLt wants for C and the bias).
+fn addend(t: Option<&Tensor>, stream: &Arc<CudaStream>) -> Result<(Option<Tensor>, u64)> {
+    let Some(t) = t else {
+        return Ok((None, 0));
+    };
+    let mut t = t.contiguous()?;
+    if address(&t, stream)? % 16 != 0 {
+        t = t.copy()?;
+    }
+    let at = address(&t, stream)?;
+    Ok((Some(t), at))
+}
+
 /// The cuBLASLt FP8 GEMM; see the module docs. Operands: 2-D FP8 tensors
-/// on one CUDA device (checked by the caller), not both E5M2.
+/// on one CUDA device (checked by the caller), not both E5M2; an epilogue
+/// only with BF16 output, BF16 addends of the right shapes and `m`, `n`,
+/// `k` multiples of 16 (checked by the caller).
 pub(crate) fn fp8_gemm(
     a: &ScalingTensor,
     b: &ScalingTensor,
     out: DType,
     fast_accum: bool,
+    epi: Epilogue<'_>,
 ) -> Result<Tensor> {
     let (Some(fa), Some(fb)) = (a.qtype().fp8(), b.qtype().fp8()) else {
         return Err(Error::Unsupported {
@@ -311,9 +353,29 @@ pub(crate) fn fp8_gemm(
         }
         scales = (slots, slots + 16);
     }
-    let key = (mp, np, kp, fa, fb, out, fast_accum);
+    let padded = (mp, np) != (m, n) || kp != a.shape().dims2()?.1;
+    if padded && (epi.bias.is_some() || epi.residual.is_some()) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("an epilogue on a padded GEMM (m={m} n={n})"),
+        });
+    }
+    // kept alive until the GEMM is queued
+    let (_bias, bias_ptr) = addend(epi.bias, &stream)?;
+    let (_res, c_ptr) = addend(epi.residual, &stream)?;
+    let key = (
+        mp,
+        np,
+        kp,
+        fa,
+        fb,
+        out,
+        fast_accum,
+        epi.bias.is_some(),
+        epi.residual.is_some(),
+    );
     if !ctx.plans.contains_key(&key) {
-        let plan = ctx.plan(key, scales)?;
+        let plan = ctx.plan(key, scales, bias_ptr)?;
         ctx.plans.insert(key, plan);
     }
     let ctx = &*ctx;
@@ -331,13 +393,17 @@ pub(crate) fn fp8_gemm(
             A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
             &scales.1,
         )?;
+        if epi.bias.is_some() {
+            set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
+        }
     }
     let a_ptr = address(&ad, &stream)?;
     let b_ptr = address(&bd, &stream)?;
+    let c = (epi.residual.is_some()).then_some(c_ptr);
     let storage = match out {
-        DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr), mp * np)?,
-        DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr), mp * np)?,
-        _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr), mp * np)?,
+        DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
+        DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
+        _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
     };
     let y = Tensor::from_storage(
         Storage::Cuda(storage),
@@ -352,23 +418,29 @@ pub(crate) fn fp8_gemm(
     }
 }
 
-/// Allocates the output and launches the plan's GEMM on the stream.
+/// Allocates the output and launches the plan's GEMM on the stream; `c`
+/// (a residual of D's shape and type) is added with beta = 1.
 fn run<T: candle_core::cuda_backend::CudaDType + driver::DeviceRepr>(
     ctx: &LtContext,
     plan: &Plan,
     dev: &CudaDevice,
-    (a_ptr, b_ptr): (u64, u64),
+    (a_ptr, b_ptr, c): (u64, u64, Option<u64>),
     len: usize,
 ) -> Result<CudaStorage> {
     let stream = &ctx.stream;
-    // SAFETY: cuBLASLt writes every element of D (beta = 0).
+    // SAFETY: cuBLASLt writes every element of D.
     let mut y = unsafe { dev.alloc::<T>(len)? };
     {
         let (y_ptr, _gy) = y.device_ptr_mut(stream);
         let (ws, _gw) = ctx.workspace.device_ptr(stream);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let alpha = 1.0f32;
+        let (beta, c_ptr) = match c {
+            Some(c) => (1.0f32, c),
+            None => (0.0f32, y_ptr),
+        };
         // SAFETY: pointers to live device memory of the plan's shapes and
-        // types, all on `stream`; C is D's buffer, unread with beta = 0.
+        // types, all on `stream`; without a residual C is D's buffer,
+        // unread with beta = 0.
         unsafe {
             lt::matmul(
                 ctx.handle,
@@ -379,7 +451,7 @@ fn run<T: candle_core::cuda_backend::CudaDType + driver::DeviceRepr>(
                 plan.a,
                 a_ptr as *const c_void,
                 plan.b,
-                y_ptr as *const c_void,
+                c_ptr as *const c_void,
                 plan.d,
                 y_ptr as *mut c_void,
                 plan.d,

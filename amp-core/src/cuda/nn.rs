@@ -7,7 +7,7 @@ use super::launch::{aligned, grid, nn_func, view, THREADS};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
@@ -189,13 +189,15 @@ pub(crate) fn cross_entropy_bwd(
 }
 
 /// LayerNorm forward, `(x - mean) * rstd * w + third` per row, or with
-/// `dx` its input gradient for `third` = dy.
+/// `dx` its input gradient for `third` = dy, plus `res` (x's shape and
+/// dtype: a residual's gradient) where given.
 pub(crate) fn layer_norm(
     (x, lx): (&CudaStorage, &Layout),
     (w, lw): (&CudaStorage, &Layout),
     (third, l3): (&CudaStorage, &Layout),
     eps: f32,
     dx: bool,
+    res: Option<(&CudaStorage, &Layout)>,
 ) -> Result<CudaStorage> {
     const OP: &str = "layer_norm";
     let dev = x.device().clone();
@@ -212,12 +214,34 @@ pub(crate) fn layer_norm(
         let sfx = suffix(x.dtype());
         if dx {
             let gv = view::<T>(OP, third, l3)?;
-            let vec = vec_ok(cols, &[&xv, &gv], &dev);
+            let rv = match res {
+                Some((r, lr)) if lr.shape() == lx.shape() => Some(view::<T>(OP, r, lr)?),
+                Some((_, lr)) => {
+                    return Err(Error::Shape {
+                        op: OP,
+                        lhs: lx.shape().clone(),
+                        rhs: lr.shape().clone(),
+                    })
+                }
+                None => None,
+            };
+            let mut views = vec![&xv, &gv];
+            views.extend(rv.as_ref());
+            let vec = vec_ok(cols, &views, &dev);
+            // a null pointer where there is no residual gradient
+            let (rp, _guard) = match &rv {
+                Some(r) => {
+                    let (p, g) = r.device_ptr(&stream);
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
             let f = nn_func(&dev, &format!("layer_norm_dx_{sfx}"))?;
             let mut b = stream.launch_builder(&f);
             b.arg(&xv)
                 .arg(&wv)
                 .arg(&gv)
+                .arg(&rp)
                 .arg(&mut out)
                 .arg(&rows)
                 .arg(&c);

@@ -16,8 +16,12 @@ use candle_core::Tensor;
 /// between the ops (see [`Fuse::norm`]): candle neither keeps them until
 /// backward nor zero-fills and adds a gradient for each, and the residual
 /// is added inside the output projection's op (see
-/// [`Linear::forward_with`]). Otherwise the same parts in sequence. The
-/// values are those of the parts in sequence either way.
+/// [`Linear::forward_with`]), its gradient carried to the LayerNorm's
+/// backward, which adds it to `h`'s (one gradient for `h` in candle's graph,
+/// not two). Otherwise the same parts in sequence. The values are those of
+/// the parts in sequence either way (with BF16 activations in an FP8 mode,
+/// within the second rounding that the GEMM's epilogue saves, see
+/// [`Linear::forward_with`]).
 ///
 /// # Errors
 /// As the parts': [`Linear::forward_with`],
@@ -34,10 +38,11 @@ pub fn causal_self_attention(
         ..Default::default()
     };
     if qkv.runs_own_op()? && proj.runs_own_op()? {
-        let (x, token, from) = qkv.forward_handing(h, normed)?;
+        let res_grad = fused::ResidualGrad::default();
+        let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
         let (y, token, from) = fused::causal_attention_handed(&x, &token, &from, heads)?;
         drop(x);
-        return proj.forward_from(&y, token, from, false, Some(h));
+        return proj.forward_from(&y, (token, from), false, Some(h), Some(res_grad));
     }
     let y = fused::causal_attention_qkv(&qkv.forward_with(h, normed)?, heads)?;
     proj.forward_with(
@@ -53,8 +58,11 @@ pub fn causal_self_attention(
 /// h))))`. Where both Linears run their own ops the LayerNorm's output and
 /// fc1's output are handed between the ops (fc2's op keeps GELU's input
 /// for its backward, as the unfused GELU would), the GELU and the residual
-/// applied inside fc2's op; otherwise the parts in sequence. The values are
-/// those of the parts in sequence either way.
+/// applied inside fc2's op (the residual's gradient added in the
+/// LayerNorm's backward, as in [`causal_self_attention`]); otherwise the
+/// parts in sequence. The values are those of the parts in sequence either
+/// way (within one rounding where the residual is added in the GEMM's
+/// epilogue).
 ///
 /// # Errors
 /// As [`Linear::forward_with`].
@@ -71,8 +79,9 @@ pub fn pre_norm_mlp(
     };
     let res = residual.then_some(h);
     if fc1.runs_own_op()? && fc2.runs_own_op()? {
-        let (m, token, from) = fc1.forward_handing(h, normed)?;
-        return fc2.forward_from(&m, token, from, true, res);
+        let res_grad = res.map(|_| fused::ResidualGrad::default());
+        let (m, token, from) = fc1.forward_handing(h, normed, res_grad.clone())?;
+        return fc2.forward_from(&m, (token, from), true, res, res_grad);
     }
     let m = fc1.forward_with(h, normed)?;
     fc2.forward_with(
@@ -106,7 +115,7 @@ pub fn linear_cross_entropy(
         ..Default::default()
     };
     if head.runs_own_op()? {
-        let (logits, token, from) = head.forward_handing(h, normed)?;
+        let (logits, token, from) = head.forward_handing(h, normed, None)?;
         return fused::cross_entropy_handed(&logits, &token, &from, targets);
     }
     fused::cross_entropy(&head.forward_with(h, normed)?, targets)

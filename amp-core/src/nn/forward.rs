@@ -7,7 +7,7 @@ use super::linear_op::{cast, Fp8LinearOp, Plan, Role, Saved, Scaling, Source};
 use super::mode::{current_mode, current_step, ComputeMode};
 use super::precomputed::Precomputed;
 use crate::error::{Error, Result};
-use crate::gemm::fp8_gemm_with;
+use crate::gemm::{fp8_gemm_fused, fp8_gemm_with, Epilogue};
 use crate::weight::Weight;
 use candle_core::{DType, Tensor, Var};
 
@@ -124,6 +124,7 @@ impl Linear {
             residual,
             handoff,
             hand_out,
+            residual_grad,
         } = fuse;
         // the op's first argument in the graph: x, or the token standing for it
         let (arg0, handoff) = match handoff {
@@ -157,6 +158,11 @@ impl Linear {
         let (residual, residual_after) = match residual {
             Some(r) if sink.is_some() && r.track_op() => (Some(r), None),
             r => (None, r),
+        };
+        // the residual's gradient to a LayerNorm reading the same tensor
+        let residual_grad = match (residual, residual_grad) {
+            (Some(_), Some(rg)) if rg.attach_writer()? => Some(rg),
+            _ => None,
         };
         if sink.is_none() && !matches!(weight, Weight::F32(_)) {
             return Err(Error::Unsupported {
@@ -244,15 +250,35 @@ impl Linear {
         } else {
             (None, None)
         };
-        let y = match (&xq, &wq) {
+        // `in_gemm`: the bias and the op's residual were added in the GEMM's
+        // epilogue (BF16 activations: the bias as BF16, which cuBLASLt
+        // takes, both before the output's one rounding).
+        let (y, in_gemm) = match (&xq, &wq) {
             // A saturating cast hides inf: a non-finite input amax makes the
             // output NaN, never silently finite; the flag rides in x's
             // scale_inv (flag.rs).
             (Some(xq), Some(wq)) if fprop => {
+                let xq = flagged_by_amax(xq)?;
                 // Fast accumulation in fprop, as Transformer Engine.
-                fp8_gemm_with(&flagged_by_amax(xq)?, wq, x.dtype(), true)?
+                if x.dtype() == DType::BF16 && (self.bias.is_some() || residual.is_some()) {
+                    let bias = match &self.bias {
+                        Some(b) => Some(b.detach().reshape(out_dim)?.to_dtype(DType::BF16)?),
+                        None => None,
+                    };
+                    let res = match residual {
+                        Some(r) => Some(r.detach().reshape(((), out_dim))?),
+                        None => None,
+                    };
+                    let epi = Epilogue {
+                        bias: bias.as_ref(),
+                        residual: res.as_ref(),
+                    };
+                    (fp8_gemm_fused(&xq, wq, DType::BF16, true, epi)?, true)
+                } else {
+                    (fp8_gemm_with(&xq, wq, x.dtype(), true)?, false)
+                }
             }
-            _ => x.matmul(&w_native()?.t()?)?,
+            _ => (x.matmul(&w_native()?.t()?)?, false),
         };
         let x_saved = match (xq, xq_t) {
             (_, Some(xt)) if wgrad => Saved::Fp8T(xt),
@@ -287,12 +313,15 @@ impl Linear {
         // forward adds bias (and residual) into the storage it returns,
         // rather than copying a finished output into it.
         let epilogue = tracked
+            && !in_gemm
             && hand_out.is_none()
             && self
                 .bias
                 .as_ref()
                 .is_some_and(|b| super::fused::bias_kernel_takes(&y, b));
-        let y = if epilogue {
+        let y = if in_gemm {
+            y.reshape(out_dims.clone())?
+        } else if epilogue {
             y
         } else {
             let y = match &self.bias {
@@ -323,6 +352,7 @@ impl Linear {
             gelu,
             gelu_z,
             residual: residual.is_some(),
+            residual_grad,
             handoff,
             hand_out,
             x_shape: x_nd.shape().clone(),

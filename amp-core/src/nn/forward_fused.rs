@@ -2,7 +2,7 @@
 //! before, GELU on its input, a residual after) applied inside its op, and
 //! the crate's handing of tensors to and from it (`fused::Handoff`).
 
-use super::fused::Handoff;
+use super::fused::{Handoff, ResidualGrad};
 use super::linear::Linear;
 use crate::error::{Error, Result};
 use candle_core::Tensor;
@@ -38,6 +38,9 @@ pub(super) struct OpFuse<'a> {
     /// itself is left in the slot; the op's backward takes its gradient
     /// from the handoff.
     pub hand_out: Option<(Handoff, &'a mut Option<Tensor>)>,
+    /// Where the op that takes `residual` leaves its gradient for the
+    /// LayerNorm handoff reading the same tensor (see `ResidualGrad`).
+    pub residual_grad: Option<ResidualGrad>,
 }
 
 impl Linear {
@@ -73,12 +76,13 @@ impl Linear {
         norm: Option<&super::LayerNorm>,
         x: &Tensor,
         hand: bool,
+        res_grad: Option<ResidualGrad>,
     ) -> Result<(Option<Tensor>, Option<Handed>)> {
         let Some(ln) = norm else {
             return Ok((None, None));
         };
         if hand {
-            if let Some((out, token, h)) = ln.try_handoff(x)? {
+            if let Some((out, token, h)) = ln.try_handoff(x, res_grad)? {
                 return Ok((Some(out), Some((token, h))));
             }
         }
@@ -114,9 +118,13 @@ impl Linear {
     /// its second argument, whose gradient is the output's: no add node, whose inputs candle would
     /// keep and whose second gradient it would zero-fill and add. The
     /// output and gradients have the values of the parts in sequence (the
-    /// same kernels in the same order; `r + y` is `y + r`). Elsewhere (native
-    /// compute with an F32 weight, no sink for the residual) the parts run
-    /// in sequence.
+    /// same kernels in the same order; `r + y` is `y + r`), except that
+    /// with BF16 activations in an FP8 mode the residual is added in the
+    /// GEMM's epilogue ([`fp8_gemm_fused`](crate::fp8_gemm_fused)) before
+    /// the output's one rounding, where the parts round the product first:
+    /// the two differ by that second rounding. Elsewhere (native compute
+    /// with an F32 weight, no sink for the residual) the parts run in
+    /// sequence.
     ///
     /// # Errors
     /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
@@ -125,7 +133,7 @@ impl Linear {
         let (weight, out_dim, mode) = self.prepare(x)?;
         self.check_residual(x, out_dim, fuse.residual)?;
         let own_op = Self::own_op(&mode, &weight);
-        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu)?;
+        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu, None)?;
         let x = normed.as_ref().unwrap_or(x);
         // the op decides whether it takes the residual (it adds it outside
         // itself where it cannot)
@@ -136,6 +144,7 @@ impl Linear {
                     residual: fuse.residual,
                     handoff,
                     hand_out: None,
+                    residual_grad: None,
                 };
                 return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
             }
@@ -155,12 +164,14 @@ impl Linear {
     }
 
     /// [`forward_with`](Self::forward_with) whose output is handed on:
-    /// `(out, token, handoff)` (see `fused::Handoff`); the caller checks
-    /// [`runs_own_op`](Self::runs_own_op) first.
+    /// `(out, token, handoff)` (see `fused::Handoff`); a handed LayerNorm
+    /// adds `res_grad`'s gradient (see `ResidualGrad`) to its input's. The
+    /// caller checks [`runs_own_op`](Self::runs_own_op) first.
     pub(crate) fn forward_handing(
         &self,
         x: &Tensor,
         fuse: Fuse<'_>,
+        res_grad: Option<ResidualGrad>,
     ) -> Result<(Tensor, Tensor, Handoff)> {
         let (weight, out_dim, mode) = self.prepare(x)?;
         if fuse.gelu || fuse.residual.is_some() {
@@ -169,7 +180,7 @@ impl Linear {
                 what: "GELU or a residual on a handed-on output".into(),
             });
         }
-        let (normed, handoff) = Self::normed(fuse.norm, x, true)?;
+        let (normed, handoff) = Self::normed(fuse.norm, x, true, res_grad)?;
         let x = normed.as_ref().unwrap_or(x);
         let out = Handoff::default();
         let mut value = None;
@@ -188,15 +199,17 @@ impl Linear {
 
     /// The layer on a tensor handed from another op (`token` stands for
     /// `x` in the graph, `from` takes its gradient), GELU on it and
-    /// `residual` added as in [`forward_with`](Self::forward_with); the caller checks
-    /// [`runs_own_op`](Self::runs_own_op) first.
+    /// `residual` added as in [`forward_with`](Self::forward_with), its
+    /// gradient left in `res_grad` where a reader is attached (see
+    /// `ResidualGrad`); the caller checks [`runs_own_op`](Self::runs_own_op)
+    /// first.
     pub(crate) fn forward_from(
         &self,
         x: &Tensor,
-        token: Tensor,
-        from: Handoff,
+        (token, from): Handed,
         gelu: bool,
         residual: Option<&Tensor>,
+        res_grad: Option<ResidualGrad>,
     ) -> Result<Tensor> {
         let (weight, out_dim, mode) = self.prepare(x)?;
         self.check_residual(x, out_dim, residual)?;
@@ -204,6 +217,7 @@ impl Linear {
             gelu,
             residual,
             handoff: Some((token, from)),
+            residual_grad: res_grad,
             ..Default::default()
         };
         self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)

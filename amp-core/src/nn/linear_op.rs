@@ -66,6 +66,9 @@ pub(crate) struct Fp8LinearOp {
     /// The second argument is a residual added to the output (its gradient
     /// is the output's); the weight's gradient goes to the sink.
     pub residual: bool,
+    /// Where the residual's gradient goes instead of candle's graph (a
+    /// LayerNorm handoff reading the same tensor adds it).
+    pub residual_grad: Option<crate::nn::fused::ResidualGrad>,
     /// The first argument is a token for the input (see
     /// `fused::Handoff`): the input's gradient is left there.
     pub handoff: Option<crate::nn::fused::Handoff>,
@@ -303,10 +306,14 @@ impl CustomOp3 for Fp8LinearOp {
         };
         // A weight gradient only goes to the GradStore for a tracked weight;
         // a residual in the weight's place gets the output's gradient.
-        let dw = match (self.residual, w.track_op()) {
-            (true, true) => Some(dy.clone()),
-            (false, true) => dw,
-            (_, false) => None,
+        let dw = match (self.residual, w.track_op(), &self.residual_grad) {
+            (true, true, Some(rg)) => {
+                rg.put(dy.clone()).map_err(wrap)?;
+                None
+            }
+            (true, true, None) => Some(dy.clone()),
+            (false, true, _) => dw,
+            (_, false, _) => None,
         };
         let db = if self.has_bias && b.track_op() {
             Some(

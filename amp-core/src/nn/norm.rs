@@ -106,13 +106,14 @@ impl LayerNorm {
     pub(crate) fn try_handoff(
         &self,
         x: &Tensor,
+        res_grad: Option<super::fused::ResidualGrad>,
     ) -> Result<Option<(Tensor, Tensor, super::fused::Handoff)>> {
         self.check(x)?;
         let tracked = x.track_op() || self.weight.track_op() || self.bias.track_op();
         if !(tracked && self.fused_kernels(x)) {
             return Ok(None);
         }
-        super::fused::layer_norm_handoff(x, &self.weight, &self.bias, self.eps).map(Some)
+        super::fused::layer_norm_handoff(x, &self.weight, &self.bias, self.eps, res_grad).map(Some)
     }
 }
 

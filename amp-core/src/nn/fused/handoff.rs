@@ -75,11 +75,82 @@ impl Handoff {
     }
 }
 
+/// The gradient of a pre-LayerNorm half-block's input `h` through its
+/// residual (`h + proj(...)`, the residual taken into the projection's op),
+/// carried to the LayerNorm handoff that reads the same `h`, whose backward
+/// adds it to the input gradient in its kernel: `h` then gets one gradient
+/// in candle's graph instead of two (each a zero-fill and an add there).
+/// Used only where both ends attach: the LayerNorm handoff as the reader
+/// (before), the projection's op as the writer (after, only if a reader is
+/// attached); a reader whose writer attached finds the gradient or fails.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ResidualGrad {
+    slot: Arc<Mutex<ResidualSlot>>,
+}
+
+#[derive(Debug, Default)]
+struct ResidualSlot {
+    reader: bool,
+    writer: bool,
+    grad: Option<Tensor>,
+}
+
+impl ResidualGrad {
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, ResidualSlot>> {
+        self.slot
+            .lock()
+            .map_err(|_| Error::Poisoned { op: "ResidualGrad" })
+    }
+
+    /// The LayerNorm handoff will add the gradient.
+    fn attach_reader(&self) -> Result<()> {
+        self.lock()?.reader = true;
+        Ok(())
+    }
+
+    /// The op that takes the residual will leave its gradient here, if a
+    /// reader is attached (returned); otherwise it returns the gradient to
+    /// candle as before.
+    pub(crate) fn attach_writer(&self) -> Result<bool> {
+        let mut s = self.lock()?;
+        s.writer = s.reader;
+        Ok(s.writer)
+    }
+
+    /// The writer's backward leaves the residual's gradient.
+    pub(crate) fn put(&self, grad: Tensor) -> Result<()> {
+        let mut s = self.lock()?;
+        if s.grad.is_some() {
+            return Err(Error::Unsupported {
+                op: "ResidualGrad",
+                what: "a second residual gradient".into(),
+            });
+        }
+        s.grad = Some(grad);
+        Ok(())
+    }
+
+    /// The reader's backward takes it: `None` without a writer, an error if
+    /// the writer's backward left none.
+    fn take(&self) -> Result<Option<Tensor>> {
+        let mut s = self.lock()?;
+        if !s.writer {
+            return Ok(None);
+        }
+        s.grad.take().map(Some).ok_or_else(|| Error::Unsupported {
+            op: "ResidualGrad",
+            what: "no residual gradient was left (the writer's backward did not run)".into(),
+        })
+    }
+}
+
 /// LayerNorm of `x` (F32 `weight` and `bias`, F32 or BF16 `x`, as
 /// [`layer_norm`](super::layer_norm)) handed to the next op: `(out, token,
 /// handoff)`. `out` is detached; the token (F32 `[1]`) stands for it in the
 /// graph, and the LayerNorm's backward (input, weight and bias gradients)
-/// runs from the gradient the consumer leaves in `handoff`.
+/// runs from the gradient the consumer leaves in `handoff`, with the
+/// residual gradient of `res_grad` (see [`ResidualGrad`]) added to the
+/// input's.
 ///
 /// # Errors
 /// As [`layer_norm`](super::layer_norm).
@@ -88,12 +159,17 @@ pub(crate) fn layer_norm_handoff(
     weight: &Tensor,
     bias: &Tensor,
     eps: f64,
+    res_grad: Option<ResidualGrad>,
 ) -> Result<(Tensor, Tensor, Handoff)> {
     let out = super::layer_norm(&x.detach(), &weight.detach(), &bias.detach(), eps)?;
     let handoff = Handoff::default();
+    if let Some(r) = &res_grad {
+        r.attach_reader()?;
+    }
     let op = LayerNormToken {
         eps: eps as f32,
         handoff: handoff.clone(),
+        res_grad,
     };
     let dim = weight.elem_count();
     let token =
@@ -107,6 +183,7 @@ pub(crate) fn layer_norm_handoff(
 struct LayerNormToken {
     eps: f32,
     handoff: Handoff,
+    res_grad: Option<ResidualGrad>,
 }
 
 impl CustomOp3 for LayerNormToken {
@@ -125,9 +202,14 @@ impl CustomOp3 for LayerNormToken {
         _token_grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dy = self.handoff.take().map_err(candle_core::Error::wrap)?;
+        let dres = match &self.res_grad {
+            Some(r) => r.take().map_err(candle_core::Error::wrap)?,
+            None => None,
+        };
         let op = LayerNormOp {
             eps: self.eps,
             dx: false,
+            res: dres,
         };
         op.bwd(x, w, b, res, &dy)
     }

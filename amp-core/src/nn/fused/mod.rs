@@ -218,6 +218,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     let op = ops::LayerNormOp {
         eps: eps as f32,
         dx: false,
+        res: None,
     };
     Ok(x.contiguous()?
         .apply_op3(&weight.contiguous()?, &bias.reshape(dim)?.contiguous()?, op)?)
@@ -261,7 +262,7 @@ pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
 }
 
 pub(crate) use attention::causal_attention_handed;
-pub(crate) use handoff::{layer_norm_handoff, Handoff};
+pub(crate) use handoff::{layer_norm_handoff, Handoff, ResidualGrad};
 pub(crate) use pointwise::BiasAdd;
 
 /// `x + bias` as [`bias_add`] computes it, outside the graph (for ops

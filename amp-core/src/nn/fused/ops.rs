@@ -230,10 +230,23 @@ impl CustomOp3 for CrossEntropyBwd {
 }
 
 /// LayerNorm of `(x, w, b)` over the last dimension (F32 `w`, `b`), or with
-/// `dx` its input gradient of `(x, w, dy)`.
+/// `dx` its input gradient of `(x, w, dy)`, with `res` (x's shape and dtype)
+/// added to that gradient as candle's add would: the gradient rounded to
+/// x's dtype, then the sum of the two rounded once. The backward of the
+/// forward op adds `res` to its input gradient the same way.
 pub(super) struct LayerNormOp {
     pub eps: f32,
     pub dx: bool,
+    pub res: Option<Tensor>,
+}
+
+/// `v` rounded to `dtype`'s precision (F32 and wider: itself).
+fn rounded(v: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        DType::F16 => f16::from_f32(v).to_f32(),
+        _ => v,
+    }
 }
 
 impl CustomOp3 for LayerNormOp {
@@ -255,11 +268,24 @@ impl CustomOp3 for LayerNormOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x32, w32, t32) = (f32s(x, lx)?, f32s(w, lw)?, f32s(third, l3)?);
-        let v = if self.dx {
+        let mut v = if self.dx {
             cpu::layer_norm_dx(&x32, &w32, &t32, self.eps)
         } else {
             cpu::layer_norm_fwd(&x32, &w32, &t32, self.eps)
         };
+        if let (true, Some(res)) = (self.dx, &self.res) {
+            let (rs, rl) = res.storage_and_layout();
+            let candle_core::Storage::Cpu(rs) = &*rs else {
+                candle_core::bail!("amp_layer_norm_dx: the residual gradient is not on the CPU")
+            };
+            let r = f32s(rs, rl)?;
+            if r.len() != v.len() {
+                candle_core::bail!("amp_layer_norm_dx: a residual gradient of another size");
+            }
+            for (v, r) in v.iter_mut().zip(r) {
+                *v = rounded(*v, x.dtype()) + r;
+            }
+        }
         Ok((store(v, x.dtype()), lx.shape().clone()))
     }
 
@@ -273,8 +299,20 @@ impl CustomOp3 for LayerNormOp {
         third: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::layer_norm((x, lx), (w, lw), (third, l3), self.eps, self.dx)
-            .map_err(wrap)?;
+        let res = match (self.dx, &self.res) {
+            (true, Some(r)) => Some(r.storage_and_layout()),
+            _ => None,
+        };
+        let res = match &res {
+            Some((s, l)) => match &**s {
+                candle_core::Storage::Cuda(s) => Some((s, *l)),
+                _ => candle_core::bail!("amp_layer_norm_dx: the residual gradient is not on CUDA"),
+            },
+            None => None,
+        };
+        let out =
+            crate::cuda::nn::layer_norm((x, lx), (w, lw), (third, l3), self.eps, self.dx, res)
+                .map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
 
@@ -290,6 +328,7 @@ impl CustomOp3 for LayerNormOp {
         let op = LayerNormOp {
             eps: self.eps,
             dx: true,
+            res: self.res.as_ref().map(Tensor::contiguous).transpose()?,
         };
         let dx = x.apply_op3_no_bwd(w, &dy, &op)?;
         let dwdb = x.apply_op2_no_bwd(&dy, &LayerNormDwDb { eps: self.eps })?;
