@@ -2,7 +2,9 @@
 
 mod common;
 
-use amp::{fp8_gemm, fp8_gemm_fused, CurrentScaling, Epilogue, QType, ScalingTensor};
+use amp::{
+    fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, CurrentScaling, Epilogue, QType, ScalingTensor,
+};
 use candle_core::DType;
 use common::{f64s, randn, rel_err, t};
 
@@ -153,4 +155,46 @@ fn fp8_gemm_fused_refuses_addends_of_the_wrong_shape_or_dtype() {
             );
         }
     }
+}
+
+/// `fp8_gemm_amax`: the output is the plain GEMM's, the amax the bits of
+/// max |y| (the amax a current-scaling cast of y takes), NaN where an
+/// operand's cast saw inf or NaN; `quantize_from_amax` with it casts y to
+/// the same codes and scales as `quantize`.
+#[test]
+fn fp8_gemm_amax_is_the_outputs_amax_and_carries_the_flags() {
+    let sc = CurrentScaling::default();
+    let (m, k, n) = (20, 32, 12);
+    let a = t(randn(m * k, 41), &[m, k]);
+    let b = t(randn(n * k, 42).iter().map(|v| v * 0.1).collect(), &[n, k]);
+    let (aq, _) = ScalingTensor::quantize(&a, QType::E5M2, &sc).unwrap();
+    let (bq, _) = ScalingTensor::quantize(&b, QType::E4M3, &sc).unwrap();
+    let (y, amax) = fp8_gemm_amax(&aq, &bq, DType::F32, false).unwrap();
+    let plain = fp8_gemm(&aq, &bq, DType::F32).unwrap();
+    assert_eq!(f64s(&y), f64s(&plain));
+    let want = f64s(&plain).iter().fold(0f64, |m, v| m.max(v.abs()));
+    assert_eq!(f64s(&amax), vec![want]);
+    let (q1, a1) = ScalingTensor::quantize(&plain, QType::E4M3, &sc).unwrap();
+    let (q2, a2) = ScalingTensor::quantize_from_amax(&y, QType::E4M3, &sc, amax).unwrap();
+    assert_eq!(f64s(&a1), f64s(&a2));
+    assert_eq!(f64s(q1.data()), f64s(q2.data()), "codes");
+    assert_eq!(
+        f64s(q1.meta().scale_inv()),
+        f64s(q2.meta().scale_inv()),
+        "scale_inv"
+    );
+    // an operand whose source held inf: finite codes (saturated), NaN amax
+    let mut bad = randn(m * k, 43);
+    bad[5] = f32::INFINITY;
+    let (bad_q, _) = ScalingTensor::quantize(&t(bad, &[m, k]), QType::E4M3, &sc).unwrap();
+    let (_, amax) = fp8_gemm_amax(&bad_q, &bq, DType::F32, false).unwrap();
+    assert!(f64s(&amax)[0].is_nan(), "non-finite operand: amax {amax}");
+    let (_, amax) = fp8_gemm_amax(&bq, &bad_q, DType::F32, false).unwrap();
+    assert!(
+        f64s(&amax)[0].is_nan(),
+        "non-finite second operand: amax {amax}"
+    );
+    // a wrong-size amax is refused
+    let two = t(vec![1.0, 2.0], &[2]);
+    assert!(ScalingTensor::quantize_from_amax(&y, QType::E4M3, &sc, two).is_err());
 }

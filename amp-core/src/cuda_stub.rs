@@ -90,7 +90,8 @@ pub(crate) fn fp8_gemm(
     _: DType,
     _: bool,
     _: crate::gemm::Epilogue<'_>,
-) -> Result<Tensor> {
+    _: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     Err(Error::NotCompiled("cuda"))
 }
 

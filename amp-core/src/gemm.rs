@@ -34,6 +34,15 @@
 //! on the residual as C, `CUBLASLT_EPILOGUE_BIAS`: cuBLASLt takes only a
 //! BF16 bias with BF16 output), so neither addend costs a pass over the
 //! output; otherwise the F32 product and the same two adds in f32.
+//!
+//! # The output's amax
+//! [`fp8_gemm_amax`] also returns `max |y|` (amp-core's amax: NaN
+//! propagates), NaN where either operand's cast saw a non-finite value (its
+//! metadata's amax), as the FP8 Linear's flag makes its outputs. On CUDA
+//! cuBLASLt is asked for it while writing the output (`AMAX_D_POINTER`);
+//! where it refuses the key, one amax pass over the output takes it. On the
+//! H100 with CUDA 13.0 it refuses F32 output (the GPT's weight gradients:
+//! the profile kept every amax pass, so the FP8 Linear does not use this).
 
 use crate::cast::{arity, Dequantize};
 use crate::error::{Error, Result};
@@ -44,29 +53,8 @@ use candle_core::{DType, Tensor};
 
 const OP: &str = "fp8_gemm";
 
-/// `A · Bᵀ` of two FP8 tensors, `a: [m, k]`, `b: [n, k]`, accumulated in f32,
-/// returned as `out_dtype` (F32, BF16 or F16). See the module docs for the
-/// layout.
-///
-/// # Errors
-/// [`Error::Unsupported`] for FP16 operands, [`Error::Rank`] unless both are
-/// 2-D, [`Error::Shape`] when `k` differs, [`Error::Device`],
-/// [`Error::DType`] for another output dtype.
-pub fn fp8_gemm(a: &ScalingTensor, b: &ScalingTensor, out_dtype: DType) -> Result<Tensor> {
-    fp8_gemm_with(a, b, out_dtype, false)
-}
-
-/// [`fp8_gemm`] with the choice of fast accumulation (see the module docs).
-///
-/// # Errors
-/// As [`fp8_gemm`]; on CUDA also cuBLASLt's, and [`Error::NotCompiled`]
-/// for CUDA tensors in a build without the `cuda` feature.
-pub fn fp8_gemm_with(
-    a: &ScalingTensor,
-    b: &ScalingTensor,
-    out_dtype: DType,
-    fast_accum: bool,
-) -> Result<Tensor> {
+/// The operand checks of every GEMM here (see [`fp8_gemm`]'s errors).
+fn check_operands(a: &ScalingTensor, b: &ScalingTensor, out_dtype: DType) -> Result<()> {
     for t in [a, b] {
         if t.qtype().fp8().is_none() {
             return Err(Error::Unsupported {
@@ -103,9 +91,38 @@ pub fn fp8_gemm_with(
             got: out_dtype,
         });
     }
+    Ok(())
+}
+
+/// `A · Bᵀ` of two FP8 tensors, `a: [m, k]`, `b: [n, k]`, accumulated in f32,
+/// returned as `out_dtype` (F32, BF16 or F16). See the module docs for the
+/// layout.
+///
+/// # Errors
+/// [`Error::Unsupported`] for FP16 operands, [`Error::Rank`] unless both are
+/// 2-D, [`Error::Shape`] when `k` differs, [`Error::Device`],
+/// [`Error::DType`] for another output dtype.
+pub fn fp8_gemm(a: &ScalingTensor, b: &ScalingTensor, out_dtype: DType) -> Result<Tensor> {
+    fp8_gemm_with(a, b, out_dtype, false)
+}
+
+/// [`fp8_gemm`] with the choice of fast accumulation (see the module docs).
+///
+/// # Errors
+/// As [`fp8_gemm`]; on CUDA also cuBLASLt's, and [`Error::NotCompiled`]
+/// for CUDA tensors in a build without the `cuda` feature.
+pub fn fp8_gemm_with(
+    a: &ScalingTensor,
+    b: &ScalingTensor,
+    out_dtype: DType,
+    fast_accum: bool,
+) -> Result<Tensor> {
+    check_operands(a, b, out_dtype)?;
     let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
     if a.device().is_cuda() && !both_e5m2 {
-        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default());
+        return Ok(
+            crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default(), false)?.0,
+        );
     }
     let unit = Tensor::ones(1, DType::F32, a.device())?;
     let decode = |t: &ScalingTensor| -> Result<Tensor> {
@@ -149,6 +166,7 @@ pub fn fp8_gemm_fused(
     if epi.bias.is_none() && epi.residual.is_none() {
         return fp8_gemm_with(a, b, out_dtype, fast_accum);
     }
+    check_operands(a, b, out_dtype)?;
     let (m, n) = (a.shape().dims()[0], b.shape().dims()[0]);
     let checks = [(epi.bias, vec![n]), (epi.residual, vec![m, n])];
     for (t, want) in checks.iter().filter_map(|(t, w)| t.map(|t| (t, w))) {
@@ -185,7 +203,7 @@ pub fn fp8_gemm_fused(
         && n % 16 == 0
         && a.shape().dims()[1] % 16 == 0
     {
-        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, epi);
+        return Ok(crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, epi, false)?.0);
     }
     // the product in f32, then the addends in the epilogue's order
     let mut y = fp8_gemm_with(a, b, DType::F32, fast_accum)?;
@@ -196,4 +214,35 @@ pub fn fp8_gemm_fused(
         y = y.broadcast_add(&bias.to_dtype(DType::F32)?)?;
     }
     Ok(y.to_dtype(out_dtype)?)
+}
+
+/// [`fp8_gemm_with`] and the output's amax: `(y, amax)`, `amax` a 1-element
+/// F32 tensor, `max |y|` times `a`'s and `b`'s non-finite flags (see the
+/// module docs).
+///
+/// # Errors
+/// As [`fp8_gemm_with`].
+pub fn fp8_gemm_amax(
+    a: &ScalingTensor,
+    b: &ScalingTensor,
+    out_dtype: DType,
+    fast_accum: bool,
+) -> Result<(Tensor, Tensor)> {
+    let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
+    let (y, amax) = if a.device().is_cuda() && !both_e5m2 {
+        check_operands(a, b, out_dtype)?;
+        crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default(), true)?
+    } else {
+        (fp8_gemm_with(a, b, out_dtype, fast_accum)?, None)
+    };
+    let amax = match amax {
+        Some(m) => m,
+        None => {
+            let [m] = <[Tensor; 1]>::try_from(launch(&crate::cast::Amax, &[&y])?)
+                .map_err(|_| arity(crate::cast::Amax::NAME))?;
+            m
+        }
+    };
+    let amax = crate::nn::flag::flagged(&amax, &a.meta().amax()?)?;
+    Ok((y, crate::nn::flag::flagged(&amax, &b.meta().amax()?)?))
 }

@@ -66,7 +66,7 @@ pub use cuda::{
 };
 pub use error::{Error, Result};
 pub use format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
-pub use gemm::{fp8_gemm, fp8_gemm_fused, fp8_gemm_with, Epilogue};
+pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
 pub use meta::ScalingMeta;
 pub use qtype::QType;
 pub use recipe::{

@@ -88,6 +88,32 @@ impl ScalingTensor {
         check_float("ScalingTensor::quantize", x)?;
         let [amax] =
             <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
+        Self::quantize_from_amax(x, qtype, recipe, amax)
+    }
+
+    /// [`quantize`](Self::quantize) with `x`'s amax already taken (a
+    /// 1-element F32 tensor, as [`fp8_gemm_amax`](crate::fp8_gemm_amax)
+    /// returns with its output): one pass over `x`. An amax below `x`'s
+    /// true one saturates elements (the metadata's counts show them).
+    ///
+    /// # Errors
+    /// As [`quantize`](Self::quantize); [`Error::Shape`] for an amax that is
+    /// not one element.
+    pub fn quantize_from_amax(
+        x: &Tensor,
+        qtype: QType,
+        recipe: &CurrentScaling,
+        amax: Tensor,
+    ) -> Result<(Self, Tensor)> {
+        check_float("ScalingTensor::quantize", x)?;
+        if amax.elem_count() != 1 {
+            return Err(Error::Shape {
+                op: "ScalingTensor::quantize_from_amax",
+                lhs: amax.shape().clone(),
+                rhs: Shape::from(1usize),
+            });
+        }
+        let amax = amax.to_dtype(DType::F32)?.reshape(1)?;
         let op = Quantize {
             qtype,
             from_amax: Some(FromAmax::of(recipe)),

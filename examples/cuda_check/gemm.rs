@@ -4,7 +4,8 @@
 use crate::util::{rel_err, to_dev, Rng};
 use amp::nn::{self, fp8_autocast, ComputeMode};
 use amp::{
-    fp8_gemm_fused, fp8_gemm_with, CurrentScaling, DelayedScaling, Epilogue, QType, ScalingTensor,
+    fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, CurrentScaling, DelayedScaling, Epilogue, QType,
+    ScalingTensor,
 };
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -128,6 +129,45 @@ pub fn epilogue(dev: &Device) -> Result<bool> {
             );
             ok &= pass;
         }
+    }
+    Ok(ok)
+}
+
+/// `fp8_gemm_amax` at the GPT's weight-gradient shapes (E5M2 dy x E4M3
+/// x, F32 and BF16 out) and a padded one: the amax cuBLASLt takes while writing the
+/// output equals the bits of our amax kernel over that output, and an
+/// operand whose cast saw inf gives NaN.
+pub fn output_amax(dev: &Device) -> Result<bool> {
+    let mut ok = true;
+    let mut rng = Rng(6161);
+    let cases = [
+        (2304, 8192, 768, DType::F32),
+        (768, 8192, 3072, DType::BF16),
+        (100, 72, 40, DType::F32),
+    ];
+    for (m, k, n, out) in cases {
+        let a = quantized(&mut rng, m, k, QType::E5M2, dev)?;
+        let b = quantized(&mut rng, n, k, QType::E4M3, dev)?;
+        let (y, amax) = fp8_gemm_amax(&a, &b, out, false)?;
+        let (_, want) = ScalingTensor::quantize(&y, QType::E4M3, &CurrentScaling::default())?;
+        let (got, want) = (amax.to_vec1::<f32>()?[0], want.to_vec1::<f32>()?[0]);
+        let mut x = rng.normal(m * k);
+        x[7] = f32::INFINITY;
+        let bad = ScalingTensor::quantize(
+            &Tensor::from_vec(x, (m, k), dev)?,
+            QType::E5M2,
+            &CurrentScaling::default(),
+        )?
+        .0;
+        let nan = fp8_gemm_amax(&bad, &b, DType::F32, false)?
+            .1
+            .to_vec1::<f32>()?[0];
+        let pass = got.to_bits() == want.to_bits() && nan.is_nan();
+        println!(
+            "  output amax {m}x{k}x{n} -> {out:?}: {got:e} vs {want:e} from the output; inf operand: {nan}{}",
+            if pass { "" } else { " FAILED" }
+        );
+        ok &= pass;
     }
     Ok(ok)
 }

@@ -98,6 +98,7 @@ fn main() -> Result<()> {
         check("read scalars", ops::read_scalars(&dev));
         check("fp8 gemm", gemm::check(&dev));
         check("fp8 gemm epilogue", gemm::epilogue(&dev));
+        check("fp8 gemm output amax", gemm::output_amax(&dev));
         check("fp8 linear", gemm::linear(&dev));
         check("fused ops", fused::check(&dev));
         check("half-blocks", blocks::check(&dev));

@@ -20,8 +20,11 @@
 //!   (its length is D's row count, our `n`) and a residual as C with
 //!   beta = 1, C's layout that of D; the caller sends only unpadded BF16
 //!   cases here.
+//! - The output's amax, where asked for: `AMAX_D_POINTER`, cuBLASLt's max
+//!   of |D| taken while D is written (a key it refuses is remembered and
+//!   the caller takes the amax in a pass of its own).
 //! - Per shape (m, n, k, formats, output dtype, fast accumulation,
-//!   epilogue) the descriptors and the heuristic's first algorithm are made once and
+//!   epilogue, amax) the descriptors and the heuristic's first algorithm are made once and
 //!   cached; the 32 MiB workspace is allocated once per device.
 //! - Output buffers come from the stream-ordered pool; creating a context
 //!   raises the default pool's release threshold (see
@@ -78,18 +81,21 @@ impl Drop for Plan {
     }
 }
 
-/// (m, n, k, A format, B format, output dtype, fast accumulation, bias, C).
-type PlanKey = (
-    usize,
-    usize,
-    usize,
-    Fp8Format,
-    Fp8Format,
-    DType,
-    bool,
-    bool,
-    bool,
-);
+/// What a plan is made for: the padded shape, the formats, the output
+/// dtype, fast accumulation, and the epilogue's parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    m: usize,
+    n: usize,
+    k: usize,
+    fa: Fp8Format,
+    fb: Fp8Format,
+    out: DType,
+    fast: bool,
+    bias: bool,
+    c: bool,
+    amax: bool,
+}
 
 /// One device's cuBLASLt state.
 struct LtContext {
@@ -99,6 +105,9 @@ struct LtContext {
     slots: CudaSlice<f32>,
     stream: Arc<CudaStream>,
     plans: HashMap<PlanKey, Plan>,
+    /// Keys with the output's amax that cuBLASLt refused (the amax is then
+    /// taken by a pass of its own).
+    no_amax: std::collections::HashSet<PlanKey>,
 }
 
 // SAFETY: the handle and descriptors are host objects of cuBLASLt, which
@@ -137,6 +146,7 @@ fn context(dev: &CudaDevice) -> Result<Arc<Mutex<LtContext>>> {
         slots: dev.alloc_zeros::<f32>(8)?,
         stream,
         plans: HashMap::new(),
+        no_amax: Default::default(),
     }));
     map.insert(dev.id(), c.clone());
     Ok(c)
@@ -181,9 +191,20 @@ unsafe fn set_attr<T>(
 impl LtContext {
     /// Descriptors and heuristic for `key`; the scale pointers are set before
     /// the heuristic, as NVIDIA's samples do.
-    fn plan(&self, key: PlanKey, scales: (u64, u64), bias: u64) -> Result<Plan> {
+    fn plan(&self, key: PlanKey, scales: (u64, u64), bias: u64, amax: u64) -> Result<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as A;
-        let (m, n, k, fa, fb, out, fast, with_bias, _) = key;
+        let PlanKey {
+            m,
+            n,
+            k,
+            fa,
+            fb,
+            out,
+            fast,
+            bias: with_bias,
+            amax: with_amax,
+            ..
+        } = key;
         // SAFETY: descriptors are created here and owned by the Plan; every
         // attribute gets a value of its documented type.
         unsafe {
@@ -207,6 +228,9 @@ impl LtContext {
                 let ty = sys::cudaDataType_t::CUDA_R_16BF;
                 set_attr(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &ty)?;
                 set_attr(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+            }
+            if with_amax {
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax)?;
             }
             // A = b: k x n (ld k); B = a: k x m (ld k); D = y: n x m (ld n).
             let (k64, n64, m64) = (k as u64, n as u64, m as u64);
@@ -238,7 +262,8 @@ impl LtContext {
             let heur = heur.map_err(|e| {
                 lt_err(
                     &format!(
-                        "no algorithm for m={m} n={n} k={k} {fa} x {fb} -> {out:?} (bias {with_bias})"
+                        "no algorithm for m={m} n={n} k={k} {fa} x {fb} -> {out:?} (bias \
+                         {with_bias}, amax {with_amax})"
                     ),
                     e,
                 )
@@ -304,14 +329,18 @@ fn addend(t: Option<&Tensor>, stream: &Arc<CudaStream>) -> Result<(Option<Tensor
 /// The cuBLASLt FP8 GEMM; see the module docs. Operands: 2-D FP8 tensors
 /// on one CUDA device (checked by the caller), not both E5M2; an epilogue
 /// only with BF16 output, BF16 addends of the right shapes and `m`, `n`,
-/// `k` multiples of 16 (checked by the caller).
+/// `k` multiples of 16 (checked by the caller). With `want_amax` also the
+/// output's amax as cuBLASLt takes it while writing D (`AMAX_D_POINTER`,
+/// a 1-element F32), where cuBLASLt takes it for this shape and type;
+/// `None` otherwise (the caller takes it itself).
 pub(crate) fn fp8_gemm(
     a: &ScalingTensor,
     b: &ScalingTensor,
     out: DType,
     fast_accum: bool,
     epi: Epilogue<'_>,
-) -> Result<Tensor> {
+    want_amax: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let (Some(fa), Some(fb)) = (a.qtype().fp8(), b.qtype().fp8()) else {
         return Err(Error::Unsupported {
             op: OP,
@@ -363,20 +392,48 @@ pub(crate) fn fp8_gemm(
     // kept alive until the GEMM is queued
     let (_bias, bias_ptr) = addend(epi.bias, &stream)?;
     let (_res, c_ptr) = addend(epi.residual, &stream)?;
-    let key = (
-        mp,
-        np,
-        kp,
+    // (a padded output's amax is the output's: the padding adds zeros)
+    let mut key = PlanKey {
+        m: mp,
+        n: np,
+        k: kp,
         fa,
         fb,
         out,
-        fast_accum,
-        epi.bias.is_some(),
-        epi.residual.is_some(),
-    );
+        fast: fast_accum,
+        bias: epi.bias.is_some(),
+        c: epi.residual.is_some(),
+        amax: want_amax,
+    };
+    if ctx.no_amax.contains(&key) {
+        key.amax = false;
+    }
+    let mut amax = if key.amax {
+        Some(dev.alloc_zeros::<f32>(1)?)
+    } else {
+        None
+    };
+    let amax_ptr = match amax.as_mut() {
+        Some(a) => a.device_ptr_mut(&stream).0,
+        None => 0,
+    };
     if !ctx.plans.contains_key(&key) {
-        let plan = ctx.plan(key, scales, bias_ptr)?;
-        ctx.plans.insert(key, plan);
+        match ctx.plan(key, scales, bias_ptr, amax_ptr) {
+            Ok(plan) => {
+                ctx.plans.insert(key, plan);
+            }
+            // cuBLASLt takes no amax here: the same GEMM without it
+            Err(_) if key.amax => {
+                ctx.no_amax.insert(key);
+                key.amax = false;
+                amax = None;
+                if !ctx.plans.contains_key(&key) {
+                    let plan = ctx.plan(key, scales, bias_ptr, 0)?;
+                    ctx.plans.insert(key, plan);
+                }
+            }
+            Err(e) => return Err(e),
+        }
     }
     let ctx = &*ctx;
     let plan = ctx.plans.get(&key).ok_or(Error::Poisoned { op: OP })?;
@@ -396,6 +453,9 @@ pub(crate) fn fp8_gemm(
         if epi.bias.is_some() {
             set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
         }
+        if amax.is_some() {
+            set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax_ptr)?;
+        }
     }
     let a_ptr = address(&ad, &stream)?;
     let b_ptr = address(&bd, &stream)?;
@@ -411,10 +471,18 @@ pub(crate) fn fp8_gemm(
         candle_core::op::BackpropOp::none(),
         false,
     );
+    let amax = amax.map(|a| {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(a, dev.clone())),
+            1,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    });
     if (mp, np) == (m, n) {
-        Ok(y)
+        Ok((y, amax))
     } else {
-        Ok(y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?)
+        Ok((y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?, amax))
     }
 }
 

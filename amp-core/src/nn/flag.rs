@@ -29,6 +29,14 @@ pub(crate) fn flagged_by_amax(t: &ScalingTensor) -> Result<ScalingTensor> {
     ScalingTensor::from_parts(t.data().clone(), meta)
 }
 
+/// `v * (amax * 0 + 1)` for 1-element F32 tensors: `v`, or NaN where
+/// `amax` is not finite (one launch).
+pub(crate) fn flagged(v: &Tensor, amax: &Tensor) -> Result<Tensor> {
+    let [out] = <[Tensor; 1]>::try_from(launch(&FlagScaleInv, &[v, amax])?)
+        .map_err(|_| arity(FlagScaleInv::NAME))?;
+    Ok(out)
+}
+
 /// scale_inv, amax -> scale_inv * (amax * 0 + 1), in f32.
 struct FlagScaleInv;
 

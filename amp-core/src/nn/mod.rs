@@ -40,7 +40,7 @@
 
 mod blocks;
 mod build;
-mod flag;
+pub(crate) mod flag;
 mod forward;
 mod forward_fused;
 pub mod fused;
