@@ -378,87 +378,89 @@ LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 // x*x of elements j, j+8, ... in order), the lanes summed in f64 in order;
 // groups of 256 blocks' sums added in f64 in order (from 0), and the group
 // sums added in order (from 0). Three launches:
-//   sumsq_partials: a CUDA block per 32 blocks of elements; each row tile
-//                   (32 rows of 8 in every block) is decoded into shared
-//                   memory with coalesced loads, then each thread, one
-//                   (block, lane), adds its column of the tile in order.
+//   sumsq_partials: a warp (one CUDA block of 32 threads) per 4 element
+//                   blocks: their codes come in as 16-byte words (coalesced,
+//                   a batch of SUMSQ_BATCH words per thread in flight),
+//                   decoded into a shared tile, then each thread, one
+//                   (block, lane), adds its column in order. Small blocks
+//                   and whole element blocks per load round: a tensor of a
+//                   few million elements spreads over hundreds of SMs'
+//                   worth of warps, with two or four round trips to memory.
 //   sumsq_groups:   a CUDA block per group: its 256 partials into shared
 //                   memory, thread 0 adds them in order.
 //   sumsq_total:    one CUDA block: the group sums, in order.
 // Elements past n decode as 0: x*x = +0 leaves a lane's sum as it is.
 #define SUMSQ_BLOCK 2048
 #define SUMSQ_GROUP 256
-#define SUMSQ_CHUNKS 32  // element blocks per CUDA block (256 threads: 8 lanes each)
-#define SUMSQ_ROWS 32    // rows of 8 per tile
-#define SUMSQ_PITCH (SUMSQ_ROWS * 8 + 8)  // floats per block's tile row: no bank conflicts
+#define SUMSQ_CHUNKS 4   // element blocks per CUDA block (32 threads: 8 lanes each)
+#define SUMSQ_PITCH (SUMSQ_BLOCK + 8)  // floats per tile row: the 4 rows' lanes on distinct banks
+#define SUMSQ_BATCH 16   // 16-byte words in flight per thread
 
-#define SUMSQ_BATCH 8  // loads in flight per thread
+// Elements of a kind in a 16-byte word.
+template <int KIND> struct Word { static constexpr int N = KIND == K_F32 ? 4 : KIND == K_F16 ? 8 : 16; };
 
+// A 16-byte word's elements as `load` decodes each.
 template <int KIND>
-__device__ __forceinline__ float lane_column(const void* g, float si, size_t n, int vec, size_t first_chunk,
-                                             int lane, int chunk, float (*tile)[SUMSQ_PITCH]) {
-    // rows of 8 in this CUDA block's first element block (the longest)
-    const size_t len = min((size_t)SUMSQ_BLOCK, n - first_chunk * SUMSQ_BLOCK);
-    const int rows = (int)((len + 7) / 8);
-    float acc = 0.0f;
-    for (int r0 = 0; r0 < rows; r0 += SUMSQ_ROWS) {
-        // 32 blocks x 256 elements; thread t loads elements t, t + 256, ...
-        // into registers first: `g` is a generic pointer, so a load after a
-        // shared store could alias it and would wait for the store
-        // groups of G: SUMSQ_BATCH per thread, all loads issued first
-        // (unconditional: group 0 in place of one past n)
-        for (int q0 = threadIdx.x; q0 < SUMSQ_CHUNKS * SUMSQ_ROWS * 8 / G; q0 += SUMSQ_BATCH * blockDim.x) {
-            uint4 raw[SUMSQ_BATCH];
-            const size_t base = first_chunk * SUMSQ_BLOCK + (size_t)r0 * 8;
-            // vector loads only from an aligned stream of at least one
-            // whole group (the same for the whole block: no divergence)
-            const bool vload = vec && n >= G;
+__device__ __forceinline__ void decode_word(uint4 r, float si, float* x) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-            for (int k = 0; k < SUMSQ_BATCH; k++) {
-                const int q = q0 + k * blockDim.x;
-                const int c = q / (SUMSQ_ROWS * 8 / G), o = q % (SUMSQ_ROWS * 8 / G) * G;
-                const size_t at = base + (size_t)c * SUMSQ_BLOCK + o;
-                raw[k] = vload ? load_raw(g, KIND, at + G <= n ? at / G : 0) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int k = 0; k < SUMSQ_BATCH; k++) {
-                const int q = q0 + k * blockDim.x;
-                const int c = q / (SUMSQ_ROWS * 8 / G), o = q % (SUMSQ_ROWS * 8 / G) * G;
-                const size_t at = base + (size_t)c * SUMSQ_BLOCK + o;
-                float x[G];
-                if (vload && at + G <= n) {
-                    decode_raw(raw[k], KIND, si, x);
-                } else {
-                    // the tail group, or a stream not 16-byte aligned
-#pragma unroll
-                    for (int j = 0; j < G; j++) x[j] = at + j < n ? load(g, KIND, si, at + j) : 0.0f;
-                }
-                *reinterpret_cast<float4*>(&tile[c][o]) = make_float4(x[0], x[1], x[2], x[3]);
-            }
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int r = 0; r < SUMSQ_ROWS; r++) {
-            const float x = tile[chunk][r * 8 + lane];
-            acc = __fadd_rn(acc, __fmul_rn(x, x));
-        }
-        __syncthreads();
+    for (int j = 0; j < Word<KIND>::N; j++) {
+        if constexpr (KIND == K_E4M3) x[j] = __fmul_rn(decode_e4m3((uint8_t)(w[j >> 2] >> (8 * (j & 3)))), si);
+        else if constexpr (KIND == K_E5M2) x[j] = __fmul_rn(decode_e5m2((uint8_t)(w[j >> 2] >> (8 * (j & 3)))), si);
+        else if constexpr (KIND == K_F16) x[j] = __fmul_rn(decode_f16((uint16_t)(w[j >> 1] >> (16 * (j & 1)))), si);
+        else x[j] = __uint_as_float(w[j]);
     }
-    return acc;
 }
 
 template <int KIND>
 __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials) {
+    constexpr int EPW = Word<KIND>::N;
+    constexpr int WORDS = SUMSQ_CHUNKS * SUMSQ_BLOCK / EPW;  // words of this CUDA block
     __shared__ __align__(16) float tile[SUMSQ_CHUNKS][SUMSQ_PITCH];
     const float si = *si_p;
     const size_t first = (size_t)blockIdx.x * SUMSQ_CHUNKS;
-    const int chunk = threadIdx.x >> 3, lane = threadIdx.x & 7;
-    const float acc = lane_column<KIND>(g, si, n, vec, first, lane, chunk, tile);
-    // the 8 lanes of one element block are 8 consecutive threads of a warp
-    double lanes[8];
-    const int base = (int)(threadIdx.x & 31) & ~7;
+    const size_t base = first * SUMSQ_BLOCK;
+    const int t = threadIdx.x;
+    for (int q0 = 0; q0 < WORDS; q0 += SUMSQ_BATCH * 32) {
+        // all loads of the batch first (into registers: a load after a
+        // shared store through the generic pointer would wait for it)
+        uint4 raw[SUMSQ_BATCH];
 #pragma unroll
-    for (int j = 0; j < 8; j++) lanes[j] = (double)__shfl_sync(0xFFFFFFFFu, acc, base + j);
+        for (int k = 0; k < SUMSQ_BATCH; k++) {
+            const size_t at = base + (size_t)(q0 + k * 32 + t) * EPW;
+            raw[k] = (vec && at + EPW <= n) ? reinterpret_cast<const uint4*>(g)[at / EPW] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < SUMSQ_BATCH; k++) {
+            const int q = q0 + k * 32 + t;
+            const size_t at = base + (size_t)q * EPW;
+            float x[EPW];
+            if (vec && at + EPW <= n) {
+                decode_word<KIND>(raw[k], si, x);
+            } else {
+                // the tail word, or a stream not 16-byte aligned
+#pragma unroll
+                for (int j = 0; j < EPW; j++) x[j] = at + j < n ? load(g, KIND, si, at + j) : 0.0f;
+            }
+            const int c = q * EPW / SUMSQ_BLOCK, e = q * EPW % SUMSQ_BLOCK;
+#pragma unroll
+            for (int j = 0; j < EPW; j += 4)
+                *reinterpret_cast<float4*>(&tile[c][e + j]) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
+        }
+    }
+    __syncwarp();
+    const int chunk = t >> 3, lane = t & 7;
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int r = 0; r < SUMSQ_BLOCK / 8; r++) {
+        const float x = tile[chunk][r * 8 + lane];
+        acc = __fadd_rn(acc, __fmul_rn(x, x));
+    }
+    // the 8 lanes of one element block are 8 consecutive threads
+    double lanes[8];
+    const int b0 = t & ~7;
+#pragma unroll
+    for (int j = 0; j < 8; j++) lanes[j] = (double)__shfl_sync(0xFFFFFFFFu, acc, b0 + j);
     const size_t nchunks = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
     if (lane == 0 && first + chunk < nchunks) {
         double s = lanes[0];
@@ -469,7 +471,7 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
 
 // One kernel per kind: each holds only its kind's registers.
 #define SUMSQ_PARTIALS(NAME, KIND)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256)                                                  \
+    extern "C" __global__ void __launch_bounds__(32)                                                   \
         sumsq_partials_##NAME(const void* g, const float* si, size_t n, int vec, double* partials) {   \
         sumsq_partials_impl<KIND>(g, si, n, vec, partials);                                            \
     }

@@ -16,7 +16,9 @@ const SUMSQ_BLOCK: usize = 2048;
 /// `SUMSQ_GROUP`: blocks' sums per group (the CPU body's `SUMSQ_GROUP`).
 const SUMSQ_GROUP: usize = 256;
 /// `SUMSQ_CHUNKS`: element blocks per CUDA block of `sumsq_partials`.
-const SUMSQ_CHUNKS: usize = 32;
+const SUMSQ_CHUNKS: usize = 4;
+/// Threads of a `sumsq_partials` block: one warp (8 lanes per element block).
+const PARTIALS_THREADS: u32 = 32;
 
 pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core::Result<Outputs> {
     const OP: &str = "grad_sum_sq";
@@ -38,6 +40,10 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
         grid_dim: (b as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
+    };
+    let warps = |b: usize| LaunchConfig {
+        block_dim: (PARTIALS_THREADS, 1, 1),
+        ..blocks(b)
     };
     // One element block: its partial is the group's sum and the total; one
     // group: its sum is the total (0.0 + s is s for the s here, sums of
@@ -61,12 +67,12 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
             Some(p) => b.arg(p),
             None => b.arg(&mut total),
         };
-        // SAFETY: gp addresses n elements of kind kd (4-element loads only
-        // where it is 16-byte aligned and n >= 4, of whole groups before n,
-        // group 0 in place of the others); partials
-        // holds one f64 per block of SUMSQ_BLOCK elements; each CUDA block
-        // covers SUMSQ_CHUNKS of them and reads no element at or past n.
-        unsafe { b.launch(blocks(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;
+        // SAFETY: gp addresses n elements of kind kd (16-byte words only
+        // where it is 16-byte aligned, and only words wholly before n);
+        // partials holds one f64 per block of SUMSQ_BLOCK elements; each
+        // CUDA block covers SUMSQ_CHUNKS of them and reads no element at or
+        // past n.
+        unsafe { b.launch(warps(chunks.div_ceil(SUMSQ_CHUNKS))) }.w()?;
     }
     if let Some(partials) = &partials {
         let f = func(&dev, "sumsq_groups")?;
