@@ -87,8 +87,18 @@ fn state_parts(s: &State) -> Vec<Tensor> {
 /// and a gradient multiplier other than 1 are exercised).
 pub fn check(dev: &Device) -> Result<bool> {
     let mut rng = Rng(0x005E_ED0F_AD4A);
-    // 41107 elements: 20 blocks of 2048 and a tail, not a multiple of 8.
-    let shape = (37usize, 1111usize);
+    let mut ok = true;
+    // 41107 elements: 20 blocks of 2048 and a tail, not a multiple of 8 (the
+    // two launches); 7777: one launch of one block
+    for shape in [(37usize, 1111usize), (7, 1111)] {
+        ok &= combinations(dev, &mut rng, shape)?;
+    }
+    ok &= many_groups(dev, &mut rng)?;
+    Ok(ok)
+}
+
+/// Every combination at one shape.
+fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<bool> {
     let n = shape.0 * shape.1;
     let mut ok = true;
     for wk in [WeightKind::F32, WeightKind::F16, WeightKind::Fp8Master] {
@@ -148,14 +158,13 @@ pub fn check(dev: &Device) -> Result<bool> {
                     }
                 }
                 println!(
-                    "  {what}: {}",
+                    "  {what} ({n} elements): {}",
                     if case_ok { "identical" } else { "DIFFERENT" }
                 );
                 ok &= case_ok;
             }
         }
     }
-    ok &= many_groups(dev, &mut rng)?;
     Ok(ok)
 }
 

@@ -11,7 +11,8 @@
 // returns 0x7FFFFFFF); a step whose gradients hold inf/NaN is skipped before
 // these kernels run.
 //
-// The step is two launches (justification in optim/src/cuda.rs):
+// The step is two launches (justification in optim/src/cuda.rs), or both
+// in one launch of one block for a small tensor (lowbit_one):
 //   lowbit_step: decode every stream, update in registers, encode every
 //                output with its *expected* scale (the previous one: 1 /
 //                scale_inv of the input stream), and fold the amax of the
@@ -353,9 +354,21 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
     sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c);
 }
 
-// lowbit_step_NAME / lowbit_fix_NAME (the same parameters, so the host
-// launches both alike): NAME lists the kinds (w, g, m, v) of the
-// combinations the levels use; `any` takes them at run time.
+// Both passes in one launch of one block, for a small tensor: the block's
+// amax atomics are visible to all of its threads after the barrier, and
+// each thread rewrites only the groups it wrote (the same sweep), so the
+// result is the two launches' bit for bit.
+template <int WK, int GK, int MK, int VK>
+__device__ void one_impl(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax) {
+    step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);
+    __syncthreads();
+    fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o);
+}
+
+// lowbit_step_NAME / lowbit_fix_NAME / lowbit_one_NAME (the same
+// parameters, so the host launches them alike): NAME lists the kinds (w,
+// g, m, v) of the combinations the levels use; `any` takes them at run
+// time.
 #define LOWBIT(NAME, WK, GK, MK, VK)                                                                   \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
         lowbit_step_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,          \
@@ -366,6 +379,11 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
         lowbit_fix_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,           \
                           uint32_t* amax) {                                                             \
         fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o);                                      \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                               \
+        lowbit_one_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,           \
+                          uint32_t* amax) {                                                             \
+        one_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);                                      \
     }
 LOWBIT(any, -1, -1, -1, -1)
 LOWBIT(2002, K_F16, K_E4M3, K_E4M3, K_F16)
@@ -386,6 +404,9 @@ LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 //                   and whole element blocks per load round: a tensor of a
 //                   few million elements spreads over hundreds of SMs'
 //                   worth of warps, with two or four round trips to memory.
+//                   A tensor of at most 4 element blocks is one CUDA
+//                   block, which adds its partials as sumsq_groups would
+//                   and writes the total.
 //   sumsq_groups:   a CUDA block per group: its 256 partials into shared
 //                   memory, thread 0 adds them in order.
 //   sumsq_total:    one CUDA block: the group sums, in order.
@@ -462,9 +483,22 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
 #pragma unroll
     for (int j = 0; j < 8; j++) lanes[j] = (double)__shfl_sync(0xFFFFFFFFu, acc, b0 + j);
     const size_t nchunks = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
-    if (lane == 0 && first + chunk < nchunks) {
-        double s = lanes[0];
-        for (int j = 1; j < 8; j++) s = __dadd_rn(s, lanes[j]);
+    double s = lanes[0];
+    for (int j = 1; j < 8; j++) s = __dadd_rn(s, lanes[j]);
+    if (gridDim.x == 1 && nchunks > 1) {
+        // the whole tensor in this block: its total, as sumsq_groups adds
+        // a group (from 0, in order), into partials[0] (the total)
+        double part[SUMSQ_CHUNKS];
+#pragma unroll
+        for (int c = 0; c < SUMSQ_CHUNKS; c++) part[c] = __shfl_sync(0xFFFFFFFFu, s, c * 8);
+        if (t == 0) {
+            double total = 0.0;
+#pragma unroll
+            for (int c = 0; c < SUMSQ_CHUNKS; c++)
+                if (c < (int)nchunks) total = __dadd_rn(total, part[c]);
+            partials[0] = total;
+        }
+    } else if (lane == 0 && first + chunk < nchunks) {
         partials[first + chunk] = s;
     }
 }

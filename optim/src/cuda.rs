@@ -16,6 +16,9 @@
 //! equals the one pass 1 used and every block of pass 2 returns at once.
 //! Where one moved, pass 2 recomputes the same update (the same IEEE
 //! operations, so the same bits) and rewrites the streams whose scale moved.
+//! A tensor of at most `ONE_BLOCK_MAX` elements takes both passes in one
+//! launch of one block (`lowbit_one_*`, a barrier between them).
+//!
 //! So a step moves the floor's bytes (at O2: 2 + 1 + 1 + 2 read, 2 + 1 + 2
 //! written, 11 a parameter) when its scales stay and 6 more per rewritten
 //! stream's step otherwise; an f32 scratch, as the CPU body keeps, would
@@ -60,6 +63,10 @@ pub(crate) const THREADS: u32 = 256;
 /// (`__launch_bounds__(256, 4)`): one wave of them, a grid-stride loop over
 /// the rest, no tail of a second wave.
 const STEP_BLOCKS: usize = 132 * 4;
+/// Up to this many elements the step is one launch of one block
+/// (`lowbit_one_*`: 64 elements a thread at most), both passes in it: the
+/// biases and LayerNorm parameters of a GPT, a launch each instead of two.
+const ONE_BLOCK_MAX: usize = 16384;
 /// Stream kinds (w, g, m, v) with a kernel of their own in lowbit.cu.
 const FIXED_KINDS: [[i32; 4]; 4] = [[2, 0, 0, 2], [2, 0, 3, 3], [3, 3, 0, 2], [3, 3, 3, 3]];
 /// Scale, scale_inv and amax: the one-element outputs of each stream.
@@ -327,9 +334,15 @@ pub(crate) fn lowbit_step(
 
     // Pass 1 (`lowbit_step_*`): update, encode with the previous scales,
     // the amaxes. Pass 2 (`lowbit_fix_*`): the final scales; rewrite the
-    // streams whose scale moved. Both take the same arguments.
+    // streams whose scale moved. Both take the same arguments; a small
+    // tensor takes both in one launch of one block (`lowbit_one_*`).
     let mut amax = dev.alloc_zeros::<u32>(3)?;
-    for pass in ["step", "fix"] {
+    let (passes, cfg): (&[&str], _) = if n <= ONE_BLOCK_MAX {
+        (&["one"], grid(1))
+    } else {
+        (&["step", "fix"], grid(n.div_ceil(4)))
+    };
+    for pass in passes {
         let f = func(&dev, &format!("lowbit_{pass}_{suffix}"))?;
         let mut b = stream.launch_builder(&f);
         b.arg(&streams)
@@ -343,7 +356,7 @@ pub(crate) fn lowbit_step(
         // of the kinds given (checked above), every output buffer n elements
         // of its kind, every meta slot one f32; `vec` only where all are
         // 16-byte aligned; amax holds 3 words.
-        unsafe { b.launch(grid(n.div_ceil(4))) }.w()?;
+        unsafe { b.launch(cfg) }.w()?;
     }
 
     // Per output stream (w, m, v, copy): data, scale, scale_inv, amax; the

@@ -45,14 +45,18 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
         block_dim: (PARTIALS_THREADS, 1, 1),
         ..blocks(b)
     };
-    // One element block: its partial is the group's sum and the total; one
-    // group: its sum is the total (0.0 + s is s for the s here, sums of
+    // One element block: its partial is the group's sum and the total
+    // (several in one CUDA block: that block adds them); one group: its sum
+    // is the total (0.0 + s is s for the s here, sums of
     // squares: +0 or more, or NaN). So a small tensor takes one or two
     // launches, not three, with the same bits.
     // SAFETY (both): sumsq_partials writes one partial per element block
     // (the lane-0 thread of each), sumsq_groups one sum per group; neither
     // is read before it is written.
-    let mut partials = (chunks > 1)
+    // A tensor of one CUDA block of sumsq_partials (at most SUMSQ_CHUNKS
+    // element blocks) has its total written by that block, as
+    // sumsq_groups would add it.
+    let mut partials = (chunks > SUMSQ_CHUNKS)
         .then(|| unsafe { dev.alloc::<f64>(chunks) })
         .transpose()?;
     let mut group_sums = (groups > 1)
