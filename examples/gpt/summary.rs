@@ -36,6 +36,13 @@ pub struct Summary {
     pub tokens_per_s: f64,
     /// Median wall time of a timed step, ms (as torch_gpt.py reports).
     pub step_ms_median: f64,
+    /// `batch * seq` over the median step: torch_gpt.py's `tokens_per_s`
+    /// (`tokens_per_s` above is over the mean step, outliers included).
+    pub tokens_per_s_median: f64,
+    /// Slowest timed step, ms.
+    pub step_ms_max: f64,
+    /// Every timed step's wall time in order, ms (to 0.01 ms).
+    pub step_ms: Vec<f64>,
     /// Median time of the forward pass (to a device synchronize) within a
     /// timed step, ms; the rest of the step is backward, optimizer, loss read.
     pub forward_ms_median: f64,

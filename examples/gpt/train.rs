@@ -296,10 +296,15 @@ pub fn train_rank(
         .get(forward_ms.len() / 2)
         .copied()
         .unwrap_or(f64::NAN);
+    let step_ms: Vec<f64> = step_secs
+        .iter()
+        .map(|s| (s * 1e5).round() / 100.0)
+        .collect();
     step_secs.sort_by(f64::total_cmp);
     let step_ms_median = step_secs
         .get(step_secs.len() / 2)
         .map_or(f64::NAN, |s| s * 1e3);
+    let step_ms_max = step_secs.last().map_or(f64::NAN, |s| s * 1e3);
     Ok(Summary {
         level: cfg.level.to_string(),
         compute: compute_name(&cfg.compute).into(),
@@ -315,6 +320,9 @@ pub fn train_rank(
         val_loss: val_curve.last().map_or(f32::NAN, |p| p.1),
         tokens_per_s: tokens / train_secs.max(1e-9),
         step_ms_median,
+        tokens_per_s_median: (cfg.batch * cfg.seq) as f64 / (step_ms_median / 1e3),
+        step_ms_max,
+        step_ms,
         forward_ms_median,
         timed_steps,
         peak_device_bytes_after_forward: forward_peak,
