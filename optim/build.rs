@@ -17,6 +17,7 @@ fn main() {
         return;
     }
     println!("cargo:rerun-if-changed=kernels/lowbit.cu");
+    println!("cargo:rerun-if-changed=kernels/sumsq.cuh");
     for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }

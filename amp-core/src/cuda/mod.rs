@@ -48,6 +48,7 @@ mod cast;
 pub(crate) mod cast_t;
 pub(crate) mod flash;
 mod gemm;
+mod gemm_plan;
 mod launch;
 mod meta;
 pub(crate) mod nn;

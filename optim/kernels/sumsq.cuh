@@ -1,0 +1,157 @@
+// The gradient sum of squares (`SumSq` of optim/src/fused.rs), included by
+// lowbit.cu after the decodes it shares with the fused step.
+#pragma once
+
+// ------------------------------------------------------------- SumSq --
+// The CPU body: blocks of 2048 elements; in each, 8 f32 lanes (lane j sums
+// x*x of elements j, j+8, ... in order), the lanes summed in f64 in order;
+// groups of 256 blocks' sums added in f64 in order (from 0), and the group
+// sums added in order (from 0). Three launches:
+//   sumsq_partials: a warp (one CUDA block of 32 threads) per 4 element
+//                   blocks: their codes come in as 16-byte words (coalesced,
+//                   a batch of SUMSQ_BATCH words per thread in flight),
+//                   decoded into a shared tile, then each thread, one
+//                   (block, lane), adds its column in order. Small blocks
+//                   and whole element blocks per load round: a tensor of a
+//                   few million elements spreads over hundreds of SMs'
+//                   worth of warps, with two or four round trips to memory.
+//                   A tensor of at most 4 element blocks is one CUDA
+//                   block, which adds its partials as sumsq_groups would
+//                   and writes the total.
+//   sumsq_groups:   a CUDA block per group: its 256 partials into shared
+//                   memory, thread 0 adds them in order.
+//   sumsq_total:    one CUDA block: the group sums, in order.
+// Elements past n decode as 0: x*x = +0 leaves a lane's sum as it is.
+#define SUMSQ_BLOCK 2048
+#define SUMSQ_GROUP 256
+#define SUMSQ_CHUNKS 4   // element blocks per CUDA block (32 threads: 8 lanes each)
+#define SUMSQ_PITCH (SUMSQ_BLOCK + 8)  // floats per tile row: the 4 rows' lanes on distinct banks
+#define SUMSQ_BATCH 16   // 16-byte words in flight per thread
+
+// Elements of a kind in a 16-byte word.
+template <int KIND> struct Word { static constexpr int N = KIND == K_F32 ? 4 : KIND == K_F16 ? 8 : 16; };
+
+// A 16-byte word's elements as `load` decodes each.
+template <int KIND>
+__device__ __forceinline__ void decode_word(uint4 r, float si, float* x) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int j = 0; j < Word<KIND>::N; j++) {
+        if constexpr (KIND == K_E4M3) x[j] = __fmul_rn(decode_e4m3((uint8_t)(w[j >> 2] >> (8 * (j & 3)))), si);
+        else if constexpr (KIND == K_E5M2) x[j] = __fmul_rn(decode_e5m2((uint8_t)(w[j >> 2] >> (8 * (j & 3)))), si);
+        else if constexpr (KIND == K_F16) x[j] = __fmul_rn(decode_f16((uint16_t)(w[j >> 1] >> (16 * (j & 1)))), si);
+        else x[j] = __uint_as_float(w[j]);
+    }
+}
+
+template <int KIND>
+__device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials) {
+    constexpr int EPW = Word<KIND>::N;
+    constexpr int WORDS = SUMSQ_CHUNKS * SUMSQ_BLOCK / EPW;  // words of this CUDA block
+    __shared__ __align__(16) float tile[SUMSQ_CHUNKS][SUMSQ_PITCH];
+    const float si = *si_p;
+    const size_t first = (size_t)blockIdx.x * SUMSQ_CHUNKS;
+    const size_t base = first * SUMSQ_BLOCK;
+    const int t = threadIdx.x;
+    for (int q0 = 0; q0 < WORDS; q0 += SUMSQ_BATCH * 32) {
+        // all loads of the batch first (into registers: a load after a
+        // shared store through the generic pointer would wait for it)
+        uint4 raw[SUMSQ_BATCH];
+#pragma unroll
+        for (int k = 0; k < SUMSQ_BATCH; k++) {
+            const size_t at = base + (size_t)(q0 + k * 32 + t) * EPW;
+            raw[k] = (vec && at + EPW <= n) ? reinterpret_cast<const uint4*>(g)[at / EPW] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < SUMSQ_BATCH; k++) {
+            const int q = q0 + k * 32 + t;
+            const size_t at = base + (size_t)q * EPW;
+            float x[EPW];
+            if (vec && at + EPW <= n) {
+                decode_word<KIND>(raw[k], si, x);
+            } else {
+                // the tail word, or a stream not 16-byte aligned
+#pragma unroll
+                for (int j = 0; j < EPW; j++) x[j] = at + j < n ? load(g, KIND, si, at + j) : 0.0f;
+            }
+            const int c = q * EPW / SUMSQ_BLOCK, e = q * EPW % SUMSQ_BLOCK;
+#pragma unroll
+            for (int j = 0; j < EPW; j += 4)
+                *reinterpret_cast<float4*>(&tile[c][e + j]) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
+        }
+    }
+    __syncwarp();
+    const int chunk = t >> 3, lane = t & 7;
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int r = 0; r < SUMSQ_BLOCK / 8; r++) {
+        const float x = tile[chunk][r * 8 + lane];
+        acc = __fadd_rn(acc, __fmul_rn(x, x));
+    }
+    // the 8 lanes of one element block are 8 consecutive threads
+    double lanes[8];
+    const int b0 = t & ~7;
+#pragma unroll
+    for (int j = 0; j < 8; j++) lanes[j] = (double)__shfl_sync(0xFFFFFFFFu, acc, b0 + j);
+    const size_t nchunks = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
+    double s = lanes[0];
+    for (int j = 1; j < 8; j++) s = __dadd_rn(s, lanes[j]);
+    if (gridDim.x == 1 && nchunks > 1) {
+        // the whole tensor in this block: its total, as sumsq_groups adds
+        // a group (from 0, in order), into partials[0] (the total)
+        double part[SUMSQ_CHUNKS];
+#pragma unroll
+        for (int c = 0; c < SUMSQ_CHUNKS; c++) part[c] = __shfl_sync(0xFFFFFFFFu, s, c * 8);
+        if (t == 0) {
+            double total = 0.0;
+#pragma unroll
+            for (int c = 0; c < SUMSQ_CHUNKS; c++)
+                if (c < (int)nchunks) total = __dadd_rn(total, part[c]);
+            partials[0] = total;
+        }
+    } else if (lane == 0 && first + chunk < nchunks) {
+        partials[first + chunk] = s;
+    }
+}
+
+// One kernel per kind: each holds only its kind's registers.
+#define SUMSQ_PARTIALS(NAME, KIND)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32)                                                   \
+        sumsq_partials_##NAME(const void* g, const float* si, size_t n, int vec, double* partials) {   \
+        sumsq_partials_impl<KIND>(g, si, n, vec, partials);                                            \
+    }
+SUMSQ_PARTIALS(0, K_E4M3)
+SUMSQ_PARTIALS(1, K_E5M2)
+SUMSQ_PARTIALS(2, K_F16)
+SUMSQ_PARTIALS(3, K_F32)
+
+// groups[b] = partials[256 b] + ... in order (from 0). A block per group.
+extern "C" __global__ void sumsq_groups(const double* partials, size_t count, double* groups) {
+    __shared__ double tile[SUMSQ_GROUP];
+    const size_t at = (size_t)blockIdx.x * SUMSQ_GROUP;
+    const size_t len = min((size_t)SUMSQ_GROUP, count - at);
+    if (threadIdx.x < len) tile[threadIdx.x] = partials[at + threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (size_t j = 0; j < len; j++) s = __dadd_rn(s, tile[j]);
+        groups[blockIdx.x] = s;
+    }
+}
+
+// out[0] = groups[0] + groups[1] + ... in order (from 0). One block.
+extern "C" __global__ void sumsq_total(const double* groups, size_t count, double* out) {
+    __shared__ double tile[256];
+    double total = 0.0;
+    for (size_t at = 0; at < count; at += 256) {
+        const size_t i = at + threadIdx.x;
+        tile[threadIdx.x] = i < count ? groups[i] : 0.0;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const size_t len = min((size_t)256, count - at);
+            for (size_t j = 0; j < len; j++) total = __dadd_rn(total, tile[j]);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = total;
+}
