@@ -90,8 +90,7 @@ pub(crate) fn fp8_gemm(
     _: DType,
     _: bool,
     _: crate::gemm::Epilogue<'_>,
-    _: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
+) -> Result<Tensor> {
     Err(Error::NotCompiled("cuda"))
 }
 

@@ -38,11 +38,10 @@
 //! # The output's amax
 //! [`fp8_gemm_amax`] also returns `max |y|` (amp-core's amax: NaN
 //! propagates), NaN where either operand's cast saw a non-finite value (its
-//! metadata's amax), as the FP8 Linear's flag makes its outputs. On CUDA
-//! cuBLASLt is asked for it while writing the output (`AMAX_D_POINTER`);
-//! where it refuses the key, one amax pass over the output takes it. On the
-//! H100 with CUDA 13.0 it refuses F32 output (the GPT's weight gradients:
-//! the profile kept every amax pass, so the FP8 Linear does not use this).
+//! metadata's amax), as the FP8 Linear's flag makes its outputs, from one
+//! amax pass over the output. cuBLASLt's `AMAX_D_POINTER` was tried: on the
+//! H100 with CUDA 13.0 it refused F32 output (the GPT's weight gradients),
+//! and with BF16 output it may take the amax before D's rounding.
 
 use crate::cast::{arity, Dequantize};
 use crate::error::{Error, Result};
@@ -120,9 +119,7 @@ pub fn fp8_gemm_with(
     check_operands(a, b, out_dtype)?;
     let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
     if a.device().is_cuda() && !both_e5m2 {
-        return Ok(
-            crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default(), false)?.0,
-        );
+        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default());
     }
     let unit = Tensor::ones(1, DType::F32, a.device())?;
     let decode = |t: &ScalingTensor| -> Result<Tensor> {
@@ -203,7 +200,7 @@ pub fn fp8_gemm_fused(
         && n % 16 == 0
         && a.shape().dims()[1] % 16 == 0
     {
-        return Ok(crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, epi, false)?.0);
+        return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, epi);
     }
     // the product in f32, then the addends in the epilogue's order
     let mut y = fp8_gemm_with(a, b, DType::F32, fast_accum)?;
@@ -228,21 +225,9 @@ pub fn fp8_gemm_amax(
     out_dtype: DType,
     fast_accum: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
-    let (y, amax) = if a.device().is_cuda() && !both_e5m2 {
-        check_operands(a, b, out_dtype)?;
-        crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default(), true)?
-    } else {
-        (fp8_gemm_with(a, b, out_dtype, fast_accum)?, None)
-    };
-    let amax = match amax {
-        Some(m) => m,
-        None => {
-            let [m] = <[Tensor; 1]>::try_from(launch(&crate::cast::Amax, &[&y])?)
-                .map_err(|_| arity(crate::cast::Amax::NAME))?;
-            m
-        }
-    };
+    let y = fp8_gemm_with(a, b, out_dtype, fast_accum)?;
+    let [amax] = <[Tensor; 1]>::try_from(launch(&crate::cast::Amax, &[&y])?)
+        .map_err(|_| arity(crate::cast::Amax::NAME))?;
     let amax = crate::nn::flag::flagged(&amax, &a.meta().amax()?)?;
     Ok((y, crate::nn::flag::flagged(&amax, &b.meta().amax()?)?))
 }

@@ -85,7 +85,8 @@ pub fn check(dev: &Device) -> Result<bool> {
 }
 
 /// The epilogue (`fp8_gemm_fused`: residual and BF16 bias added before the
-/// BF16 output's one rounding): cuBLASLt's epilogue at aligned shapes, the
+/// BF16 output's one rounding; the residual a misaligned view): cuBLASLt's
+/// epilogue at aligned shapes, the
 /// F32 product and two adds at a padded one, against a float64 reference
 /// of the decoded operands plus the addends, and against the CPU's result
 /// (the same inputs; only the accumulation order differs).
@@ -96,8 +97,12 @@ pub fn epilogue(dev: &Device) -> Result<bool> {
         let a = quantized(&mut rng, m, k, QType::E4M3, dev)?;
         let b = quantized(&mut rng, n, k, QType::E4M3, dev)?;
         let bias = Tensor::from_vec(rng.normal(n), n, dev)?.to_dtype(DType::BF16)?;
-        let res =
-            (Tensor::from_vec(rng.normal(m * n), (m, n), dev)? * 3.0)?.to_dtype(DType::BF16)?;
+        // the residual a view one element into its buffer: not 16-byte
+        // aligned, so the GEMM takes an aligned copy
+        let res = (Tensor::from_vec(rng.normal(m * n + 1), m * n + 1, dev)? * 3.0)?
+            .to_dtype(DType::BF16)?
+            .narrow(0, 1, m * n)?
+            .reshape((m, n))?;
         let product = a
             .dequantize(DType::F64)?
             .matmul(&b.dequantize(DType::F64)?.t()?)?;
@@ -134,9 +139,9 @@ pub fn epilogue(dev: &Device) -> Result<bool> {
 }
 
 /// `fp8_gemm_amax` at the GPT's weight-gradient shapes (E5M2 dy x E4M3
-/// x, F32 and BF16 out) and a padded one: the amax cuBLASLt takes while writing the
-/// output equals the bits of our amax kernel over that output, and an
-/// operand whose cast saw inf gives NaN.
+/// x, F32 and BF16 out) and a padded one: the amax equals the bits of the
+/// current-scaling cast's amax over that output, and an operand whose cast
+/// saw inf gives NaN.
 pub fn output_amax(dev: &Device) -> Result<bool> {
     let mut ok = true;
     let mut rng = Rng(6161);

@@ -121,8 +121,12 @@ pub fn modes() -> [ComputeMode; 3] {
 
 /// Activation dtype and whether the weights' gradients go to a sink: the
 /// cases of the fused-layer tests.
-pub const DTYPE_SINK: [(DType, bool); 3] =
-    [(DType::F32, true), (DType::BF16, true), (DType::F32, false)];
+pub const DTYPE_SINK: [(DType, bool); 4] = [
+    (DType::F32, true),
+    (DType::BF16, true),
+    (DType::F32, false),
+    (DType::BF16, false),
+];
 
 /// A tensor's values as f32, flattened (any float dtype).
 pub fn values(t: &Tensor) -> Vec<f32> {

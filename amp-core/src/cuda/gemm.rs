@@ -20,11 +20,13 @@
 //!   (its length is D's row count, our `n`) and a residual as C with
 //!   beta = 1, C's layout that of D; the caller sends only unpadded BF16
 //!   cases here.
-//! - The output's amax, where asked for: `AMAX_D_POINTER`, cuBLASLt's max
-//!   of |D| taken while D is written (a key it refuses is remembered and
-//!   the caller takes the amax in a pass of its own).
+//! - Alignment: each pointer's alignment (up to 256 bytes; A and B may be
+//!   views at an offset) is declared in the heuristic's preferences
+//!   (`MIN_ALIGNMENT_*`, the bias's through its pointer) and is part of the
+//!   plan's key, so a cached algorithm never meets a pointer less aligned
+//!   than the one it was chosen for.
 //! - Per shape (m, n, k, formats, output dtype, fast accumulation,
-//!   epilogue, amax) the descriptors and the heuristic's first algorithm
+//!   epilogue, alignments) the descriptors and the heuristic's first algorithm
 //!   are made once and cached; the 32 MiB workspace is allocated once per
 //!   device (`gemm_plan.rs`).
 //! - Output buffers come from the stream-ordered pool; creating a context
@@ -88,35 +90,48 @@ fn address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
     Ok(base + bytes * layout.start_offset() as u64)
 }
 
-/// A BF16 addend's address, 16-byte aligned (a copy where the tensor's own
-/// is not, as cuBLASLt wants for C and the bias).
+/// A BF16 addend's address, 16-byte aligned (a copy into fresh storage
+/// where the tensor's own is not, as cuBLASLt wants for C and the bias).
 fn addend(t: Option<&Tensor>, stream: &Arc<CudaStream>) -> Result<(Option<Tensor>, u64)> {
     let Some(t) = t else {
         return Ok((None, 0));
     };
     let mut t = t.contiguous()?;
     if address(&t, stream)? % 16 != 0 {
-        t = t.copy()?;
+        // a fresh buffer at offset 0 (`copy` would keep the offset)
+        t = t.force_contiguous()?;
     }
     let at = address(&t, stream)?;
+    if at % 16 != 0 {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("an epilogue addend at {at:#x}, not 16-byte aligned"),
+        });
+    }
     Ok((Some(t), at))
+}
+
+/// The alignment of a device address that cuBLASLt's preferences speak of:
+/// the largest power of two up to 256 dividing it.
+fn alignment(at: u64) -> u32 {
+    if at == 0 {
+        256
+    } else {
+        1u32 << at.trailing_zeros().min(8)
+    }
 }
 
 /// The cuBLASLt FP8 GEMM; see the module docs. Operands: 2-D FP8 tensors
 /// on one CUDA device (checked by the caller), not both E5M2; an epilogue
 /// only with BF16 output, BF16 addends of the right shapes and `m`, `n`,
-/// `k` multiples of 16 (checked by the caller). With `want_amax` also the
-/// output's amax as cuBLASLt takes it while writing D (`AMAX_D_POINTER`,
-/// a 1-element F32), where cuBLASLt takes it for this shape and type;
-/// `None` otherwise (the caller takes it itself).
+/// `k` multiples of 16 (checked by the caller).
 pub(crate) fn fp8_gemm(
     a: &ScalingTensor,
     b: &ScalingTensor,
     out: DType,
     fast_accum: bool,
     epi: Epilogue<'_>,
-    want_amax: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
+) -> Result<Tensor> {
     let (Some(fa), Some(fb)) = (a.qtype().fp8(), b.qtype().fp8()) else {
         return Err(Error::Unsupported {
             op: OP,
@@ -168,8 +183,9 @@ pub(crate) fn fp8_gemm(
     // kept alive until the GEMM is queued
     let (_bias, bias_ptr) = addend(epi.bias, &stream)?;
     let (_res, c_ptr) = addend(epi.residual, &stream)?;
-    // (a padded output's amax is the output's: the padding adds zeros)
-    let mut key = PlanKey {
+    let a_ptr = address(&ad, &stream)?;
+    let b_ptr = address(&bd, &stream)?;
+    let key = PlanKey {
         m: mp,
         n: np,
         k: kp,
@@ -179,37 +195,17 @@ pub(crate) fn fp8_gemm(
         fast: fast_accum,
         bias: epi.bias.is_some(),
         c: epi.residual.is_some(),
-        amax: want_amax,
-    };
-    if ctx.no_amax.contains(&key) {
-        key.amax = false;
-    }
-    let mut amax = if key.amax {
-        Some(dev.alloc_zeros::<f32>(1)?)
-    } else {
-        None
-    };
-    let amax_ptr = match amax.as_mut() {
-        Some(a) => a.device_ptr_mut(&stream).0,
-        None => 0,
+        // cuBLASLt's A is our b
+        align: [
+            alignment(b_ptr),
+            alignment(a_ptr),
+            alignment(c_ptr),
+            alignment(bias_ptr),
+        ],
     };
     if !ctx.plans.contains_key(&key) {
-        match ctx.plan(key, scales, bias_ptr, amax_ptr) {
-            Ok(plan) => {
-                ctx.plans.insert(key, plan);
-            }
-            // cuBLASLt takes no amax here: the same GEMM without it
-            Err(_) if key.amax => {
-                ctx.no_amax.insert(key);
-                key.amax = false;
-                amax = None;
-                if !ctx.plans.contains_key(&key) {
-                    let plan = ctx.plan(key, scales, bias_ptr, 0)?;
-                    ctx.plans.insert(key, plan);
-                }
-            }
-            Err(e) => return Err(e),
-        }
+        let plan = ctx.plan(key, scales, bias_ptr)?;
+        ctx.plans.insert(key, plan);
     }
     let ctx = &*ctx;
     let plan = ctx.plans.get(&key).ok_or(Error::Poisoned { op: OP })?;
@@ -229,12 +225,7 @@ pub(crate) fn fp8_gemm(
         if epi.bias.is_some() {
             set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
         }
-        if amax.is_some() {
-            set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax_ptr)?;
-        }
     }
-    let a_ptr = address(&ad, &stream)?;
-    let b_ptr = address(&bd, &stream)?;
     let c = (epi.residual.is_some()).then_some(c_ptr);
     let storage = match out {
         DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
@@ -247,18 +238,10 @@ pub(crate) fn fp8_gemm(
         candle_core::op::BackpropOp::none(),
         false,
     );
-    let amax = amax.map(|a| {
-        Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(a, dev.clone())),
-            1,
-            candle_core::op::BackpropOp::none(),
-            false,
-        )
-    });
     if (mp, np) == (m, n) {
-        Ok((y, amax))
+        Ok(y)
     } else {
-        Ok((y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?, amax))
+        Ok(y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?)
     }
 }
 

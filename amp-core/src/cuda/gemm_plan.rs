@@ -59,7 +59,8 @@ pub(super) struct PlanKey {
     pub(super) fast: bool,
     pub(super) bias: bool,
     pub(super) c: bool,
-    pub(super) amax: bool,
+    /// Alignments (bytes, up to 256) of cuBLASLt's A, B, C and the bias.
+    pub(super) align: [u32; 4],
 }
 
 /// One device's cuBLASLt state.
@@ -70,9 +71,6 @@ pub(super) struct LtContext {
     pub(super) slots: CudaSlice<f32>,
     pub(super) stream: Arc<CudaStream>,
     pub(super) plans: HashMap<PlanKey, Plan>,
-    /// Keys with the output's amax that cuBLASLt refused (the amax is then
-    /// taken by a pass of its own).
-    pub(super) no_amax: std::collections::HashSet<PlanKey>,
 }
 
 // SAFETY: the handle and descriptors are host objects of cuBLASLt, which
@@ -111,7 +109,6 @@ pub(super) fn context(dev: &CudaDevice) -> Result<Arc<Mutex<LtContext>>> {
         slots: dev.alloc_zeros::<f32>(8)?,
         stream,
         plans: HashMap::new(),
-        no_amax: Default::default(),
     }));
     map.insert(dev.id(), c.clone());
     Ok(c)
@@ -156,13 +153,7 @@ pub(super) unsafe fn set_attr<T>(
 impl LtContext {
     /// Descriptors and heuristic for `key`; the scale pointers are set before
     /// the heuristic, as NVIDIA's samples do.
-    pub(super) fn plan(
-        &self,
-        key: PlanKey,
-        scales: (u64, u64),
-        bias: u64,
-        amax: u64,
-    ) -> Result<Plan> {
+    pub(super) fn plan(&self, key: PlanKey, scales: (u64, u64), bias: u64) -> Result<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         let PlanKey {
             m,
@@ -173,7 +164,7 @@ impl LtContext {
             out,
             fast,
             bias: with_bias,
-            amax: with_amax,
+            align,
             ..
         } = key;
         // SAFETY: descriptors are created here and owned by the Plan; every
@@ -200,9 +191,6 @@ impl LtContext {
                 set_attr(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &ty)?;
                 set_attr(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
             }
-            if with_amax {
-                set_attr(desc, A::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax)?;
-            }
             // A = b: k x n (ld k); B = a: k x m (ld k); D = y: n x m (ld n).
             let (k64, n64, m64) = (k as u64, n as u64, m as u64);
             let a = lt::create_matrix_layout(fp8_type(fb), k64, n64, k as i64)
@@ -213,12 +201,25 @@ impl LtContext {
                 .map_err(|e| lt_err("layout D", e))?;
             let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
             let ws = WORKSPACE_BYTES as u64;
-            let set = lt::set_matmul_pref_attribute(
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            let mut set = lt::set_matmul_pref_attribute(
                 pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 &ws as *const u64 as *const c_void,
                 8,
             );
+            // the pointers' alignments; D is a fresh allocation (256)
+            let d_align = 256u32;
+            for (attr, v) in [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align[0]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align[2]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d_align),
+            ] {
+                set = set.and_then(|_| {
+                    lt::set_matmul_pref_attribute(pref, attr, v as *const u32 as *const c_void, 4)
+                });
+            }
             let heur = set
                 .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
             let _ = lt::destroy_matmul_pref(pref);
@@ -234,7 +235,7 @@ impl LtContext {
                 lt_err(
                     &format!(
                         "no algorithm for m={m} n={n} k={k} {fa} x {fb} -> {out:?} (bias \
-                         {with_bias}, amax {with_amax})"
+                         {with_bias}, alignments {align:?})"
                     ),
                     e,
                 )
