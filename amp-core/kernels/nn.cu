@@ -466,6 +466,40 @@ __device__ void col_sum_part_impl(const T* __restrict__ x, float* __restrict__ p
     }
 }
 
+// col_sum_part_impl with 8 consecutive columns a thread (one 16-byte load
+// of BF16, two of F32): a warp reads 32 x 8 columns of a row at once. The
+// same sums in the same order (each column: rows r0 + ty, r0 + ty + 8, ...
+// in its lane, then lanes 1..7 added to lane 0 in order), so the same bits.
+// Needs cols % 8 == 0 and a 16-byte-aligned x.
+template <typename T>
+__device__ void col_sum_part_v_impl(const T* __restrict__ x, float* __restrict__ part, size_t rows,
+                                    int cols, size_t rows_per_chunk) {
+    __shared__ float sh[8][32][9];
+    const int c = (blockIdx.x * 32 + threadIdx.x) * 8;
+    const size_t r0 = (size_t)blockIdx.y * rows_per_chunk;
+    const size_t r1 = min(rows, r0 + rows_per_chunk);
+    float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (c < cols) {
+        for (size_t r = r0 + threadIdx.y; r < r1; r += 8) {
+            float v[8];
+            load<T, 8>(x, r * cols + c, v);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] += v[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sh[threadIdx.y][threadIdx.x][j] = a[j];
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        for (int k = 1; k < 8; ++k) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] += sh[k][threadIdx.x][j];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part[(size_t)blockIdx.y * cols + c + j] = a[j];
+    }
+}
+
 extern "C" __global__ void col_sum_final(const float* __restrict__ part, float* __restrict__ out, int cols,
                                          int chunks) {
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
@@ -645,6 +679,10 @@ extern "C" __global__ void embedding_bwd_f32(const uint32_t* __restrict__ ids, c
     extern "C" __global__ void col_sum_part_##TN(const T* x, float* part, size_t rows, int cols,     \
                                                 size_t rows_per_chunk) {                             \
         col_sum_part_impl<T>(x, part, rows, cols, rows_per_chunk);                                   \
+    }                                                                                                \
+    extern "C" __global__ void col_sum_part_v_##TN(const T* x, float* part, size_t rows, int cols,   \
+                                                  size_t rows_per_chunk) {                           \
+        col_sum_part_v_impl<T>(x, part, rows, cols, rows_per_chunk);                                 \
     }                                                                                                \
     extern "C" __global__ void rows_to_heads_##TN(const T* src, __nv_bfloat16* dst, int B, int T_,   \
                                                  int S, int H, int D, int which, int vec) {          \

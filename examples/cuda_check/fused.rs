@@ -5,7 +5,7 @@
 //! a relative error: F32 within 1e-5, BF16 within 1e-2. The attention's
 //! checks are in `attention.rs`.
 
-use crate::util::{rel_err, Rng};
+use crate::util::{rel_err, same, Rng};
 use amp::nn::fused;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
@@ -103,6 +103,24 @@ pub fn check(dev: &Device) -> Result<bool> {
                 ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
             ];
             ok &= report(&format!("gelu {dtype:?} {rows}x{cols}"), &e, tol(dtype));
+        }
+    }
+    // the bias gradient (a column sum, the CPU in the kernels' order): bit
+    // for bit, on the 8-columns-a-thread path (cols % 8 == 0) and the other
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, cols) in [(8192usize, 768usize), (1000, 3072), (33, 101)] {
+            let (xc, xg) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let (bc, bg) = var(&mut rng, &[cols], DType::F32, dev)?;
+            let (rc, rg) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let (yc, yg) = (fused::bias_add(&xc, &bc)?, fused::bias_add(&xg, &bg)?);
+            let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+            let what = format!("bias_add {dtype:?} {rows}x{cols}");
+            let same_db = same(&format!("{what} db"), &g(&gg, &bg)?, &g(&gc, &bc)?)?;
+            println!(
+                "  {what}: db {}",
+                if same_db { "identical" } else { "DIFFERENT" }
+            );
+            ok &= same_db;
         }
     }
     // the embedding: a gather and a sum in token order, so bit for bit

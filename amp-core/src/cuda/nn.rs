@@ -5,6 +5,7 @@
 
 use super::launch::{aligned, grid, nn_func, view, THREADS};
 use crate::error::{Error, Result};
+pub(super) use crate::nn::fused::chunking;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -16,8 +17,6 @@ use candle_core::{DType, Layout};
 const ROWS_PER_BLOCK: usize = THREADS as usize / 32;
 /// Threads of the block-per-row cross-entropy kernels (`CE_THREADS`).
 const CE_THREADS: u32 = 256;
-/// Row chunks of the LayerNorm weight-gradient partials.
-const LN_CHUNKS: usize = 128;
 
 /// A float storage as a typed view, to `$body` with `$t` the element type.
 macro_rules! with_float {
@@ -342,13 +341,6 @@ pub(super) fn sum_chunks(
     b.arg(part).arg(out).arg(&cols).arg(&chunks);
     unsafe { b.launch(grid(cols as usize)) }.w()?;
     Ok(())
-}
-
-/// Row chunks of the column-sum partials: `(chunks, rows per chunk)`.
-pub(super) fn chunking(rows: usize) -> (usize, usize) {
-    let chunks = LN_CHUNKS.min(rows.max(1));
-    let per_chunk = rows.div_ceil(chunks).max(1);
-    (rows.div_ceil(per_chunk).max(1), per_chunk)
 }
 
 /// GELU (tanh form) of `x`, or with `dy` its backward `dy * gelu'(x)`.

@@ -54,10 +54,18 @@ pub(crate) fn col_sum(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
     let mut out = unsafe { dev.alloc::<f32>(cols)? };
     with_float!(OP, x, |T| {
         let xv = view::<T>(OP, x, lx)?;
-        let f = nn_func(&dev, &format!("col_sum_part_{}", suffix(x.dtype())))?;
+        // 8 columns a thread where rows are whole 16-byte words
+        let wide = cols % 8 == 0 && vec_ok(8, &[&xv], &dev) == 1;
+        let name = if wide {
+            "col_sum_part_v"
+        } else {
+            "col_sum_part"
+        };
+        let f = nn_func(&dev, &format!("{name}_{}", suffix(x.dtype())))?;
         let mut b = stream.launch_builder(&f);
         b.arg(&xv).arg(&mut part).arg(&rows).arg(&c).arg(&per_chunk);
-        unsafe { b.launch(chunk_cfg(cols, chunks)) }.w()?;
+        let cfg = chunk_cfg(if wide { cols / 8 } else { cols }, chunks);
+        unsafe { b.launch(cfg) }.w()?;
         Ok::<_, Error>(())
     })?;
     sum_chunks(&dev, "col_sum_final", &part, &mut out, c, chunks_i)?;

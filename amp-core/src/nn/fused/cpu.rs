@@ -160,3 +160,40 @@ pub(crate) fn gelu_grad(x: f32) -> f32 {
     let th = (0.035_677_4 * x3 + 0.797_885 * x).tanh();
     0.5 * th + (0.053_516_1 * x3 + 0.398_942 * x) * (1.0 - th * th) + 0.5
 }
+
+/// Row chunks of the column sums (the bias gradient, the CUDA LayerNorm's
+/// weight-gradient partials): `(chunks, rows per chunk)`, at most 128 chunks.
+pub(crate) fn chunking(rows: usize) -> (usize, usize) {
+    const CHUNKS: usize = 128;
+    let chunks = CHUNKS.min(rows.max(1));
+    let per_chunk = rows.div_ceil(chunks).max(1);
+    (rows.div_ceil(per_chunk).max(1), per_chunk)
+}
+
+/// The sums over the rows of `x` (`cols` wide), in the CUDA kernels' order:
+/// per chunk of rows (`chunking`), per column 8 lanes (rows `r0 + j`,
+/// `r0 + j + 8`, ... in order), lanes 1..7 added to lane 0 in order; then
+/// the chunks' sums added from 0 in order. So both devices give the same
+/// bits.
+pub(crate) fn col_sum(x: &[f32], cols: usize) -> Vec<f32> {
+    let cols = cols.max(1);
+    let rows = x.len() / cols;
+    let (chunks, per) = chunking(rows);
+    let mut out = vec![0f32; cols];
+    for ch in 0..chunks {
+        let (r0, r1) = (ch * per, rows.min((ch + 1) * per));
+        for (c, o) in out.iter_mut().enumerate() {
+            let mut lanes = [0f32; 8];
+            for (j, lane) in lanes.iter_mut().enumerate() {
+                let mut r = r0 + j;
+                while r < r1 {
+                    *lane += x[r * cols + c];
+                    r += 8;
+                }
+            }
+            let part = lanes[1..].iter().fold(lanes[0], |a, v| a + v);
+            *o += part;
+        }
+    }
+    out
+}

@@ -262,6 +262,8 @@ pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
 }
 
 pub(crate) use attention::causal_attention_handed;
+#[cfg(feature = "cuda")]
+pub(crate) use cpu::chunking;
 pub(crate) use handoff::{layer_norm_handoff, Handoff, ResidualGrad};
 pub(crate) use pointwise::BiasAdd;
 

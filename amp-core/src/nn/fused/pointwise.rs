@@ -152,7 +152,8 @@ impl CustomOp2 for BiasAdd {
     }
 }
 
-/// The sums over the rows (all dimensions but the last), F32.
+/// The sums over the rows (all dimensions but the last), F32, in the order
+/// of `cpu::col_sum` on both devices (the same bits).
 pub(super) struct ColSum;
 
 impl CustomOp1 for ColSum {
@@ -162,10 +163,7 @@ impl CustomOp1 for ColSum {
 
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let cols = last_dim(l);
-        let mut out = vec![0f32; cols];
-        for row in f32s(x, l)?.chunks(cols) {
-            out.iter_mut().zip(row).for_each(|(o, v)| *o += v);
-        }
+        let out = super::cpu::col_sum(&f32s(x, l)?, cols);
         Ok((CpuStorage::F32(out), Shape::from(cols)))
     }
 
