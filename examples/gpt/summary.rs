@@ -52,6 +52,10 @@ pub struct Summary {
     /// forward pass (weights, optimizer state and the saved activations).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_device_bytes_after_forward: Option<u64>,
+    /// CUDA only: the high-water mark when the first step's backward pass
+    /// ended (before its optimizer step).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes_after_backward: Option<u64>,
     /// CUDA only: high-water mark of bytes in use in the device's default
     /// memory pool over the run (every candle tensor; not cuBLAS
     /// workspaces or the context), from `CU_MEMPOOL_ATTR_USED_MEM_HIGH`.

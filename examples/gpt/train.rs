@@ -219,6 +219,7 @@ pub fn train_rank(
     let (mut skipped, mut train_secs) = (0u64, 0.0f64);
     let mut step_secs = Vec::new();
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
+    let mut backward_peak = None;
     for step in start..end {
         let t = Instant::now();
         let (x, y) = corpus.batch(
@@ -243,10 +244,16 @@ pub fn train_rank(
         if step == start && cfg.device.is_cuda() {
             forward_peak = Some(amp::pool_peaks(&cfg.device)?.0);
         }
-        if let StepOutcome::Skipped = opt.backward_step(&loss)? {
+        // the loss's value first: backward_step_owned drops the loss, and
+        // with it the forward's saved tensors, before the optimizer step
+        let local = loss.to_scalar::<f32>()?;
+        if let StepOutcome::Skipped = opt.backward_step_owned(loss)? {
             skipped += 1;
         }
-        let value = mean(loss.to_scalar::<f32>()?)?;
+        if step == start {
+            backward_peak = opt.last_backward_peak();
+        }
+        let value = mean(local)?;
         if step >= start + cfg.timing_skip {
             let secs = t.elapsed().as_secs_f64();
             train_secs += secs;
@@ -326,6 +333,7 @@ pub fn train_rank(
         forward_ms_median,
         timed_steps,
         peak_device_bytes_after_forward: forward_peak,
+        peak_device_bytes_after_backward: backward_peak,
         peak_device_bytes,
         peak_device_reserved_bytes,
         bytes_per_linear_param: report.measured_bytes_per_linear_param,

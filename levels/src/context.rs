@@ -6,7 +6,9 @@ use crate::error::Result;
 use crate::level::{GradStorage, Level, WeightStorage};
 use amp_core::nn::{fp8_autocast, registered_linear, Fp8Autocast, GradSink, Linear};
 use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
-use amp_optim::{AdamWConfig, Grad, LowBitAdamW, LowBitAdamWConfig, StateFormat, StepOutcome};
+use amp_optim::{
+    AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, StateFormat, StepOutcome,
+};
 use candle_core::Tensor;
 
 /// What `initialize` set up: the config, the Linear layers it converted and
@@ -65,6 +67,9 @@ pub struct AmpOptimizer {
     pub(crate) sink: GradSink,
     /// Last step's gradient bytes: Linear data, Linear scales, others.
     pub(crate) last_grad_bytes: [usize; 3],
+    /// CUDA: the pool's used high-water mark when the last backward pass
+    /// ended (before the optimizer step).
+    pub(crate) backward_peak: Option<u64>,
     pub(crate) linear_names: Vec<String>,
     /// Data parallelism's group ([`crate::initialize_distributed`]).
     pub(crate) comm: Option<crate::distributed::Comm>,
@@ -81,7 +86,32 @@ impl AmpOptimizer {
     /// # Errors
     /// The optimizer's, candle's.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
+        let grads = self.backward_grads(loss)?;
+        self.step_grads(grads)
+    }
+
+    /// [`backward_step`](Self::backward_step) that takes the loss and drops
+    /// it after the backward pass, before the optimizer step: candle keeps
+    /// a graph's saved tensors (the activations) until its output is
+    /// dropped, so where the caller holds no other handle on the graph they
+    /// are freed before the step allocates the new weights and moments, as
+    /// PyTorch frees them during `backward()`. Read the loss's value first.
+    ///
+    /// # Errors
+    /// As [`backward_step`](Self::backward_step).
+    pub fn backward_step_owned(&mut self, loss: Tensor) -> Result<StepOutcome> {
+        let grads = self.backward_grads(&loss)?;
+        drop(loss);
+        self.step_grads(grads)
+    }
+
+    /// The backward half of [`backward_step`](Self::backward_step): the
+    /// gradients, and this step's gradient bytes and backward peak recorded.
+    fn backward_grads(&mut self, loss: &Tensor) -> Result<Grads> {
         let grads = self.opt.backward(loss, Some(&self.sink))?;
+        if loss.device().is_cuda() {
+            self.backward_peak = Some(amp_core::pool_peaks(loss.device())?.0);
+        }
         // What the gradients of this step hold, by class: Linear data, their
         // scales, and the F32 gradients of every other parameter.
         let (mut data, mut meta, mut other) = (0, 0, 0);
@@ -98,6 +128,11 @@ impl AmpOptimizer {
             }
         }
         self.last_grad_bytes = [data, meta, other];
+        Ok(grads)
+    }
+
+    /// The step half of [`backward_step`](Self::backward_step).
+    fn step_grads(&mut self, grads: Grads) -> Result<StepOutcome> {
         let Some(comm) = &self.comm else {
             return Ok(self.opt.step(&grads)?);
         };
@@ -125,6 +160,13 @@ impl AmpOptimizer {
             crate::zero::gather(comm, &self.opt, &self.shards)?;
         }
         Ok(outcome)
+    }
+
+    /// CUDA only: the device pool's used high-water mark (bytes) when the
+    /// last [`backward_step`](Self::backward_step)'s backward pass ended,
+    /// before its optimizer step; `None` on the CPU or before a step.
+    pub fn last_backward_peak(&self) -> Option<u64> {
+        self.backward_peak
     }
 
     /// This rank and the number of ranks (`(0, 1)` without a group).
@@ -325,6 +367,7 @@ pub(crate) fn initialize_sharded(
             opt,
             sink,
             last_grad_bytes: [0; 3],
+            backward_peak: None,
             linear_names,
             comm: None,
             shards,
