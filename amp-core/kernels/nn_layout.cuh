@@ -1,0 +1,80 @@
+// The attention's layout kernels of nn.cu (rows to heads and back), which
+// includes this after its load/store helpers.
+#pragma once
+
+// ---------------------------------------------------------------------------
+// Attention layouts. Rows [B, T, S, H, D] (S = 3 for a fused q|k|v
+// projection, 1 otherwise) and heads [B, H, T, D] (BF16, the products'
+// operands): part `which` of the rows to heads, or heads into part `which`
+// of the rows, with the dtype conversion in the same pass. `W` elements of
+// D per thread step (16-byte BF16 stores when D % 8 == 0).
+
+template <typename T, int W>
+__device__ void rows_to_heads_impl(const T* __restrict__ src, __nv_bfloat16* __restrict__ dst, int B,
+                                   int T_, int S, int H, int D, int which) {
+    const size_t n = (size_t)B * H * T_ * D / W;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t o = i * W;
+        const int d = (int)(o % D);
+        const size_t r = o / D;
+        const int t = (int)(r % T_);
+        const size_t bh = r / T_;
+        const int h = (int)(bh % H);
+        const size_t b = bh / H;
+        const size_t from = (((b * T_ + t) * S + which) * H + h) * (size_t)D + d;
+        float v[W];
+        load<T, W>(src, from, v);
+        store<__nv_bfloat16, W>(dst, o, v);
+    }
+}
+
+template <typename T, int W>
+__device__ void heads_to_rows_impl(const __nv_bfloat16* __restrict__ src, T* __restrict__ dst, int B,
+                                   int T_, int S, int H, int D, int which) {
+    const size_t n = (size_t)B * H * T_ * D / W;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t o = i * W;
+        const int d = (int)(o % D);
+        const size_t r = o / D;
+        const int t = (int)(r % T_);
+        const size_t bh = r / T_;
+        const int h = (int)(bh % H);
+        const size_t b = bh / H;
+        const size_t to = (((b * T_ + t) * S + which) * H + h) * (size_t)D + d;
+        float v[W];
+        load<__nv_bfloat16, W>(src, o, v);
+        store<T, W>(dst, to, v);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 2-D transpose of 1- or 2-byte elements (FP8 codes, FP16 values): the GEMM
+// operands of dgrad and wgrad. 32 x 32 tiles through shared memory, block
+// (32, 8), grid (ceil(cols / 32), ceil(rows / 32)); src [rows, cols] to dst
+// [cols, rows].
+
+template <typename T>
+__device__ void transpose_impl(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols) {
+    __shared__ T tile[32][33];
+    const int bx = blockIdx.x * 32, by = blockIdx.y * 32;
+    for (int j = threadIdx.y; j < 32; j += 8) {
+        const int r = by + j, c = bx + threadIdx.x;
+        if (r < rows && c < cols) tile[j][threadIdx.x] = src[(size_t)r * cols + c];
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < 32; j += 8) {
+        const int r = bx + j, c = by + threadIdx.x;
+        if (r < cols && c < rows) dst[(size_t)r * rows + c] = tile[threadIdx.x][j];
+    }
+}
+
+extern "C" __global__ void transpose_u8(const uint8_t* src, uint8_t* dst, int rows, int cols) {
+    transpose_impl(src, dst, rows, cols);
+}
+
+extern "C" __global__ void transpose_u16(const uint16_t* src, uint16_t* dst, int rows, int cols) {
+    transpose_impl(src, dst, rows, cols);
+}
+
