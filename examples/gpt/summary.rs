@@ -4,6 +4,15 @@ use amp::levels::{Compute, MemoryReport};
 use candle_core::Device;
 use serde::Serialize;
 
+/// The median (the upper one of an even count) and the maximum of `xs`
+/// (NaN for none).
+pub fn median_max(xs: &[f64]) -> (f64, f64) {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let median = v.get(v.len() / 2).copied().unwrap_or(f64::NAN);
+    (median, v.last().copied().unwrap_or(f64::NAN))
+}
+
 /// The name of a compute path on the command line.
 pub fn compute_name(c: &Compute) -> &'static str {
     match c {

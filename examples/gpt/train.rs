@@ -5,8 +5,8 @@
 use crate::data::{Corpus, Split};
 use crate::model::{build, Gpt, GptConfig};
 use crate::sample::generate;
-use crate::summary::persistent_json;
 pub use crate::summary::{compute_name, device_name, Summary};
+use crate::summary::{median_max, persistent_json};
 use amp::comm::Communicator;
 use amp::levels::{
     initialize, initialize_distributed, AmpConfig, AmpContext, Compute, ExportDType, Level,
@@ -217,7 +217,7 @@ pub fn train_rank(
     let sent_before = comm.as_ref().map_or(0, |c| c.bytes_sent());
     let (mut train_curve, mut val_curve) = (Vec::new(), Vec::new());
     let (mut skipped, mut train_secs) = (0u64, 0.0f64);
-    let mut step_secs = Vec::new();
+    let mut step_secs: Vec<f64> = Vec::new();
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     let mut backward_peak = None;
     for step in start..end {
@@ -298,20 +298,12 @@ pub fn train_rank(
         (None, None)
     };
     let timed_steps = step_secs.len() as u64;
-    forward_ms.sort_by(f64::total_cmp);
-    let forward_ms_median = forward_ms
-        .get(forward_ms.len() / 2)
-        .copied()
-        .unwrap_or(f64::NAN);
+    let forward_ms_median = median_max(&forward_ms).0;
     let step_ms: Vec<f64> = step_secs
         .iter()
         .map(|s| (s * 1e5).round() / 100.0)
         .collect();
-    step_secs.sort_by(f64::total_cmp);
-    let step_ms_median = step_secs
-        .get(step_secs.len() / 2)
-        .map_or(f64::NAN, |s| s * 1e3);
-    let step_ms_max = step_secs.last().map_or(f64::NAN, |s| s * 1e3);
+    let (step_ms_median, step_ms_max) = median_max(&step_ms);
     Ok(Summary {
         level: cfg.level.to_string(),
         compute: compute_name(&cfg.compute).into(),
