@@ -4,9 +4,10 @@
 mod ckpt_common;
 mod common;
 
-use amp::levels::{AmpOptimizer, Level};
+use amp::levels::Level;
 use candle_core::{DType, Device, Tensor};
 use ckpt_common::{build, contents, tmp, train, with_metadata};
+use common::masters;
 use safetensors::SafeTensors;
 
 #[test]
@@ -86,28 +87,6 @@ fn corrupt_checkpoints_are_clear_errors_and_change_nothing() {
     // The good file still loads.
     ctx.load(&good, &mut opt).unwrap();
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
-}
-
-/// The F32 master value of every parameter, by name.
-fn masters(opt: &AmpOptimizer) -> Vec<(String, Vec<f32>)> {
-    opt.inner()
-        .params()
-        .iter()
-        .map(|p| {
-            (
-                p.name.clone(),
-                p.slot
-                    .read()
-                    .unwrap()
-                    .master_f32()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap(),
-            )
-        })
-        .collect()
 }
 
 #[test]

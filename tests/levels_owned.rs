@@ -9,7 +9,7 @@ use amp::nn;
 use amp::optim::{AdamWConfig, StepOutcome};
 use candle_core::{DType, Device, Module};
 use candle_nn::{VarBuilder, VarMap};
-use common::{randn, randt, t};
+use common::{masters, randn, randt, t};
 
 /// O0 native, the others with FP8 GEMMs (current scaling).
 fn level_config(level: Level) -> AmpConfig {
@@ -32,7 +32,7 @@ fn level_config(level: Level) -> AmpConfig {
 fn backward_step_owned_steps_as_backward_step() {
     let d = 16;
     for level in Level::ALL {
-        let run = |owned: bool| -> Vec<Vec<f32>> {
+        let run = |owned: bool| -> Vec<(String, Vec<f32>)> {
             let varmap = VarMap::new();
             let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
             let fc1 = nn::linear(d, 2 * d, vb.pp("fc1")).unwrap();
@@ -66,21 +66,7 @@ fn backward_step_owned_steps_as_backward_step() {
                 };
                 assert!(matches!(outcome, StepOutcome::Applied { .. }), "{level:?}");
             }
-            opt.inner()
-                .params()
-                .iter()
-                .map(|p| {
-                    p.slot
-                        .read()
-                        .unwrap()
-                        .master_f32()
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap()
-                })
-                .collect()
+            masters(&opt)
         };
         assert_eq!(run(true), run(false), "{level:?}");
     }

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use amp::levels::AmpOptimizer;
 use amp::nn::ComputeMode;
 use amp::{DelayedScaling, Fp8Format};
 use candle_core::{DType, Device, Tensor};
@@ -158,4 +159,26 @@ pub fn within_one_rerounding(fused: &Tensor, parts: &Tensor, residual: &Tensor) 
 /// activations, an FP8 mode, the residual taken into the op (a sink).
 pub fn residual_in_gemm(mode: &ComputeMode, dtype: DType, with_sink: bool) -> bool {
     dtype == DType::BF16 && with_sink && !matches!(mode, ComputeMode::Native)
+}
+
+/// The F32 master value of every parameter, by name.
+pub fn masters(opt: &AmpOptimizer) -> Vec<(String, Vec<f32>)> {
+    opt.inner()
+        .params()
+        .iter()
+        .map(|p| {
+            (
+                p.name.clone(),
+                p.slot
+                    .read()
+                    .unwrap()
+                    .master_f32()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap(),
+            )
+        })
+        .collect()
 }
