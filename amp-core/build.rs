@@ -1,6 +1,7 @@
 //! Builds the PTX of `kernels/amp.cu` (casts, scales), `kernels/cast_t.cu`
 //! (the cast-transpose; both include `kernels/cast.cuh`), `kernels/nn.cu`
-//! (fused training ops; it includes `nn_pointwise.cuh` and `nn_layout.cuh`) and `kernels/flash.cu` (causal flash attention)
+//! (fused training ops; it includes the `nn_*.cuh` parts) and
+//! `kernels/flash.cu` (causal flash attention)
 //! with nvcc, only under the `cuda` feature: the default build needs no
 //! CUDA toolkit.
 //!
@@ -21,6 +22,8 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/nn.cu");
     println!("cargo:rerun-if-changed=kernels/nn_pointwise.cuh");
     println!("cargo:rerun-if-changed=kernels/nn_layout.cuh");
+    println!("cargo:rerun-if-changed=kernels/nn_xent.cuh");
+    println!("cargo:rerun-if-changed=kernels/nn_embedding.cuh");
     println!("cargo:rerun-if-changed=kernels/cast_t.cu");
     println!("cargo:rerun-if-changed=kernels/cast.cuh");
     println!("cargo:rerun-if-changed=kernels/flash.cu");

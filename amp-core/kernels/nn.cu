@@ -160,74 +160,7 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
     }
 }
 
-// ---------------------------------------------------------------------------
-// Cross-entropy: rows of `cols` logits, targets t[r]; out[2r] = lse - x[t],
-// out[2r + 1] = lse (kept for the backward). A target >= cols gives NaN.
-// One block per row.
-
-template <int THREADS>
-__device__ MaxSum block_ms(MaxSum a) {
-    __shared__ float sm[THREADS / 32], ss[THREADS / 32];
-    a = warp_ms(a);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) {
-        sm[warp] = a.m;
-        ss[warp] = a.s;
-    }
-    __syncthreads();
-    MaxSum r{-INFINITY, 0.0f};
-    if (warp == 0) {
-        if (lane < THREADS / 32) r = MaxSum{sm[lane], ss[lane]};
-        r = warp_ms(r);
-        if (lane == 0) {
-            sm[0] = r.m;
-            ss[0] = r.s;
-        }
-    }
-    __syncthreads();
-    return MaxSum{sm[0], ss[0]};
-}
-
-constexpr int CE_THREADS = 256;
-
-template <typename T, int W>
-__device__ void cross_entropy_fwd_impl(const T* __restrict__ x, const uint32_t* __restrict__ t,
-                                       float* __restrict__ out, int cols) {
-    const size_t row = blockIdx.x;
-    const T* xr = x + row * cols;
-    MaxSum a{-INFINITY, 0.0f};
-    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
-        float v[W];
-        load<T, W>(xr, j0, v);
-#pragma unroll
-        for (int k = 0; k < W; ++k) ms_add(a, v[k]);
-    }
-    a = block_ms<CE_THREADS>(a);
-    if (threadIdx.x == 0) {
-        const float lse = a.m + logf(a.s);
-        const uint32_t tr = t[row];
-        out[2 * row] = tr < (uint32_t)cols ? lse - ld(xr, tr) : NAN;
-        out[2 * row + 1] = lse;
-    }
-}
-
-// dx[r, j] = g * (exp(x[r, j] - lse) - (j == t[r])), (g, lse) = gl[2r], gl[2r + 1].
-template <typename T, int W>
-__device__ void cross_entropy_bwd_impl(const T* __restrict__ x, const uint32_t* __restrict__ t,
-                                       const float* __restrict__ gl, T* __restrict__ dx, int cols) {
-    const size_t row = blockIdx.x;
-    const float gr = gl[2 * row], lse = gl[2 * row + 1];
-    const uint32_t tr = t[row];
-    const size_t base = row * cols;
-    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
-        float v[W];
-        load<T, W>(x + base, j0, v);
-#pragma unroll
-        for (int k = 0; k < W; ++k)
-            v[k] = gr * (expf(v[k] - lse) - ((uint32_t)(j0 + k) == tr ? 1.0f : 0.0f));
-        store<T, W>(dx + base, j0, v);
-    }
-}
+#include "nn_xent.cuh"
 
 // ---------------------------------------------------------------------------
 // LayerNorm over rows of `cols`: y = (x - mean) * rstd * w + b, with
@@ -381,46 +314,7 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
 
 #include "nn_layout.cuh"
 
-// ---------------------------------------------------------------------------
-// Embedding (F32 tables): out[i, :] = table[ids[i], :], a NaN row where
-// ids[i] >= rows (no host read to refuse it; the CPU body refuses it). The
-// backward dt[r, c] = the sum of g[i, c] over the tokens i with ids[i] == r,
-// in token order from +0 (index_add's order: the same bits as candle's
-// backward of index_select where the table gets no other gradient). Block (x, p) of the backward owns columns
-// [256 x, 256 x + 256) of the rows r with r & mask == p (grid (.., mask + 1)):
-// no atomics, each sum in one thread, in order. dt is zeroed by the caller.
-
-extern "C" __global__ void embedding_fwd_f32(const uint32_t* __restrict__ ids, const float* __restrict__ table,
-                                             float* __restrict__ out, size_t n, size_t rows, size_t cols) {
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n * cols; e += stride) {
-        const size_t i = e / cols, c = e % cols;
-        const uint32_t r = ids[i];
-        out[e] = r < rows ? table[(size_t)r * cols + c] : __uint_as_float(0x7FC00000u);
-    }
-}
-
-#define EMB_IDS 4096
-extern "C" __global__ void embedding_bwd_f32(const uint32_t* __restrict__ ids, const float* __restrict__ g,
-                                             float* __restrict__ dt, size_t n, size_t rows, size_t cols,
-                                             uint32_t mask) {
-    __shared__ uint32_t sid[EMB_IDS];
-    const size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    const uint32_t p = blockIdx.y;
-    for (size_t at = 0; at < n; at += EMB_IDS) {
-        const int len = (int)min((size_t)EMB_IDS, n - at);
-        for (int j = threadIdx.x; j < len; j += blockDim.x) sid[j] = ids[at + j];
-        __syncthreads();
-        if (c < cols) {
-#pragma unroll 4
-            for (int j = 0; j < len; j++) {
-                const uint32_t r = sid[j];
-                if (r < rows && (r & mask) == p) dt[(size_t)r * cols + c] += g[(at + j) * cols + c];
-            }
-        }
-        __syncthreads();
-    }
-}
+#include "nn_embedding.cuh"
 
 // ---------------------------------------------------------------------------
 // Entry points: `vec` picks the 16-byte path.

@@ -1,0 +1,72 @@
+// The cross-entropy kernels of nn.cu (forward and backward), which nn.cu includes after its helpers.
+#pragma once
+
+// ---------------------------------------------------------------------------
+// Cross-entropy: rows of `cols` logits, targets t[r]; out[2r] = lse - x[t],
+// out[2r + 1] = lse (kept for the backward). A target >= cols gives NaN.
+// One block per row.
+
+template <int THREADS>
+__device__ MaxSum block_ms(MaxSum a) {
+    __shared__ float sm[THREADS / 32], ss[THREADS / 32];
+    a = warp_ms(a);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
+        sm[warp] = a.m;
+        ss[warp] = a.s;
+    }
+    __syncthreads();
+    MaxSum r{-INFINITY, 0.0f};
+    if (warp == 0) {
+        if (lane < THREADS / 32) r = MaxSum{sm[lane], ss[lane]};
+        r = warp_ms(r);
+        if (lane == 0) {
+            sm[0] = r.m;
+            ss[0] = r.s;
+        }
+    }
+    __syncthreads();
+    return MaxSum{sm[0], ss[0]};
+}
+
+constexpr int CE_THREADS = 256;
+
+template <typename T, int W>
+__device__ void cross_entropy_fwd_impl(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                                       float* __restrict__ out, int cols) {
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * cols;
+    MaxSum a{-INFINITY, 0.0f};
+    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
+        float v[W];
+        load<T, W>(xr, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) ms_add(a, v[k]);
+    }
+    a = block_ms<CE_THREADS>(a);
+    if (threadIdx.x == 0) {
+        const float lse = a.m + logf(a.s);
+        const uint32_t tr = t[row];
+        out[2 * row] = tr < (uint32_t)cols ? lse - ld(xr, tr) : NAN;
+        out[2 * row + 1] = lse;
+    }
+}
+
+// dx[r, j] = g * (exp(x[r, j] - lse) - (j == t[r])), (g, lse) = gl[2r], gl[2r + 1].
+template <typename T, int W>
+__device__ void cross_entropy_bwd_impl(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                                       const float* __restrict__ gl, T* __restrict__ dx, int cols) {
+    const size_t row = blockIdx.x;
+    const float gr = gl[2 * row], lse = gl[2 * row + 1];
+    const uint32_t tr = t[row];
+    const size_t base = row * cols;
+    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
+        float v[W];
+        load<T, W>(x + base, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k)
+            v[k] = gr * (expf(v[k] - lse) - ((uint32_t)(j0 + k) == tr ? 1.0f : 0.0f));
+        store<T, W>(dx + base, j0, v);
+    }
+}
+
