@@ -14,9 +14,42 @@ const GEMM_F32_RTOL: f64 = 1e-6;
 /// BF16 output adds one rounding to 8 significant bits.
 const GEMM_BF16_RTOL: f64 = 1.0 / 256.0;
 
+/// `a [m, k]` (unit scale) and `b [n, k]` (times `b_scale`) from seeds,
+/// current-scaled to `qa` and `qb`.
+fn operands(
+    (m, k, n): (usize, usize, usize),
+    (qa, qb): (QType, QType),
+    seeds: (u64, u64),
+    b_scale: f32,
+) -> (ScalingTensor, ScalingTensor) {
+    let sc = CurrentScaling::default();
+    let a = t(randn(m * k, seeds.0), &[m, k]);
+    let b = t(
+        randn(n * k, seeds.1).iter().map(|v| v * b_scale).collect(),
+        &[n, k],
+    );
+    let (aq, _) = ScalingTensor::quantize(&a, qa, &sc).unwrap();
+    let (bq, _) = ScalingTensor::quantize(&b, qb, &sc).unwrap();
+    (aq, bq)
+}
+
+/// The float64 product `A · Bᵀ` of the decoded operands, row-major `[m, n]`.
+fn reference(aq: &ScalingTensor, bq: &ScalingTensor) -> Vec<f64> {
+    let (m, k) = aq.shape().dims2().unwrap();
+    let n = bq.shape().dims2().unwrap().0;
+    let ad = f64s(&aq.dequantize(DType::F64).unwrap());
+    let bd = f64s(&bq.dequantize(DType::F64).unwrap());
+    let mut want = vec![0f64; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            want[r * n + c] = (0..k).map(|j| ad[r * k + j] * bd[c * k + j]).sum();
+        }
+    }
+    want
+}
+
 #[test]
 fn fp8_gemm_matches_a_float64_matmul_of_the_decoded_inputs() {
-    let r = CurrentScaling::default();
     for (i, &(m, k, n)) in [
         (1, 16, 1),
         (3, 17, 5),
@@ -32,24 +65,9 @@ fn fp8_gemm_matches_a_float64_matmul_of_the_decoded_inputs() {
             (QType::E5M2, QType::E4M3),
             (QType::E4M3, QType::E5M2),
         ] {
-            let a = t(randn(m * k, 10 + i as u64), &[m, k]);
-            let b = t(
-                randn(n * k, 20 + i as u64)
-                    .iter()
-                    .map(|v| v * 0.02)
-                    .collect(),
-                &[n, k],
-            );
-            let (aq, _) = ScalingTensor::quantize(&a, qa, &r).unwrap();
-            let (bq, _) = ScalingTensor::quantize(&b, qb, &r).unwrap();
-            let ad = f64s(&aq.dequantize(DType::F64).unwrap());
-            let bd = f64s(&bq.dequantize(DType::F64).unwrap());
-            let mut want = vec![0f64; m * n];
-            for r in 0..m {
-                for c in 0..n {
-                    want[r * n + c] = (0..k).map(|j| ad[r * k + j] * bd[c * k + j]).sum();
-                }
-            }
+            let seeds = (10 + i as u64, 20 + i as u64);
+            let (aq, bq) = operands((m, k, n), (qa, qb), seeds, 0.02);
+            let want = reference(&aq, &bq);
             let y = fp8_gemm(&aq, &bq, DType::F32).unwrap();
             assert_eq!(y.dims(), [m, n]);
             let err = rel_err(&f64s(&y), &want);
@@ -71,12 +89,9 @@ fn fp8_gemm_matches_a_float64_matmul_of_the_decoded_inputs() {
 /// addends the plain GEMM.
 #[test]
 fn fp8_gemm_fused_adds_residual_and_bias_before_one_rounding() {
-    let sc = CurrentScaling::default();
-    let (m, k, n) = (24, 48, 32);
-    let a = t(randn(m * k, 31), &[m, k]);
-    let b = t(randn(n * k, 32).iter().map(|v| v * 0.05).collect(), &[n, k]);
-    let (aq, _) = ScalingTensor::quantize(&a, QType::E4M3, &sc).unwrap();
-    let (bq, _) = ScalingTensor::quantize(&b, QType::E4M3, &sc).unwrap();
+    let (m, n) = (24, 32);
+    let (aq, bq) = operands((m, 48, n), (QType::E4M3, QType::E4M3), (31, 32), 0.05);
+    let dot = reference(&aq, &bq);
     let bias = t(randn(n, 33), &[n]).to_dtype(DType::BF16).unwrap();
     let res = t(randn(m * n, 34).iter().map(|v| v * 3.0).collect(), &[m, n])
         .to_dtype(DType::BF16)
@@ -103,20 +118,14 @@ fn fp8_gemm_fused_adds_residual_and_bias_before_one_rounding() {
             "bias {with_bias} residual {with_res}"
         );
         // against float64 sums of the decoded operands and the addends
-        let (ad, bd) = (
-            f64s(&aq.dequantize(DType::F64).unwrap()),
-            f64s(&bq.dequantize(DType::F64).unwrap()),
-        );
         let (bias64, res64) = (f64s(&bias), f64s(&res));
-        let mut want64 = vec![0f64; m * n];
-        for r in 0..m {
-            for c in 0..n {
-                let dot: f64 = (0..k).map(|j| ad[r * k + j] * bd[c * k + j]).sum();
-                want64[r * n + c] = dot
-                    + if with_res { res64[r * n + c] } else { 0.0 }
-                    + if with_bias { bias64[c] } else { 0.0 };
-            }
-        }
+        let want64: Vec<f64> = (0..m * n)
+            .map(|i| {
+                dot[i]
+                    + if with_res { res64[i] } else { 0.0 }
+                    + if with_bias { bias64[i % n] } else { 0.0 }
+            })
+            .collect();
         let err = rel_err(&f64s(&y), &want64);
         assert!(err < GEMM_BF16_RTOL, "rel err {err:e}");
     }
@@ -164,11 +173,8 @@ fn fp8_gemm_fused_refuses_addends_of_the_wrong_shape_or_dtype() {
 #[test]
 fn fp8_gemm_amax_is_the_outputs_amax_and_carries_the_flags() {
     let sc = CurrentScaling::default();
-    let (m, k, n) = (20, 32, 12);
-    let a = t(randn(m * k, 41), &[m, k]);
-    let b = t(randn(n * k, 42).iter().map(|v| v * 0.1).collect(), &[n, k]);
-    let (aq, _) = ScalingTensor::quantize(&a, QType::E5M2, &sc).unwrap();
-    let (bq, _) = ScalingTensor::quantize(&b, QType::E4M3, &sc).unwrap();
+    let (m, k) = (20, 32);
+    let (aq, bq) = operands((m, k, 12), (QType::E5M2, QType::E4M3), (41, 42), 0.1);
     let (y, amax) = fp8_gemm_amax(&aq, &bq, DType::F32, false).unwrap();
     let plain = fp8_gemm(&aq, &bq, DType::F32).unwrap();
     assert_eq!(f64s(&y), f64s(&plain));

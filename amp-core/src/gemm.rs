@@ -117,6 +117,16 @@ pub fn fp8_gemm_with(
     fast_accum: bool,
 ) -> Result<Tensor> {
     check_operands(a, b, out_dtype)?;
+    gemm_checked(a, b, out_dtype, fast_accum)
+}
+
+/// [`fp8_gemm_with`] on operands [`check_operands`] accepted.
+fn gemm_checked(
+    a: &ScalingTensor,
+    b: &ScalingTensor,
+    out_dtype: DType,
+    fast_accum: bool,
+) -> Result<Tensor> {
     let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
     if a.device().is_cuda() && !both_e5m2 {
         return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, Default::default());
@@ -203,7 +213,7 @@ pub fn fp8_gemm_fused(
         return crate::cuda::fp8_gemm(a, b, out_dtype, fast_accum, epi);
     }
     // the product in f32, then the addends in the epilogue's order
-    let mut y = fp8_gemm_with(a, b, DType::F32, fast_accum)?;
+    let mut y = gemm_checked(a, b, DType::F32, fast_accum)?;
     if let Some(r) = epi.residual {
         y = (y + r.to_dtype(DType::F32)?)?;
     }
