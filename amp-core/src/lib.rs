@@ -72,7 +72,7 @@ pub use qtype::QType;
 pub use recipe::{
     AmaxComputeAlgo, CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision, MAX_MARGIN,
 };
-pub use scalars::read_scalars;
+pub use scalars::{gather_scalars, read_scalars};
 pub use scale::ScaleRule;
 pub use stats::CastStats;
 pub use tensor::ScalingTensor;

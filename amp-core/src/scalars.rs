@@ -25,10 +25,20 @@ use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Tensor};
 /// [`Error::DType`] for another dtype, [`Error::Device`] for tensors on
 /// different devices.
 pub fn read_scalars(ts: &[&Tensor]) -> Result<Vec<f64>> {
-    const OP: &str = "read_scalars";
     if ts.is_empty() {
         return Ok(Vec::new());
     }
+    Ok(gather_scalars(ts)?.to_vec1::<f64>()?)
+}
+
+/// [`read_scalars`] without the read: the values side by side in one F64
+/// tensor on their device (one launch per 256 values on CUDA), for a kernel
+/// that reads them there.
+///
+/// # Errors
+/// As [`read_scalars`]; [`Error::Unsupported`] for no tensors.
+pub fn gather_scalars(ts: &[&Tensor]) -> Result<Tensor> {
+    const OP: &str = "read_scalars";
     for t in ts {
         if t.elem_count() != 1 {
             return Err(Error::Shape {
@@ -49,7 +59,7 @@ pub fn read_scalars(ts: &[&Tensor]) -> Result<Vec<f64>> {
         op: OP,
         what: "a gather without its output".into(),
     })?;
-    Ok(out.to_vec1::<f64>()?)
+    Ok(out)
 }
 
 struct Gather;

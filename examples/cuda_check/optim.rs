@@ -84,7 +84,8 @@ fn state_parts(s: &State) -> Vec<Tensor> {
 
 /// Every combination of weight storage, gradient storage and moment formats
 /// the levels use, three steps each with clipping (so the sum of squares
-/// and a gradient multiplier other than 1 are exercised).
+/// and a gradient multiplier other than 1 are exercised) and a fourth whose
+/// gradient holds a NaN (skipped).
 pub fn check(dev: &Device) -> Result<bool> {
     let mut rng = Rng(0x005E_ED0F_AD4A);
     let mut ok = true;
@@ -128,8 +129,15 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<bo
                 let mut cpu = LowBitAdamW::new(vec![("w".into(), cpu_slot.clone())], cfg)?;
                 let mut gpu = LowBitAdamW::new(vec![("w".into(), gpu_slot.clone())], cfg)?;
                 let mut case_ok = true;
-                for step in 0..3 {
-                    let g = Tensor::from_vec(rng.normal(n), shape, &Device::Cpu)?;
+                // the last step's gradient holds a NaN: both skip it, and on
+                // the GPU (the outcome read after the update is enqueued)
+                // every state is put back, the in-place F32 weight untouched
+                for step in 0..4 {
+                    let mut g = rng.normal(n);
+                    if step == 3 {
+                        g[n / 2] = f32::NAN;
+                    }
+                    let g = Tensor::from_vec(g, shape, &Device::Cpu)?;
                     let (gc, gg) = if g8 {
                         let q = quantize(&g, QType::E4M3)?;
                         (Grad::Scaled(q.clone()), Grad::Scaled(to_dev(&q, dev)?))
@@ -223,7 +231,8 @@ fn many_groups(dev: &Device, rng: &mut Rng) -> Result<bool> {
 /// Step time of one O2 parameter (FP16 weight, E4M3 gradient, E4M3 m, FP16
 /// v) of `n` elements over the bandwidth floor: 11 bytes a parameter (read
 /// 2 + 1 + 1 + 2, write 2 + 1 + 2) at the device-to-device copy bandwidth
-/// measured here. The step includes the sum of squares and its host read.
+/// measured here. The step includes the sum of squares, the clipping
+/// kernel and the read of the step's outcome.
 pub fn bench(dev: &Device) -> Result<bool> {
     // freed blocks stay pooled: no timed call maps fresh memory
     amp::keep_freed_memory(dev)?;

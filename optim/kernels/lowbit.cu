@@ -8,8 +8,10 @@
 // nvcc never contracts into an FMA: the CPU body (Rust, no contraction) does
 // one rounding per operation in the same order, so the results agree bit for
 // bit. Only NaN payloads may differ (x86 keeps an operand's payload, the GPU
-// returns 0x7FFFFFFF); a step whose gradients hold inf/NaN is skipped before
-// these kernels run.
+// returns 0x7FFFFFFF). The gradient multiplier is read from the device
+// (`gmul`, written by grad_clip of clip.cuh); where it is not finite the
+// step is skipped and every kernel returns at once (a weight updated in
+// place keeps its values; the host drops the other outputs).
 //
 // The step is two launches (justification in optim/src/cuda.rs), or both
 // in one launch of one block for a small tensor (lowbit_one):
@@ -44,75 +46,8 @@
 #define K_F16 2
 #define K_F32 3
 
-// Branch-free (a select, no branch around the conversion), so loads ahead
-// of a decode are not held back by it.
-__device__ __forceinline__ float decode_e4m3(uint8_t c) {
-    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
-    return (c & 0x7F) == 0x7F ? __uint_as_float(CANONICAL_NAN) : v;
-}
-__device__ __forceinline__ float decode_e5m2(uint8_t c) {
-    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
-    return (c & 0x7F) > 0x7C ? __uint_as_float(CANONICAL_NAN) : v;
-}
-// half's f16 -> f32 (F16C): a NaN keeps sign and payload, quieted.
-__device__ __forceinline__ float decode_f16(uint16_t h) {
-    const uint32_t nan = ((h & 0x8000u) << 16) | 0x7FC00000u | ((h & 0x3FFu) << 13);
-    const float v = __half2float(__ushort_as_half(h));
-    return (h & 0x7FFF) > 0x7C00 ? __uint_as_float(nan) : v;
-}
+#include "codec.cuh"
 
-// Element i of a stream as f32: decode(code) * scale_inv for a scaled
-// stream (one f32 product), the value itself for F32 (the CPU copies it).
-__device__ __forceinline__ float load(const void* p, int kind, float scale_inv, size_t i) {
-    switch (kind) {
-    case K_E4M3: return __fmul_rn(decode_e4m3(((const uint8_t*)p)[i]), scale_inv);
-    case K_E5M2: return __fmul_rn(decode_e5m2(((const uint8_t*)p)[i]), scale_inv);
-    case K_F16: return __fmul_rn(decode_f16(((const uint16_t*)p)[i]), scale_inv);
-    default: return ((const float*)p)[i];
-    }
-}
-
-// Element i of an output stream from its f32 value and scale: the scaled
-// saturating casts of amp-core (RNE; FP8 NaN -> 0x7F, F16 NaN -> 0x7FFF).
-__device__ __forceinline__ void store(void* p, int kind, float scale, size_t i, float x) {
-    switch (kind) {
-    case K_E4M3:
-    case K_E5M2: {
-        const float v = __fmul_rn(x, scale);
-        ((uint8_t*)p)[i] = isnan(v) ? (uint8_t)0x7F
-                                    : (uint8_t)__nv_cvt_float_to_fp8(
-                                          v, __NV_SATFINITE, kind == K_E4M3 ? __NV_E4M3 : __NV_E5M2);
-        break;
-    }
-    case K_F16: {
-        const float v = __fmul_rn(x, scale);
-        ((uint16_t*)p)[i] =
-            isnan(v) ? (uint16_t)F16_NAN : __half_as_ushort(__float2half_rn(fminf(fmaxf(v, -F16_MAX), F16_MAX)));
-        break;
-    }
-    default: ((float*)p)[i] = x;
-    }
-}
-
-__device__ __forceinline__ float kind_max(int kind) {
-    return kind == K_E4M3 ? E4M3_MAX : kind == K_E5M2 ? E5M2_MAX : F16_MAX;
-}
-
-__device__ __forceinline__ float pow2(int e) {
-    if (e < -126) return 0.0f;
-    if (e > 127) return __uint_as_float(0x7F800000u);
-    return __uint_as_float((uint32_t)(e + 127) << 23);
-}
-
-// ScaleRule::PowerOfTwo.compute(amax, prev, max, 0) of amp-core's scale.rs.
-__device__ float pow2_scale(float amax, float prev, float max) {
-    if (!(amax > 0.0f && isfinite(amax) && max > 0.0f && isfinite(max))) return prev;
-    const double q = __ddiv_rn((double)max, (double)amax);
-    long long e = (long long)((__double_as_longlong(q) >> 52) & 0x7FF) - 1023;
-    e = e < -126 ? -126 : (e > 127 ? 127 : e);
-    const float s = pow2((int)e);
-    return (s >= 1.17549435e-38f && isfinite(s)) ? s : prev;
-}
 
 // AdamStep of optim/src/adamw.rs (field order), plus the gradient multiplier.
 struct Adam {
@@ -298,6 +233,7 @@ __device__ __forceinline__ float out_scale(int kind, float amax, float prev_si) 
 
 template <int WK, int GK, int MK, int VK>
 __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax) {
+    if (!isfinite(k.grad_mul)) return;
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(s.vk, *s.v_si),
                    o.copy ? prev_scale(K_E4M3, *copy_si) : 1.0f, true, true, true, o.copy != nullptr};
@@ -334,6 +270,7 @@ __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* co
 // pass 1 used.
 template <int WK, int GK, int MK, int VK>
 __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, const uint32_t* amax, Outs o) {
+    if (!isfinite(k.grad_mul)) return;
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const float wsi = *s.w_si, msi = *s.m_si, vsi = *s.v_si;
     const float wa = __uint_as_float(amax[0]), ma = __uint_as_float(amax[1]), va = __uint_as_float(amax[2]);
@@ -369,20 +306,27 @@ __device__ void one_impl(Streams s, Adam k, size_t n, int vec, const float* copy
 // parameters, so the host launches them alike): NAME lists the kinds (w,
 // g, m, v) of the combinations the levels use; `any` takes them at run
 // time.
+// `gmul`: the gradient multiplier (one f32 on the device), read into k.
+// An F32 weight may be updated in place (o.w == s.w): each thread reads a
+// group before writing it, and pass 2 never rewrites an F32 stream (its
+// scale is always 1) while m and v do not depend on the weight.
 #define LOWBIT(NAME, WK, GK, MK, VK)                                                                   \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
-        lowbit_step_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,          \
-                           uint32_t* amax) {                                                            \
+        lowbit_step_##NAME(Streams s, Adam k, const float* gmul, size_t n, int vec, const float* copy_si, \
+                           Outs o, uint32_t* amax) {                                                    \
+        k.grad_mul = *gmul;                                                                            \
         step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);                                     \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
-        lowbit_fix_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,           \
-                          uint32_t* amax) {                                                             \
+        lowbit_fix_##NAME(Streams s, Adam k, const float* gmul, size_t n, int vec, const float* copy_si,  \
+                          Outs o, uint32_t* amax) {                                                     \
+        k.grad_mul = *gmul;                                                                            \
         fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o);                                      \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
-        lowbit_one_##NAME(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o,           \
-                          uint32_t* amax) {                                                             \
+        lowbit_one_##NAME(Streams s, Adam k, const float* gmul, size_t n, int vec, const float* copy_si,  \
+                          Outs o, uint32_t* amax) {                                                     \
+        k.grad_mul = *gmul;                                                                            \
         one_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);                                      \
     }
 LOWBIT(any, -1, -1, -1, -1)
@@ -392,3 +336,4 @@ LOWBIT(3302, K_F32, K_F32, K_E4M3, K_F16)
 LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 
 #include "sumsq.cuh"
+#include "clip.cuh"

@@ -46,7 +46,7 @@
 //! No host synchronization and no device-to-host copy: scales and amaxes are
 //! read and written by the kernels.
 
-use crate::fused::{LowBitStep, Q};
+use crate::fused::{LowBitStep, META_LEN, Q};
 use amp_core::QType;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -246,7 +246,7 @@ pub(crate) fn lowbit_step(
     inputs: &[(&CudaStorage, &Layout)],
 ) -> amp_core::Result<Outputs> {
     const OP: &str = "lowbit_adamw_step";
-    let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs), rest @ ..] =
+    let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs), (gm, lgm), rest @ ..] =
         inputs
     else {
         return Err(bad(OP, "wrong number of inputs"));
@@ -260,6 +260,9 @@ pub(crate) fn lowbit_step(
                 rhs: l.shape().clone(),
             });
         }
+    }
+    if k.w_in_place && (k.w.is_some() || k.fp8_copy) {
+        return Err(bad(OP, "only an F32 weight is updated in place"));
     }
     let dev = w.device().clone();
     let qs = [k.w, k.g, k.m, k.v];
@@ -278,8 +281,10 @@ pub(crate) fn lowbit_step(
         streams.scale_inv[i] = scalar_address(OP, si, lsi, &dev)?;
         streams.kinds[i] = kd;
     }
+    let gmul = scalar_address(OP, gm, lgm, &dev)?;
     let c = k.k.constants();
-    let adam = Adam([c[0], c[1], c[2], c[3], c[4], c[5], c[6], k.grad_mul]);
+    // grad_mul (the last field) is read from `gmul` by the kernels
+    let adam = Adam([c[0], c[1], c[2], c[3], c[4], c[5], c[6], 1.0]);
     let stream = dev.cuda_stream();
     // The copy's scale_inv before the step: only where the copy's expected
     // scale is taken from (the weight's otherwise, never read).
@@ -289,35 +294,45 @@ pub(crate) fn lowbit_step(
         _ => return Err(bad(OP, "the FP8 copy's scale_inv goes with fp8_copy")),
     };
 
+    // Output data (the copy last here, first in the outputs), and one
+    // allocation for the 12 meta slots and the passes' 3 amax words.
     let mut bufs = Vec::with_capacity(4);
-    for q in [k.w, k.m, k.v] {
-        bufs.push(Buf::alloc(&dev, kind(q).1, n)?);
+    for (i, q) in [k.w, k.m, k.v].into_iter().enumerate() {
+        if i > 0 || !k.w_in_place {
+            bufs.push(Buf::alloc(&dev, kind(q).1, n)?);
+        }
     }
     if k.fp8_copy {
         bufs.push(Buf::alloc(&dev, DType::U8, n)?);
     }
-    let mut meta = Vec::with_capacity(4 * META_PER_STREAM);
-    for _ in 0..4 * META_PER_STREAM {
-        // SAFETY: lowbit_fix writes every slot of w, m, v (and of the copy
-        // where there is one; without, its slots are dropped unread).
-        meta.push(unsafe { dev.alloc::<f32>(1)? });
-    }
+    // SAFETY: lowbit_fix writes every meta slot of w, m, v (and of the copy
+    // where there is one; without, its slots are never read); the amax
+    // words are zeroed below before pass 1.
+    let mut meta = unsafe { dev.alloc::<f32>(META_LEN)? };
+    stream
+        .memset_zeros(&mut meta.slice_mut(4 * META_PER_STREAM..4 * META_PER_STREAM + 3))
+        .w()?;
+    let base = meta.device_ptr_mut(&stream).0;
     let mut outs = Outs {
         data: [0; 3],
         copy: 0,
         meta: [0; 4 * META_PER_STREAM],
     };
-    for (i, b) in bufs.iter_mut().enumerate() {
-        let a = b.address(&dev);
-        if i < 3 {
-            outs.data[i] = a;
+    let mut addrs = bufs.iter_mut().map(|b| b.address(&dev));
+    for i in 0..3 {
+        outs.data[i] = if i == 0 && k.w_in_place {
+            streams.data[0]
         } else {
-            outs.copy = a;
-        }
+            addrs.next().ok_or_else(|| bad(OP, "output buffers"))?
+        };
     }
-    for (i, s) in meta.iter_mut().enumerate() {
-        outs.meta[i] = s.device_ptr_mut(&stream).0;
+    if k.fp8_copy {
+        outs.copy = addrs.next().ok_or_else(|| bad(OP, "output buffers"))?;
     }
+    for (i, slot) in outs.meta.iter_mut().enumerate() {
+        *slot = base + 4 * i as u64;
+    }
+    let amax = base + 4 * (4 * META_PER_STREAM) as u64;
     let vec = i32::from(
         streams
             .data
@@ -336,7 +351,6 @@ pub(crate) fn lowbit_step(
     // the amaxes. Pass 2 (`lowbit_fix_*`): the final scales; rewrite the
     // streams whose scale moved. Both take the same arguments; a small
     // tensor takes both in one launch of one block (`lowbit_one_*`).
-    let mut amax = dev.alloc_zeros::<u32>(3)?;
     let (passes, cfg): (&[&str], _) = if n <= ONE_BLOCK_MAX {
         (&["one"], grid(1))
     } else {
@@ -347,35 +361,34 @@ pub(crate) fn lowbit_step(
         let mut b = stream.launch_builder(&f);
         b.arg(&streams)
             .arg(&adam)
+            .arg(&gmul)
             .arg(&n)
             .arg(&vec)
             .arg(&copy_si)
             .arg(&outs)
-            .arg(&mut amax);
+            .arg(&amax);
         // SAFETY: the pointers in `streams` address n elements of live inputs
         // of the kinds given (checked above), every output buffer n elements
-        // of its kind, every meta slot one f32; `vec` only where all are
-        // 16-byte aligned; amax holds 3 words.
+        // of its kind (the weight input itself where it is updated in place,
+        // an F32 stream), every meta slot one f32 and `amax` 3 zeroed words
+        // of `meta`; `gmul` one f32; `vec` only where all are 16-byte
+        // aligned.
         unsafe { b.launch(cfg) }.w()?;
     }
 
-    // Per output stream (w, m, v, copy): data, scale, scale_inv, amax; the
-    // copy first, as the CPU body orders them.
+    // The copy first, as the CPU body orders them, then w (unless in
+    // place), m, v, and the meta.
     let shape = lw.shape().clone();
-    let one = Shape::from(1usize);
-    let mut meta = meta
+    let mut out: Outputs = bufs
         .into_iter()
-        .map(|s| (CudaStorage::wrap_cuda_slice(s, dev.clone()), one.clone()));
-    let mut streams: Vec<Outputs> = Vec::with_capacity(4);
-    for b in bufs {
-        let mut out = vec![(b.storage(&dev), shape.clone())];
-        for _ in 0..META_PER_STREAM {
-            out.push(meta.next().ok_or_else(|| bad(OP, "meta outputs"))?);
-        }
-        streams.push(out);
-    }
+        .map(|b| (b.storage(&dev), shape.clone()))
+        .collect();
     if k.fp8_copy {
-        streams.rotate_right(1);
+        out.rotate_right(1);
     }
-    Ok(streams.into_iter().flatten().collect())
+    out.push((
+        CudaStorage::wrap_cuda_slice(meta, dev.clone()),
+        Shape::from(META_LEN),
+    ));
+    Ok(out)
 }

@@ -25,23 +25,33 @@ pub(crate) type Q = Option<QType>;
 
 /// One tensor's update. Inputs, in order: weight, weight scale_inv, grad,
 /// grad scale_inv, m, m scale_inv, v, v scale_inv (scale_inv of an F32
-/// stream is ignored), and with `fp8_copy` the copy's scale_inv before the
-/// step (the CUDA body encodes with it first, see `cuda.rs`; the result
-/// does not depend on it). Outputs: weight (and, with `fp8_copy`, an E4M3
-/// copy before it), m, v, each followed by its new scale, 1 / scale and the
-/// amax of its f32 value (1-element F32 each).
+/// stream is ignored), the gradient multiplier (one F32: loss-scale inverse
+/// times clipping coefficient; NaN skips the step, see `clip.rs`), and
+/// with `fp8_copy` the copy's scale_inv before the step (the CUDA body
+/// encodes with it first, see `cuda.rs`; the result does not depend on it).
+/// Outputs: the data of the weight (and, with `fp8_copy`, an E4M3 copy
+/// before it; none with `w_in_place`), m and v, then one F32 tensor of
+/// [`META_LEN`] elements: scale, 1 / scale and the amax of the f32 values
+/// of w, m, v and the copy at `3 * j` (j in that order; the copy's slots 0
+/// without a copy).
 pub(crate) struct LowBitStep<'a> {
     /// f32 scratch for the updated weight, m and v, kept across steps so a
     /// step does not fault in fresh pages for it.
     pub scratch: &'a std::sync::Mutex<Vec<f32>>,
     pub k: AdamStep,
-    pub grad_mul: f32,
     pub w: Q,
     pub g: Q,
     pub m: Q,
     pub v: Q,
     pub fp8_copy: bool,
+    /// CUDA only: an F32 weight is updated in the weight input's storage
+    /// (no weight output); the CPU body refuses it.
+    pub w_in_place: bool,
 }
+
+/// Elements of the meta output (12 used; the CUDA body keeps the amax
+/// scratch of its two passes after them, in the same allocation).
+pub(crate) const META_LEN: usize = 16;
 
 /// Decodes `src[range]` of a stream into `dst`.
 fn decode(
@@ -76,22 +86,11 @@ fn amax_bits(xs: &[f32]) -> u32 {
 }
 
 /// Encodes an f32 stream into `q` with a fresh power-of-two scale from its
-/// amax (keeping `prev_scale` where the amax is 0 or not finite).
-fn encode(
-    q: Q,
-    values: &[f32],
-    amax: f32,
-    prev_scale: f32,
-    shape: &Shape,
-) -> Vec<(CpuStorage, Shape)> {
-    let one = |v: f32| (CpuStorage::F32(vec![v]), Shape::from(1usize));
+/// amax (keeping `prev_scale` where the amax is 0 or not finite): the data
+/// and its scale, 1 / scale and amax.
+fn encode(q: Q, values: &[f32], amax: f32, prev_scale: f32) -> (CpuStorage, [f32; 3]) {
     let Some(qtype) = q else {
-        return vec![
-            (CpuStorage::F32(values.to_vec()), shape.clone()),
-            one(1.0),
-            one(1.0),
-            one(amax),
-        ];
+        return (CpuStorage::F32(values.to_vec()), [1.0, 1.0, amax]);
     };
     let scale = ScaleRule::PowerOfTwo.compute(amax, prev_scale, qtype.max(), 0);
     let data = match qtype.fp8() {
@@ -115,12 +114,7 @@ fn encode(
             CpuStorage::F16(out)
         }
     };
-    vec![
-        (data, shape.clone()),
-        one(scale),
-        one(1.0 / scale),
-        one(amax),
-    ]
+    (data, [scale, 1.0 / scale, amax])
 }
 
 impl Kernel for LowBitStep<'_> {
@@ -128,7 +122,7 @@ impl Kernel for LowBitStep<'_> {
 
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
         const OP: &str = "lowbit_adamw_step";
-        let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs), ..] =
+        let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs), (gm, lgm), ..] =
             inputs
         else {
             return Err(amp_core::Error::Unsupported {
@@ -146,6 +140,13 @@ impl Kernel for LowBitStep<'_> {
                 });
             }
         }
+        if self.w_in_place {
+            return Err(amp_core::Error::Unsupported {
+                op: OP,
+                what: "an in-place weight update on the CPU".into(),
+            });
+        }
+        let grad_mul = scalar(OP, gm, lgm)?;
         let (w_si, g_si, m_si, v_si) = (
             scalar(OP, ws, lws)?,
             scalar(OP, gs, lgs)?,
@@ -177,7 +178,7 @@ impl Kernel for LowBitStep<'_> {
             decode(OP, self.g, g, lg, g_si, at, gb)?;
             decode(OP, self.m, m, lm, m_si, at, mb)?;
             decode(OP, self.v, v, lv, v_si, at, vb)?;
-            self.k.update(wb, gb, self.grad_mul, mb, vb);
+            self.k.update(wb, gb, grad_mul, mb, vb);
             wa = wa.max(amax_bits(wb));
             ma = ma.max(amax_bits(mb));
             va = va.max(amax_bits(vb));
@@ -186,13 +187,25 @@ impl Kernel for LowBitStep<'_> {
         let shape = lw.shape();
         let prev = |si: f32| if si > 0.0 { 1.0 / si } else { 1.0 };
         let (wa, ma, va) = (f32::from_bits(wa), f32::from_bits(ma), f32::from_bits(va));
-        let mut out = Vec::with_capacity(12);
+        let mut meta = vec![0f32; META_LEN];
+        let mut out = Vec::with_capacity(5);
+        let (wn, mn, vn): (&[f32], &[f32], &[f32]) = (wn, mn, vn);
         if self.fp8_copy {
-            out.extend(encode(Some(QType::E4M3), wn, wa, 1.0, shape));
+            let (data, m) = encode(Some(QType::E4M3), wn, wa, 1.0);
+            meta[9..12].copy_from_slice(&m);
+            out.push((data, shape.clone()));
         }
-        out.extend(encode(self.w, wn, wa, prev(w_si), shape));
-        out.extend(encode(self.m, mn, ma, prev(m_si), shape));
-        out.extend(encode(self.v, vn, va, prev(v_si), shape));
+        let streams = [
+            (0, self.w, wn, wa, prev(w_si)),
+            (1, self.m, mn, ma, prev(m_si)),
+            (2, self.v, vn, va, prev(v_si)),
+        ];
+        for (j, q, values, amax, prev) in streams {
+            let (data, m) = encode(q, values, amax, prev);
+            meta[3 * j..3 * j + 3].copy_from_slice(&m);
+            out.push((data, shape.clone()));
+        }
+        out.push((CpuStorage::F32(meta), Shape::from(META_LEN)));
         Ok(out)
     }
 
@@ -278,8 +291,8 @@ mod tests {
             })
             .collect();
         let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let out = encode(Some(QType::F16), &xs, amax, 1.0, &Shape::from(xs.len()));
-        let CpuStorage::F16(ours) = &out[0].0 else {
+        let out = encode(Some(QType::F16), &xs, amax, 1.0);
+        let CpuStorage::F16(ours) = &out.0 else {
             panic!("F16 out")
         };
         let t = Tensor::from_vec(xs.clone(), xs.len(), &Device::Cpu).unwrap();

@@ -38,6 +38,7 @@
 #![warn(missing_docs)]
 
 mod adamw;
+mod clip;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
@@ -49,6 +50,7 @@ mod loss_scaler;
 mod lowbit;
 mod schedule;
 mod state;
+mod step;
 mod update;
 
 pub use adamw::{AdamStep, AdamW, AdamWConfig};

@@ -4,13 +4,10 @@
 
 use crate::adamw::AdamWConfig;
 use crate::error::{Error, Result};
-use crate::fused::SumSq;
 use crate::grad::{Grad, Grads};
 use crate::loss_scaler::{LossScaler, LossScaling};
 use crate::schedule::{Constant, LrSchedule};
 use crate::state::{State, StateFormat};
-use crate::update::{f32_stream, kernel_error, scaled_stream, update_param, Ones};
-use amp_core::kernel::launch;
 use amp_core::nn::GradSink;
 use amp_core::{Weight, WeightSlot};
 use candle_core::{backprop::GradStore, Tensor};
@@ -78,12 +75,12 @@ pub enum StepOutcome {
 /// AdamW with low-bit moments over parameters of any [`Weight`] storage.
 #[derive(Debug)]
 pub struct LowBitAdamW {
-    params: Vec<ParamState>,
-    config: LowBitAdamWConfig,
-    schedule: Box<dyn LrSchedule>,
-    scaler: LossScaler,
-    step: u64,
-    scratch: std::sync::Mutex<Vec<f32>>,
+    pub(crate) params: Vec<ParamState>,
+    pub(crate) config: LowBitAdamWConfig,
+    pub(crate) schedule: Box<dyn LrSchedule>,
+    pub(crate) scaler: LossScaler,
+    pub(crate) step: u64,
+    pub(crate) scratch: std::sync::Mutex<Vec<f32>>,
 }
 
 impl LowBitAdamW {
@@ -271,119 +268,4 @@ impl LowBitAdamW {
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
         self.backward_step_with(loss, None)
     }
-
-    /// One step. Gradients are taken as scaled by the loss scaler's current
-    /// scale. If any holds inf or NaN, nothing changes (weights, moments,
-    /// step counter) and the scaler backs off. Otherwise gradients are
-    /// unscaled, clipped to `max_grad_norm` over all parameters, and every
-    /// parameter with a gradient is updated.
-    ///
-    /// # Errors
-    /// [`Error::GradShape`] or [`Error::UnknownParam`], checked for every
-    /// gradient before anything changes.
-    pub fn step(&mut self, grads: &Grads) -> Result<StepOutcome> {
-        self.step_partitioned(grads, &|_| false, &mut |s| Ok(s))
-    }
-
-    /// [`step`](Self::step) where some parameters are partitioned across
-    /// data-parallel ranks (ZeRO: each rank holds and updates its slice):
-    /// the squared gradient norm of the parameters for which
-    /// `partitioned(name)` holds is summed over the ranks by `reduce`, which
-    /// every rank calls exactly once per step, so that all ranks clip by
-    /// the same global norm and skip the same steps.
-    ///
-    /// # Errors
-    /// As [`step`](Self::step); `reduce`'s.
-    pub fn step_partitioned(
-        &mut self,
-        grads: &Grads,
-        partitioned: &dyn Fn(&str) -> bool,
-        reduce: &mut dyn FnMut(f64) -> Result<f64>,
-    ) -> Result<StepOutcome> {
-        // Pass 1: shapes, finiteness and the global norm, decoding each
-        // gradient on the fly.
-        if let Some(name) = grads
-            .0
-            .keys()
-            .find(|n| !self.params.iter().any(|p| &p.name == *n))
-        {
-            return Err(Error::UnknownParam(name.clone()));
-        }
-        // Per parameter: its sum of squares and, for a scaled gradient, the
-        // amax of its source, left on the device; one read of each below
-        // (a read per parameter would stall the device once per parameter).
-        let mut sums: Vec<(bool, Tensor)> = Vec::with_capacity(self.params.len());
-        let mut ones = Ones::default();
-        let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
-        for p in &self.params {
-            let Some(g) = grads.get(&p.name) else {
-                continue;
-            };
-            let expected = p.slot.read()?.shape().clone();
-            if g.shape() != &expected {
-                return Err(Error::GradShape {
-                    op: "LowBitAdamW::step",
-                    name: p.name.clone(),
-                    expected,
-                    got: g.shape().clone(),
-                });
-            }
-            let part = partitioned(&p.name);
-            if let Grad::Scaled(t) = g {
-                amaxes.push((part, t.meta().amax()?.flatten_all()?));
-            }
-            let (data, scale_inv, q) = match g {
-                Grad::F32(t) => f32_stream(t, &mut ones)?,
-                Grad::Scaled(t) => scaled_stream(t),
-            };
-            let [total] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
-                .map_err(|_| kernel_error("sum of squares"))?;
-            sums.push((part, total));
-        }
-        let (mut sum_sq, mut part_sq) = (0f64, 0f64);
-        let values = read_all(&sums, &amaxes)?;
-        let (totals, amax) = values.split_at(sums.len());
-        // in parameter order, as the sums were taken
-        for ((part, _), v) in sums.iter().zip(totals) {
-            *if *part { &mut part_sq } else { &mut sum_sq } += v;
-        }
-        for ((part, _), a) in amaxes.iter().zip(amax) {
-            if !a.is_finite() {
-                *if *part { &mut part_sq } else { &mut sum_sq } = f64::INFINITY;
-            }
-        }
-        sum_sq += reduce(part_sq)?;
-        if !sum_sq.is_finite() {
-            self.scaler.update(true);
-            return Ok(StepOutcome::Skipped);
-        }
-        let inv_scale = 1.0 / self.scaler.scale;
-        let grad_norm = sum_sq.sqrt() * inv_scale;
-        let clip = match self.config.max_grad_norm {
-            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
-        let grad_mul = (inv_scale * clip) as f32;
-        // Pass 2: the update.
-        self.step += 1;
-        let lr = self.schedule.lr(self.step);
-        for p in &mut self.params {
-            let Some(g) = grads.get(&p.name) else {
-                continue;
-            };
-            p.step += 1;
-            let k = self.config.adam.at_step(lr, p.step);
-            update_param(p, g, k, grad_mul, &self.scratch, &mut ones)?;
-        }
-        self.scaler.update(false);
-        Ok(StepOutcome::Applied { grad_norm })
-    }
-}
-
-/// The one-element sums, then the amaxes (as F64, exactly), read to the
-/// host in one copy (`amp_core::read_scalars`: one gather launch per 256
-/// values, where a concatenation launched a copy per value).
-fn read_all(sums: &[(bool, Tensor)], amaxes: &[(bool, Tensor)]) -> Result<Vec<f64>> {
-    let all: Vec<&Tensor> = sums.iter().chain(amaxes).map(|(_, t)| t).collect();
-    Ok(amp_core::read_scalars(&all)?)
 }

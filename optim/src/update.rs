@@ -58,38 +58,54 @@ pub(crate) fn kernel_error(what: &str) -> Error {
     .into()
 }
 
-/// Outputs of the kernel per stream: data, scale, scale_inv, amax.
-const PER_STREAM: usize = 4;
-
-/// Rebuilds a stream from the kernel's outputs: a scaling tensor for a
-/// low-bit stream, the F32 tensor otherwise.
-fn rebuild(q: Option<QType>, out: &[Tensor]) -> Result<std::result::Result<ScalingTensor, Tensor>> {
-    let [data, scale, scale_inv, amax] = out else {
-        return Err(kernel_error("kernel outputs"));
-    };
+/// A stream rebuilt from the kernel's outputs: its data and its three meta
+/// slots (views of the one meta output): a scaling tensor for a low-bit
+/// stream, the F32 tensor otherwise.
+fn rebuild(
+    q: Option<QType>,
+    data: &Tensor,
+    meta: &Tensor,
+    slot: usize,
+) -> Result<std::result::Result<ScalingTensor, Tensor>> {
     Ok(match q {
         None => Err(data.clone()),
         Some(qtype) => {
-            let meta =
-                ScalingMeta::from_parts(qtype, scale.clone(), scale_inv.clone(), amax.clone())?;
+            let at = |i: usize| meta.narrow(0, 3 * slot + i, 1);
+            let meta = ScalingMeta::from_parts(qtype, at(0)?, at(1)?, at(2)?)?;
             Ok(ScalingTensor::from_parts(data.clone(), meta)?)
         }
     })
 }
 
-fn to_state(q: Option<QType>, out: &[Tensor]) -> Result<State> {
-    Ok(match rebuild(q, out)? {
+fn to_state(q: Option<QType>, data: &Tensor, meta: &Tensor, slot: usize) -> Result<State> {
+    Ok(match rebuild(q, data, meta, slot)? {
         Ok(t) => State::Scaled(t),
         Err(t) => State::F32(t),
     })
 }
 
-/// One parameter's update through the fused kernel.
+/// Whether the fused kernel can write this weight in place: a contiguous
+/// F32 `Var` on CUDA (any other weight is not an F32 one, or is set from
+/// the kernel's output).
+pub(crate) fn updates_in_place(w: &Weight) -> bool {
+    match w {
+        Weight::F32(var) => {
+            var.device().is_cuda() && var.dtype() == DType::F32 && var.is_contiguous()
+        }
+        _ => false,
+    }
+}
+
+/// One parameter's update through the fused kernel; `grad_mul` is the
+/// one-element F32 multiplier (NaN: the kernels skip, see `clip.rs`). With
+/// `in_place`, a contiguous F32 weight on CUDA is written by the kernel
+/// itself (the CPU body cannot write an input: there the weight is set
+/// from the kernel's output).
 pub(crate) fn update_param(
     p: &mut ParamState,
     g: &Grad,
     k: AdamStep,
-    grad_mul: f32,
+    grad_mul: &Tensor,
     scratch: &std::sync::Mutex<Vec<f32>>,
     ones: &mut Ones,
 ) -> Result<()> {
@@ -108,6 +124,7 @@ pub(crate) fn update_param(
             })
         }
     };
+    let w_in_place = matches!(&weight, Weight::F32(_)) && updates_in_place(&weight);
     let g = match g {
         Grad::F32(t) => f32_stream(t, ones)?,
         Grad::Scaled(t) => scaled_stream(t),
@@ -119,28 +136,42 @@ pub(crate) fn update_param(
     let kernel = LowBitStep {
         scratch,
         k,
-        grad_mul,
         w: w.2,
         g: g.2,
         m: m.2,
         v: v.2,
         fp8_copy,
+        w_in_place,
     };
-    let mut inputs = vec![&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1];
+    let mut inputs = vec![&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1, grad_mul];
     if let Weight::Fp8 { weight: copy, .. } = &weight {
         inputs.push(copy.meta().scale_inv());
     }
     let outs = launch(&kernel, &inputs)?;
-    let (copy, rest) = outs.split_at(if fp8_copy { PER_STREAM } else { 0 });
-    let (wo, rest) = rest.split_at(PER_STREAM);
-    let (mo, vo) = rest.split_at(PER_STREAM);
-    p.exp_avg = to_state(m.2, mo)?;
-    p.exp_avg_sq = to_state(v.2, vo)?;
-    match (weight, rebuild(w.2, wo)?) {
-        (Weight::F32(var), Err(t)) => var.set(&t.reshape(var.shape())?.to_dtype(var.dtype())?)?,
-        (Weight::F16(_), Ok(t)) => p.slot.replace(Weight::F16(t))?,
-        (Weight::Fp8 { .. }, Ok(master)) => {
-            let Ok(weight) = rebuild(Some(QType::E4M3), copy)? else {
+    let (meta, data) = outs
+        .split_last()
+        .ok_or_else(|| kernel_error("kernel outputs"))?;
+    let (copy, data) = data.split_at(usize::from(fp8_copy));
+    let (wo, data) = data.split_at(usize::from(!w_in_place));
+    let [mo, vo] = data else {
+        return Err(kernel_error("kernel outputs"));
+    };
+    p.exp_avg = to_state(m.2, mo, meta, 1)?;
+    p.exp_avg_sq = to_state(v.2, vo, meta, 2)?;
+    match (weight, wo) {
+        (Weight::F32(_), []) => {}
+        (Weight::F32(var), [t]) => var.set(&t.reshape(var.shape())?.to_dtype(var.dtype())?)?,
+        (Weight::F16(_), [t]) => {
+            let Ok(t) = rebuild(w.2, t, meta, 0)? else {
+                return Err(kernel_error("weight storage changed"));
+            };
+            p.slot.replace(Weight::F16(t))?
+        }
+        (Weight::Fp8 { .. }, [t]) => {
+            let (Ok(master), [c]) = (rebuild(w.2, t, meta, 0)?, copy) else {
+                return Err(kernel_error("FP8 copy"));
+            };
+            let Ok(weight) = rebuild(Some(QType::E4M3), c, meta, 3)? else {
                 return Err(kernel_error("FP8 copy"));
             };
             p.slot.replace(Weight::Fp8 { weight, master })?

@@ -28,12 +28,35 @@ pub fn set_pool_release_threshold(device: &Device, bytes: u64) -> Result<()> {
 }
 
 /// [`set_pool_release_threshold`] with `u64::MAX`: freed device memory stays
-/// in the pool for reuse.
+/// in the pool for reuse. Also turns off the pool's three cross-stream reuse
+/// policies (reuse after an event dependency, opportunistic reuse, reuse
+/// with an inserted dependency): they only decide whether a block freed on
+/// one stream may serve an allocation on another, and candle's device runs
+/// everything on one stream, where a freed block is always reusable in
+/// stream order; their bookkeeping made each `cuMemAllocAsync` /
+/// `cuMemFreeAsync` pair cost more host time (an H100 GPT-350M O2 step:
+/// 90.5 to 79.5 ms, BENCHMARKS.md, eighth session).
 ///
 /// # Errors
 /// As [`set_pool_release_threshold`].
 pub fn keep_freed_memory(device: &Device) -> Result<()> {
-    set_pool_release_threshold(device, u64::MAX)
+    set_pool_release_threshold(device, u64::MAX)?;
+    let pool = default_pool(device, "keep_freed_memory")?;
+    use driver::sys::CUmemPool_attribute as A;
+    for attr in [
+        A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+        A::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+        A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+    ] {
+        let mut off = 0i32;
+        // SAFETY: a valid pool; these attributes take an int (0 or 1).
+        unsafe {
+            driver::sys::cuMemPoolSetAttribute(pool, attr, &mut off as *mut i32 as *mut c_void)
+                .result()
+                .w()?;
+        }
+    }
+    Ok(())
 }
 
 /// Stops cudarc from creating (and later destroying) two CUDA events with

@@ -1,0 +1,207 @@
+//! `LowBitAdamW`'s step: the gradients' checks and sums of squares, the
+//! global norm, clipping and the skip decision (on the host, or on the GPU
+//! by `ClipCoef` so that the host does not wait for the sums), and every
+//! parameter's fused update.
+
+use crate::clip::{clip_math, ClipCoef};
+use crate::error::{Error, Result};
+use crate::fused::SumSq;
+use crate::grad::{Grad, Grads};
+use crate::lowbit::{LowBitAdamW, StepOutcome};
+use crate::state::State;
+use crate::update::{
+    f32_stream, kernel_error, scaled_stream, update_param, updates_in_place, Ones,
+};
+use amp_core::kernel::launch;
+use amp_core::Weight;
+use candle_core::Tensor;
+
+impl LowBitAdamW {
+    /// One step. Gradients are taken as scaled by the loss scaler's current
+    /// scale. If any holds inf or NaN, nothing changes (weights, moments,
+    /// step counter) and the scaler backs off. Otherwise gradients are
+    /// unscaled, clipped to `max_grad_norm` over all parameters, and every
+    /// parameter with a gradient is updated.
+    ///
+    /// # Errors
+    /// [`Error::GradShape`] or [`Error::UnknownParam`], checked for every
+    /// gradient before anything changes.
+    pub fn step(&mut self, grads: &Grads) -> Result<StepOutcome> {
+        self.step_partitioned(grads, &|_| false, &mut |s| Ok(s))
+    }
+
+    /// [`step`](Self::step) where some parameters are partitioned across
+    /// data-parallel ranks (ZeRO: each rank holds and updates its slice):
+    /// the squared gradient norm of the parameters for which
+    /// `partitioned(name)` holds is summed over the ranks by `reduce`, which
+    /// every rank calls exactly once per step where any parameter is
+    /// partitioned (never otherwise), so that all ranks clip by the same
+    /// global norm and skip the same steps.
+    ///
+    /// # Errors
+    /// As [`step`](Self::step); `reduce`'s.
+    pub fn step_partitioned(
+        &mut self,
+        grads: &Grads,
+        partitioned: &dyn Fn(&str) -> bool,
+        reduce: &mut dyn FnMut(f64) -> Result<f64>,
+    ) -> Result<StepOutcome> {
+        // Pass 1: shapes, finiteness and the global norm, decoding each
+        // gradient on the fly.
+        if let Some(name) = grads
+            .0
+            .keys()
+            .find(|n| !self.params.iter().any(|p| &p.name == *n))
+        {
+            return Err(Error::UnknownParam(name.clone()));
+        }
+        // Per parameter: its sum of squares and, for a scaled gradient, the
+        // amax of its source, left on the device; one read of each below
+        // (a read per parameter would stall the device once per parameter).
+        let mut sums: Vec<(bool, Tensor)> = Vec::with_capacity(self.params.len());
+        let mut ones = Ones::default();
+        let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
+        for p in &self.params {
+            let Some(g) = grads.get(&p.name) else {
+                continue;
+            };
+            let expected = p.slot.read()?.shape().clone();
+            if g.shape() != &expected {
+                return Err(Error::GradShape {
+                    op: "LowBitAdamW::step",
+                    name: p.name.clone(),
+                    expected,
+                    got: g.shape().clone(),
+                });
+            }
+            let part = partitioned(&p.name);
+            if let Grad::Scaled(t) = g {
+                amaxes.push((part, t.meta().amax()?.flatten_all()?));
+            }
+            let (data, scale_inv, q) = match g {
+                Grad::F32(t) => f32_stream(t, &mut ones)?,
+                Grad::Scaled(t) => scaled_stream(t),
+            };
+            let [total] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
+                .map_err(|_| kernel_error("sum of squares"))?;
+            sums.push((part, total));
+        }
+        // On a GPU the outcome is read after the updates are enqueued, where
+        // a skipped step can be undone: every F32 weight written in place.
+        let mut on_device = !self.params.is_empty() && !sums.iter().any(|(part, _)| *part);
+        for p in &self.params {
+            let w = p.slot.read()?;
+            on_device &=
+                w.device().is_cuda() && (updates_in_place(&w) || !matches!(*w, Weight::F32(_)));
+        }
+        if on_device {
+            return self.step_on_device(grads, &sums, &amaxes, ones);
+        }
+        let (mut sum_sq, mut part_sq) = (0f64, 0f64);
+        let values = read_all(&sums, &amaxes)?;
+        let (totals, amax) = values.split_at(sums.len());
+        // in parameter order, as the sums were taken
+        for ((part, _), v) in sums.iter().zip(totals) {
+            *if *part { &mut part_sq } else { &mut sum_sq } += v;
+        }
+        for ((part, _), a) in amaxes.iter().zip(amax) {
+            if !a.is_finite() {
+                *if *part { &mut part_sq } else { &mut sum_sq } = f64::INFINITY;
+            }
+        }
+        if sums.iter().any(|(part, _)| *part) {
+            sum_sq += reduce(part_sq)?;
+        }
+        if !sum_sq.is_finite() {
+            self.scaler.update(true);
+            return Ok(StepOutcome::Skipped);
+        }
+        let (grad_norm, grad_mul) =
+            clip_math(sum_sq, 1.0 / self.scaler.scale, self.config.max_grad_norm);
+        let device = match self.params.first() {
+            Some(p) => p.slot.read()?.device().clone(),
+            None => candle_core::Device::Cpu,
+        };
+        let grad_mul = Tensor::new(&[grad_mul], &device)?;
+        self.update_all(grads, &grad_mul, &mut ones)?;
+        self.scaler.update(false);
+        Ok(StepOutcome::Applied { grad_norm })
+    }
+
+    /// The rest of a step on a GPU without partitioned parameters: the
+    /// norm, skip decision and multiplier by a kernel (`ClipCoef`), the
+    /// updates enqueued behind it, and then one read of the outcome, so the
+    /// host does not wait for the sums before it enqueues the updates. A
+    /// skipped step's kernels return at once; the states they would have
+    /// replaced are kept until the read and put back (an F32 weight, updated
+    /// in place, was never written).
+    fn step_on_device(
+        &mut self,
+        grads: &Grads,
+        sums: &[(bool, Tensor)],
+        amaxes: &[(bool, Tensor)],
+        mut ones: Ones,
+    ) -> Result<StepOutcome> {
+        let all: Vec<&Tensor> = sums.iter().chain(amaxes).map(|(_, t)| t).collect();
+        let vals = amp_core::gather_scalars(&all)?;
+        let clip = ClipCoef {
+            n_sums: sums.len(),
+            inv_scale: 1.0 / self.scaler.scale,
+            max_norm: self.config.max_grad_norm,
+        };
+        let [outcome, grad_mul] = <[Tensor; 2]>::try_from(launch(&clip, &[&vals])?)
+            .map_err(|_| kernel_error("clipping coefficient"))?;
+        let before: Vec<(Weight, State, State, u64)> = self
+            .params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.slot.read()?.clone(),
+                    p.exp_avg.clone(),
+                    p.exp_avg_sq.clone(),
+                    p.step,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        self.update_all(grads, &grad_mul, &mut ones)?;
+        let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
+            .map_err(|_| kernel_error("clipping outcome"))?;
+        if sum_sq.is_finite() {
+            self.scaler.update(false);
+            return Ok(StepOutcome::Applied { grad_norm });
+        }
+        self.step -= 1;
+        for (p, (w, m, v, step)) in self.params.iter_mut().zip(before) {
+            if !matches!(w, Weight::F32(_)) {
+                p.slot.replace(w)?;
+            }
+            (p.exp_avg, p.exp_avg_sq, p.step) = (m, v, step);
+        }
+        self.scaler.update(true);
+        Ok(StepOutcome::Skipped)
+    }
+
+    /// Every parameter with a gradient updated (the step counters advanced)
+    /// with the multiplier `grad_mul` (one F32 on the parameters' device).
+    fn update_all(&mut self, grads: &Grads, grad_mul: &Tensor, ones: &mut Ones) -> Result<()> {
+        self.step += 1;
+        let lr = self.schedule.lr(self.step);
+        for p in &mut self.params {
+            let Some(g) = grads.get(&p.name) else {
+                continue;
+            };
+            p.step += 1;
+            let k = self.config.adam.at_step(lr, p.step);
+            update_param(p, g, k, grad_mul, &self.scratch, ones)?;
+        }
+        Ok(())
+    }
+}
+
+/// The one-element sums, then the amaxes (as F64, exactly), read to the
+/// host in one copy (`amp_core::read_scalars`: one gather launch per 256
+/// values, where a concatenation launched a copy per value).
+fn read_all(sums: &[(bool, Tensor)], amaxes: &[(bool, Tensor)]) -> Result<Vec<f64>> {
+    let all: Vec<&Tensor> = sums.iter().chain(amaxes).map(|(_, t)| t).collect();
+    Ok(amp_core::read_scalars(&all)?)
+}
