@@ -20,6 +20,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/sumsq.cuh");
     println!("cargo:rerun-if-changed=kernels/clip.cuh");
     println!("cargo:rerun-if-changed=kernels/codec.cuh");
+    println!("cargo:rerun-if-changed=kernels/multi.cuh");
     for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }

@@ -23,6 +23,7 @@ mod fused;
 mod gemm;
 mod ops;
 mod optim;
+mod optim_many;
 mod util;
 
 use anyhow::Result;

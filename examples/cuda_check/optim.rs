@@ -12,18 +12,18 @@ use std::time::Instant;
 
 /// Weight storages of the levels.
 #[derive(Debug, Clone, Copy)]
-enum WeightKind {
+pub enum WeightKind {
     F32,
     F16,
     Fp8Master,
 }
 
-fn quantize(x: &Tensor, q: QType) -> Result<ScalingTensor> {
+pub fn quantize(x: &Tensor, q: QType) -> Result<ScalingTensor> {
     Ok(ScalingTensor::quantize(x, q, &CurrentScaling::default())?.0)
 }
 
 /// The same weight on the CPU and on `dev`.
-fn weights(kind: WeightKind, w: &Tensor, dev: &Device) -> Result<(WeightSlot, WeightSlot)> {
+pub fn weights(kind: WeightKind, w: &Tensor, dev: &Device) -> Result<(WeightSlot, WeightSlot)> {
     Ok(match kind {
         WeightKind::F32 => (
             WeightSlot::new(Weight::F32(Var::from_tensor(w)?)),
@@ -75,6 +75,14 @@ fn weight_parts(w: &Weight) -> Result<Vec<Tensor>> {
     })
 }
 
+/// Parameter `i`'s weight (from its slot) and moments, as tensors.
+pub fn parts(o: &LowBitAdamW, i: usize, s: &WeightSlot) -> Result<Vec<Tensor>> {
+    let mut v = weight_parts(&*s.read()?)?;
+    v.extend(state_parts(&o.params()[i].exp_avg));
+    v.extend(state_parts(&o.params()[i].exp_avg_sq));
+    Ok(v)
+}
+
 fn state_parts(s: &State) -> Vec<Tensor> {
     match s {
         State::F32(t) => vec![t.clone()],
@@ -95,6 +103,7 @@ pub fn check(dev: &Device) -> Result<bool> {
         ok &= combinations(dev, &mut rng, shape)?;
     }
     ok &= many_groups(dev, &mut rng)?;
+    ok &= crate::optim_many::check(dev, &mut rng)?;
     Ok(ok)
 }
 
@@ -153,13 +162,7 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<bo
                         println!("  {what} step {step}: outcome cuda {og:?} cpu {oc:?}");
                         case_ok = false;
                     }
-                    let parts = |o: &LowBitAdamW, s: &WeightSlot| -> Result<Vec<Tensor>> {
-                        let mut v = weight_parts(&*s.read()?)?;
-                        v.extend(state_parts(&o.params()[0].exp_avg));
-                        v.extend(state_parts(&o.params()[0].exp_avg_sq));
-                        Ok(v)
-                    };
-                    let (pg, pc) = (parts(&gpu, &gpu_slot)?, parts(&cpu, &cpu_slot)?);
+                    let (pg, pc) = (parts(&gpu, 0, &gpu_slot)?, parts(&cpu, 0, &cpu_slot)?);
                     case_ok &= pg.len() == pc.len();
                     for (i, (x, y)) in pg.iter().zip(&pc).enumerate() {
                         case_ok &= same(&format!("{what} step {step} part {i}"), x, y)?;

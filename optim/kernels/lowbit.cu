@@ -111,6 +111,11 @@ __device__ __forceinline__ void store_group(void* p, int kind, float scale, size
     }
 }
 
+// The blocks a tensor's sweep spreads over: the launch's grid, or one
+// block of a launch over many tensors (`lowbit_multi`, a tensor a block).
+struct Grid { size_t block, blocks; };
+__device__ __forceinline__ Grid grid_of_launch() { return {blockIdx.x, gridDim.x}; }
+
 // Raw groups of the four input streams.
 struct Raw4 { uint4 w, g, m, v; };
 
@@ -183,10 +188,10 @@ __device__ __forceinline__ void update_one(const Streams& s, const Adam& k, cons
 // 16-byte aligned.
 template <int F>
 __device__ __forceinline__ void sweep(const Streams& s, const Adam& k, size_t n, int vec, const Outs& o,
-                                      const Enc& e, uint32_t& wa, uint32_t& ma, uint32_t& va) {
+                                      const Enc& e, uint32_t& wa, uint32_t& ma, uint32_t& va, Grid gr) {
     const float si[4] = {*s.w_si, *s.g_si, *s.m_si, *s.v_si};
-    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t tid = gr.block * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gr.blocks * blockDim.x;
     const size_t groups = vec ? n / G : 0;
     size_t gi = tid;
     for (; gi + (F - 1) * stride < groups; gi += F * stride) {
@@ -232,13 +237,14 @@ __device__ __forceinline__ float out_scale(int kind, float amax, float prev_si) 
 #define INFLIGHT(WK, GK, MK, VK) ((WK) >= 0 && (GK) >= 0 && (MK) >= 0 && (VK) >= 0 ? 2 : 1)
 
 template <int WK, int GK, int MK, int VK>
-__device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax) {
+__device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax,
+                          Grid gr) {
     if (!isfinite(k.grad_mul)) return;
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(s.vk, *s.v_si),
                    o.copy ? prev_scale(K_E4M3, *copy_si) : 1.0f, true, true, true, o.copy != nullptr};
     uint32_t wa = 0, ma = 0, va = 0;
-    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, wa, ma, va);
+    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, wa, ma, va, gr);
     for (int off = 16; off > 0; off >>= 1) {
         wa = max(wa, __shfl_xor_sync(0xFFFFFFFFu, wa, off));
         ma = max(ma, __shfl_xor_sync(0xFFFFFFFFu, ma, off));
@@ -269,14 +275,15 @@ __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* co
 // Pass 2: the final scales; rewrite the streams whose scale is not the one
 // pass 1 used.
 template <int WK, int GK, int MK, int VK>
-__device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, const uint32_t* amax, Outs o) {
+__device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, const uint32_t* amax, Outs o,
+                         Grid gr) {
     if (!isfinite(k.grad_mul)) return;
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const float wsi = *s.w_si, msi = *s.m_si, vsi = *s.v_si;
     const float wa = __uint_as_float(amax[0]), ma = __uint_as_float(amax[1]), va = __uint_as_float(amax[2]);
     const float ws = out_scale(s.wk, wa, wsi), ms = out_scale(s.mk, ma, msi), vs = out_scale(s.vk, va, vsi);
     const float cs = pow2_scale(wa, 1.0f, E4M3_MAX);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (gr.block == 0 && threadIdx.x == 0) {
         const float scale[4] = {ws, ms, vs, cs}, amaxes[4] = {wa, ma, va, wa};
         for (int j = 0; j < (o.copy ? 4 : 3); j++) {
             *o.meta[3 * j] = scale[j];
@@ -288,7 +295,7 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
                    vs != prev_scale(s.vk, vsi), o.copy != nullptr && cs != prev_scale(K_E4M3, *copy_si)};
     if (!(e.ww || e.wm || e.wv || e.wc)) return;
     uint32_t a = 0, b = 0, c = 0;
-    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c);
+    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c, gr);
 }
 
 // Both passes in one launch of one block, for a small tensor: the block's
@@ -297,9 +304,14 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
 // result is the two launches' bit for bit.
 template <int WK, int GK, int MK, int VK>
 __device__ void one_impl(Streams s, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax) {
-    step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);
+    const Grid one = {0, 1};
+    // the amax words start at zero here (the host zeroes them only for the
+    // two-launch step)
+    if (threadIdx.x < 3) amax[threadIdx.x] = 0u;
     __syncthreads();
-    fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o);
+    step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax, one);
+    __syncthreads();
+    fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o, one);
 }
 
 // lowbit_step_NAME / lowbit_fix_NAME / lowbit_one_NAME (the same
@@ -315,13 +327,13 @@ __device__ void one_impl(Streams s, Adam k, size_t n, int vec, const float* copy
         lowbit_step_##NAME(Streams s, Adam k, const float* gmul, size_t n, int vec, const float* copy_si, \
                            Outs o, uint32_t* amax) {                                                    \
         k.grad_mul = *gmul;                                                                            \
-        step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax);                                     \
+        step_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, o, amax, grid_of_launch());                   \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
         lowbit_fix_##NAME(Streams s, Adam k, const float* gmul, size_t n, int vec, const float* copy_si,  \
                           Outs o, uint32_t* amax) {                                                     \
         k.grad_mul = *gmul;                                                                            \
-        fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o);                                      \
+        fix_impl<WK, GK, MK, VK>(s, k, n, vec, copy_si, amax, o, grid_of_launch());                    \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 4)                                               \
         lowbit_one_##NAME(Streams s, Adam k, const float* gmul, size_t n, int vec, const float* copy_si,  \
@@ -337,3 +349,4 @@ LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 
 #include "sumsq.cuh"
 #include "clip.cuh"
+#include "multi.cuh"

@@ -45,12 +45,12 @@ __device__ __forceinline__ void decode_word(uint4 r, float si, float* x) {
 }
 
 template <int KIND>
-__device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials) {
+__device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials, Grid gr) {
     constexpr int EPW = Word<KIND>::N;
     constexpr int WORDS = SUMSQ_CHUNKS * SUMSQ_BLOCK / EPW;  // words of this CUDA block
     __shared__ __align__(16) float tile[SUMSQ_CHUNKS][SUMSQ_PITCH];
     const float si = *si_p;
-    const size_t first = (size_t)blockIdx.x * SUMSQ_CHUNKS;
+    const size_t first = gr.block * SUMSQ_CHUNKS;
     const size_t base = first * SUMSQ_BLOCK;
     const int t = threadIdx.x;
     for (int q0 = 0; q0 < WORDS; q0 += SUMSQ_BATCH * 32) {
@@ -96,7 +96,7 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
     const size_t nchunks = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
     double s = lanes[0];
     for (int j = 1; j < 8; j++) s = __dadd_rn(s, lanes[j]);
-    if (gridDim.x == 1 && nchunks > 1) {
+    if (gr.blocks == 1 && nchunks > 1) {
         // the whole tensor in this block: its total, as sumsq_groups adds
         // a group (from 0, in order), into partials[0] (the total)
         double part[SUMSQ_CHUNKS];
@@ -118,7 +118,7 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
 #define SUMSQ_PARTIALS(NAME, KIND)                                                                     \
     extern "C" __global__ void __launch_bounds__(32)                                                   \
         sumsq_partials_##NAME(const void* g, const float* si, size_t n, int vec, double* partials) {   \
-        sumsq_partials_impl<KIND>(g, si, n, vec, partials);                                            \
+        sumsq_partials_impl<KIND>(g, si, n, vec, partials, grid_of_launch());                                      \
     }
 SUMSQ_PARTIALS(0, K_E4M3)
 SUMSQ_PARTIALS(1, K_E5M2)

@@ -70,7 +70,7 @@ const ONE_BLOCK_MAX: usize = 16384;
 /// Stream kinds (w, g, m, v) with a kernel of their own in lowbit.cu.
 const FIXED_KINDS: [[i32; 4]; 4] = [[2, 0, 0, 2], [2, 0, 3, 3], [3, 3, 0, 2], [3, 3, 3, 3]];
 /// Scale, scale_inv and amax: the one-element outputs of each stream.
-const META_PER_STREAM: usize = 3;
+pub(crate) const META_PER_STREAM: usize = 3;
 
 pub(crate) type Outputs = Vec<(CudaStorage, Shape)>;
 
@@ -179,10 +179,10 @@ pub(crate) fn scalar_address(
 /// `Streams` of lowbit.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Streams {
-    data: [u64; 4],
-    scale_inv: [u64; 4],
-    kinds: [i32; 4],
+pub(crate) struct Streams {
+    pub data: [u64; 4],
+    pub scale_inv: [u64; 4],
+    pub kinds: [i32; 4],
 }
 // SAFETY: plain old data laid out as the C struct (8 pointers, 4 ints).
 unsafe impl DeviceRepr for Streams {}
@@ -190,18 +190,18 @@ unsafe impl DeviceRepr for Streams {}
 /// `Adam` of lowbit.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Adam([f32; 8]);
+pub(crate) struct Adam(pub [f32; 8]);
 // SAFETY: 8 floats, as the C struct.
 unsafe impl DeviceRepr for Adam {}
 
 /// `Outs` of lowbit.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Outs {
-    data: [u64; 3],
-    copy: u64,
+pub(crate) struct Outs {
+    pub data: [u64; 3],
+    pub copy: u64,
     /// scale, scale_inv, amax of w, m, v, copy
-    meta: [u64; 4 * META_PER_STREAM],
+    pub meta: [u64; 4 * META_PER_STREAM],
 }
 // SAFETY: 16 pointers, as the C struct.
 unsafe impl DeviceRepr for Outs {}
@@ -307,11 +307,14 @@ pub(crate) fn lowbit_step(
     }
     // SAFETY: lowbit_fix writes every meta slot of w, m, v (and of the copy
     // where there is one; without, its slots are never read); the amax
-    // words are zeroed below before pass 1.
+    // words are zeroed before pass 1: below for the two-launch step, by
+    // lowbit_one itself otherwise.
     let mut meta = unsafe { dev.alloc::<f32>(META_LEN)? };
-    stream
-        .memset_zeros(&mut meta.slice_mut(4 * META_PER_STREAM..4 * META_PER_STREAM + 3))
-        .w()?;
+    if n > ONE_BLOCK_MAX {
+        stream
+            .memset_zeros(&mut meta.slice_mut(4 * META_PER_STREAM..4 * META_PER_STREAM + 3))
+            .w()?;
+    }
     let base = meta.device_ptr_mut(&stream).0;
     let mut outs = Outs {
         data: [0; 3],

@@ -33,9 +33,14 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
     let chunks = n.div_ceil(SUMSQ_BLOCK);
     let groups = chunks.div_ceil(SUMSQ_GROUP);
     let stream = dev.cuda_stream();
-    // Only the total, which no kernel writes when there are no elements,
-    // starts at zero.
-    let mut total = dev.alloc_zeros::<f64>(1)?;
+    // The last launch writes the total; with no elements there is none,
+    // and the total is a zero fill.
+    let mut total = if chunks == 0 {
+        dev.alloc_zeros::<f64>(1)?
+    } else {
+        // SAFETY: written by the last of the launches below (chunks > 0).
+        unsafe { dev.alloc::<f64>(1)? }
+    };
     let blocks = |b: usize| LaunchConfig {
         grid_dim: (b as u32, 1, 1),
         block_dim: (THREADS, 1, 1),

@@ -42,12 +42,15 @@ mod clip;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+mod cuda_multi;
+#[cfg(feature = "cuda")]
 mod cuda_sum_sq;
 mod error;
 mod fused;
 mod grad;
 mod loss_scaler;
 mod lowbit;
+mod multi;
 mod schedule;
 mod state;
 mod step;

@@ -3,18 +3,24 @@
 //! by `ClipCoef` so that the host does not wait for the sums), and every
 //! parameter's fused update.
 
+use crate::adamw::AdamStep;
 use crate::clip::{clip_math, ClipCoef};
 use crate::error::{Error, Result};
 use crate::fused::SumSq;
+use crate::fused::META_LEN;
 use crate::grad::{Grad, Grads};
-use crate::lowbit::{LowBitAdamW, StepOutcome};
+use crate::lowbit::{LowBitAdamW, ParamState, StepOutcome};
+use crate::multi::{
+    buffer_index, meta_at, storage_dtype, LowBitMulti, MomentPlaces, SumSqMulti, MULTI_MAX,
+};
 use crate::state::State;
 use crate::update::{
-    f32_stream, kernel_error, scaled_stream, update_param, updates_in_place, Ones,
+    f32_stream, kernel_error, scaled_stream, state_stream, to_state, update_param,
+    updates_in_place, Ones,
 };
 use amp_core::kernel::launch;
 use amp_core::Weight;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 impl LowBitAdamW {
     /// One step. Gradients are taken as scaled by the loss scaler's current
@@ -55,12 +61,23 @@ impl LowBitAdamW {
         {
             return Err(Error::UnknownParam(name.clone()));
         }
+        // On a GPU the outcome is read after the updates are enqueued, where
+        // a skipped step can be undone: every F32 weight written in place.
+        let mut on_device = !self.params.is_empty();
+        for p in &self.params {
+            let w = p.slot.read()?;
+            on_device &= !(grads.get(&p.name).is_some() && partitioned(&p.name))
+                && w.device().is_cuda()
+                && (updates_in_place(&w) || !matches!(*w, Weight::F32(_)));
+        }
         // Per parameter: its sum of squares and, for a scaled gradient, the
         // amax of its source, left on the device; one read of each below
         // (a read per parameter would stall the device once per parameter).
+        // On the device path the small ones are summed in one launch.
         let mut sums: Vec<(bool, Tensor)> = Vec::with_capacity(self.params.len());
         let mut ones = Ones::default();
         let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
+        let (mut batch, mut batch_at) = (Vec::new(), Vec::new());
         for p in &self.params {
             let Some(g) = grads.get(&p.name) else {
                 continue;
@@ -82,17 +99,23 @@ impl LowBitAdamW {
                 Grad::F32(t) => f32_stream(t, &mut ones)?,
                 Grad::Scaled(t) => scaled_stream(t),
             };
+            if on_device && batched(p, g)? {
+                batch.extend([data, scale_inv.clone()]);
+                batch_at.push(sums.len());
+                sums.push((part, scale_inv));
+                continue;
+            }
             let [total] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
                 .map_err(|_| kernel_error("sum of squares"))?;
             sums.push((part, total));
         }
-        // On a GPU the outcome is read after the updates are enqueued, where
-        // a skipped step can be undone: every F32 weight written in place.
-        let mut on_device = !self.params.is_empty() && !sums.iter().any(|(part, _)| *part);
-        for p in &self.params {
-            let w = p.slot.read()?;
-            on_device &=
-                w.device().is_cuda() && (updates_in_place(&w) || !matches!(*w, Weight::F32(_)));
+        if !batch.is_empty() {
+            let inputs: Vec<&Tensor> = batch.iter().collect();
+            let [totals] = <[Tensor; 1]>::try_from(launch(&SumSqMulti, &inputs)?)
+                .map_err(|_| kernel_error("sums of squares"))?;
+            for (j, &i) in batch_at.iter().enumerate() {
+                sums[i].1 = totals.narrow(0, j, 1)?;
+            }
         }
         if on_device {
             return self.step_on_device(grads, &sums, &amaxes, ones);
@@ -164,8 +187,12 @@ impl LowBitAdamW {
             })
             .collect::<Result<_>>()?;
         self.update_all(grads, &grad_mul, &mut ones)?;
+        let t = std::time::Instant::now();
         let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
             .map_err(|_| kernel_error("clipping outcome"))?;
+        if std::env::var_os("AMP_PHASES").is_some() {
+            eprintln!("PHASE outcome wait {:.2}", t.elapsed().as_secs_f64() * 1e3);
+        }
         if sum_sq.is_finite() {
             self.scaler.update(false);
             return Ok(StepOutcome::Applied { grad_norm });
@@ -182,20 +209,103 @@ impl LowBitAdamW {
     }
 
     /// Every parameter with a gradient updated (the step counters advanced)
-    /// with the multiplier `grad_mul` (one F32 on the parameters' device).
+    /// with the multiplier `grad_mul` (one F32 on the parameters' device);
+    /// on the device path the small ones in one launch ([`LowBitMulti`]).
     fn update_all(&mut self, grads: &Grads, grad_mul: &Tensor, ones: &mut Ones) -> Result<()> {
+        let on_device = grad_mul.device().is_cuda();
         self.step += 1;
         let lr = self.schedule.lr(self.step);
-        for p in &mut self.params {
+        let mut batch = Vec::new();
+        for (i, p) in self.params.iter_mut().enumerate() {
             let Some(g) = grads.get(&p.name) else {
                 continue;
             };
             p.step += 1;
             let k = self.config.adam.at_step(lr, p.step);
+            if on_device && batched(p, g)? {
+                batch.push((i, k));
+                continue;
+            }
             update_param(p, g, k, grad_mul, &self.scratch, ones)?;
+        }
+        if !batch.is_empty() {
+            self.update_batch(grads, &batch, grad_mul, ones)?;
         }
         Ok(())
     }
+
+    /// The small parameters' steps in one launch; their new moments are
+    /// views of the launch's buffers.
+    fn update_batch(
+        &mut self,
+        grads: &Grads,
+        batch: &[(usize, AdamStep)],
+        grad_mul: &Tensor,
+        ones: &mut Ones,
+    ) -> Result<()> {
+        let mut streams = Vec::with_capacity(8 * batch.len());
+        let mut steps = Vec::with_capacity(batch.len());
+        for &(i, k) in batch {
+            let p = &self.params[i];
+            let (Weight::F32(var), Some(Grad::F32(g))) = (&*p.slot.read()?, grads.get(&p.name))
+            else {
+                return Err(kernel_error("a batched parameter"));
+            };
+            let m = state_stream(&p.exp_avg, ones)?;
+            let v = state_stream(&p.exp_avg_sq, ones)?;
+            let w = f32_stream(var.as_tensor(), ones)?;
+            let g = f32_stream(g, ones)?;
+            steps.push((k, [g.2, m.2, v.2]));
+            streams.extend([w.0, w.1, g.0, g.1, m.0, m.1, v.0, v.1]);
+        }
+        let mut inputs: Vec<&Tensor> = streams.iter().collect();
+        inputs.push(grad_mul);
+        let kernel = LowBitMulti { steps };
+        let outs = launch(&kernel, &inputs)?;
+        let [u8s, f16s, f32s, meta] = outs.as_slice() else {
+            return Err(kernel_error("the batch's outputs"));
+        };
+        let buffers = [u8s, f16s, f32s];
+        let dtypes: Vec<[DType; 2]> = kernel
+            .steps
+            .iter()
+            .map(|(_, [_, m, v])| [storage_dtype(*m), storage_dtype(*v)])
+            .collect();
+        let ns: Vec<usize> = batch
+            .iter()
+            .map(|&(i, _)| Ok(self.params[i].slot.read()?.shape().elem_count()))
+            .collect::<Result<_>>()?;
+        let places = MomentPlaces::new(&dtypes, &ns);
+        for (j, (&(i, _), (_, [_, mq, vq]))) in batch.iter().zip(&kernel.steps).enumerate() {
+            let p = &mut self.params[i];
+            let shape = p.slot.read()?.shape().clone();
+            let meta = meta.narrow(0, meta_at(j), META_LEN)?;
+            let [(md, mo), (vd, vo)] = places.places[j];
+            let m = buffers[buffer_index(md)]
+                .narrow(0, mo, ns[j])?
+                .reshape(&shape)?;
+            let v = buffers[buffer_index(vd)]
+                .narrow(0, vo, ns[j])?
+                .reshape(&shape)?;
+            p.exp_avg = to_state(*mq, &m, &meta, 1)?;
+            p.exp_avg_sq = to_state(*vq, &v, &meta, 2)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a parameter's sum of squares and step go into the launches over
+/// many tensors (on a GPU): an F32 weight updated in place, an F32
+/// gradient, at most [`MULTI_MAX`] elements.
+fn batched(p: &ParamState, g: &Grad) -> Result<bool> {
+    let Grad::F32(t) = g else {
+        return Ok(false);
+    };
+    let n = t.elem_count();
+    Ok(t.dtype() == DType::F32
+        && t.is_contiguous()
+        && (1..=MULTI_MAX).contains(&n)
+        && updates_in_place(&*p.slot.read()?))
 }
 
 /// The one-element sums, then the amaxes (as F64, exactly), read to the

@@ -43,7 +43,7 @@ pub(crate) fn scaled_stream(t: &ScalingTensor) -> Stream {
     )
 }
 
-fn state_stream(s: &State, ones: &mut Ones) -> Result<Stream> {
+pub(crate) fn state_stream(s: &State, ones: &mut Ones) -> Result<Stream> {
     match s {
         State::F32(t) => f32_stream(t, ones),
         State::Scaled(t) => Ok(scaled_stream(t)),
@@ -77,7 +77,12 @@ fn rebuild(
     })
 }
 
-fn to_state(q: Option<QType>, data: &Tensor, meta: &Tensor, slot: usize) -> Result<State> {
+pub(crate) fn to_state(
+    q: Option<QType>,
+    data: &Tensor,
+    meta: &Tensor,
+    slot: usize,
+) -> Result<State> {
     Ok(match rebuild(q, data, meta, slot)? {
         Ok(t) => State::Scaled(t),
         Err(t) => State::F32(t),
