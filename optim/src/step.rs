@@ -71,9 +71,10 @@ impl LowBitAdamW {
                 && (updates_in_place(&w) || !matches!(*w, Weight::F32(_)));
         }
         // Per parameter: its sum of squares and, for a scaled gradient, the
-        // amax of its source, left on the device; one read of each below
+        // amax of its source, left on the device; on the GPU path a kernel
+        // reads them (`step_on_device`), otherwise one host read of all
         // (a read per parameter would stall the device once per parameter).
-        // On the device path the small ones are summed in one launch.
+        // On the GPU path the small ones are summed in one launch.
         let mut sums: Vec<(bool, Tensor)> = Vec::with_capacity(self.params.len());
         let mut ones = Ones::default();
         let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
