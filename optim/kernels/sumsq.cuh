@@ -10,8 +10,11 @@
 //   sumsq_partials: a warp (one CUDA block of 32 threads) per 4 element
 //                   blocks: their codes come in as 16-byte words (coalesced,
 //                   a batch of SUMSQ_BATCH words per thread in flight),
-//                   decoded into a shared tile, then each thread, one
-//                   (block, lane), adds its column in order. Small blocks
+//                   stored as codes in a shared tile, then each thread, one
+//                   (block, lane), decodes and adds its column in order
+//                   (an FP8 tile is 8 KB: up to 27 warps an SM, where an
+//                   f32 tile allowed 6 and left the pass latency-bound,
+//                   70-78 us for 64M E4M3 values). Small blocks
 //                   and whole element blocks per load round: a tensor of a
 //                   few million elements spreads over hundreds of SMs'
 //                   worth of warps, with two or four round trips to memory.
@@ -25,30 +28,33 @@
 #define SUMSQ_BLOCK 2048
 #define SUMSQ_GROUP 256
 #define SUMSQ_CHUNKS 4   // element blocks per CUDA block (32 threads: 8 lanes each)
-#define SUMSQ_PITCH (SUMSQ_BLOCK + 8)  // floats per tile row: the 4 rows' lanes on distinct banks
 #define SUMSQ_BATCH 16   // 16-byte words in flight per thread
 
-// Elements of a kind in a 16-byte word.
+// Elements of a kind in a 16-byte word, and the type of one code.
 template <int KIND> struct Word { static constexpr int N = KIND == K_F32 ? 4 : KIND == K_F16 ? 8 : 16; };
+template <int KIND> struct Code { using T = uint8_t; };
+template <> struct Code<K_F16> { using T = uint16_t; };
+template <> struct Code<K_F32> { using T = float; };
 
-// A 16-byte word's elements as `load` decodes each.
+// One code as `load` decodes it.
 template <int KIND>
-__device__ __forceinline__ void decode_word(uint4 r, float si, float* x) {
-    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int j = 0; j < Word<KIND>::N; j++) {
-        if constexpr (KIND == K_E4M3) x[j] = __fmul_rn(decode_e4m3((uint8_t)(w[j >> 2] >> (8 * (j & 3)))), si);
-        else if constexpr (KIND == K_E5M2) x[j] = __fmul_rn(decode_e5m2((uint8_t)(w[j >> 2] >> (8 * (j & 3)))), si);
-        else if constexpr (KIND == K_F16) x[j] = __fmul_rn(decode_f16((uint16_t)(w[j >> 1] >> (16 * (j & 1)))), si);
-        else x[j] = __uint_as_float(w[j]);
-    }
+__device__ __forceinline__ float decode_code(typename Code<KIND>::T c, float si) {
+    if constexpr (KIND == K_E4M3) return __fmul_rn(decode_e4m3(c), si);
+    else if constexpr (KIND == K_E5M2) return __fmul_rn(decode_e5m2(c), si);
+    else if constexpr (KIND == K_F16) return __fmul_rn(decode_f16(c), si);
+    else return c;
 }
 
+// The tile holds the codes as they are (a quarter of the f32 bytes for FP8,
+// so four times the warps an SM); each row is padded by 16 bytes so that
+// the 4 rows' lanes fall on distinct banks.
 template <int KIND>
 __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials, Grid gr) {
+    using T = typename Code<KIND>::T;
     constexpr int EPW = Word<KIND>::N;
     constexpr int WORDS = SUMSQ_CHUNKS * SUMSQ_BLOCK / EPW;  // words of this CUDA block
-    __shared__ __align__(16) float tile[SUMSQ_CHUNKS][SUMSQ_PITCH];
+    constexpr int PITCH = SUMSQ_BLOCK + 16 / (int)sizeof(T);  // codes per tile row
+    __shared__ __align__(16) T tile[SUMSQ_CHUNKS][PITCH];
     const float si = *si_p;
     const size_t first = gr.block * SUMSQ_CHUNKS;
     const size_t base = first * SUMSQ_BLOCK;
@@ -66,18 +72,16 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
         for (int k = 0; k < SUMSQ_BATCH; k++) {
             const int q = q0 + k * 32 + t;
             const size_t at = base + (size_t)q * EPW;
-            float x[EPW];
-            if (vec && at + EPW <= n) {
-                decode_word<KIND>(raw[k], si, x);
-            } else {
-                // the tail word, or a stream not 16-byte aligned
-#pragma unroll
-                for (int j = 0; j < EPW; j++) x[j] = at + j < n ? load(g, KIND, si, at + j) : 0.0f;
-            }
             const int c = q * EPW / SUMSQ_BLOCK, e = q * EPW % SUMSQ_BLOCK;
+            if (!(vec && at + EPW <= n)) {
+                // the tail word, or a stream not 16-byte aligned: code by
+                // code (past n: code 0, which decodes as +0)
+                T codes[EPW];
 #pragma unroll
-            for (int j = 0; j < EPW; j += 4)
-                *reinterpret_cast<float4*>(&tile[c][e + j]) = make_float4(x[j], x[j + 1], x[j + 2], x[j + 3]);
+                for (int j = 0; j < EPW; j++) codes[j] = at + j < n ? ((const T*)g)[at + j] : (T)0;
+                raw[k] = *reinterpret_cast<const uint4*>(codes);
+            }
+            *reinterpret_cast<uint4*>(&tile[c][e]) = raw[k];
         }
     }
     __syncwarp();
@@ -85,7 +89,7 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
     float acc = 0.0f;
 #pragma unroll 8
     for (int r = 0; r < SUMSQ_BLOCK / 8; r++) {
-        const float x = tile[chunk][r * 8 + lane];
+        const float x = decode_code<KIND>(tile[chunk][r * 8 + lane], si);
         acc = __fadd_rn(acc, __fmul_rn(x, x));
     }
     // the 8 lanes of one element block are 8 consecutive threads

@@ -174,7 +174,7 @@ pub(crate) fn layer_norm_handoff(
     let dim = weight.elem_count();
     let token =
         x.contiguous()?
-            .apply_op3(&weight.contiguous()?, &bias.reshape(dim)?.contiguous()?, op)?;
+            .apply_op3(&weight.contiguous()?, &super::vector(bias, dim)?, op)?;
     Ok((out, token, handoff))
 }
 

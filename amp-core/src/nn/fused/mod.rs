@@ -221,7 +221,15 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         res: None,
     };
     Ok(x.contiguous()?
-        .apply_op3(&weight.contiguous()?, &bias.reshape(dim)?.contiguous()?, op)?)
+        .apply_op3(&weight.contiguous()?, &vector(bias, dim)?, op)?)
+}
+
+/// A parameter as a contiguous vector of `dim` elements: itself where it is
+/// one (a reshape is a node of candle's graph, so its gradient would be
+/// zero-filled and added once more before it reaches the parameter).
+pub(crate) fn vector(p: &Tensor, dim: usize) -> Result<Tensor> {
+    let v = if p.rank() == 1 { p.clone() } else { p.reshape(dim)? };
+    Ok(v.contiguous()?)
 }
 
 /// `x + bias` with an F32 `bias` of `x`'s last dimension broadcast over the
