@@ -172,9 +172,9 @@ pub(crate) fn layer_norm_handoff(
         res_grad,
     };
     let dim = weight.elem_count();
-    let token =
-        x.contiguous()?
-            .apply_op3(&weight.contiguous()?, &super::vector(bias, dim)?, op)?;
+    let token = x
+        .contiguous()?
+        .apply_op3(&weight.contiguous()?, &super::vector(bias, dim)?, op)?;
     Ok((out, token, handoff))
 }
 

@@ -228,7 +228,11 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 /// one (a reshape is a node of candle's graph, so its gradient would be
 /// zero-filled and added once more before it reaches the parameter).
 pub(crate) fn vector(p: &Tensor, dim: usize) -> Result<Tensor> {
-    let v = if p.rank() == 1 { p.clone() } else { p.reshape(dim)? };
+    let v = if p.rank() == 1 {
+        p.clone()
+    } else {
+        p.reshape(dim)?
+    };
     Ok(v.contiguous()?)
 }
 
