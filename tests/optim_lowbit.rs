@@ -377,6 +377,23 @@ fn bad_gradients_and_params_are_named_errors() {
     );
     assert!(matches!(opt.step(&g).unwrap_err(), Error::UnknownParam(n) if n == "v"));
     assert_eq!(snapshot(&opt), before);
+    // a gathered FP8 copy with a gradient (ZeRO's layer weight, not a
+    // parameter): refused before any parameter changes
+    let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
+    let gathered = WeightSlot::new(Weight::Fp8Gathered(q(&x, QType::E4M3)));
+    let mut two = LowBitAdamW::new(
+        vec![("w".into(), s.clone()), ("z".into(), gathered)],
+        LowBitAdamWConfig::default(),
+    )
+    .unwrap();
+    let before = snapshot(&two);
+    let mut g = Grads::new();
+    for n in ["w", "z"] {
+        g.insert(n, Grad::F32(x.clone()));
+    }
+    assert!(matches!(two.step(&g).unwrap_err(), Error::Config { .. }));
+    assert_eq!(snapshot(&two), before);
+    assert_eq!(two.step_count(), 0);
     let e = LowBitAdamW::new(
         vec![("w".into(), s.clone()), ("w".into(), s)],
         LowBitAdamWConfig::default(),

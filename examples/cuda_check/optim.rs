@@ -75,6 +75,13 @@ fn weight_parts(w: &Weight) -> Result<Vec<Tensor>> {
     })
 }
 
+/// The step counters (the optimizer's, each parameter's) and the
+/// learning rate, as a skipped step must leave them.
+pub fn counters(o: &LowBitAdamW) -> (u64, Vec<u64>, u64) {
+    let steps = o.params().iter().map(|p| p.step).collect();
+    (o.step_count(), steps, o.learning_rate().to_bits())
+}
+
 /// Parameter `i`'s weight (from its slot) and moments, as tensors.
 pub fn parts(o: &LowBitAdamW, i: usize, s: &WeightSlot) -> Result<Vec<Tensor>> {
     let mut v = weight_parts(&*s.read()?)?;
@@ -92,8 +99,8 @@ fn state_parts(s: &State) -> Vec<Tensor> {
 
 /// Every combination of weight storage, gradient storage and moment formats
 /// the levels use, three steps each with clipping (so the sum of squares
-/// and a gradient multiplier other than 1 are exercised) and a fourth whose
-/// gradient holds a NaN (skipped).
+/// and a gradient multiplier other than 1 are exercised), a fourth whose
+/// gradient holds a NaN (skipped) and a fifth.
 pub fn check(dev: &Device) -> Result<bool> {
     let mut rng = Rng(0x005E_ED0F_AD4A);
     let mut ok = true;
@@ -138,10 +145,11 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<bo
                 let mut cpu = LowBitAdamW::new(vec![("w".into(), cpu_slot.clone())], cfg)?;
                 let mut gpu = LowBitAdamW::new(vec![("w".into(), gpu_slot.clone())], cfg)?;
                 let mut case_ok = true;
-                // the last step's gradient holds a NaN: both skip it, and on
-                // the GPU (the outcome read after the update is enqueued)
-                // every state is put back, the in-place F32 weight untouched
-                for step in 0..4 {
+                // the fourth step's gradient holds a NaN: both skip it, and
+                // on the GPU (the outcome read after the update is enqueued)
+                // every state is put back, the in-place F32 weight untouched,
+                // and the counters too (the fifth step shows them)
+                for step in 0..5 {
                     let mut g = rng.normal(n);
                     if step == 3 {
                         g[n / 2] = f32::NAN;
@@ -160,6 +168,14 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<bo
                     let og = gpu.step(&b)?;
                     if format!("{oc:?}") != format!("{og:?}") {
                         println!("  {what} step {step}: outcome cuda {og:?} cpu {oc:?}");
+                        case_ok = false;
+                    }
+                    if counters(&cpu) != counters(&gpu) {
+                        println!(
+                            "  {what} step {step}: counters cuda {:?} cpu {:?}",
+                            counters(&gpu),
+                            counters(&cpu)
+                        );
                         case_ok = false;
                     }
                     let (pg, pc) = (parts(&gpu, 0, &gpu_slot)?, parts(&cpu, 0, &cpu_slot)?);

@@ -2,7 +2,7 @@
 //! F32 ones take the launches over many tensors (`multi.rs`), the others
 //! their own; every state compared bit for bit, and the step outcomes.
 
-use crate::optim::{parts, quantize, weights, WeightKind};
+use crate::optim::{counters, parts, quantize, weights, WeightKind};
 use crate::util::{same, to_dev, Rng};
 use amp::optim::{AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, StateFormat};
 use anyhow::Result;
@@ -10,8 +10,9 @@ use candle_core::{Device, Tensor};
 
 /// Sizes around the batch's limits (1, a tail, 4 element blocks of 2048,
 /// one past them), a large F32 one, and an FP16 weight with an E4M3
-/// gradient among them; both moment formats; three steps and a fourth
-/// whose gradient holds a NaN (skipped: every batched state put back).
+/// gradient among them; both moment formats; three steps, a fourth whose
+/// gradient holds a NaN (skipped: every batched state and counter put
+/// back), a fifth, and one without gradients.
 pub fn check(dev: &Device, rng: &mut Rng) -> Result<bool> {
     let params: [(usize, WeightKind, bool); 8] = [
         (1, WeightKind::F32, false),
@@ -54,7 +55,7 @@ pub fn check(dev: &Device, rng: &mut Rng) -> Result<bool> {
         let mut cpu = LowBitAdamW::new(on_cpu, cfg)?;
         let mut gpu = LowBitAdamW::new(on_gpu, cfg)?;
         let mut case_ok = true;
-        for step in 0..4 {
+        for step in 0..5 {
             let (mut a, mut b) = (Grads::new(), Grads::new());
             for (i, &(n, _, g8)) in params.iter().enumerate() {
                 let mut g = rng.normal(n);
@@ -76,6 +77,14 @@ pub fn check(dev: &Device, rng: &mut Rng) -> Result<bool> {
                 println!("  many params step {step}: outcome cuda {og:?} cpu {oc:?}");
                 case_ok = false;
             }
+            if counters(&cpu) != counters(&gpu) {
+                println!(
+                    "  many params step {step}: counters cuda {:?} cpu {:?}",
+                    counters(&gpu),
+                    counters(&cpu)
+                );
+                case_ok = false;
+            }
             for (i, (cs, gs)) in slots.iter().enumerate() {
                 let (pc, pg) = (parts(&cpu, i, cs)?, parts(&gpu, i, gs)?);
                 case_ok &= pc.len() == pg.len();
@@ -84,8 +93,14 @@ pub fn check(dev: &Device, rng: &mut Rng) -> Result<bool> {
                 }
             }
         }
+        // a step without gradients: nothing to sum, the same outcome
+        let (oc, og) = (cpu.step(&Grads::new())?, gpu.step(&Grads::new())?);
+        if format!("{oc:?}") != format!("{og:?}") {
+            println!("  many params, no gradients: outcome cuda {og:?} cpu {oc:?}");
+            case_ok = false;
+        }
         println!(
-            "  {} parameters in one optimizer, m {mf:?} v {vf:?}, 4 steps (the last skipped): {}",
+            "  {} parameters in one optimizer, m {mf:?} v {vf:?}, 5 steps (the fourth skipped) and one without gradients: {}",
             params.len(),
             if case_ok { "identical" } else { "DIFFERENT" }
         );

@@ -9,7 +9,7 @@
 // one rounding per operation in the same order, so the results agree bit for
 // bit. Only NaN payloads may differ (x86 keeps an operand's payload, the GPU
 // returns 0x7FFFFFFF). The gradient multiplier is read from the device
-// (`gmul`, written by grad_clip of clip.cuh); where it is not finite the
+// (`gmul`, written by grad_clip of clip.cuh); where it is NaN the
 // step is skipped and every kernel returns at once (a weight updated in
 // place keeps its values; the host drops the other outputs).
 //
@@ -239,7 +239,7 @@ __device__ __forceinline__ float out_scale(int kind, float amax, float prev_si) 
 template <int WK, int GK, int MK, int VK>
 __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax,
                           Grid gr) {
-    if (!isfinite(k.grad_mul)) return;
+    if (isnan(k.grad_mul)) return;
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(s.vk, *s.v_si),
                    o.copy ? prev_scale(K_E4M3, *copy_si) : 1.0f, true, true, true, o.copy != nullptr};
@@ -277,7 +277,7 @@ __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* co
 template <int WK, int GK, int MK, int VK>
 __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, const uint32_t* amax, Outs o,
                          Grid gr) {
-    if (!isfinite(k.grad_mul)) return;
+    if (isnan(k.grad_mul)) return;
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const float wsi = *s.w_si, msi = *s.m_si, vsi = *s.v_si;
     const float wa = __uint_as_float(amax[0]), ma = __uint_as_float(amax[1]), va = __uint_as_float(amax[2]);

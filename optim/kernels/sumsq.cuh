@@ -12,7 +12,7 @@
 //                   a batch of SUMSQ_BATCH words per thread in flight),
 //                   stored as codes in a shared tile, then each thread, one
 //                   (block, lane), decodes and adds its column in order
-//                   (an FP8 tile is 8 KB: up to 27 warps an SM, where an
+//                   (an FP8 tile is 8.3 KB: up to 27 warps an SM, where an
 //                   f32 tile allowed 6 and left the pass latency-bound,
 //                   70-78 us for 64M E4M3 values). Small blocks
 //                   and whole element blocks per load round: a tensor of a
@@ -46,14 +46,15 @@ __device__ __forceinline__ float decode_code(typename Code<KIND>::T c, float si)
 }
 
 // The tile holds the codes as they are (a quarter of the f32 bytes for FP8,
-// so four times the warps an SM); each row is padded by 16 bytes so that
-// the 4 rows' lanes fall on distinct banks.
+// so four times the warps an SM); each row is padded by 32 bytes, so row c
+// starts at bank 8c and the 4 rows' 8 lanes fall on distinct banks for
+// every code width.
 template <int KIND>
 __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials, Grid gr) {
     using T = typename Code<KIND>::T;
     constexpr int EPW = Word<KIND>::N;
     constexpr int WORDS = SUMSQ_CHUNKS * SUMSQ_BLOCK / EPW;  // words of this CUDA block
-    constexpr int PITCH = SUMSQ_BLOCK + 16 / (int)sizeof(T);  // codes per tile row
+    constexpr int PITCH = SUMSQ_BLOCK + 32 / (int)sizeof(T);  // codes per tile row
     __shared__ __align__(16) T tile[SUMSQ_CHUNKS][PITCH];
     const float si = *si_p;
     const size_t first = gr.block * SUMSQ_CHUNKS;
@@ -76,7 +77,7 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
             if (!(vec && at + EPW <= n)) {
                 // the tail word, or a stream not 16-byte aligned: code by
                 // code (past n: code 0, which decodes as +0)
-                T codes[EPW];
+                __align__(16) T codes[EPW];
 #pragma unroll
                 for (int j = 0; j < EPW; j++) codes[j] = at + j < n ? ((const T*)g)[at + j] : (T)0;
                 raw[k] = *reinterpret_cast<const uint4*>(codes);

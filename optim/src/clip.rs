@@ -23,8 +23,8 @@ pub(crate) fn clip_math(sum_sq: f64, inv_scale: f64, max_norm: Option<f64>) -> (
 }
 
 /// Input: one F64 tensor, the `n_sums` sums of squares in parameter order
-/// and then the amaxes. Outputs: F64 `[sum, norm]` (sum is inf, norm NaN,
-/// where the step is skipped) and the F32 multiplier (NaN to skip).
+/// and then the amaxes. Outputs: F64 `[sum, norm]` (sum not finite, norm
+/// NaN, where the step is skipped) and the F32 multiplier (NaN to skip).
 pub(crate) struct ClipCoef {
     pub n_sums: usize,
     pub inv_scale: f64,

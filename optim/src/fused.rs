@@ -26,14 +26,16 @@ pub(crate) type Q = Option<QType>;
 /// One tensor's update. Inputs, in order: weight, weight scale_inv, grad,
 /// grad scale_inv, m, m scale_inv, v, v scale_inv (scale_inv of an F32
 /// stream is ignored), the gradient multiplier (one F32: loss-scale inverse
-/// times clipping coefficient; NaN skips the step, see `clip.rs`), and
+/// times clipping coefficient; where it is NaN the CUDA kernels skip the
+/// step, see `clip.rs`, while the CPU body, which the host only calls for
+/// steps it applies, computes with it), and
 /// with `fp8_copy` the copy's scale_inv before the step (the CUDA body
 /// encodes with it first, see `cuda.rs`; the result does not depend on it).
 /// Outputs: the data of the weight (and, with `fp8_copy`, an E4M3 copy
 /// before it; none with `w_in_place`), m and v, then one F32 tensor of
 /// [`META_LEN`] elements: scale, 1 / scale and the amax of the f32 values
-/// of w, m, v and the copy at `3 * j` (j in that order; the copy's slots 0
-/// without a copy).
+/// of w, m, v and the copy at `3 * j` (j in that order; without a copy its
+/// slots are 0 on the CPU and unset on CUDA, never read).
 pub(crate) struct LowBitStep<'a> {
     /// f32 scratch for the updated weight, m and v, kept across steps so a
     /// step does not fault in fresh pages for it.

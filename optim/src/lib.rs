@@ -9,8 +9,10 @@
 //!   norm clipping, learning-rate schedules, loss scaling and skipping of
 //!   non-finite steps. Each parameter's update is one fused kernel
 //!   (`LowBitStep`) with a CPU body and, under feature `cuda`, a CUDA body
-//!   (`kernels/lowbit.cu`, two launches, bit-identical to the CPU body), as
-//!   is the gradient sum of squares for the global norm.
+//!   (`kernels/lowbit.cu`: one or two launches, bit-identical to the CPU
+//!   body), as is the gradient sum of squares for the global norm; on a GPU
+//!   the clipping and skip decision run on the device (`clip.rs`) and the
+//!   small parameters take one launch for all (`multi.rs`).
 //!
 //! ```
 //! use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};

@@ -15,7 +15,7 @@ use crate::multi::{
 };
 use crate::state::State;
 use crate::update::{
-    f32_stream, kernel_error, scaled_stream, state_stream, to_state, update_param,
+    f32_stream, gathered, kernel_error, scaled_stream, state_stream, to_state, update_param,
     updates_in_place, Ones,
 };
 use amp_core::kernel::launch;
@@ -41,8 +41,8 @@ impl LowBitAdamW {
     /// the squared gradient norm of the parameters for which
     /// `partitioned(name)` holds is summed over the ranks by `reduce`, which
     /// every rank calls exactly once per step where any parameter is
-    /// partitioned (never otherwise), so that all ranks clip by the same
-    /// global norm and skip the same steps.
+    /// partitioned (never otherwise; ranks must agree on `partitioned`), so
+    /// that all ranks clip by the same global norm and skip the same steps.
     ///
     /// # Errors
     /// As [`step`](Self::step); `reduce`'s.
@@ -66,7 +66,7 @@ impl LowBitAdamW {
         let mut on_device = !self.params.is_empty();
         for p in &self.params {
             let w = p.slot.read()?;
-            on_device &= !(grads.get(&p.name).is_some() && partitioned(&p.name))
+            on_device &= !partitioned(&p.name)
                 && w.device().is_cuda()
                 && (updates_in_place(&w) || !matches!(*w, Weight::F32(_)));
         }
@@ -91,6 +91,9 @@ impl LowBitAdamW {
                     expected,
                     got: g.shape().clone(),
                 });
+            }
+            if let Weight::Fp8Gathered(_) = &*p.slot.read()? {
+                return Err(gathered(&p.name));
             }
             let part = partitioned(&p.name);
             if let Grad::Scaled(t) = g {
@@ -118,7 +121,8 @@ impl LowBitAdamW {
                 sums[i].1 = totals.narrow(0, j, 1)?;
             }
         }
-        if on_device {
+        // (without a gradient there is nothing to wait for: the host path)
+        if on_device && !sums.is_empty() {
             return self.step_on_device(grads, &sums, &amaxes, ones);
         }
         let (mut sum_sq, mut part_sq) = (0f64, 0f64);
@@ -133,7 +137,7 @@ impl LowBitAdamW {
                 *if *part { &mut part_sq } else { &mut sum_sq } = f64::INFINITY;
             }
         }
-        if sums.iter().any(|(part, _)| *part) {
+        if self.params.iter().any(|p| partitioned(&p.name)) {
             sum_sq += reduce(part_sq)?;
         }
         if !sum_sq.is_finite() {
@@ -187,24 +191,25 @@ impl LowBitAdamW {
                 ))
             })
             .collect::<Result<_>>()?;
-        self.update_all(grads, &grad_mul, &mut ones)?;
-        let t = std::time::Instant::now();
+        let step_before = self.step;
+        let updated = self.update_all(grads, &grad_mul, &mut ones);
         let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
             .map_err(|_| kernel_error("clipping outcome"))?;
-        if std::env::var_os("AMP_PHASES").is_some() {
-            eprintln!("PHASE outcome wait {:.2}", t.elapsed().as_secs_f64() * 1e3);
-        }
         if sum_sq.is_finite() {
+            // an error part way leaves the parameters before it updated
+            // (each with its moments), as the host path does
+            updated?;
             self.scaler.update(false);
             return Ok(StepOutcome::Applied { grad_norm });
         }
-        self.step -= 1;
+        self.step = step_before;
         for (p, (w, m, v, step)) in self.params.iter_mut().zip(before) {
             if !matches!(w, Weight::F32(_)) {
                 p.slot.replace(w)?;
             }
             (p.exp_avg, p.exp_avg_sq, p.step) = (m, v, step);
         }
+        updated?;
         self.scaler.update(true);
         Ok(StepOutcome::Skipped)
     }
@@ -213,7 +218,20 @@ impl LowBitAdamW {
     /// with the multiplier `grad_mul` (one F32 on the parameters' device);
     /// on the device path the small ones in one launch ([`LowBitMulti`]).
     fn update_all(&mut self, grads: &Grads, grad_mul: &Tensor, ones: &mut Ones) -> Result<()> {
-        let on_device = grad_mul.device().is_cuda();
+        // one launch for the small ones, unless one weight is two of them
+        // (tied: its updates must run one after the other)
+        let mut on_device = grad_mul.device().is_cuda();
+        let mut seen = std::collections::HashSet::new();
+        for p in &self.params {
+            let Some(g) = grads.get(&p.name) else {
+                continue;
+            };
+            if on_device && batched(p, g)? {
+                if let Weight::F32(var) = &*p.slot.read()? {
+                    on_device &= seen.insert(var.as_tensor().id());
+                }
+            }
+        }
         self.step += 1;
         let lr = self.schedule.lr(self.step);
         let mut batch = Vec::new();

@@ -89,6 +89,15 @@ pub(crate) fn to_state(
     })
 }
 
+/// The error for a step of a gathered FP8 copy (ZeRO's full weight on
+/// every rank, whose master is a shard).
+pub(crate) fn gathered(name: &str) -> Error {
+    Error::Config {
+        field: "weight",
+        reason: format!("`{name}` is a gathered FP8 copy: its master is a shard, update that"),
+    }
+}
+
 /// Whether the fused kernel can write this weight in place: a contiguous
 /// F32 `Var` on CUDA (any other weight is not an F32 one, or is set from
 /// the kernel's output).
@@ -119,15 +128,7 @@ pub(crate) fn update_param(
         Weight::F32(var) => (f32_stream(var.as_tensor(), ones)?, false),
         Weight::F16(t) => (scaled_stream(t), false),
         Weight::Fp8 { master, .. } => (scaled_stream(master), true),
-        Weight::Fp8Gathered(_) => {
-            return Err(Error::Config {
-                field: "weight",
-                reason: format!(
-                    "`{}` is a gathered FP8 copy: its master is a shard, update that",
-                    p.name
-                ),
-            })
-        }
+        Weight::Fp8Gathered(_) => return Err(gathered(&p.name)),
     };
     let w_in_place = matches!(&weight, Weight::F32(_)) && updates_in_place(&weight);
     let g = match g {
