@@ -196,16 +196,20 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<bo
 }
 
 /// The sum of squares over several groups of 256 blocks (the check above
-/// has one): 4 groups and a partial block, F32 and E4M3 gradients; then
+/// has one): 4 groups and a partial block, F32 and E4M3 gradients, and 258
+/// groups (sumsq_total over more than one tile), E4M3; then
 /// fewer elements than a vector group, and an F32 gradient that is a view
 /// one element into its buffer (not 16-byte aligned: the scalar paths).
 /// The step outcome carries the f64 norm, compared bit for bit.
 fn many_groups(dev: &Device, rng: &mut Rng) -> Result<bool> {
     let big = 3 * 256 * 2048 + 5 * 2048 + 1001;
+    // more than 256 groups: sumsq_total adds more than one tile of them
+    let huge = 257 * 256 * 2048 + 3;
     let mut ok = true;
     for (n, g8, offset) in [
         (big, false, false),
         (big, true, false),
+        (huge, true, false),
         (3, false, false),
         (3, true, false),
         (4099, false, true),
