@@ -377,20 +377,15 @@ fn bad_gradients_and_params_are_named_errors() {
     );
     assert!(matches!(opt.step(&g).unwrap_err(), Error::UnknownParam(n) if n == "v"));
     assert_eq!(snapshot(&opt), before);
-    // a gathered FP8 copy with a gradient (ZeRO's layer weight, not a
-    // parameter): refused before any parameter changes
+    // a gathered FP8 copy with a gradient: refused before anything changes
     let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
-    let gathered = WeightSlot::new(Weight::Fp8Gathered(q(&x, QType::E4M3)));
-    let mut two = LowBitAdamW::new(
-        vec![("w".into(), s.clone()), ("z".into(), gathered)],
-        LowBitAdamWConfig::default(),
-    )
-    .unwrap();
+    let z = WeightSlot::new(Weight::Fp8Gathered(q(&x, QType::E4M3)));
+    let params = vec![("w".into(), s.clone()), ("z".into(), z)];
+    let mut two = LowBitAdamW::new(params, LowBitAdamWConfig::default()).unwrap();
     let before = snapshot(&two);
     let mut g = Grads::new();
-    for n in ["w", "z"] {
-        g.insert(n, Grad::F32(x.clone()));
-    }
+    g.insert("w", Grad::F32(x.clone()));
+    g.insert("z", Grad::F32(x));
     assert!(matches!(two.step(&g).unwrap_err(), Error::Config { .. }));
     assert_eq!(snapshot(&two), before);
     assert_eq!(two.step_count(), 0);
