@@ -54,16 +54,21 @@ struct Adam {
     float lr_wd, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, grad_mul;
 };
 
-// AdamStep::update for one element, operation by operation.
-__device__ __forceinline__ void adam(const Adam& k, float& p, float g, float& m, float& v) {
+// AdamStep::update for one element, operation by operation: the moments
+// (from the gradient and themselves only), then the weight (from itself
+// and the new moments); the same operations as one sequence, so a pass
+// that needs only the moments skips the weight's (its two divisions and
+// square root). Where both run, adam_mv then adam_p.
+__device__ __forceinline__ void adam_mv(const Adam& k, float g, float& m, float& v) {
     if (k.grad_mul != 1.0f) g = __fmul_rn(g, k.grad_mul);
-    p = __fsub_rn(p, __fmul_rn(p, k.lr_wd));
     m = __fadd_rn(m, __fmul_rn(k.one_minus_beta1, __fsub_rn(g, m)));
     v = __fadd_rn(__fmul_rn(v, k.beta2), __fmul_rn(__fmul_rn(k.one_minus_beta2, g), g));
+}
+__device__ __forceinline__ void adam_p(const Adam& k, float& p, float m, float v) {
+    p = __fsub_rn(p, __fmul_rn(p, k.lr_wd));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2_sqrt), k.eps);
     p = __fadd_rn(p, __fmul_rn(-k.step_size, __fdiv_rn(m, denom)));
 }
-
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
 // ------------------------------------------------------- vector groups --
@@ -139,8 +144,21 @@ struct Enc {
     bool ww, wm, wv, wc;
 };
 
-__device__ __forceinline__ Raw4 load_group(const Streams& s, size_t gi) {
-    return {load_raw(s.w, s.wk, gi), load_raw(s.g, s.gk, gi), load_raw(s.m, s.mk, gi), load_raw(s.v, s.vk, gi)};
+// The input streams a pass needs for the outputs `e` writes: the weight
+// only where the weight or its copy is written; m and v for their own
+// output and for the weight's (m and v do not depend on the weight or on
+// each other). Pass 2 rewriting only m reads the gradient and m. A stream
+// left out decodes as zeros, and nothing computed from it is stored.
+struct Need { bool w, m, v; };
+__device__ __forceinline__ Need needs(const Enc& e) {
+    const bool w = e.ww || e.wc;
+    return {w, w || e.wm, w || e.wv};
+}
+
+__device__ __forceinline__ Raw4 load_group(const Streams& s, size_t gi, Need nd) {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    return {nd.w ? load_raw(s.w, s.wk, gi) : z, load_raw(s.g, s.gk, gi), nd.m ? load_raw(s.m, s.mk, gi) : z,
+            nd.v ? load_raw(s.v, s.vk, gi) : z};
 }
 
 // Update one group from its raw inputs; write the outputs `e` selects; fold
@@ -153,9 +171,11 @@ __device__ __forceinline__ void update_group(const Streams& s, const Adam& k, co
     decode_raw(r.g, s.gk, si[1], g);
     decode_raw(r.m, s.mk, si[2], m);
     decode_raw(r.v, s.vk, si[3], v);
+    const Need nd = needs(e);
 #pragma unroll
     for (int j = 0; j < G; j++) {
-        adam(k, p[j], g[j], m[j], v[j]);
+        adam_mv(k, g[j], m[j], v[j]);
+        if (nd.w) adam_p(k, p[j], m[j], v[j]);
         wa = max(wa, abs_bits(p[j]));
         ma = max(ma, abs_bits(m[j]));
         va = max(va, abs_bits(v[j]));
@@ -170,11 +190,13 @@ __device__ __forceinline__ void update_group(const Streams& s, const Adam& k, co
 // aligned for the group accesses).
 __device__ __forceinline__ void update_one(const Streams& s, const Adam& k, const float si[4], const Outs& o,
                                            const Enc& e, size_t i, uint32_t& wa, uint32_t& ma, uint32_t& va) {
-    float p = load(s.w, s.wk, si[0], i);
+    const Need nd = needs(e);
+    float p = nd.w ? load(s.w, s.wk, si[0], i) : 0.0f;
     const float g = load(s.g, s.gk, si[1], i);
-    float m = load(s.m, s.mk, si[2], i);
-    float v = load(s.v, s.vk, si[3], i);
-    adam(k, p, g, m, v);
+    float m = nd.m ? load(s.m, s.mk, si[2], i) : 0.0f;
+    float v = nd.v ? load(s.v, s.vk, si[3], i) : 0.0f;
+    adam_mv(k, g, m, v);
+    if (nd.w) adam_p(k, p, m, v);
     wa = max(wa, abs_bits(p));
     ma = max(ma, abs_bits(m));
     va = max(va, abs_bits(v));
@@ -192,16 +214,17 @@ __device__ __forceinline__ void sweep(const Streams& s, const Adam& k, size_t n,
     const float si[4] = {*s.w_si, *s.g_si, *s.m_si, *s.v_si};
     const size_t tid = gr.block * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gr.blocks * blockDim.x;
+    const Need nd = needs(e);
     const size_t groups = vec ? n / G : 0;
     size_t gi = tid;
     for (; gi + (F - 1) * stride < groups; gi += F * stride) {
         Raw4 r[F];
 #pragma unroll
-        for (int f = 0; f < F; f++) r[f] = load_group(s, gi + f * stride);
+        for (int f = 0; f < F; f++) r[f] = load_group(s, gi + f * stride, nd);
 #pragma unroll
         for (int f = 0; f < F; f++) update_group(s, k, si, r[f], o, e, gi + f * stride, wa, ma, va);
     }
-    for (; gi < groups; gi += stride) update_group(s, k, si, load_group(s, gi), o, e, gi, wa, ma, va);
+    for (; gi < groups; gi += stride) update_group(s, k, si, load_group(s, gi, nd), o, e, gi, wa, ma, va);
     for (size_t i = groups * G + tid; i < n; i += stride) update_one(s, k, si, o, e, i, wa, ma, va);
 }
 
