@@ -36,7 +36,7 @@ struct Args {
     /// Also time the FP8 GEMM and the cast kernels.
     #[arg(long)]
     bench: bool,
-    /// Only time (skip the checks).
+    /// Only time (skip the checks; with --optim-only the optimizer bench alone).
     #[arg(long)]
     bench_only: bool,
     /// log2 of the exhaustive sweep's chunk, in elements.
@@ -86,8 +86,10 @@ fn main() -> Result<()> {
             check("attention bench", attention::bench(&dev));
         }
     } else if args.optim_only {
-        check("lowbit adamw", optim::check(&dev));
-        if args.bench {
+        if !args.bench_only {
+            check("lowbit adamw", optim::check(&dev));
+        }
+        if args.bench || args.bench_only {
             check("lowbit adamw bench", optim::bench(&dev));
         }
     } else if !args.bench_only {
