@@ -220,9 +220,8 @@ pub fn train_rank(
     let mut step_secs: Vec<f64> = Vec::new();
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     let mut backward_peak = None;
-    // AMP_STEP_CLOCK: each step's start on stderr as the monotonic clock
-    // (`Instant`'s debug form), to cut a host profile to the timed steps
-    // (`scripts/gpu/perf-gpt.sh`: perf with `-k CLOCK_MONOTONIC`)
+    // AMP_STEP_CLOCK: each step's start (`Instant`, the monotonic clock) on
+    // stderr, to cut a host profile to the steps (scripts/gpu/perf-gpt.sh)
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
     for step in start..end {
         let t = Instant::now();

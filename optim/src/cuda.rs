@@ -101,12 +101,13 @@ pub(crate) fn bad(op: &'static str, what: &str) -> amp_core::Error {
 
 /// A stream's kind in lowbit.cu (`K_E4M3` .. `K_F32`) and its dtype.
 pub(crate) fn kind(q: Q) -> (i32, DType) {
-    match q {
-        Some(QType::E4M3) => (0, DType::U8),
-        Some(QType::E5M2) => (1, DType::U8),
-        Some(QType::F16) => (2, DType::F16),
-        None => (3, DType::F32),
-    }
+    let k = match q {
+        Some(QType::E4M3) => 0,
+        Some(QType::E5M2) => 1,
+        Some(QType::F16) => 2,
+        None => 3,
+    };
+    (k, crate::multi::storage_dtype(q))
 }
 
 /// The device address of a contiguous input's first element, checked
@@ -206,16 +207,19 @@ pub(crate) struct Outs {
 // SAFETY: 16 pointers, as the C struct.
 unsafe impl DeviceRepr for Outs {}
 
-/// An output stream's data buffer.
-enum Buf {
+/// An output buffer of U8, F16 or F32 codes (any other dtype: F32), every
+/// element of which the kernel it is handed to writes before it is read.
+pub(crate) enum Buf {
     U8(candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>),
     F16(candle_core::cuda_backend::cudarc::driver::CudaSlice<f16>),
     F32(candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>),
 }
 
 impl Buf {
-    fn alloc(dev: &CudaDevice, dtype: DType, n: usize) -> amp_core::Result<Self> {
-        // SAFETY (all): lowbit_step (pass 1) writes every element.
+    pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, n: usize) -> amp_core::Result<Self> {
+        // SAFETY (all): the kernel the buffer goes to writes every element
+        // that is read (lowbit_step's pass 1; lowbit_multi each moment's
+        // place, the padding between places never read).
         Ok(match dtype {
             DType::U8 => Self::U8(unsafe { dev.alloc::<u8>(n)? }),
             DType::F16 => Self::F16(unsafe { dev.alloc::<f16>(n)? }),
@@ -223,7 +227,7 @@ impl Buf {
         })
     }
 
-    fn address(&mut self, dev: &CudaDevice) -> u64 {
+    pub(crate) fn address(&mut self, dev: &CudaDevice) -> u64 {
         let stream = dev.cuda_stream();
         match self {
             Self::U8(s) => s.device_ptr_mut(&stream).0,
@@ -232,7 +236,15 @@ impl Buf {
         }
     }
 
-    fn storage(self, dev: &CudaDevice) -> CudaStorage {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::U8(s) => s.len(),
+            Self::F16(s) => s.len(),
+            Self::F32(s) => s.len(),
+        }
+    }
+
+    pub(crate) fn storage(self, dev: &CudaDevice) -> CudaStorage {
         match self {
             Self::U8(s) => CudaStorage::wrap_cuda_slice(s, dev.clone()),
             Self::F16(s) => CudaStorage::wrap_cuda_slice(s, dev.clone()),

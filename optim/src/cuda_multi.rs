@@ -3,18 +3,17 @@
 //! with the launch, and a CUDA block per descriptor.
 
 use crate::cuda::{
-    address, bad, func, kind, scalar_address, Adam, Outputs, Outs, Streams, META_PER_STREAM,
+    address, bad, func, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams, META_PER_STREAM,
     THREADS,
 };
 use crate::fused::META_LEN;
-use crate::multi::{buffer_index, meta_at, LowBitMulti, MomentPlaces, MULTI_MAX};
+use crate::multi::{buffer_index, meta_at, LowBitMulti, MomentPlaces, BUFFER_DTYPES, MULTI_MAX};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{DType, Layout, Shape};
-use half::f16;
 
 /// `SumDesc` of multi.cuh.
 #[repr(C)]
@@ -108,52 +107,6 @@ pub(crate) fn sum_sq_multi(inputs: &[(&CudaStorage, &Layout)]) -> amp_core::Resu
     )])
 }
 
-/// A moment buffer of one dtype.
-enum Arena {
-    U8(CudaSlice<u8>),
-    F16(CudaSlice<f16>),
-    F32(CudaSlice<f32>),
-}
-
-impl Arena {
-    fn alloc(dev: &CudaDevice, index: usize, len: usize) -> amp_core::Result<Self> {
-        // SAFETY (all): every moment's place is written by its block; the
-        // padding between places is never read.
-        Ok(match index {
-            0 => Self::U8(unsafe { dev.alloc::<u8>(len)? }),
-            1 => Self::F16(unsafe { dev.alloc::<f16>(len)? }),
-            _ => Self::F32(unsafe { dev.alloc::<f32>(len)? }),
-        })
-    }
-
-    fn base(&mut self, dev: &CudaDevice) -> u64 {
-        let stream = dev.cuda_stream();
-        match self {
-            Self::U8(s) => s.device_ptr_mut(&stream).0,
-            Self::F16(s) => s.device_ptr_mut(&stream).0,
-            Self::F32(s) => s.device_ptr_mut(&stream).0,
-        }
-    }
-
-    fn storage(self, dev: &CudaDevice) -> (CudaStorage, Shape) {
-        let (s, n) = match self {
-            Self::U8(s) => {
-                let n = s.len();
-                (CudaStorage::wrap_cuda_slice(s, dev.clone()), n)
-            }
-            Self::F16(s) => {
-                let n = s.len();
-                (CudaStorage::wrap_cuda_slice(s, dev.clone()), n)
-            }
-            Self::F32(s) => {
-                let n = s.len();
-                (CudaStorage::wrap_cuda_slice(s, dev.clone()), n)
-            }
-        };
-        (s, Shape::from(n))
-    }
-}
-
 pub(crate) fn lowbit_multi(
     k: &LowBitMulti,
     inputs: &[(&CudaStorage, &Layout)],
@@ -177,10 +130,12 @@ pub(crate) fn lowbit_multi(
         dtypes.push([kind(*m).1, kind(*v).1]);
     }
     let places = MomentPlaces::new(&dtypes, &ns);
-    let mut arenas = (0..3)
-        .map(|i| Arena::alloc(&dev, i, places.lens[i]))
+    let mut arenas = BUFFER_DTYPES
+        .into_iter()
+        .zip(places.lens)
+        .map(|(dtype, len)| Buf::alloc(&dev, dtype, len))
         .collect::<amp_core::Result<Vec<_>>>()?;
-    let bases: Vec<u64> = arenas.iter_mut().map(|a| a.base(&dev)).collect();
+    let bases: Vec<u64> = arenas.iter_mut().map(|a| a.address(&dev)).collect();
     // SAFETY: block i writes the 12 meta slots of parameter i, and zeroes
     // and then uses its 3 amax words after them.
     let mut meta = unsafe { dev.alloc::<f32>(META_LEN * count)? };
@@ -250,7 +205,13 @@ pub(crate) fn lowbit_multi(
     // aligned, `vec` only where every stream is), and 15 words of `meta`;
     // `gmul` one f32; one block per descriptor.
     unsafe { b.launch(one_block_each(count, THREADS)) }.w()?;
-    let mut out: Outputs = arenas.into_iter().map(|a| a.storage(&dev)).collect();
+    let mut out: Outputs = arenas
+        .into_iter()
+        .map(|a| {
+            let n = a.len();
+            (a.storage(&dev), Shape::from(n))
+        })
+        .collect();
     out.push((
         CudaStorage::wrap_cuda_slice(meta, dev),
         Shape::from(META_LEN * count),

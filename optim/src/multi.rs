@@ -96,13 +96,12 @@ pub(crate) struct MomentPlaces {
     pub lens: [usize; 3],
 }
 
-/// The buffer of a dtype among the three.
+/// The dtypes of the moment buffers, in the order of the step's outputs.
+pub(crate) const BUFFER_DTYPES: [DType; 3] = [DType::U8, DType::F16, DType::F32];
+
+/// The buffer of a dtype among the three (F32 for any other).
 pub(crate) fn buffer_index(dtype: DType) -> usize {
-    match dtype {
-        DType::U8 => 0,
-        DType::F16 => 1,
-        _ => 2,
-    }
+    BUFFER_DTYPES.iter().position(|&d| d == dtype).unwrap_or(2)
 }
 
 impl MomentPlaces {

@@ -79,7 +79,8 @@ impl LowBitAdamW {
         let mut ones = Ones::default();
         let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
         let (mut batch, mut batch_at) = (Vec::new(), Vec::new());
-        for p in &self.params {
+        let plan = self.batch_plan(grads)?;
+        for (p, &batched) in self.params.iter().zip(&plan) {
             let Some(g) = grads.get(&p.name) else {
                 continue;
             };
@@ -103,7 +104,7 @@ impl LowBitAdamW {
                 Grad::F32(t) => f32_stream(t, &mut ones)?,
                 Grad::Scaled(t) => scaled_stream(t),
             };
-            if on_device && batched(p, g)? {
+            if batched {
                 batch.extend([data, scale_inv.clone()]);
                 batch_at.push(sums.len());
                 sums.push((part, scale_inv));
@@ -123,7 +124,7 @@ impl LowBitAdamW {
         }
         // (without a gradient there is nothing to wait for: the host path)
         if on_device && !sums.is_empty() {
-            return self.step_on_device(grads, &sums, &amaxes, ones);
+            return self.step_on_device(grads, &plan, &sums, &amaxes, ones);
         }
         let (mut sum_sq, mut part_sq) = (0f64, 0f64);
         let values = read_all(&sums, &amaxes)?;
@@ -151,7 +152,7 @@ impl LowBitAdamW {
             None => candle_core::Device::Cpu,
         };
         let grad_mul = Tensor::new(&[grad_mul], &device)?;
-        self.update_all(grads, &grad_mul, &mut ones)?;
+        self.update_all(grads, &plan, &grad_mul, &mut ones)?;
         self.scaler.update(false);
         Ok(StepOutcome::Applied { grad_norm })
     }
@@ -166,6 +167,7 @@ impl LowBitAdamW {
     fn step_on_device(
         &mut self,
         grads: &Grads,
+        plan: &[bool],
         sums: &[(bool, Tensor)],
         amaxes: &[(bool, Tensor)],
         mut ones: Ones,
@@ -192,7 +194,7 @@ impl LowBitAdamW {
             })
             .collect::<Result<_>>()?;
         let step_before = self.step;
-        let updated = self.update_all(grads, &grad_mul, &mut ones);
+        let updated = self.update_all(grads, plan, &grad_mul, &mut ones);
         let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
             .map_err(|_| kernel_error("clipping outcome"))?;
         if sum_sq.is_finite() {
@@ -214,34 +216,51 @@ impl LowBitAdamW {
         Ok(StepOutcome::Skipped)
     }
 
-    /// Every parameter with a gradient updated (the step counters advanced)
-    /// with the multiplier `grad_mul` (one F32 on the parameters' device);
-    /// on the device path the small ones in one launch ([`LowBitMulti`]).
-    fn update_all(&mut self, grads: &Grads, grad_mul: &Tensor, ones: &mut Ones) -> Result<()> {
-        // one launch for the small ones, unless one weight is two of them
-        // (tied: its updates must run one after the other)
-        let mut on_device = grad_mul.device().is_cuda();
+    /// Which parameters take the launches over many tensors (`batched`),
+    /// in parameter order: none where one weight is two of them (tied: its
+    /// updates must run one after the other).
+    fn batch_plan(&self, grads: &Grads) -> Result<Vec<bool>> {
+        let mut plan = Vec::with_capacity(self.params.len());
         let mut seen = std::collections::HashSet::new();
+        let mut tied = false;
         for p in &self.params {
-            let Some(g) = grads.get(&p.name) else {
-                continue;
+            let b = match grads.get(&p.name) {
+                Some(g) => batched(p, g)?,
+                None => false,
             };
-            if on_device && batched(p, g)? {
+            if b {
                 if let Weight::F32(var) = &*p.slot.read()? {
-                    on_device &= seen.insert(var.as_tensor().id());
+                    tied |= !seen.insert(var.as_tensor().id());
                 }
             }
+            plan.push(b);
         }
+        if tied {
+            plan.fill(false);
+        }
+        Ok(plan)
+    }
+
+    /// Every parameter with a gradient updated (the step counters advanced)
+    /// with the multiplier `grad_mul` (one F32 on the parameters' device);
+    /// those `plan` marks in one launch ([`LowBitMulti`]).
+    fn update_all(
+        &mut self,
+        grads: &Grads,
+        plan: &[bool],
+        grad_mul: &Tensor,
+        ones: &mut Ones,
+    ) -> Result<()> {
         self.step += 1;
         let lr = self.schedule.lr(self.step);
         let mut batch = Vec::new();
-        for (i, p) in self.params.iter_mut().enumerate() {
+        for (i, (p, &batched)) in self.params.iter_mut().zip(plan).enumerate() {
             let Some(g) = grads.get(&p.name) else {
                 continue;
             };
             p.step += 1;
             let k = self.config.adam.at_step(lr, p.step);
-            if on_device && batched(p, g)? {
+            if batched {
                 batch.push((i, k));
                 continue;
             }
@@ -264,6 +283,7 @@ impl LowBitAdamW {
     ) -> Result<()> {
         let mut streams = Vec::with_capacity(8 * batch.len());
         let mut steps = Vec::with_capacity(batch.len());
+        let mut shapes = Vec::with_capacity(batch.len());
         for &(i, k) in batch {
             let p = &self.params[i];
             let (Weight::F32(var), Some(Grad::F32(g))) = (&*p.slot.read()?, grads.get(&p.name))
@@ -275,6 +295,7 @@ impl LowBitAdamW {
             let w = f32_stream(var.as_tensor(), ones)?;
             let g = f32_stream(g, ones)?;
             steps.push((k, [g.2, m.2, v.2]));
+            shapes.push(var.shape().clone());
             streams.extend([w.0, w.1, g.0, g.1, m.0, m.1, v.0, v.1]);
         }
         let mut inputs: Vec<&Tensor> = streams.iter().collect();
@@ -290,22 +311,19 @@ impl LowBitAdamW {
             .iter()
             .map(|(_, [_, m, v])| [storage_dtype(*m), storage_dtype(*v)])
             .collect();
-        let ns: Vec<usize> = batch
-            .iter()
-            .map(|&(i, _)| Ok(self.params[i].slot.read()?.shape().elem_count()))
-            .collect::<Result<_>>()?;
+        let ns: Vec<usize> = shapes.iter().map(|s| s.elem_count()).collect();
         let places = MomentPlaces::new(&dtypes, &ns);
         for (j, (&(i, _), (_, [_, mq, vq]))) in batch.iter().zip(&kernel.steps).enumerate() {
             let p = &mut self.params[i];
-            let shape = p.slot.read()?.shape().clone();
+            let shape = &shapes[j];
             let meta = meta.narrow(0, meta_at(j), META_LEN)?;
             let [(md, mo), (vd, vo)] = places.places[j];
             let m = buffers[buffer_index(md)]
                 .narrow(0, mo, ns[j])?
-                .reshape(&shape)?;
+                .reshape(shape)?;
             let v = buffers[buffer_index(vd)]
                 .narrow(0, vo, ns[j])?
-                .reshape(&shape)?;
+                .reshape(shape)?;
             p.exp_avg = to_state(*mq, &m, &meta, 1)?;
             p.exp_avg_sq = to_state(*vq, &v, &meta, 2)?;
         }
@@ -313,8 +331,8 @@ impl LowBitAdamW {
     }
 }
 
-/// Whether a parameter's sum of squares and step go into the launches over
-/// many tensors (on a GPU): an F32 weight updated in place, an F32
+/// Whether a parameter's sum of squares and step can go into the launches
+/// over many tensors (on a GPU): an F32 weight updated in place, an F32
 /// gradient, at most [`MULTI_MAX`] elements.
 fn batched(p: &ParamState, g: &Grad) -> Result<bool> {
     let Grad::F32(t) = g else {
