@@ -18,6 +18,7 @@ mod attention;
 mod bench;
 mod blocks;
 mod capture;
+mod codecs;
 mod exhaustive;
 mod fused;
 mod gemm;
@@ -52,6 +53,9 @@ struct Args {
     /// Only the optimizer's checks (and with --bench its timing).
     #[arg(long)]
     optim_only: bool,
+    /// With --optim-only: also the step's codecs over all 2^32 f32 inputs.
+    #[arg(long)]
+    codecs: bool,
     /// Abort after this many seconds (a hung run wastes device time).
     #[arg(long, default_value_t = 420)]
     watchdog: u64,
@@ -89,6 +93,9 @@ fn main() -> Result<()> {
         if !args.bench_only {
             check("lowbit adamw", optim::check(&dev));
         }
+        if args.codecs {
+            check("step codecs", codecs::check(&dev, args.chunk_log2));
+        }
         if args.bench || args.bench_only {
             check("lowbit adamw bench", optim::bench(&dev));
         }
@@ -120,6 +127,7 @@ fn main() -> Result<()> {
             "2^32 f32 encode",
             exhaustive::all_f32(&dev, args.chunk_log2),
         );
+        check("step codecs", codecs::check(&dev, args.chunk_log2));
     }
     println!("== summary ==");
     for (name, ok) in &results {

@@ -1,24 +1,23 @@
 // Element codecs of the optimizer kernels (included by lowbit.cu, after
-// its format constants): decode and encode of one element of each stream
-// kind with amp-core's saturating round-to-nearest-even casts, and the
+// its format constants): decode and encode of each stream kind with
+// amp-core's saturating round-to-nearest-even casts, one element at a time
+// and packed (the vector groups of the step), the amax fold, and the
 // power-of-two scale rule (ScaleRule::PowerOfTwo of amp-core's scale.rs).
+//
+// Decodes are the hardware conversions alone: a NaN code gives some NaN,
+// and every decode is multiplied by its scale_inv at once (`load`,
+// `decode4`, sumsq's `decode_code`), which returns the canonical NaN
+// 0x7FFFFFFF for any NaN operand. So a NaN code needs no select of its own
+// (nor an f16 NaN its payload kept, as F16C does: the product drops it on
+// the GPU, and only NaN payloads may differ from the CPU).
 
-// Branch-free (a select, no branch around the conversion), so loads ahead
-// of a decode are not held back by it.
 __device__ __forceinline__ float decode_e4m3(uint8_t c) {
-    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
-    return (c & 0x7F) == 0x7F ? __uint_as_float(CANONICAL_NAN) : v;
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
 }
 __device__ __forceinline__ float decode_e5m2(uint8_t c) {
-    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
-    return (c & 0x7F) > 0x7C ? __uint_as_float(CANONICAL_NAN) : v;
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
 }
-// half's f16 -> f32 (F16C): a NaN keeps sign and payload, quieted.
-__device__ __forceinline__ float decode_f16(uint16_t h) {
-    const uint32_t nan = ((h & 0x8000u) << 16) | 0x7FC00000u | ((h & 0x3FFu) << 13);
-    const float v = __half2float(__ushort_as_half(h));
-    return (h & 0x7FFF) > 0x7C00 ? __uint_as_float(nan) : v;
-}
+__device__ __forceinline__ float decode_f16(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 
 // Element i of a stream as f32: decode(code) * scale_inv for a scaled
 // stream (one f32 product), the value itself for F32 (the CPU copies it).
@@ -31,26 +30,73 @@ __device__ __forceinline__ float load(const void* p, int kind, float scale_inv, 
     }
 }
 
+// Four codes of a stream (the low bytes of `w`: one FP8 word, or two F16
+// words) as `load` decodes each: two codes a conversion.
+__device__ __forceinline__ void decode4(uint32_t w0, uint32_t w1, int kind, float si, float x[4]) {
+    float2 a, b;
+    if (kind == K_F16) {
+        a = __half22float2(*reinterpret_cast<const __half2*>(&w0));
+        b = __half22float2(*reinterpret_cast<const __half2*>(&w1));
+    } else {
+        const __nv_fp8_interpretation_t f = kind == K_E4M3 ? __NV_E4M3 : __NV_E5M2;
+        const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w0 & 0xFFFFu), f);
+        const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w0 >> 16), f);
+        a = __half22float2(__half2(lo));
+        b = __half22float2(__half2(hi));
+    }
+    x[0] = __fmul_rn(a.x, si);
+    x[1] = __fmul_rn(a.y, si);
+    x[2] = __fmul_rn(b.x, si);
+    x[3] = __fmul_rn(b.y, si);
+}
+
+// Two f32 values as F16 codes (lo in the low half): round to nearest even,
+// finite values past 65504 saturated (clamp-then-round gives the same
+// code: only values that round past 65504 are changed), NaN as the
+// canonical 0x7FFF, so the CPU's clamp and F16 conversion with the
+// codec's NaN rule.
+__device__ __forceinline__ uint32_t f16x2_sat(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// Four f32 values as FP8 codes of `kind` (x[0] in the low byte): the
+// saturating conversion two at a time, then every byte of NaN magnitude
+// (E4M3 0x7F; E5M2 above 0x7C: only NaN inputs give them, satfinite never
+// gives inf) becomes 0x7F, the CPU's NaN code.
+__device__ __forceinline__ uint32_t fp8x4_sat(const float x[4], int kind) {
+    const __nv_fp8_interpretation_t f = kind == K_E4M3 ? __NV_E4M3 : __NV_E5M2;
+    const uint32_t w = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(x[0], x[1]), __NV_SATFINITE, f) |
+                       ((uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(x[2], x[3]), __NV_SATFINITE, f) << 16);
+    const uint32_t add = kind == K_E4M3 ? 0x01010101u : 0x03030303u;
+    const uint32_t ones = (((w & 0x7F7F7F7Fu) + add) & 0x80808080u) >> 7;
+    return (w & ~(ones * 0xFFu)) | (ones * 0x7Fu);
+}
+
 // Element i of an output stream from its f32 value and scale: the scaled
-// saturating casts of amp-core (RNE; FP8 NaN -> 0x7F, F16 NaN -> 0x7FFF).
+// saturating casts of amp-core (RNE; FP8 NaN -> 0x7F, F16 NaN -> 0x7FFF),
+// the same conversions as the packed ones.
 __device__ __forceinline__ void store(void* p, int kind, float scale, size_t i, float x) {
     switch (kind) {
     case K_E4M3:
     case K_E5M2: {
-        const float v = __fmul_rn(x, scale);
-        ((uint8_t*)p)[i] = isnan(v) ? (uint8_t)0x7F
-                                    : (uint8_t)__nv_cvt_float_to_fp8(
-                                          v, __NV_SATFINITE, kind == K_E4M3 ? __NV_E4M3 : __NV_E5M2);
+        const float v[4] = {__fmul_rn(x, scale), 0.0f, 0.0f, 0.0f};
+        ((uint8_t*)p)[i] = (uint8_t)fp8x4_sat(v, kind);
         break;
     }
-    case K_F16: {
-        const float v = __fmul_rn(x, scale);
-        ((uint16_t*)p)[i] =
-            isnan(v) ? (uint16_t)F16_NAN : __half_as_ushort(__float2half_rn(fminf(fmaxf(v, -F16_MAX), F16_MAX)));
-        break;
-    }
+    case K_F16: ((uint16_t*)p)[i] = (uint16_t)f16x2_sat(__fmul_rn(x, scale), 0.0f); break;
     default: ((float*)p)[i] = x;
     }
+}
+
+// The running amax as f32: max(a, |x|), NaN above everything (max.NaN
+// returns the canonical NaN), so its bits are the CPU's integer max of
+// |x|'s bits wherever no NaN payload differs.
+__device__ __forceinline__ float amax_fold(float a, float x) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(fabsf(x)));
+    return r;
 }
 
 __device__ __forceinline__ float kind_max(int kind) {

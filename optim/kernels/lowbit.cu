@@ -58,9 +58,11 @@ struct Adam {
 // (from the gradient and themselves only), then the weight (from itself
 // and the new moments); the same operations as one sequence, so a pass
 // that needs only the moments skips the weight's (its two divisions and
-// square root). Where both run, adam_mv then adam_p.
+// square root). Where both run, adam_mv then adam_p. The CPU multiplies
+// by grad_mul only where it is not 1; here always, one code path: x * 1 is
+// x for every non-NaN x (and a NaN gradient skips the step).
 __device__ __forceinline__ void adam_mv(const Adam& k, float g, float& m, float& v) {
-    if (k.grad_mul != 1.0f) g = __fmul_rn(g, k.grad_mul);
+    g = __fmul_rn(g, k.grad_mul);
     m = __fadd_rn(m, __fmul_rn(k.one_minus_beta1, __fsub_rn(g, m)));
     v = __fadd_rn(__fmul_rn(v, k.beta2), __fmul_rn(__fmul_rn(k.one_minus_beta2, g), g));
 }
@@ -69,7 +71,6 @@ __device__ __forceinline__ void adam_p(const Adam& k, float& p, float m, float v
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2_sqrt), k.eps);
     p = __fadd_rn(p, __fmul_rn(-k.step_size, __fdiv_rn(m, denom)));
 }
-__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
 // ------------------------------------------------------- vector groups --
 // G consecutive elements per thread and group: one 4-, 8- or 16-byte access
@@ -91,29 +92,27 @@ __device__ __forceinline__ uint4 load_raw(const void* p, int kind, size_t gi) {
 
 // The G values of a raw group, as `load` decodes each.
 __device__ __forceinline__ void decode_raw(uint4 r, int kind, float si, float x[G]) {
-    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int j = 0; j < G; j++) {
-        switch (kind) {
-        case K_E4M3: x[j] = __fmul_rn(decode_e4m3((uint8_t)(w[0] >> (8 * j))), si); break;
-        case K_E5M2: x[j] = __fmul_rn(decode_e5m2((uint8_t)(w[0] >> (8 * j))), si); break;
-        case K_F16: x[j] = __fmul_rn(decode_f16((uint16_t)(w[j >> 1] >> (16 * (j & 1)))), si); break;
-        default: x[j] = __uint_as_float(w[j]);
-        }
+    if (kind == K_F32) {
+        x[0] = __uint_as_float(r.x);
+        x[1] = __uint_as_float(r.y);
+        x[2] = __uint_as_float(r.z);
+        x[3] = __uint_as_float(r.w);
+    } else {
+        decode4(r.x, r.y, kind, si, x);
     }
 }
 
 // Group gi of an output stream from G f32 values, as `store` encodes each.
 __device__ __forceinline__ void store_group(void* p, int kind, float scale, size_t gi, const float x[G]) {
-    __align__(16) uint8_t bytes[16];
-#pragma unroll
-    for (int j = 0; j < G; j++) store(bytes, kind, scale, j, x[j]);
-    switch (kind) {
-    case K_E4M3:
-    case K_E5M2: ((uint32_t*)p)[gi] = *(const uint32_t*)bytes; break;
-    case K_F16: ((uint2*)p)[gi] = *(const uint2*)bytes; break;
-    default: ((uint4*)p)[gi] = *(const uint4*)bytes;
+    if (kind == K_F32) {
+        ((float4*)p)[gi] = make_float4(x[0], x[1], x[2], x[3]);
+        return;
     }
+    float v[G];
+#pragma unroll
+    for (int j = 0; j < G; j++) v[j] = __fmul_rn(x[j], scale);
+    if (kind == K_F16) ((uint2*)p)[gi] = make_uint2(f16x2_sat(v[0], v[1]), f16x2_sat(v[2], v[3]));
+    else ((uint32_t*)p)[gi] = fp8x4_sat(v, kind);
 }
 
 // The blocks a tensor's sweep spreads over: the launch's grid, or one
@@ -164,8 +163,8 @@ __device__ __forceinline__ Raw4 load_group(const Streams& s, size_t gi, Need nd)
 // Update one group from its raw inputs; write the outputs `e` selects; fold
 // the amaxes.
 __device__ __forceinline__ void update_group(const Streams& s, const Adam& k, const float si[4], const Raw4& r,
-                                             const Outs& o, const Enc& e, size_t gi, uint32_t& wa, uint32_t& ma,
-                                             uint32_t& va) {
+                                             const Outs& o, const Enc& e, size_t gi, float& wa, float& ma,
+                                             float& va) {
     float p[G], g[G], m[G], v[G];
     decode_raw(r.w, s.wk, si[0], p);
     decode_raw(r.g, s.gk, si[1], g);
@@ -176,9 +175,9 @@ __device__ __forceinline__ void update_group(const Streams& s, const Adam& k, co
     for (int j = 0; j < G; j++) {
         adam_mv(k, g[j], m[j], v[j]);
         if (nd.w) adam_p(k, p[j], m[j], v[j]);
-        wa = max(wa, abs_bits(p[j]));
-        ma = max(ma, abs_bits(m[j]));
-        va = max(va, abs_bits(v[j]));
+        wa = amax_fold(wa, p[j]);
+        ma = amax_fold(ma, m[j]);
+        va = amax_fold(va, v[j]);
     }
     if (e.ww) store_group(o.w, s.wk, e.w, gi, p);
     if (e.wm) store_group(o.m, s.mk, e.m, gi, m);
@@ -189,7 +188,7 @@ __device__ __forceinline__ void update_group(const Streams& s, const Adam& k, co
 // Element i alone (the tail, and every element when a stream is not
 // aligned for the group accesses).
 __device__ __forceinline__ void update_one(const Streams& s, const Adam& k, const float si[4], const Outs& o,
-                                           const Enc& e, size_t i, uint32_t& wa, uint32_t& ma, uint32_t& va) {
+                                           const Enc& e, size_t i, float& wa, float& ma, float& va) {
     const Need nd = needs(e);
     float p = nd.w ? load(s.w, s.wk, si[0], i) : 0.0f;
     const float g = load(s.g, s.gk, si[1], i);
@@ -197,9 +196,9 @@ __device__ __forceinline__ void update_one(const Streams& s, const Adam& k, cons
     float v = nd.v ? load(s.v, s.vk, si[3], i) : 0.0f;
     adam_mv(k, g, m, v);
     if (nd.w) adam_p(k, p, m, v);
-    wa = max(wa, abs_bits(p));
-    ma = max(ma, abs_bits(m));
-    va = max(va, abs_bits(v));
+    wa = amax_fold(wa, p);
+    ma = amax_fold(ma, m);
+    va = amax_fold(va, v);
     if (e.ww) store(o.w, s.wk, e.w, i, p);
     if (e.wm) store(o.m, s.mk, e.m, i, m);
     if (e.wv) store(o.v, s.vk, e.v, i, v);
@@ -210,7 +209,7 @@ __device__ __forceinline__ void update_one(const Streams& s, const Adam& k, cons
 // 16-byte aligned.
 template <int F>
 __device__ __forceinline__ void sweep(const Streams& s, const Adam& k, size_t n, int vec, const Outs& o,
-                                      const Enc& e, uint32_t& wa, uint32_t& ma, uint32_t& va, Grid gr) {
+                                      const Enc& e, float& wa, float& ma, float& va, Grid gr) {
     const float si[4] = {*s.w_si, *s.g_si, *s.m_si, *s.v_si};
     const size_t tid = gr.block * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gr.blocks * blockDim.x;
@@ -266,8 +265,10 @@ __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* co
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(s.vk, *s.v_si),
                    o.copy ? prev_scale(K_E4M3, *copy_si) : 1.0f, true, true, true, o.copy != nullptr};
-    uint32_t wa = 0, ma = 0, va = 0;
-    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, wa, ma, va, gr);
+    float fw = 0.0f, fm = 0.0f, fv = 0.0f;
+    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, fw, fm, fv, gr);
+    // non-negative f32 or the canonical NaN: their bits order as they do
+    uint32_t wa = __float_as_uint(fw), ma = __float_as_uint(fm), va = __float_as_uint(fv);
     for (int off = 16; off > 0; off >>= 1) {
         wa = max(wa, __shfl_xor_sync(0xFFFFFFFFu, wa, off));
         ma = max(ma, __shfl_xor_sync(0xFFFFFFFFu, ma, off));
@@ -317,7 +318,7 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
     const Enc e = {ws, ms, vs, cs, ws != prev_scale(s.wk, wsi), ms != prev_scale(s.mk, msi),
                    vs != prev_scale(s.vk, vsi), o.copy != nullptr && cs != prev_scale(K_E4M3, *copy_si)};
     if (!(e.ww || e.wm || e.wv || e.wc)) return;
-    uint32_t a = 0, b = 0, c = 0;
+    float a = 0.0f, b = 0.0f, c = 0.0f;
     sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c, gr);
 }
 
@@ -373,3 +374,28 @@ LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
 #include "sumsq.cuh"
 #include "clip.cuh"
 #include "multi.cuh"
+
+// The step's codecs over a stream (`Codec` of optim/src/codec.rs, for the
+// checks): x * scale to codes of `kind`, or codes * scale_inv to f32, in
+// the step's vector groups (`vec`: both streams 16-byte aligned), the tail
+// and unaligned streams one element at a time.
+extern "C" __global__ void codec_encode(const float* x, size_t n, int kind, float scale, int vec, void* out) {
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
+    const size_t groups = vec ? n / G : 0;
+    for (size_t gi = tid; gi < groups; gi += stride) {
+        const float4 v = ((const float4*)x)[gi];
+        const float xs[G] = {v.x, v.y, v.z, v.w};
+        store_group(out, kind, scale, gi, xs);
+    }
+    for (size_t i = groups * G + tid; i < n; i += stride) store(out, kind, scale, i, x[i]);
+}
+extern "C" __global__ void codec_decode(const void* codes, size_t n, int kind, float scale_inv, int vec, float* out) {
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
+    const size_t groups = vec ? n / G : 0;
+    for (size_t gi = tid; gi < groups; gi += stride) {
+        float x[G];
+        decode_raw(load_raw(codes, kind, gi), kind, scale_inv, x);
+        ((float4*)out)[gi] = make_float4(x[0], x[1], x[2], x[3]);
+    }
+    for (size_t i = groups * G + tid; i < n; i += stride) out[i] = load(codes, kind, scale_inv, i);
+}

@@ -56,7 +56,7 @@ pub(crate) struct LowBitStep<'a> {
 pub(crate) const META_LEN: usize = 16;
 
 /// Decodes `src[range]` of a stream into `dst`.
-fn decode(
+pub(crate) fn decode(
     op: &'static str,
     q: Q,
     s: &CpuStorage,
@@ -95,7 +95,16 @@ fn encode(q: Q, values: &[f32], amax: f32, prev_scale: f32) -> (CpuStorage, [f32
         return (CpuStorage::F32(values.to_vec()), [1.0, 1.0, amax]);
     };
     let scale = ScaleRule::PowerOfTwo.compute(amax, prev_scale, qtype.max(), 0);
-    let data = match qtype.fp8() {
+    (
+        encode_with(qtype, values, scale),
+        [scale, 1.0 / scale, amax],
+    )
+}
+
+/// The codes of `values * scale` in `qtype`: amp-core's saturating RNE
+/// casts (an F16 NaN keeps its payload here; the CUDA body writes 0x7FFF).
+pub(crate) fn encode_with(qtype: QType, values: &[f32], scale: f32) -> CpuStorage {
+    match qtype.fp8() {
         Some(f) => {
             let mut codes = vec![0u8; values.len()];
             // Lengths match by construction.
@@ -115,8 +124,7 @@ fn encode(q: Q, values: &[f32], amax: f32, prev_scale: f32) -> (CpuStorage, [f32
             }
             CpuStorage::F16(out)
         }
-    };
-    (data, [scale, 1.0 / scale, amax])
+    }
 }
 
 impl Kernel for LowBitStep<'_> {

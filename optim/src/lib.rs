@@ -41,8 +41,11 @@
 
 mod adamw;
 mod clip;
+mod codec;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_codec;
 #[cfg(feature = "cuda")]
 mod cuda_multi;
 #[cfg(feature = "cuda")]
@@ -59,6 +62,7 @@ mod step;
 mod update;
 
 pub use adamw::{AdamStep, AdamW, AdamWConfig};
+pub use codec::{step_decode, step_encode};
 pub use error::{Error, Result};
 pub use grad::{Grad, Grads};
 pub use loss_scaler::{LossScaler, LossScaling};
