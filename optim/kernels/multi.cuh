@@ -17,7 +17,10 @@ struct OneDesc {
     uint32_t* amax;
 };
 
-extern "C" __global__ void __launch_bounds__(256, 4) lowbit_multi(const OneDesc* d, const float* gmul) {
+// A block a tensor, a few hundred blocks: occupancy does not matter, so
+// the registers are not capped at 4 blocks an SM's 64 (the runtime-kind
+// step spilled 120 bytes a thread under it).
+extern "C" __global__ void __launch_bounds__(256, 2) lowbit_multi(const OneDesc* d, const float* gmul) {
     const OneDesc& t = d[blockIdx.x];
     Adam k = t.k;
     k.grad_mul = *gmul;

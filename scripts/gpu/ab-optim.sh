@@ -6,7 +6,8 @@
 #      step codecs over all 2^32 f32 inputs), unless NO_CHECK=1;
 #   2. the optimizer bench, old and new alternating, REPS (3) times each;
 #   3. with NCU=1, each bench under ncu (time and instructions of every
-#      optimizer kernel, per step: the bench times 13 steps);
+#      optimizer kernel, per step: the steps are counted by their
+#      lowbit_step launches);
 #   4. GPT_PAIRS (2) pairs of GPT 350M O2 runs (BF16 activations), old then
 #      new, their JSON lines in $OUT/gpt.jsonl (validation must match).
 set -uo pipefail
@@ -31,14 +32,16 @@ if [ -n "${NCU:-}" ]; then
     ncu --clock-control none --csv -k 'regex:lowbit|sumsq|clip|gather' \
       --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__bytes_read.sum,dram__bytes_write.sum \
       "/tmp/$b" --optim-only --bench-only > "$OUT/ncu_$b.csv" 2>&1
-    echo "== ncu $b"; python3 "$C/ncu_summary.py" "$OUT/ncu_$b.csv" 13 | head -12
-    python3 - "$OUT/ncu_$b.csv" <<'PY'
+    steps=$(grep -c 'lowbit_step.*gpu__time_duration' "$OUT/ncu_$b.csv")
+    echo "== ncu $b ($steps steps)"; python3 "$C/ncu_summary.py" "$OUT/ncu_$b.csv" "$steps" | head -12
+    python3 - "$OUT/ncu_$b.csv" "$steps" <<'PY'
 import csv, sys, collections
 rows = [l for l in open(sys.argv[1]) if l.startswith('"')]
+steps = float(sys.argv[2])
 s = collections.defaultdict(float)
 for r in csv.DictReader(rows):
     if r["Metric Name"] != "gpu__time_duration.sum":
-        s[(r["Kernel Name"][:24], r["Metric Name"])] += float(r["Metric Value"].replace(",", "")) / 13
+        s[(r["Kernel Name"][:24], r["Metric Name"])] += float(r["Metric Value"].replace(",", "")) / steps
 for (k, m), v in sorted(s.items()):
     print(f"  {k:24} {m:28} {v:,.0f}")
 PY
