@@ -69,9 +69,23 @@ impl Handoff {
         ))
     }
 
-    /// The one-element gradient a consumer returns for the token.
+    /// The one-element gradient a consumer returns for the token: the
+    /// token itself, detached (its one F32 zero, never written; the
+    /// producer's backward does not read the value, only candle's walk
+    /// needs a gradient to reach it). No fill launch, where a fresh zero
+    /// took one per handoff and step.
     pub(crate) fn token_grad(token: &Tensor) -> Result<Tensor> {
-        Ok(Tensor::zeros(1, DType::F32, token.device())?)
+        if token.dtype() != DType::F32 || token.elem_count() != 1 {
+            return Err(Error::Unsupported {
+                op: "Handoff",
+                what: format!(
+                    "a token of one F32 element, not {:?} {:?}",
+                    token.dtype(),
+                    token.shape()
+                ),
+            });
+        }
+        Ok(token.detach())
     }
 }
 
