@@ -12,7 +12,8 @@
 //! forward and backward against the CPU, and a training-step slice captured
 //! into a CUDA graph (where any device-to-host copy fails the capture), and
 //! the fused low-bit AdamW step and gradient sum of squares against the CPU
-//! (`--optim-only` for just those).
+//! (`--optim-only` for just those), and the step's own codecs over all 2^32
+//! f32 inputs and every code (`--optim-only --codecs` for those too).
 
 mod attention;
 mod bench;
