@@ -30,8 +30,8 @@ __device__ __forceinline__ float load(const void* p, int kind, float scale_inv, 
     }
 }
 
-// Four codes of a stream (the low bytes of `w`: one FP8 word, or two F16
-// words) as `load` decodes each: two codes a conversion.
+// Four codes of a stream as `load` decodes each, two codes a conversion:
+// FP8 from the bytes of w0 (w1 unused), F16 from the halves of w0 and w1.
 __device__ __forceinline__ void decode4(uint32_t w0, uint32_t w1, int kind, float si, float x[4]) {
     float2 a, b;
     if (kind == K_F16) {

@@ -1,5 +1,6 @@
 //! CUDA body of [`Codec`]: `codec_encode` / `codec_decode` of
-//! `kernels/lowbit.cu`, the step kernels' own packed codecs over a stream.
+//! `kernels/codec_ops.cuh` (in lowbit.cu's module), the step kernels' own
+//! packed codecs over a stream.
 
 use crate::codec::Codec;
 use crate::cuda::{address, func, kind, Buf, Outputs, THREADS};
