@@ -115,6 +115,34 @@ __device__ __forceinline__ void store_group(void* p, int kind, float scale, size
     else ((uint32_t*)p)[gi] = fp8x4_sat(v, kind);
 }
 
+// Wide groups, 8 elements, for kernels whose streams are all 1- or 2-byte
+// codes (the kinds fixed at compile time): one 8- or 16-byte access a
+// stream, twice the bytes of one load or store instruction (and its
+// address) of the 4-element groups.
+__device__ __forceinline__ uint4 load_raw8(const void* p, int kind, size_t gi) {
+    if (kind == K_F16) return ((const uint4*)p)[gi];
+    const uint2 w = ((const uint2*)p)[gi];
+    return make_uint4(w.x, w.y, 0, 0);
+}
+__device__ __forceinline__ void decode_raw8(uint4 r, int kind, float si, float x[8]) {
+    if (kind == K_F16) {
+        decode4(r.x, r.y, kind, si, x);
+        decode4(r.z, r.w, kind, si, x + 4);
+    } else {
+        decode4(r.x, 0, kind, si, x);
+        decode4(r.y, 0, kind, si, x + 4);
+    }
+}
+__device__ __forceinline__ void store_group8(void* p, int kind, float scale, size_t gi, const float x[8]) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = __fmul_rn(x[j], scale);
+    if (kind == K_F16)
+        ((uint4*)p)[gi] = make_uint4(f16x2_sat(v[0], v[1]), f16x2_sat(v[2], v[3]), f16x2_sat(v[4], v[5]),
+                                     f16x2_sat(v[6], v[7]));
+    else ((uint2*)p)[gi] = make_uint2(fp8x4_sat(v, kind), fp8x4_sat(v + 4, kind));
+}
+
 // The blocks a tensor's sweep spreads over: the launch's grid, or one
 // block of a launch over many tensors (`lowbit_multi`, a tensor a block).
 struct Grid { size_t block, blocks; };
@@ -154,35 +182,52 @@ __device__ __forceinline__ Need needs(const Enc& e) {
     return {w, w || e.wm, w || e.wv};
 }
 
+template <int GS>
+__device__ __forceinline__ uint4 load_any(const void* p, int kind, size_t gi) {
+    if constexpr (GS == 8) return load_raw8(p, kind, gi);
+    else return load_raw(p, kind, gi);
+}
+template <int GS>
 __device__ __forceinline__ Raw4 load_group(const Streams& s, size_t gi, Need nd) {
     const uint4 z = make_uint4(0, 0, 0, 0);
-    return {nd.w ? load_raw(s.w, s.wk, gi) : z, load_raw(s.g, s.gk, gi), nd.m ? load_raw(s.m, s.mk, gi) : z,
-            nd.v ? load_raw(s.v, s.vk, gi) : z};
+    return {nd.w ? load_any<GS>(s.w, s.wk, gi) : z, load_any<GS>(s.g, s.gk, gi),
+            nd.m ? load_any<GS>(s.m, s.mk, gi) : z, nd.v ? load_any<GS>(s.v, s.vk, gi) : z};
 }
 
 // Update one group from its raw inputs; write the outputs `e` selects; fold
 // the amaxes.
+template <int GS>
+__device__ __forceinline__ void decode_any(uint4 r, int kind, float si, float x[GS]) {
+    if constexpr (GS == 8) decode_raw8(r, kind, si, x);
+    else decode_raw(r, kind, si, x);
+}
+template <int GS>
+__device__ __forceinline__ void store_any(void* p, int kind, float scale, size_t gi, const float x[GS]) {
+    if constexpr (GS == 8) store_group8(p, kind, scale, gi, x);
+    else store_group(p, kind, scale, gi, x);
+}
+template <int GS>
 __device__ __forceinline__ void update_group(const Streams& s, const Adam& k, const float si[4], const Raw4& r,
                                              const Outs& o, const Enc& e, size_t gi, float& wa, float& ma,
                                              float& va) {
-    float p[G], g[G], m[G], v[G];
-    decode_raw(r.w, s.wk, si[0], p);
-    decode_raw(r.g, s.gk, si[1], g);
-    decode_raw(r.m, s.mk, si[2], m);
-    decode_raw(r.v, s.vk, si[3], v);
+    float p[GS], g[GS], m[GS], v[GS];
+    decode_any<GS>(r.w, s.wk, si[0], p);
+    decode_any<GS>(r.g, s.gk, si[1], g);
+    decode_any<GS>(r.m, s.mk, si[2], m);
+    decode_any<GS>(r.v, s.vk, si[3], v);
     const Need nd = needs(e);
 #pragma unroll
-    for (int j = 0; j < G; j++) {
+    for (int j = 0; j < GS; j++) {
         adam_mv(k, g[j], m[j], v[j]);
         if (nd.w) adam_p(k, p[j], m[j], v[j]);
         wa = amax_fold(wa, p[j]);
         ma = amax_fold(ma, m[j]);
         va = amax_fold(va, v[j]);
     }
-    if (e.ww) store_group(o.w, s.wk, e.w, gi, p);
-    if (e.wm) store_group(o.m, s.mk, e.m, gi, m);
-    if (e.wv) store_group(o.v, s.vk, e.v, gi, v);
-    if (e.wc) store_group(o.copy, K_E4M3, e.copy, gi, p);
+    if (e.ww) store_any<GS>(o.w, s.wk, e.w, gi, p);
+    if (e.wm) store_any<GS>(o.m, s.mk, e.m, gi, m);
+    if (e.wv) store_any<GS>(o.v, s.vk, e.v, gi, v);
+    if (e.wc) store_any<GS>(o.copy, K_E4M3, e.copy, gi, p);
 }
 
 // Element i alone (the tail, and every element when a stream is not
@@ -205,26 +250,26 @@ __device__ __forceinline__ void update_one(const Streams& s, const Adam& k, cons
     if (e.wc) store(o.copy, K_E4M3, e.copy, i, p);
 }
 
-// Every element once, F groups in flight per thread. `vec`: every stream
-// 16-byte aligned.
-template <int F>
+// Every element once, F groups of GS elements in flight per thread. `vec`:
+// every stream 16-byte aligned.
+template <int F, int GS>
 __device__ __forceinline__ void sweep(const Streams& s, const Adam& k, size_t n, int vec, const Outs& o,
                                       const Enc& e, float& wa, float& ma, float& va, Grid gr) {
     const float si[4] = {*s.w_si, *s.g_si, *s.m_si, *s.v_si};
     const size_t tid = gr.block * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gr.blocks * blockDim.x;
     const Need nd = needs(e);
-    const size_t groups = vec ? n / G : 0;
+    const size_t groups = vec ? n / GS : 0;
     size_t gi = tid;
     for (; gi + (F - 1) * stride < groups; gi += F * stride) {
         Raw4 r[F];
 #pragma unroll
-        for (int f = 0; f < F; f++) r[f] = load_group(s, gi + f * stride, nd);
+        for (int f = 0; f < F; f++) r[f] = load_group<GS>(s, gi + f * stride, nd);
 #pragma unroll
-        for (int f = 0; f < F; f++) update_group(s, k, si, r[f], o, e, gi + f * stride, wa, ma, va);
+        for (int f = 0; f < F; f++) update_group<GS>(s, k, si, r[f], o, e, gi + f * stride, wa, ma, va);
     }
-    for (; gi < groups; gi += stride) update_group(s, k, si, load_group(s, gi, nd), o, e, gi, wa, ma, va);
-    for (size_t i = groups * G + tid; i < n; i += stride) update_one(s, k, si, o, e, i, wa, ma, va);
+    for (; gi < groups; gi += stride) update_group<GS>(s, k, si, load_group<GS>(s, gi, nd), o, e, gi, wa, ma, va);
+    for (size_t i = groups * GS + tid; i < n; i += stride) update_one(s, k, si, o, e, i, wa, ma, va);
 }
 
 // The stream kinds fixed at compile time (-1: the runtime kind), so the
@@ -256,7 +301,13 @@ __device__ __forceinline__ float out_scale(int kind, float amax, float prev_si) 
 // step (only its expected scale; without a copy it is never read).
 // Two groups in flight where the kinds are fixed; one for the runtime-kind
 // kernel (whose raw groups are 16 bytes a stream: two would spill).
-#define INFLIGHT(WK, GK, MK, VK) ((WK) >= 0 && (GK) >= 0 && (MK) >= 0 && (VK) >= 0 ? 2 : 1)
+// Kernels whose kinds are fixed and none F32 take 8-element groups, one in
+// flight (the same bytes as two groups of 4).
+#define WIDE(WK, GK, MK, VK)                                                                               \
+    ((WK) >= 0 && (GK) >= 0 && (MK) >= 0 && (VK) >= 0 && (WK) != K_F32 && (GK) != K_F32 && (MK) != K_F32 && \
+     (VK) != K_F32)
+#define INFLIGHT(WK, GK, MK, VK) (WIDE(WK, GK, MK, VK) ? 1 : (WK) >= 0 && (GK) >= 0 && (MK) >= 0 && (VK) >= 0 ? 2 : 1)
+#define GROUP(WK, GK, MK, VK) (WIDE(WK, GK, MK, VK) ? 8 : G)
 
 template <int WK, int GK, int MK, int VK>
 __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* copy_si, Outs o, uint32_t* amax,
@@ -266,7 +317,7 @@ __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* co
     const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(s.vk, *s.v_si),
                    o.copy ? prev_scale(K_E4M3, *copy_si) : 1.0f, true, true, true, o.copy != nullptr};
     float fw = 0.0f, fm = 0.0f, fv = 0.0f;
-    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, fw, fm, fv, gr);
+    sweep<INFLIGHT(WK, GK, MK, VK), GROUP(WK, GK, MK, VK)>(s, k, n, vec, o, e, fw, fm, fv, gr);
     // non-negative f32 or the canonical NaN: their bits order as they do
     uint32_t wa = __float_as_uint(fw), ma = __float_as_uint(fm), va = __float_as_uint(fv);
     for (int off = 16; off > 0; off >>= 1) {
@@ -319,7 +370,7 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
                    vs != prev_scale(s.vk, vsi), o.copy != nullptr && cs != prev_scale(K_E4M3, *copy_si)};
     if (!(e.ww || e.wm || e.wv || e.wc)) return;
     float a = 0.0f, b = 0.0f, c = 0.0f;
-    sweep<INFLIGHT(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c, gr);
+    sweep<INFLIGHT(WK, GK, MK, VK), GROUP(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c, gr);
 }
 
 // Both passes in one launch of one block, for a small tensor: the block's
