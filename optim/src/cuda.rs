@@ -26,10 +26,11 @@
 //!
 //! Every stream is accessed four elements a thread at a time (4-, 8- or
 //! 16-byte words, consecutive threads on consecutive words) when all are
-//! 16-byte aligned; the kinds of the combinations the levels use are
-//! compile-time constants of their own kernels (`lowbit_*_2002` is FP16
-//! weight, E4M3 gradient, E4M3 m, FP16 v), with a runtime-kind kernel for
-//! the rest.
+//! 16-byte aligned, eight at a time (8- and 16-byte words) in the kernels
+//! whose streams are all 1- or 2-byte codes; the kinds of the combinations
+//! the levels use are compile-time constants of their own kernels
+//! (`lowbit_*_2002` is FP16 weight, E4M3 gradient, E4M3 m, FP16 v), with a
+//! runtime-kind kernel for the rest.
 //!
 //! # Bit-identity with the CPU body
 //! Every decode is one f32 product of the decoded code and scale_inv, the
