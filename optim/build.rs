@@ -22,6 +22,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/codec.cuh");
     println!("cargo:rerun-if-changed=kernels/multi.cuh");
     println!("cargo:rerun-if-changed=kernels/codec_ops.cuh");
+    println!("cargo:rerun-if-changed=kernels/groups.cuh");
     for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }

@@ -45,6 +45,8 @@ mod codec;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+mod cuda_buf;
+#[cfg(feature = "cuda")]
 mod cuda_codec;
 #[cfg(feature = "cuda")]
 mod cuda_multi;
