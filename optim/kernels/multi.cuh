@@ -40,5 +40,5 @@ struct SumDesc {
 
 extern "C" __global__ void __launch_bounds__(32) sumsq_multi_3(const SumDesc* d) {
     const SumDesc& t = d[blockIdx.x];
-    sumsq_partials_impl<K_F32>(t.g, t.si, t.n, t.vec, t.out, Grid{0, 1});
+    sumsq_partials_impl<K_F32>(t.g, t.si, t.n, t.vec, t.out, nullptr, Grid{0, 1});
 }

@@ -6,7 +6,7 @@
 // The CPU body: blocks of 2048 elements; in each, 8 f32 lanes (lane j sums
 // x*x of elements j, j+8, ... in order), the lanes summed in f64 in order;
 // groups of 256 blocks' sums added in f64 in order (from 0), and the group
-// sums added in order (from 0). Three launches:
+// sums added in order (from 0). Two launches:
 //   sumsq_partials: a warp (one CUDA block of 32 threads) per 4 element
 //                   blocks: their codes come in as 16-byte words (coalesced,
 //                   a batch of SUMSQ_BATCH words per thread in flight),
@@ -22,8 +22,9 @@
 //                   block, which adds its partials as sumsq_groups would
 //                   and writes the total.
 //   sumsq_groups:   a CUDA block per group: its 256 partials into shared
-//                   memory, thread 0 adds them in order.
-//   sumsq_total:    one CUDA block: the group sums, in order.
+//                   memory, thread 0 adds them in order; the last block to
+//                   finish adds the group sums in order (a third launch
+//                   did, sumsq_total).
 // Elements past n decode as 0: x*x = +0 leaves a lane's sum as it is.
 #define SUMSQ_BLOCK 2048
 #define SUMSQ_GROUP 256
@@ -50,7 +51,11 @@ __device__ __forceinline__ float decode_code(typename Code<KIND>::T c, float si)
 // starts at bank 8c and the 4 rows' 8 lanes fall on distinct banks for
 // every code width.
 template <int KIND>
-__device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials, Grid gr) {
+__device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, int vec, double* partials,
+                                    uint32_t* counter, Grid gr) {
+    // sumsq_groups' counter of finished groups starts at zero (the next
+    // launch in the stream sees every write of this one)
+    if (counter != nullptr && gr.block == 0 && threadIdx.x == 0) *counter = 0u;
     using T = typename Code<KIND>::T;
     constexpr int EPW = Word<KIND>::N;
     constexpr int WORDS = SUMSQ_CHUNKS * SUMSQ_BLOCK / EPW;  // words of this CUDA block
@@ -122,8 +127,9 @@ __device__ void sumsq_partials_impl(const void* g, const float* si_p, size_t n, 
 // One kernel per kind: each holds only its kind's registers.
 #define SUMSQ_PARTIALS(NAME, KIND)                                                                     \
     extern "C" __global__ void __launch_bounds__(32)                                                   \
-        sumsq_partials_##NAME(const void* g, const float* si, size_t n, int vec, double* partials) {   \
-        sumsq_partials_impl<KIND>(g, si, n, vec, partials, grid_of_launch());                                      \
+        sumsq_partials_##NAME(const void* g, const float* si, size_t n, int vec, double* partials,     \
+                              uint32_t* counter) {                                                     \
+        sumsq_partials_impl<KIND>(g, si, n, vec, partials, counter, grid_of_launch());                 \
     }
 SUMSQ_PARTIALS(0, K_E4M3)
 SUMSQ_PARTIALS(1, K_E5M2)
@@ -131,8 +137,16 @@ SUMSQ_PARTIALS(2, K_F16)
 SUMSQ_PARTIALS(3, K_F32)
 
 // groups[b] = partials[256 b] + ... in order (from 0). A block per group.
-extern "C" __global__ void sumsq_groups(const double* partials, size_t count, double* groups) {
+// With more than one group, the last block to finish (`counter`, zeroed by
+// sumsq_partials) adds the groups' sums in order (from 0) into `total`, as
+// a launch of its own did (sumsq_total): each block's thread 0 fences its
+// sum before it counts, the last block fences again and reads the sums
+// through L2 (__ldcg: no stale L1 line), 256 at a time into shared memory,
+// and thread 0 adds them.
+extern "C" __global__ void sumsq_groups(const double* partials, size_t count, double* groups, double* total,
+                                        uint32_t* counter) {
     __shared__ double tile[SUMSQ_GROUP];
+    __shared__ bool last;
     const size_t at = (size_t)blockIdx.x * SUMSQ_GROUP;
     const size_t len = min((size_t)SUMSQ_GROUP, count - at);
     if (threadIdx.x < len) tile[threadIdx.x] = partials[at + threadIdx.x];
@@ -141,22 +155,25 @@ extern "C" __global__ void sumsq_groups(const double* partials, size_t count, do
         double s = 0.0;
         for (size_t j = 0; j < len; j++) s = __dadd_rn(s, tile[j]);
         groups[blockIdx.x] = s;
+        if (gridDim.x > 1) {
+            __threadfence();
+            last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        }
     }
-}
-
-// out[0] = groups[0] + groups[1] + ... in order (from 0). One block.
-extern "C" __global__ void sumsq_total(const double* groups, size_t count, double* out) {
-    __shared__ double tile[256];
-    double total = 0.0;
-    for (size_t at = 0; at < count; at += 256) {
-        const size_t i = at + threadIdx.x;
-        tile[threadIdx.x] = i < count ? groups[i] : 0.0;
+    if (gridDim.x == 1) return;  // `groups` is the total itself
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    double t = 0.0;
+    for (size_t g0 = 0; g0 < gridDim.x; g0 += SUMSQ_GROUP) {
+        const size_t i = g0 + threadIdx.x;
+        tile[threadIdx.x] = i < gridDim.x ? __ldcg(&groups[i]) : 0.0;
         __syncthreads();
         if (threadIdx.x == 0) {
-            const size_t len = min((size_t)256, count - at);
-            for (size_t j = 0; j < len; j++) total = __dadd_rn(total, tile[j]);
+            const size_t n = min((size_t)SUMSQ_GROUP, (size_t)gridDim.x - g0);
+            for (size_t j = 0; j < n; j++) t = __dadd_rn(t, tile[j]);
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) *out = total;
+    if (threadIdx.x == 0) *total = t;
 }

@@ -1,8 +1,9 @@
 //! CUDA body of the gradient sum of squares ([`SumSq`]), from
 //! `kernels/lowbit.cu`: per 2048-element block 8 f32 lanes, the lanes in
 //! f64 in order, groups of 256 blocks in order, the groups in order (the
-//! CPU body's order, so the same bits); three launches (one or two for a
-//! tensor of one element block or one group), no host read.
+//! CPU body's order, so the same bits); two launches (the groups' sums
+//! added by the last group's block; one launch for a tensor of one CUDA
+//! block of element blocks), no host read.
 
 use crate::cuda::{address, bad, func, kind, scalar_address, Outputs, THREADS};
 use crate::fused::SumSq;
@@ -53,8 +54,8 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
     // One element block: its partial is the group's sum and the total
     // (several in one CUDA block: that block adds them); one group: its sum
     // is the total (0.0 + s is s for the s here, sums of
-    // squares: +0 or more, or NaN). So a small tensor takes one or two
-    // launches, not three, with the same bits.
+    // squares: +0 or more, or NaN). So a small tensor takes one launch,
+    // not two, with the same bits.
     // SAFETY (both): sumsq_partials writes one partial per element block
     // (the lane-0 thread of each), sumsq_groups one sum per group; neither
     // is read before it is written.
@@ -67,6 +68,11 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
     let mut group_sums = (groups > 1)
         .then(|| unsafe { dev.alloc::<f64>(groups) })
         .transpose()?;
+    // SAFETY: zeroed by sumsq_partials before sumsq_groups counts in it.
+    let mut counter = (groups > 1)
+        .then(|| unsafe { dev.alloc::<u32>(1) })
+        .transpose()?;
+    let null = 0u64;
     if chunks > 0 {
         let f = func(&dev, &format!("sumsq_partials_{kd}"))?;
         let mut b = stream.launch_builder(&f);
@@ -75,6 +81,10 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
         match partials.as_mut() {
             Some(p) => b.arg(p),
             None => b.arg(&mut total),
+        };
+        match counter.as_mut() {
+            Some(c) => b.arg(c),
+            None => b.arg(&null),
         };
         // SAFETY: gp addresses n elements of kind kd (16-byte words only
         // where it is 16-byte aligned, and only words wholly before n);
@@ -87,19 +97,15 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
         let f = func(&dev, "sumsq_groups")?;
         let mut b = stream.launch_builder(&f);
         b.arg(partials).arg(&chunks);
-        match group_sums.as_mut() {
-            Some(g) => b.arg(g),
-            None => b.arg(&mut total),
+        match (group_sums.as_mut(), counter.as_mut()) {
+            // the last block to finish adds the groups' sums into total
+            (Some(g), Some(c)) => b.arg(g).arg(&mut total).arg(c),
+            // one group: its sum is the total
+            _ => b.arg(&mut total).arg(&null).arg(&null),
         };
-        // SAFETY: partials holds `chunks` f64, the output one per group.
+        // SAFETY: partials holds `chunks` f64, group_sums one per group,
+        // total one, counter one u32 zeroed by the launch before.
         unsafe { b.launch(blocks(groups)) }.w()?;
-    }
-    if let Some(group_sums) = &group_sums {
-        let f = func(&dev, "sumsq_total")?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(group_sums).arg(&groups).arg(&mut total);
-        // SAFETY: group_sums holds `groups` f64, total one.
-        unsafe { b.launch(blocks(1)) }.w()?;
     }
     Ok(vec![(
         CudaStorage::wrap_cuda_slice(total, dev),
