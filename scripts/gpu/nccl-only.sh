@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # nccl-only.sh: nccl_check on 2 GPUs (torchrun, then a shell loop), no bench; carry .carry/nccl.
 set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=.carry/nccl; export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source $C/device-env.sh; gzip -dc $C/nccl_check.gz > /tmp/nccl_check; chmod +x /tmp/nccl_check
 TORCHRUN=$(command -v torchrun || echo "python3 -m torch.distributed.run")
