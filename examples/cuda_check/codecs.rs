@@ -7,7 +7,7 @@
 //! payload it keeps, CUDA must give its documented one (0x7FFF,
 //! 0x7FFFFFFF).
 
-use crate::util::bits;
+use crate::util::{bits, on_threads};
 use amp::optim::{step_decode, step_encode};
 use amp::QType;
 use anyhow::Result;
@@ -58,32 +58,14 @@ fn count_bad(
 
 /// The CPU encode of `xs` in `threads` parts, as bits.
 fn cpu_encode(xs: &[f32], q: QType, threads: usize) -> Result<Vec<u64>> {
-    let part = xs.len().div_ceil(threads);
-    let parts: Vec<Result<Vec<u64>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = xs
-            .chunks(part)
-            .map(|c| {
-                s.spawn(move || -> Result<Vec<u64>> {
-                    bits(&step_encode(
-                        &Tensor::from_slice(c, c.len(), &Device::Cpu)?,
-                        q,
-                        1.0,
-                    )?)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("CPU thread panicked")))
-            })
-            .collect()
-    });
-    let mut out = Vec::with_capacity(xs.len());
-    for p in parts {
-        out.extend(p?);
-    }
-    Ok(out)
+    let parts = on_threads(xs, threads, |c| {
+        bits(&step_encode(
+            &Tensor::from_slice(c, c.len(), &Device::Cpu)?,
+            q,
+            1.0,
+        )?)
+    })?;
+    Ok(parts.concat())
 }
 
 pub fn check(dev: &Device, chunk_log2: u32) -> Result<bool> {
@@ -97,6 +79,9 @@ pub fn check(dev: &Device, chunk_log2: u32) -> Result<bool> {
     for q in QTYPES {
         let t0 = Instant::now();
         let nan = if q == QType::F16 { 0x7FFF } else { 0x7F };
+        let differ = |what: String, g: &[u64], cpu: &[u64], base: u64| {
+            count_bad(&what, g, cpu, |v| nan_code(q, v), nan, base)
+        };
         let mut bad = 0;
         let mut xs = vec![0f32; chunk];
         for c in 0..(1usize << 32) / chunk {
@@ -106,14 +91,7 @@ pub fn check(dev: &Device, chunk_log2: u32) -> Result<bool> {
             }
             let g = bits(&step_encode(&Tensor::from_slice(&xs, chunk, dev)?, q, 1.0)?)?;
             let cpu = cpu_encode(&xs, q, threads)?;
-            bad += count_bad(
-                &format!("encode {q}"),
-                &g,
-                &cpu,
-                |v| nan_code(q, v),
-                nan,
-                base as u64,
-            );
+            bad += differ(format!("encode {q}"), &g, &cpu, base as u64);
         }
         // 1003 elements at a scale that is not a power of two: from an
         // aligned buffer (the groups, then a tail of 3) and one element
@@ -134,14 +112,7 @@ pub fn check(dev: &Device, chunk_log2: u32) -> Result<bool> {
             };
             let g = bits(&step_encode(&on_dev, q, 0.3)?)?;
             let cpu = bits(&step_encode(&x, q, 0.3)?)?;
-            bad += count_bad(
-                &format!("encode {q} {what}"),
-                &g,
-                &cpu,
-                |v| nan_code(q, v),
-                nan,
-                0,
-            );
+            bad += differ(format!("encode {q} {what}"), &g, &cpu, 0);
         }
         println!(
             "  step encode, 2^32 f32 -> {q}: {bad} codes differ, {:.1} s",

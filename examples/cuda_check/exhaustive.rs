@@ -1,66 +1,37 @@
 //! Exhaustive cast checks: every f32 bit pattern (2^32, streamed in chunks,
 //! the CPU side on every core) and every BF16 and FP16 input.
 
-use crate::util::{same_scaled, Rng};
+use crate::util::{bits, on_threads, same_scaled, Rng};
 use amp::{QType, ScalingMeta, ScalingTensor};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use std::time::Instant;
 
 /// Codes (as bits), amax bits, saturated and flushed counts of one cast.
-type Cast = (Vec<u16>, u32, u64, u64);
+type Cast = (Vec<u64>, u32, u64, u64);
+
+/// One cast's codes as bits, amax bits and counts.
+fn cast(q: &ScalingTensor, amax: &Tensor) -> Result<Cast> {
+    let stats = q.meta().last_cast_stats()?.unwrap_or_default();
+    Ok((
+        bits(q.data())?,
+        amax.flatten_all()?.to_vec1::<f32>()?[0].to_bits(),
+        stats.saturated,
+        stats.flushed,
+    ))
+}
 
 /// The CPU result of quantizing one chunk, computed in `threads` parts:
 /// codes as bits, amax bits (max over the parts: the kernel's own rule),
 /// saturated and flushed counts.
-fn cpu_quantize(
-    xs: &[f32],
-    meta: &ScalingMeta,
-    threads: usize,
-) -> Result<(Vec<u16>, u32, u64, u64)> {
-    let part = xs.len().div_ceil(threads);
-    let parts: Vec<Result<Cast>> = std::thread::scope(|s| {
-        let handles: Vec<_> = xs
-            .chunks(part)
-            .map(|c| {
-                s.spawn(move || -> Result<Cast> {
-                    let x = Tensor::from_slice(c, c.len(), &Device::Cpu)?;
-                    let (q, amax) = ScalingTensor::quantize_with(&x, meta)?;
-                    let codes: Vec<u16> = match q.data().dtype() {
-                        DType::U8 => q
-                            .data()
-                            .to_vec1::<u8>()?
-                            .into_iter()
-                            .map(u16::from)
-                            .collect(),
-                        _ => q
-                            .data()
-                            .to_vec1::<half::f16>()?
-                            .into_iter()
-                            .map(|v| v.to_bits())
-                            .collect(),
-                    };
-                    let stats = q.meta().last_cast_stats()?.unwrap_or_default();
-                    Ok((
-                        codes,
-                        amax.to_vec1::<f32>()?[0].to_bits(),
-                        stats.saturated,
-                        stats.flushed,
-                    ))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("CPU thread panicked")))
-            })
-            .collect()
-    });
+fn cpu_quantize(xs: &[f32], meta: &ScalingMeta, threads: usize) -> Result<Cast> {
+    let parts = on_threads(xs, threads, |c| {
+        let x = Tensor::from_slice(c, c.len(), &Device::Cpu)?;
+        let (q, amax) = ScalingTensor::quantize_with(&x, meta)?;
+        cast(&q, &amax)
+    })?;
     let mut out = (Vec::with_capacity(xs.len()), 0u32, 0u64, 0u64);
-    for p in parts {
-        let (codes, amax, sat, flush) = p?;
+    for (codes, amax, sat, flush) in parts {
         out.0.extend(codes);
         out.1 = out.1.max(amax);
         out.2 += sat;
@@ -89,22 +60,7 @@ pub fn all_f32(dev: &Device, chunk_log2: u32) -> Result<bool> {
             }
             let x = Tensor::from_slice(&xs, chunk, dev)?;
             let (q, amax) = ScalingTensor::quantize_with(&x, &gpu_meta)?;
-            let g_codes: Vec<u16> = match q.data().dtype() {
-                DType::U8 => q
-                    .data()
-                    .to_vec1::<u8>()?
-                    .into_iter()
-                    .map(u16::from)
-                    .collect(),
-                _ => q
-                    .data()
-                    .to_vec1::<half::f16>()?
-                    .into_iter()
-                    .map(|v| v.to_bits())
-                    .collect(),
-            };
-            let g_amax = amax.to_vec1::<f32>()?[0].to_bits();
-            let g_stats = q.meta().last_cast_stats()?.unwrap_or_default();
+            let (g_codes, g_amax, g_sat, g_flush) = cast(&q, &amax)?;
             let (c_codes, c_amax, c_sat, c_flush) = cpu_quantize(&xs, &cpu_meta, threads)?;
             for i in (0..chunk).filter(|&i| g_codes[i] != c_codes[i]) {
                 if bad < 8 {
@@ -117,10 +73,10 @@ pub fn all_f32(dev: &Device, chunk_log2: u32) -> Result<bool> {
                 }
                 bad += 1;
             }
-            if (g_amax, g_stats.saturated, g_stats.flushed) != (c_amax, c_sat, c_flush) {
+            if (g_amax, g_sat, g_flush) != (c_amax, c_sat, c_flush) {
                 println!(
                     "  {qtype}: chunk {c}: amax cuda {g_amax:#x} cpu {c_amax:#x}, saturated {} / {c_sat}, flushed {} / {c_flush}",
-                    g_stats.saturated, g_stats.flushed
+                    g_sat, g_flush
                 );
                 bad_meta += 1;
             }

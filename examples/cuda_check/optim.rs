@@ -4,7 +4,9 @@
 //! bandwidth floor.
 
 use crate::util::{same, to_dev, Rng};
-use amp::optim::{AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, State, StateFormat};
+use amp::optim::{
+    AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, State, StateFormat, StepOutcome,
+};
 use amp::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
@@ -77,9 +79,34 @@ fn weight_parts(w: &Weight) -> Result<Vec<Tensor>> {
 
 /// The step counters (the optimizer's, each parameter's) and the
 /// learning rate, as a skipped step must leave them.
-pub fn counters(o: &LowBitAdamW) -> (u64, Vec<u64>, u64) {
+fn counters(o: &LowBitAdamW) -> (u64, Vec<u64>, u64) {
     let steps = o.params().iter().map(|p| p.step).collect();
     (o.step_count(), steps, o.learning_rate().to_bits())
+}
+
+/// Whether both optimizers report the same outcome of one step (the norm
+/// bit for bit) and left the same counters; prints what differs.
+pub fn same_step(
+    what: &str,
+    oc: &StepOutcome,
+    og: &StepOutcome,
+    cpu: &LowBitAdamW,
+    gpu: &LowBitAdamW,
+) -> bool {
+    let mut ok = true;
+    if format!("{oc:?}") != format!("{og:?}") {
+        println!("  {what}: outcome cuda {og:?} cpu {oc:?}");
+        ok = false;
+    }
+    if counters(cpu) != counters(gpu) {
+        println!(
+            "  {what}: counters cuda {:?} cpu {:?}",
+            counters(gpu),
+            counters(cpu)
+        );
+        ok = false;
+    }
+    ok
 }
 
 /// Parameter `i`'s weight (from its slot) and moments, as tensors.
@@ -164,20 +191,9 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<bo
                     let (mut a, mut b) = (Grads::new(), Grads::new());
                     a.insert("w", gc);
                     b.insert("w", gg);
-                    let oc = cpu.step(&a)?;
-                    let og = gpu.step(&b)?;
-                    if format!("{oc:?}") != format!("{og:?}") {
-                        println!("  {what} step {step}: outcome cuda {og:?} cpu {oc:?}");
-                        case_ok = false;
-                    }
-                    if counters(&cpu) != counters(&gpu) {
-                        println!(
-                            "  {what} step {step}: counters cuda {:?} cpu {:?}",
-                            counters(&gpu),
-                            counters(&cpu)
-                        );
-                        case_ok = false;
-                    }
+                    let (oc, og) = (cpu.step(&a)?, gpu.step(&b)?);
+                    let step_what = format!("{what} step {step}");
+                    case_ok &= same_step(&step_what, &oc, &og, &cpu, &gpu);
                     let (pg, pc) = (parts(&gpu, 0, &gpu_slot)?, parts(&cpu, 0, &cpu_slot)?);
                     case_ok &= pg.len() == pc.len();
                     for (i, (x, y)) in pg.iter().zip(&pc).enumerate() {

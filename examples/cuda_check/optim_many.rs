@@ -2,7 +2,7 @@
 //! F32 ones take the launches over many tensors (`multi.rs`), the others
 //! their own; every state compared bit for bit, and the step outcomes.
 
-use crate::optim::{counters, parts, quantize, weights, WeightKind};
+use crate::optim::{parts, quantize, same_step, weights, WeightKind};
 use crate::util::{same, to_dev, Rng};
 use amp::optim::{AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, StateFormat};
 use anyhow::Result;
@@ -73,18 +73,7 @@ pub fn check(dev: &Device, rng: &mut Rng) -> Result<bool> {
                 b.insert(format!("p{i}"), gg);
             }
             let (oc, og) = (cpu.step(&a)?, gpu.step(&b)?);
-            if format!("{oc:?}") != format!("{og:?}") {
-                println!("  many params step {step}: outcome cuda {og:?} cpu {oc:?}");
-                case_ok = false;
-            }
-            if counters(&cpu) != counters(&gpu) {
-                println!(
-                    "  many params step {step}: counters cuda {:?} cpu {:?}",
-                    counters(&gpu),
-                    counters(&cpu)
-                );
-                case_ok = false;
-            }
+            case_ok &= same_step(&format!("many params step {step}"), &oc, &og, &cpu, &gpu);
             for (i, (cs, gs)) in slots.iter().enumerate() {
                 let (pc, pg) = (parts(&cpu, i, cs)?, parts(&gpu, i, gs)?);
                 case_ok &= pc.len() == pg.len();

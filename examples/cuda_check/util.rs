@@ -137,3 +137,22 @@ pub fn to_dev(t: &ScalingTensor, dev: &Device) -> Result<ScalingTensor> {
     )?;
     Ok(ScalingTensor::from_parts(t.data().to_device(dev)?, meta)?)
 }
+
+/// `f` over `xs` cut into `threads` parts, each on a thread of its own;
+/// the parts' results in order (the CPU side of the 2^32 sweeps).
+pub fn on_threads<T: Send>(
+    xs: &[f32],
+    threads: usize,
+    f: impl Fn(&[f32]) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let part = xs.len().div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = xs.chunks(part).map(|c| s.spawn(|| f(c))).collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("CPU thread panicked")))
+            })
+            .collect()
+    })
+}
