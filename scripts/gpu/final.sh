@@ -1,38 +1,46 @@
 #!/usr/bin/env bash
-# final.sh: one device call for BENCHMARKS.md's GPT tables (run with carry
-# [".carry"], binaries and scripts in .carry/gpu/). cuda_check's checks
-# (no 2^32 sweep), the optimizer's check and bench, then run-gpt.sh at 125M
-# and 350M: the five levels with F32 activations, O0 native and O2 with BF16
-# activations, PyTorch (eager at both sizes, compiled and torchao at 350M).
-# Summary lines go to the output (a call returns only a few files).
+# final.sh [CARRY]: cuda_check's checks and the GPT tables in one device call.
+# cuda_check (by default without the 2^32 sweeps), then run-gpt.sh per size:
+# the five levels with F32 activations (the optimizer's check and bench with
+# the first size only), then O0 native and O2 with BF16 activations, and
+# PyTorch (eager; at 350M also compiled and torchao). The summary lines go
+# to the output, so the call's output holds the whole table.
+# CARRY (default .carry/gpu) holds gpt.gz and cuda_check.gz.
+# Env: SIZES ("125m 350m"), CHECK_ARGS (--skip-exhaustive; empty: no
+# cuda_check; with --bench also torch_gemm.py and compare.py, the GEMM
+# table), TORCH350 (torch modes at 350M).
+#
+#   SIZES=125m CHECK_ARGS="--skip-exhaustive --bench" bash scripts/gpu/final.sh
 set -uo pipefail
-C=.carry/gpu
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source $C/device-env.sh
-gzip -dc $C/cuda_check.gz > /tmp/cuda_check && chmod +x /tmp/cuda_check
-# SIZES (default "125m 350m"), CHECK_ARGS (default --skip-exhaustive; empty
-# string: no cuda_check), TORCH350 (torch modes at 350M).
+CARRY=${1:-.carry/gpu}
 SIZES=${SIZES:-"125m 350m"}
 CHECK_ARGS=${CHECK_ARGS---skip-exhaustive}
+source "$(dirname "$0")/lib.sh"
+unpack cuda_check
+facts
 if [ -n "$CHECK_ARGS" ]; then
-  timeout 200 /tmp/cuda_check $CHECK_ARGS --watchdog 190 > $OUT/check.log 2>&1; echo "cuda_check rc=$?"
-  grep -E "^CHECK|DIFFER|FAIL|ERROR|panic" $OUT/check.log | tr '\n' ' '; echo
-  grep -E "^BENCH (copy|cast|pool)" $OUT/check.log
+  need cuda_check
+  # shellcheck disable=SC2086 # CHECK_ARGS is a list of arguments
+  timeout 200 "$BIN/cuda_check" $CHECK_ARGS --watchdog 190 > "$OUT/check.log" 2>&1
+  echo "cuda_check rc=$?"
+  grep -E "^CHECK|DIFFER|FAIL|ERROR|panic" "$OUT/check.log" | tr '\n' ' '; echo
+  grep -E "^BENCH (copy|cast|pool)" "$OUT/check.log"
   if [[ " $CHECK_ARGS " == *" --bench"* ]]; then
-    PYTHONUNBUFFERED=1 timeout 140 python3 $C/torch_gemm.py > $OUT/torch_gemm.log 2>&1
-    python3 $C/compare.py $OUT/check.log $OUT/torch_gemm.log
+    timeout 140 python3 "$HERE/torch_gemm.py" > "$OUT/torch_gemm.log" 2>&1
+    python3 "$HERE/compare.py" "$OUT/check.log" "$OUT/torch_gemm.log"
   fi
 fi
 RUNS="O0:native O0:fp8-delayed O1:fp8-current O2:fp8-current O3:fp8-current"
+first=${SIZES%% *}
 for size in $SIZES; do
-  modes=bf16; [ $size = 350m ] && modes=${TORCH350:-bf16,bf16-compile,fp8-torchao}
-  skip=; [ $size != "${SIZES%% *}" ] && skip=1   # the optimizer's check and bench once
-  NO_CHECK=$skip STEPS=8 SKIP=3 TORCH_MODES=$modes OUT=/tmp/$size bash $C/run-gpt.sh $C $size "$RUNS" > /tmp/$size.log 2>&1
-  NO_CHECK=1 STEPS=8 SKIP=3 TORCH_MODES= EXTRA="--activations bf16" OUT=/tmp/$size-bf16 \
-    bash $C/run-gpt.sh $C $size "O0:native O2:fp8-current" > /tmp/$size-bf16.log 2>&1
-  [ -f /tmp/$size/optim_check.log ] && grep -E "BENCH|CHECK" /tmp/$size/optim_check.log
-  cat /tmp/$size/gpt.jsonl /tmp/$size-bf16/gpt.jsonl > $OUT/gpt-$size.jsonl
-  python3 $C/summary.py $OUT/gpt-$size.jsonl /tmp/$size/torch_gpt.log
-  cp /tmp/$size/torch_gpt.log $OUT/torch-$size.log
-  grep -h -B3 "rc=[1-9]" /tmp/$size/gpt.log /tmp/$size-bf16/gpt.log | head -12
+  modes=bf16; [ "$size" = 350m ] && modes=${TORCH350:-bf16,bf16-compile,fp8-torchao}
+  skip=; [ "$size" != "$first" ] && skip=1
+  NO_CHECK=$skip STEPS=8 SKIP=3 TORCH_MODES=$modes OUT="$OUT/$size" \
+    bash "$HERE/run-gpt.sh" "$CARRY" "$size" "$RUNS" > "$OUT/$size.log" 2>&1
+  NO_CHECK=1 STEPS=8 SKIP=3 TORCH_MODES= EXTRA="--activations bf16" OUT="$OUT/$size-bf16" \
+    bash "$HERE/run-gpt.sh" "$CARRY" "$size" "O0:native O2:fp8-current" > "$OUT/$size-bf16.log" 2>&1
+  [ -f "$OUT/$size/optim_check.log" ] && grep -E "BENCH|CHECK" "$OUT/$size/optim_check.log"
+  cat "$OUT/$size/gpt.jsonl" "$OUT/$size-bf16/gpt.jsonl" > "$OUT/gpt-$size.jsonl"
+  python3 "$HERE/summary.py" "$OUT/gpt-$size.jsonl" "$OUT/$size/torch_gpt.log"
+  grep -h -B3 "rc=[1-9]" "$OUT/$size/gpt.log" "$OUT/$size-bf16/gpt.log" | head -12
 done

@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
-# profile-gpt.sh CARRY SIZE "LEVEL:COMPUTE ...": per-kernel GPU time of the
-# GPT example's steps under ncu (one metric, gpu__time_duration.sum, so one
-# pass per kernel), summed by kernel name (ncu_summary.py), next to the same
-# run's own wall-clock step time without the profiler. Env: STEPS (2), OUT,
-# EXTRA (more gpt arguments).
+# profile-gpt.sh [CARRY] [SIZE] ["LEVEL:COMPUTE ..."]: where a GPT step's GPU
+# time goes. Per run, the GPT example once plainly (its JSON line: tokens/s,
+# step and forward time), then under `ncu --clock-control none --csv
+# --metrics gpu__time_duration.sum` (one replay pass per kernel);
+# ncu_summary.py sums the GPU time by kernel name, per step, largest first
+# (model initialisation and one validation batch included).
+# CARRY (default .carry/gpu) holds gpt.gz. Env: STEPS (2: the profiled
+# steps, which divide the totals), EXTRA (more gpt arguments), DETAIL (a
+# regex: ncu_summary.py also splits the kernels it matches by grid size).
+#
+#   STEPS=2 EXTRA="--activations bf16" bash scripts/gpu/profile-gpt.sh .carry/gpu 125m O2:fp8-current
 set -uo pipefail
-C=${1:-.carry/gpu}
+CARRY=${1:-.carry/gpu}
 SIZE=${2:-125m}
 RUNS=${3:-"O0:native O2:fp8-current"}
 STEPS=${STEPS:-2}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source "$C/device-env.sh"
-[ -f "$C/gpt.gz" ] && gzip -dc "$C/gpt.gz" > /tmp/gpt && chmod +x /tmp/gpt
+source "$(dirname "$0")/lib.sh"
+unpack gpt; need gpt
 for r in $RUNS; do
   level=${r%%:*}; compute=${r#*:}
-  args=(--device cuda --size "$SIZE" --vocab 50304 --batch 8 --seq 1024 --eval-every 1000 --eval-batches 1
-        --level "$level" --compute "$compute" --json ${EXTRA:-})
+  # shellcheck disable=SC2206 # EXTRA is a list of arguments
+  args=(--device cuda --size "$SIZE" --vocab 50304 --batch 8 --seq 1024 --eval-every 1000
+        --eval-batches 1 --level "$level" --compute "$compute" --json ${EXTRA:-})
   echo "== plain $SIZE $level $compute" | tee -a "$OUT/profile.log"
-  timeout 120 /tmp/gpt "${args[@]}" --steps 6 --timing-skip 2 2>&1 | grep '^{' | tee -a "$OUT/profile.log"
+  timeout 120 "$BIN/gpt" "${args[@]}" --steps 6 --timing-skip 2 2>&1 | grep '^{' | tee -a "$OUT/profile.log"
   echo "== ncu $SIZE $level $compute ($STEPS steps)" | tee -a "$OUT/profile.log"
   timeout 300 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
-    /tmp/gpt "${args[@]}" --steps "$STEPS" > "/tmp/ncu-$level.csv" 2> "/tmp/ncu-$level.err"
+    "$BIN/gpt" "${args[@]}" --steps "$STEPS" > "$BIN/ncu-$level.csv" 2> "$BIN/ncu-$level.err"
   echo "rc=$?" | tee -a "$OUT/profile.log"
-  tail -3 "/tmp/ncu-$level.err" | tee -a "$OUT/profile.log"
-  python3 "$C/ncu_summary.py" "/tmp/ncu-$level.csv" "$STEPS" | tee -a "$OUT/profile.log"
-  gzip -c "/tmp/ncu-$level.csv" > "$OUT/ncu-$level.csv.gz"
+  tail -3 "$BIN/ncu-$level.err" | tee -a "$OUT/profile.log"
+  python3 "$HERE/ncu_summary.py" "$BIN/ncu-$level.csv" "$STEPS" | tee -a "$OUT/profile.log"
+  gzip -c "$BIN/ncu-$level.csv" > "$OUT/ncu-$level.csv.gz"
 done

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# run-on-device.sh [CARRY_DIR] [cuda_check args...]: one device call. The
-# checks and benchmarks of cuda_check, then (with --bench) the torch side in
-# the same call, then the joined table. Logs go to $OUT.
+# run-on-device.sh [CARRY] [cuda_check args...]: cuda_check on the GPU (its
+# checks against the CPU; with --bench its GEMM and cast timings, then
+# torch_gemm.py's in the same call and compare.py's table of both).
+# CARRY (default .carry/gpu) holds cuda_check.gz. Logs go to $OUT.
+#
+#   bash scripts/gpu/run-on-device.sh .carry/gpu --bench
 set -uo pipefail
-C=${1:-.carry}; shift || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source "$C/device-env.sh"
-gzip -dc "$C/cuda_check.gz" > /tmp/cuda_check && chmod +x /tmp/cuda_check
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/facts.log"
-timeout 430 /tmp/cuda_check "$@" 2>&1 | tee "$OUT/cuda_check.log"
+CARRY=${1:-.carry/gpu}; shift || true
+source "$(dirname "$0")/lib.sh"
+unpack cuda_check; need cuda_check
+facts
+timeout 580 "$BIN/cuda_check" "$@" 2>&1 | tee "$OUT/cuda_check.log"
 rc=${PIPESTATUS[0]}
 if [[ " $* " == *" --bench"* ]]; then
-  PYTHONUNBUFFERED=1 timeout 140 python3 "$C/torch_gemm.py" 2>&1 | tee "$OUT/torch.log"
-  python3 "$C/compare.py" "$OUT/cuda_check.log" "$OUT/torch.log" | tee "$OUT/table.md"
+  timeout 140 python3 "$HERE/torch_gemm.py" 2>&1 | tee "$OUT/torch.log"
+  python3 "$HERE/compare.py" "$OUT/cuda_check.log" "$OUT/torch.log" | tee "$OUT/table.md"
 fi
-exit $rc
+exit "$rc"

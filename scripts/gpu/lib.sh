@@ -1,0 +1,37 @@
+# lib.sh: what the device-side scripts share. Sourced by them, never run.
+# Before sourcing, a script sets CARRY (the folder of its gzipped binaries).
+# Sets HERE (this folder), OUT (the output folder: `run` sets it; default
+# out/, git-ignored), BIN (a fresh folder the binaries are unpacked into)
+# and TORCHRUN; sources device-env.sh.
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CARRY=${CARRY:-.carry/gpu}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+# shellcheck source=device-env.sh
+source "$HERE/device-env.sh"
+export PYTHONUNBUFFERED=1
+BIN=$(mktemp -d)
+TORCHRUN=$(command -v torchrun || echo "python3 -m torch.distributed.run")
+
+# unpack NAME...: $CARRY/NAME.gz to $BIN/NAME, executable; names without a
+# .gz in CARRY are skipped (a script then checks for the binary it needs).
+unpack() {
+  local b
+  for b in "$@"; do
+    if [ -f "$CARRY/$b.gz" ]; then gzip -dc "$CARRY/$b.gz" > "$BIN/$b" && chmod +x "$BIN/$b"; fi
+  done
+}
+
+# facts: the GPUs, their driver and clocks, into $OUT/facts.log and the output.
+facts() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total \
+    --format=csv,noheader | tee "$OUT/facts.log"
+}
+
+# need NAME...: fail unless each binary was unpacked.
+need() {
+  local b
+  for b in "$@"; do
+    [ -x "$BIN/$b" ] || { echo "missing $CARRY/$b.gz (see scripts/gpu/README.md)" >&2; exit 2; }
+  done
+}
