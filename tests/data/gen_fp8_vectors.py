@@ -3,10 +3,11 @@
 Run: pip install ml_dtypes numpy && python3 tests/data/gen_fp8_vectors.py
 Writes tests/data/fp8_vectors.toml (committed; the Rust tests read it).
 
-Semantics generated (DESIGN.md 3, CUDA's __NV_SATFINITE): round to nearest
-even; finite overflow and +-inf saturate to +-max (np.clip before the cast,
-since ml_dtypes turns overflow into NaN/inf); subnormals kept; NaN becomes the
-canonical code 0x7F whatever its sign (ml_dtypes keeps the sign).
+Semantics generated (docs/ARCHITECTURE.md, "Casts" and "NaN encoding";
+CUDA's __NV_SATFINITE): round to nearest even; finite overflow and +-inf
+saturate to +-max (np.clip before the cast, since ml_dtypes turns overflow
+into NaN/inf); subnormals kept; NaN becomes the canonical code 0x7F whatever
+its sign (ml_dtypes keeps the sign).
 """
 import ml_dtypes
 import numpy as np
