@@ -1,8 +1,8 @@
 # lib.sh: what the device-side scripts share. Sourced by them, never run.
 # Before sourcing, a script sets CARRY (the folder of its gzipped binaries).
 # Sets HERE (this folder), OUT (the output folder: `run` sets it; default
-# out/, git-ignored), BIN (a fresh folder the binaries are unpacked into)
-# and TORCHRUN; sources device-env.sh.
+# out/, git-ignored), BIN (a fresh folder the binaries are unpacked into,
+# removed on exit) and TORCHRUN; sources device-env.sh.
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CARRY=${CARRY:-.carry/gpu}
 OUT=${OUT:-out}
@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 source "$HERE/device-env.sh"
 export PYTHONUNBUFFERED=1
 BIN=$(mktemp -d)
+trap 'rm -rf "$BIN"' EXIT
 TORCHRUN=$(command -v torchrun || echo "python3 -m torch.distributed.run")
 
 # unpack NAME...: $CARRY/NAME.gz to $BIN/NAME, executable; names without a
