@@ -5,15 +5,17 @@
 //! Engine's FP8 recipes.
 //!
 //! This crate re-exports the public API of its members:
-//! - `amp-core`: FP8 formats with exact OCP semantics, scaling metadata on the
-//!   device, scaled tensors, the TE and MS-AMP scale rules, the recipes and
-//!   the FP8 GEMM reference (everything at the root of `amp`), and the layers
-//!   of [`nn`] (FP8 `Linear`, `LayerNorm`, `LayerNormLinear`, `LayerNormMLP`,
-//!   the `fp8_autocast` scope);
+//! - `amp-core` (everything at the root of `amp`, and [`nn`]), four layers:
+//!   the numerics (FP8 formats with exact OCP semantics, casts, the TE and
+//!   MS-AMP scale rules, the recipes), scaling metadata on the device and
+//!   scaled tensors, the FP8 GEMM, and the layers of [`nn`] (FP8 `Linear`,
+//!   `LayerNorm`, `LayerNormLinear`, `LayerNormMLP`, fused ops with their
+//!   backward, flash attention, the `fp8_autocast` scope);
 //! - [`optim`]: AdamW, low-bit AdamW, loss scaling, schedules;
 //! - [`comm`]: the `Communicator` trait, an in-process backend (ranks as
 //!   threads) and FP8 gradient all-reduce;
-//! - `amp-levels`: the optimization levels O0-O3 (in progress).
+//! - [`levels`]: the optimization levels O0-O3 (`initialize`, the policy
+//!   table, the memory report, checkpoints, data parallelism).
 //!
 //! ```
 //! use amp::{CurrentScaling, QType, ScalingTensor};

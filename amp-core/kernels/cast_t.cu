@@ -135,3 +135,32 @@ QUANTIZE_T(f16, __half, e5m2, 1, false)
 // an FP16 scaling tensor's codes, dequantized as read
 QUANTIZE_T(f16s, __half, e4m3, 0, true)
 QUANTIZE_T(f16s, __half, e5m2, 1, true)
+
+// ---------------------------------------------------------------------------
+// 2-D transpose of 1- or 2-byte elements (FP8 codes, FP16 values): the GEMM
+// operands of dgrad and wgrad. 32 x 32 tiles through shared memory, block
+// (32, 8), grid (ceil(cols / 32), ceil(rows / 32)); src [rows, cols] to dst
+// [cols, rows].
+
+template <typename T>
+__device__ void transpose_impl(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols) {
+    __shared__ T tile[32][33];
+    const int bx = blockIdx.x * 32, by = blockIdx.y * 32;
+    for (int j = threadIdx.y; j < 32; j += 8) {
+        const int r = by + j, c = bx + threadIdx.x;
+        if (r < rows && c < cols) tile[j][threadIdx.x] = src[(size_t)r * cols + c];
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < 32; j += 8) {
+        const int r = bx + j, c = by + threadIdx.x;
+        if (r < cols && c < rows) dst[(size_t)r * rows + c] = tile[threadIdx.x][j];
+    }
+}
+
+extern "C" __global__ void transpose_u8(const uint8_t* src, uint8_t* dst, int rows, int cols) {
+    transpose_impl(src, dst, rows, cols);
+}
+
+extern "C" __global__ void transpose_u16(const uint16_t* src, uint16_t* dst, int rows, int cols) {
+    transpose_impl(src, dst, rows, cols);
+}

@@ -1,11 +1,20 @@
 //! # amp-core
 //!
-//! The numerics of candle-amp: FP8 formats with exact OCP semantics
-//! ([`Fp8Format`]), per-tensor scaling metadata kept on the device
-//! ([`ScalingMeta`]), scaled low-precision tensors ([`ScalingTensor`]),
-//! the scale rules of Transformer Engine and MS-AMP ([`ScaleRule`]), the
-//! recipes ([`DelayedScaling`], [`CurrentScaling`]) and the FP8 GEMM
-//! reference ([`fp8_gemm`]).
+//! The core of candle-amp, in four layers, each importing only those below
+//! it:
+//! 1. the numerics (`numerics/`): FP8 formats with exact OCP semantics
+//!    ([`Fp8Format`]), what a scaled tensor stores ([`QType`]), the scale
+//!    rules of Transformer Engine and MS-AMP ([`ScaleRule`]), the recipes
+//!    ([`DelayedScaling`], [`CurrentScaling`]), the [`kernel`] mechanism and
+//!    the cast kernels, with their CUDA bodies;
+//! 2. scaling (`scaling/`): per-tensor scaling metadata kept on the device
+//!    ([`ScalingMeta`]), scaled low-precision tensors ([`ScalingTensor`]),
+//!    how a parameter is stored ([`Weight`]) and where its FP8 gradient goes
+//!    ([`GradSink`]);
+//! 3. the FP8 GEMM (`gemm/`): [`fp8_gemm`], a CPU reference and cuBLASLt;
+//! 4. the layers ([`nn`]): FP8 `Linear`, `LayerNorm`, fused ops with their
+//!    backward, flash attention, the `fp8_autocast` scope; the only part
+//!    that uses `candle-nn`.
 //!
 //! ```
 //! use amp_core::{Fp8Format, CurrentScaling, QType, ScalingTensor, fp8_gemm};
@@ -28,52 +37,38 @@
 //!
 //! # Features
 //! - `cuda`: CUDA bodies of every kernel (scaled casts, amax, requantize,
-//!   scale updates; PTX built by nvcc 13.0 in `build.rs`) and the cuBLASLt
-//!   FP8 GEMM behind [`fp8_gemm`]. Results are bit-identical to the CPU
+//!   scale updates, the fused ops and flash attention; PTX built by nvcc
+//!   13.0 in `build.rs`) and the cuBLASLt FP8 GEMM behind [`fp8_gemm`]. Results are bit-identical to the CPU
 //!   kernels (the GEMM up to f32 summation order). Without it the build is
 //!   CPU-only and needs no CUDA toolkit; CUDA tensors then get
 //!   [`Error::NotCompiled`].
 #![warn(missing_docs)]
 
-mod bulk;
-mod cast;
-mod cast_t;
-pub mod config;
-#[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(not(feature = "cuda"))]
-#[path = "cuda_stub.rs"]
-mod cuda;
 mod error;
-mod format;
 mod gemm;
-pub mod kernel;
-mod meta;
 pub mod nn;
-mod qtype;
-mod recipe;
-mod requantize;
-mod scalars;
-mod scale;
-mod stats;
-mod tensor;
-mod weight;
+mod numerics;
+mod scaling;
 
-pub use cast::F16_NAN_BITS;
-pub use cuda::{
+pub use error::{Error, Result};
+pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
+pub use numerics::cast::F16_NAN_BITS;
+#[cfg(feature = "cuda")]
+pub use numerics::cuda::launch::multiprocessors;
+pub use numerics::cuda::{
     keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
     skip_event_tracking,
 };
-pub use error::{Error, Result};
-pub use format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
-pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
-pub use meta::ScalingMeta;
-pub use qtype::QType;
-pub use recipe::{
+pub use numerics::format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
+pub use numerics::qtype::QType;
+pub use numerics::recipe::{
     AmaxComputeAlgo, CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision, MAX_MARGIN,
 };
-pub use scalars::{gather_scalars, read_scalars};
-pub use scale::ScaleRule;
-pub use stats::CastStats;
-pub use tensor::ScalingTensor;
-pub use weight::{Weight, WeightSlot};
+pub use numerics::scalars::{gather_scalars, read_scalars};
+pub use numerics::scale::ScaleRule;
+pub use numerics::{config, kernel};
+pub use scaling::meta::ScalingMeta;
+pub use scaling::sink::GradSink;
+pub use scaling::stats::CastStats;
+pub use scaling::tensor::ScalingTensor;
+pub use scaling::weight::{Weight, WeightSlot};

@@ -1,5 +1,5 @@
 //! The launch environment of one process of a multi-process group, read
-//! as `torchrun` sets it (DESIGN.md 6): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! as `torchrun` sets it (docs/ARCHITECTURE.md, "Launch and rendezvous"): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`; and where the NCCL unique id is handed
 //! out: `AMP_RENDEZVOUS_PORT` (default `MASTER_PORT + 1`, since torchrun's
 //! own agent listens on `MASTER_PORT`) and `AMP_RENDEZVOUS_TIMEOUT_S`

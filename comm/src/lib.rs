@@ -4,7 +4,7 @@
 //! reduce-scatter, all-gather, broadcast, all-to-all, barrier on candle
 //! tensors, with a count of the bytes each rank sends), an in-process
 //! backend ([`InProcessComm`]: `N` ranks as threads, CPU tensors), and the
-//! FP8 gradient all-reduce of DESIGN.md 4 ([`fp8_all_reduce`]: one scale
+//! FP8 gradient all-reduce of docs/ARCHITECTURE.md, "Data parallelism" ([`fp8_all_reduce`]: one scale
 //! agreed by all ranks, FP8 on the wire, F32 accumulation) with its two
 //! halves for ZeRO ([`fp8_reduce_scatter`], [`fp8_all_gather`]).
 //!

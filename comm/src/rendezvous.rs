@@ -1,5 +1,5 @@
 //! The TCP rendezvous that hands the NCCL unique id from rank 0 to the
-//! other ranks (DESIGN.md 6). Needs no CUDA: it moves 128 opaque bytes.
+//! other ranks (docs/ARCHITECTURE.md, "Launch and rendezvous"). Needs no CUDA: it moves 128 opaque bytes.
 //!
 //! Rank 0 listens on [`RendezvousConfig::addr`]`:`[`port`](RendezvousConfig::port)
 //! and serves the id to each of the other `world - 1` ranks once; the

@@ -61,10 +61,11 @@ use half::f16;
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lowbit.ptx"));
 const MODULE: &str = "candle_amp_optim_kernels";
 pub(crate) const THREADS: u32 = 256;
-/// The step kernels hold 4 blocks of 256 threads per SM of an H100
-/// (`__launch_bounds__(256, 4)`): one wave of them, a grid-stride loop over
-/// the rest, no tail of a second wave.
-const STEP_BLOCKS: usize = 132 * 4;
+/// The step kernels hold 4 blocks of 256 threads per multiprocessor
+/// (`__launch_bounds__(256, 4)`): a grid of one wave of them (this many per
+/// multiprocessor of the device), a grid-stride loop over the rest, no tail
+/// of a second wave.
+const STEP_BLOCKS_PER_SM: usize = 4;
 /// Up to this many elements the step is one launch of one block
 /// (`lowbit_one_*`: 64 elements a thread at most), both passes in it: the
 /// biases and LayerNorm parameters of a GPT, a launch each instead of two.
@@ -82,16 +83,17 @@ pub(crate) fn func(dev: &CudaDevice, name: &str) -> amp_core::Result<CudaFunctio
         .into_cuda_function())
 }
 
-fn grid(items: usize) -> LaunchConfig {
-    LaunchConfig {
+fn grid(dev: &CudaDevice, items: usize) -> amp_core::Result<LaunchConfig> {
+    let max_blocks = amp_core::multiprocessors(dev)? * STEP_BLOCKS_PER_SM;
+    Ok(LaunchConfig {
         grid_dim: (
-            items.div_ceil(THREADS as usize).clamp(1, STEP_BLOCKS) as u32,
+            items.div_ceil(THREADS as usize).clamp(1, max_blocks) as u32,
             1,
             1,
         ),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
-    }
+    })
 }
 
 pub(crate) fn bad(op: &'static str, what: &str) -> amp_core::Error {
@@ -323,9 +325,9 @@ pub(crate) fn lowbit_step(
     // streams whose scale moved. Both take the same arguments; a small
     // tensor takes both in one launch of one block (`lowbit_one_*`).
     let (passes, cfg): (&[&str], _) = if n <= ONE_BLOCK_MAX {
-        (&["one"], grid(1))
+        (&["one"], grid(&dev, 1)?)
     } else {
-        (&["step", "fix"], grid(n.div_ceil(4)))
+        (&["step", "fix"], grid(&dev, n.div_ceil(4))?)
     };
     for pass in passes {
         let f = func(&dev, &format!("lowbit_{pass}_{suffix}"))?;

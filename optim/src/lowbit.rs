@@ -8,7 +8,7 @@ use crate::grad::{Grad, Grads};
 use crate::loss_scaler::{LossScaler, LossScaling};
 use crate::schedule::{Constant, LrSchedule};
 use crate::state::{State, StateFormat};
-use amp_core::nn::GradSink;
+use amp_core::GradSink;
 use amp_core::{Weight, WeightSlot};
 use candle_core::{backprop::GradStore, Tensor};
 

@@ -1,14 +1,15 @@
 //! The two halves of a pre-LayerNorm transformer block as one call each
 //! (TE's `MultiheadAttention` and `LayerNormMLP`, with the residual) and
 //! the output head with its loss: every tensor between the parts is handed
-//! from op to op outside candle's graph.
+//! from op to op outside candle's graph; and Transformer Engine's composite
+//! modules `LayerNormLinear` (LayerNorm then an FP8 Linear) and
+//! `LayerNormMLP` (LayerNorm, fc1, GELU, fc2).
 
-use super::forward_fused::Fuse;
 use super::fused;
-use super::linear::Linear;
-use super::norm::LayerNorm;
+use super::linear::{linear_b, Fuse, Linear};
+use super::norm::{layer_norm, LayerNorm};
 use crate::error::Result;
-use candle_core::Tensor;
+use candle_core::{Module, Tensor};
 
 /// `h + proj(causal_attention_qkv(qkv(norm(h)), heads))`. Where both
 /// Linears run their own ops (FP8 modes, low-bit weights) the LayerNorm's
@@ -119,4 +120,85 @@ pub fn linear_cross_entropy(
         return fused::cross_entropy_handed(&logits, &token, &from, targets);
     }
     fused::cross_entropy(&head.forward_with(h, normed)?, targets)
+}
+
+/// LayerNorm followed by an FP8 Linear (TE's `LayerNormLinear`); the
+/// normalised output is what the Linear casts to FP8.
+#[derive(Debug, Clone)]
+pub struct LayerNormLinear {
+    /// The normalisation (`<prefix>.layer_norm`).
+    pub norm: LayerNorm,
+    /// The projection (`<prefix>.linear`).
+    pub linear: Linear,
+}
+
+/// A [`LayerNormLinear`] from a `VarBuilder`.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn layer_norm_linear(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    eps: f64,
+    vb: candle_nn::VarBuilder,
+) -> Result<LayerNormLinear> {
+    Ok(LayerNormLinear {
+        norm: layer_norm(in_dim, eps, vb.pp("layer_norm"))?,
+        linear: linear_b(in_dim, out_dim, bias, vb.pp("linear"))?,
+    })
+}
+
+impl Module for LayerNormLinear {
+    /// `linear(norm(x))`, the normalised output handed to the Linear's op
+    /// ([`Fuse::norm`](super::Fuse::norm)): not kept for backward.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let fuse = super::Fuse {
+            norm: Some(&self.norm),
+            ..Default::default()
+        };
+        self.linear
+            .forward_with(x, fuse)
+            .map_err(candle_core::Error::wrap)
+    }
+}
+
+/// LayerNorm, fc1, GELU (tanh approximation, TE's `gelu`: [`fused::gelu`]),
+/// fc2 (TE's `LayerNormMLP`); both GEMMs in FP8 inside a scope.
+///
+/// [`fused::gelu`]: super::fused::gelu
+#[derive(Debug, Clone)]
+pub struct LayerNormMLP {
+    /// The normalisation (`<prefix>.layer_norm`).
+    pub norm: LayerNorm,
+    /// Up projection (`<prefix>.fc1`).
+    pub fc1: Linear,
+    /// Down projection (`<prefix>.fc2`).
+    pub fc2: Linear,
+}
+
+/// A [`LayerNormMLP`] `dim -> hidden -> dim` from a `VarBuilder`.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn layer_norm_mlp(
+    dim: usize,
+    hidden: usize,
+    eps: f64,
+    vb: candle_nn::VarBuilder,
+) -> Result<LayerNormMLP> {
+    Ok(LayerNormMLP {
+        norm: layer_norm(dim, eps, vb.pp("layer_norm"))?,
+        fc1: linear_b(dim, hidden, true, vb.pp("fc1"))?,
+        fc2: linear_b(hidden, dim, true, vb.pp("fc2"))?,
+    })
+}
+
+impl Module for LayerNormMLP {
+    /// `fc2(gelu(fc1(norm(x))))` through [`pre_norm_mlp`](super::pre_norm_mlp):
+    /// the tensors between the parts handed op to op.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        super::pre_norm_mlp(x, &self.norm, &self.fc1, &self.fc2, false)
+            .map_err(candle_core::Error::wrap)
+    }
 }

@@ -39,32 +39,21 @@
 //! ```
 
 mod blocks;
-mod build;
-pub(crate) mod flag;
-mod forward;
-mod forward_fused;
 pub mod fused;
 mod linear;
-mod linear_op;
-mod linear_scaling;
 mod mode;
 mod norm;
 mod precomputed;
-mod registry;
-mod sink;
 
-pub use blocks::{causal_self_attention, linear_cross_entropy, pre_norm_mlp};
-pub use build::{linear, linear_b, linear_no_bias};
-pub use forward_fused::Fuse;
+pub use crate::scaling::sink::GradSink;
+pub use blocks::{
+    causal_self_attention, layer_norm_linear, layer_norm_mlp, linear_cross_entropy, pre_norm_mlp,
+    LayerNormLinear, LayerNormMLP,
+};
 pub use fused::{
     causal_attention, causal_attention_qkv, cross_entropy, embedding, flash_attention_enabled,
     gelu, set_flash_attention,
 };
-pub use linear::Linear;
-pub use linear_op::LayerScaling;
+pub use linear::{linear, linear_b, linear_no_bias, registered_linear, Fuse, LayerScaling, Linear};
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
-pub use norm::{
-    layer_norm, layer_norm_linear, layer_norm_mlp, LayerNorm, LayerNormLinear, LayerNormMLP,
-};
-pub use registry::registered_linear;
-pub use sink::GradSink;
+pub use norm::{layer_norm, LayerNorm};

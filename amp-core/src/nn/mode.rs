@@ -1,7 +1,7 @@
 //! Compute modes and the `fp8_autocast` scope (Transformer Engine's
 //! `fp8_autocast(enabled, fp8_recipe)`).
 
-use crate::recipe::{CurrentScaling, DelayedScaling};
+use crate::numerics::recipe::{CurrentScaling, DelayedScaling};
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,6 +1,5 @@
-//! Transformer Engine's normalisation modules: `LayerNorm`, `LayerNormLinear`
-//! (LayerNorm then an FP8 Linear) and `LayerNormMLP` (LayerNorm, fc1, GELU,
-//! fc2).
+//! `LayerNorm`, with a backward (Transformer Engine's normalisation layer;
+//! the composite `LayerNormLinear` and `LayerNormMLP` are in `blocks.rs`).
 //!
 //! Trap avoided: `candle_nn::LayerNorm` runs a fused op without a backward
 //! for contiguous inputs with a bias, so gradients stop there during
@@ -8,8 +7,6 @@
 //! whenever an input or parameter is tracked, candle's fused op for
 //! inference, and composes candle ops for parameters other than F32.
 
-use super::build::linear_b;
-use super::linear::Linear;
 use crate::error::{Error, Result};
 use candle_core::{DType, Module, Tensor, D};
 
@@ -131,85 +128,4 @@ pub fn layer_norm(dim: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<Lay
     let weight = vb.get_with_hints(dim, "weight", candle_nn::Init::Const(1.0))?;
     let bias = vb.get_with_hints(dim, "bias", candle_nn::Init::Const(0.0))?;
     LayerNorm::new(weight, bias, eps)
-}
-
-/// LayerNorm followed by an FP8 Linear (TE's `LayerNormLinear`); the
-/// normalised output is what the Linear casts to FP8.
-#[derive(Debug, Clone)]
-pub struct LayerNormLinear {
-    /// The normalisation (`<prefix>.layer_norm`).
-    pub norm: LayerNorm,
-    /// The projection (`<prefix>.linear`).
-    pub linear: Linear,
-}
-
-/// A [`LayerNormLinear`] from a `VarBuilder`.
-///
-/// # Errors
-/// candle's, from the `VarBuilder`.
-pub fn layer_norm_linear(
-    in_dim: usize,
-    out_dim: usize,
-    bias: bool,
-    eps: f64,
-    vb: candle_nn::VarBuilder,
-) -> Result<LayerNormLinear> {
-    Ok(LayerNormLinear {
-        norm: layer_norm(in_dim, eps, vb.pp("layer_norm"))?,
-        linear: linear_b(in_dim, out_dim, bias, vb.pp("linear"))?,
-    })
-}
-
-impl Module for LayerNormLinear {
-    /// `linear(norm(x))`, the normalised output handed to the Linear's op
-    /// ([`Fuse::norm`](super::Fuse::norm)): not kept for backward.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let fuse = super::Fuse {
-            norm: Some(&self.norm),
-            ..Default::default()
-        };
-        self.linear
-            .forward_with(x, fuse)
-            .map_err(candle_core::Error::wrap)
-    }
-}
-
-/// LayerNorm, fc1, GELU (tanh approximation, TE's `gelu`: [`fused::gelu`]),
-/// fc2 (TE's `LayerNormMLP`); both GEMMs in FP8 inside a scope.
-///
-/// [`fused::gelu`]: super::fused::gelu
-#[derive(Debug, Clone)]
-pub struct LayerNormMLP {
-    /// The normalisation (`<prefix>.layer_norm`).
-    pub norm: LayerNorm,
-    /// Up projection (`<prefix>.fc1`).
-    pub fc1: Linear,
-    /// Down projection (`<prefix>.fc2`).
-    pub fc2: Linear,
-}
-
-/// A [`LayerNormMLP`] `dim -> hidden -> dim` from a `VarBuilder`.
-///
-/// # Errors
-/// candle's, from the `VarBuilder`.
-pub fn layer_norm_mlp(
-    dim: usize,
-    hidden: usize,
-    eps: f64,
-    vb: candle_nn::VarBuilder,
-) -> Result<LayerNormMLP> {
-    Ok(LayerNormMLP {
-        norm: layer_norm(dim, eps, vb.pp("layer_norm"))?,
-        fc1: linear_b(dim, hidden, true, vb.pp("fc1"))?,
-        fc2: linear_b(hidden, dim, true, vb.pp("fc2"))?,
-    })
-}
-
-impl Module for LayerNormMLP {
-    /// `fc2(gelu(fc1(norm(x))))` through [`pre_norm_mlp`](super::pre_norm_mlp):
-    /// the tensors between the parts handed op to op.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        super::pre_norm_mlp(x, &self.norm, &self.fc1, &self.fc2, false)
-            .map_err(candle_core::Error::wrap)
-    }
 }

@@ -1,7 +1,7 @@
 //! Whether the deposits of one round fit together (same collective, same
 //! shapes and dtypes where the collective needs them).
 
-use super::group::{Call, Deposit};
+use super::deposit::{Call, Deposit};
 use candle_core::{DType, Tensor};
 
 fn describe(t: &Tensor) -> (DType, Vec<usize>) {

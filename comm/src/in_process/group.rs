@@ -12,30 +12,10 @@
 //! every rank into an error.
 
 use super::agree::check_agree;
-use crate::communicator::ReduceOp;
+use super::deposit::Deposit;
 use crate::error::{Error, Result};
-use candle_core::Tensor;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
-
-/// What a rank asks for in one round; every rank of a round must ask the same.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Call {
-    ReduceScatter(ReduceOp),
-    AllGather,
-    AllGatherShards { len: usize },
-    Broadcast { root: usize },
-    AllToAll,
-    Barrier,
-}
-
-/// One rank's part of a round.
-#[derive(Debug)]
-pub(crate) struct Deposit {
-    pub op: &'static str,
-    pub call: Call,
-    pub tensors: Vec<Tensor>,
-}
 
 /// How the group failed.
 #[derive(Debug, Clone)]

@@ -11,6 +11,7 @@
 //! when its thread panics, or when it times out waiting for others.
 
 mod agree;
+mod deposit;
 mod group;
 mod reduce;
 mod run;
@@ -21,7 +22,8 @@ use crate::communicator::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::shard::{shard_len, shard_range};
 use candle_core::{DType, Device, Tensor};
-use group::{Call, Deposit, FailureKind, Group};
+use deposit::{Call, Deposit};
+use group::{FailureKind, Group};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

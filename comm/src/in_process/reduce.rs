@@ -1,7 +1,7 @@
 //! The reductions of the in-process backend, over the CPU storages of the
 //! deposited tensors (no copies).
 
-use super::group::Deposit;
+use super::deposit::Deposit;
 use crate::communicator::ReduceOp;
 use crate::error::{Error, Result};
 use candle_core::{Storage, Tensor};

@@ -6,7 +6,8 @@
 //! 64 the body is flash attention instead ([`super::flash`]): no
 //! probabilities at all, backward recomputes them.
 
-use super::flash::{self, Flash};
+use super::flash;
+use super::flash_shape::Flash;
 use super::handoff::{token_fwd, Handoff};
 use super::heads::Qkv;
 use super::ops::{CausalSoftmax, CausalSoftmaxBwd};

@@ -6,19 +6,17 @@
 //! Elsewhere (the CPU, other head dimensions) the ops materialise the
 //! probabilities. [`set_flash_attention`] turns it off, for A/B runs.
 
+use super::flash_shape::{Flash, HEAD_DIM};
 use crate::error::{Error, Result};
-use crate::kernel::{launch, Kernel};
-use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Tensor};
+use crate::numerics::kernel::{launch, Kernel};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
-
-/// The head dimension the kernels are built for.
-pub(crate) const HEAD_DIM: usize = 64;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
 /// Whether attention on CUDA runs as flash attention where it applies (a
 /// head dimension of 64); on by default. Off, it materialises the
-/// probabilities as on the CPU (the comparison runs of `BENCHMARKS.md`).
+/// probabilities as on the CPU (for A/B comparisons).
 /// Takes effect for the ops built after the call.
 pub fn set_flash_attention(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
@@ -27,18 +25,6 @@ pub fn set_flash_attention(on: bool) {
 /// Whether [`set_flash_attention`] left flash attention on.
 pub fn flash_attention_enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
-}
-
-/// A flash-attention problem: `b` x `heads` sequences of `t` rows; q, k, v
-/// packed side by side in one projection's rows `[b, t, 3 * heads * 64]`,
-/// or separate `[b, heads, t, 64]` tensors.
-#[derive(Clone, Copy, Debug)]
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct Flash {
-    pub b: usize,
-    pub heads: usize,
-    pub t: usize,
-    pub packed: bool,
 }
 
 impl Flash {
@@ -118,65 +104,6 @@ impl Flash {
     }
 }
 
-/// The kernels' arguments (`cuda::flash`).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-impl Flash {
-    /// Columns of q (and of k, v, and of the output) per row.
-    pub(crate) fn width(&self) -> usize {
-        self.heads * HEAD_DIM
-    }
-
-    /// Rows of all (batch, head) sequences.
-    pub(crate) fn rows(&self) -> usize {
-        self.b * self.heads * self.t
-    }
-
-    /// `1 / sqrt(head_dim)`.
-    pub(crate) fn scale(&self) -> f32 {
-        1.0 / (HEAD_DIM as f32).sqrt()
-    }
-
-    /// (batch, head, row) strides of q, k, v in elements.
-    pub(crate) fn in_strides(&self) -> [i64; 3] {
-        let w = self.width() as i64;
-        let (t, d) = (self.t as i64, HEAD_DIM as i64);
-        if self.packed {
-            [t * 3 * w, d, 3 * w]
-        } else {
-            [self.heads as i64 * t * d, t * d, d]
-        }
-    }
-
-    /// (batch, head, row) strides of the output (and of its gradient).
-    pub(crate) fn out_strides(&self) -> [i64; 3] {
-        let (t, d) = (self.t as i64, HEAD_DIM as i64);
-        if self.packed {
-            [t * self.width() as i64, d, self.width() as i64]
-        } else {
-            [self.heads as i64 * t * d, t * d, d]
-        }
-    }
-
-    /// The shape of the input (one packed, or each of q, k, v).
-    pub(crate) fn in_shape(&self) -> Shape {
-        if self.packed {
-            Shape::from((self.b, self.t, 3 * self.width()))
-        } else {
-            Shape::from((self.b, self.heads, self.t, HEAD_DIM))
-        }
-    }
-
-    /// The shape of the output: rows `[b, t, heads * 64]` packed, heads
-    /// otherwise.
-    pub(crate) fn out_shape(&self) -> Shape {
-        if self.packed {
-            Shape::from((self.b, self.t, self.width()))
-        } else {
-            Shape::from((self.b, self.heads, self.t, HEAD_DIM))
-        }
-    }
-}
-
 /// `x` as a kernel input: BF16, contiguous, starting 16-byte aligned.
 pub(crate) fn input(x: &Tensor) -> Result<Tensor> {
     let x = x.detach().to_dtype(DType::BF16)?.contiguous()?;
@@ -189,6 +116,7 @@ pub(crate) fn input(x: &Tensor) -> Result<Tensor> {
 
 /// The flash kernels as a [`Kernel`]: the forward, or (`backward`) the
 /// backward. CUDA only: the attention ops choose flash only there.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Kernels {
     flash: Flash,
     backward: bool,
@@ -202,11 +130,17 @@ impl Kernel for Kernels {
             device: candle_core::DeviceLocation::Cpu,
         })
     }
-    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+    // without the `cuda` feature the trait's default answers
+    // `UnsupportedDevice` (no CUDA tensor exists then)
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        inputs: &[(&candle_core::CudaStorage, &Layout)],
+    ) -> Result<Vec<(candle_core::CudaStorage, Shape)>> {
         if self.backward {
-            crate::cuda::flash::bwd(self.flash, inputs)
+            super::cuda::flash::bwd(self.flash, inputs)
         } else {
-            crate::cuda::flash::fwd(self.flash, inputs)
+            super::cuda::flash::fwd(self.flash, inputs)
         }
     }
 }

@@ -79,8 +79,8 @@ impl Qkv {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(&self, s: usize) -> crate::cuda::nn_layout::Heads {
-        crate::cuda::nn_layout::Heads {
+    fn cuda(&self, s: usize) -> super::cuda::layout::Heads {
+        super::cuda::layout::Heads {
             b: self.b,
             t: self.t,
             s,
@@ -119,7 +119,7 @@ impl CustomOp1 for Layouts {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let q = self.qkv;
-        let out = crate::cuda::nn_layout::rows_to_heads(x, l, q.cuda(self.s), self.which)
+        let out = super::cuda::layout::rows_to_heads(x, l, q.cuda(self.s), self.which)
             .map_err(candle_core::Error::wrap)?;
         Ok((out, Shape::from((q.b, q.heads, q.t, q.hd))))
     }
@@ -154,7 +154,7 @@ impl CustomOp1 for Rows {
         y: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn_layout::heads_to_rows(&[(y, l)], self.qkv.cuda(1), self.dtype)
+        let out = super::cuda::layout::heads_to_rows(&[(y, l)], self.qkv.cuda(1), self.dtype)
             .map_err(candle_core::Error::wrap)?;
         Ok((out, self.shape(1)))
     }
@@ -188,7 +188,7 @@ impl CustomOp3 for Rows {
         lv: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let parts = [(q, lq), (k, lk), (v, lv)];
-        let out = crate::cuda::nn_layout::heads_to_rows(&parts, self.qkv.cuda(3), self.dtype)
+        let out = super::cuda::layout::heads_to_rows(&parts, self.qkv.cuda(3), self.dtype)
             .map_err(candle_core::Error::wrap)?;
         Ok((out, self.shape(3)))
     }

@@ -3,7 +3,8 @@
 //!
 //! candle composes these from elementwise kernels, and its backprop gives
 //! every intermediate a zero-filled gradient and an add; in a GPT step on
-//! an H100 those kernels took over 90% of the GPU time (BENCHMARKS.md).
+//! a GPU those kernels take most of the step's time (docs/ARCHITECTURE.md,
+//! "candle's graph: zero-filled gradients and kept inputs").
 //! Each op here is one kernel forward and one or two backward, on the CPU
 //! (`cpu.rs`, the reference) and on CUDA (`kernels/nn.cu`). Sums are in
 //! F32 on both; CPU and CUDA agree to rounding (their `exp`, `ln` and
@@ -29,8 +30,11 @@
 
 mod attention;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod embedding;
 pub(crate) mod flash;
+mod flash_shape;
 mod handoff;
 mod heads;
 mod ops;
@@ -274,8 +278,6 @@ pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
 }
 
 pub(crate) use attention::causal_attention_handed;
-#[cfg(feature = "cuda")]
-pub(crate) use cpu::chunking;
 pub(crate) use handoff::{layer_norm_handoff, Handoff, ResidualGrad};
 pub(crate) use pointwise::BiasAdd;
 
@@ -294,31 +296,4 @@ pub(crate) fn col_sum(x: &Tensor) -> Result<Tensor> {
         _ => x.to_dtype(DType::F32)?.contiguous()?,
     };
     Ok(x.apply_op1_no_bwd(&pointwise::ColSum)?)
-}
-
-/// The transpose of a 2-D tensor, contiguous: a tiled kernel for 1- and
-/// 2-byte elements on CUDA (candle's strided copy moves FP8 codes at a
-/// tenth of the bandwidth), candle's copy otherwise. Not differentiable:
-/// for GEMM operands.
-///
-/// # Errors
-/// [`Error::Rank`] unless 2-D; candle's.
-pub(crate) fn transpose_2d(t: &Tensor) -> Result<Tensor> {
-    if t.rank() != 2 {
-        return Err(Error::Rank {
-            op: "transpose_2d",
-            expected: 2,
-            got: t.shape().clone(),
-        });
-    }
-    // the kernel's grid has one row of 32 x 32 tiles per 32 rows: at most
-    // 65535 of them (2M rows); beyond that, candle's copy
-    let tiles_fit = t.dim(0)?.div_ceil(32) <= 65_535;
-    if t.device().is_cuda()
-        && tiles_fit
-        && matches!(t.dtype(), DType::U8 | DType::F16 | DType::BF16)
-    {
-        return Ok(t.contiguous()?.apply_op1_no_bwd(&pointwise::Transpose2d)?);
-    }
-    Ok(t.t()?.contiguous()?)
 }

@@ -74,7 +74,7 @@ impl CustomOp1 for CausalSoftmax {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::causal_softmax(s, l, None, self.scale).map_err(wrap)?;
+        let out = super::cuda::ops::causal_softmax(s, l, None, self.scale).map_err(wrap)?;
         Ok((out, l.shape().clone()))
     }
 }
@@ -109,7 +109,7 @@ impl CustomOp2 for CausalSoftmaxBwd {
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let out =
-            crate::cuda::nn::causal_softmax(p, lp, Some((g, lg)), self.scale).map_err(wrap)?;
+            super::cuda::ops::causal_softmax(p, lp, Some((g, lg)), self.scale).map_err(wrap)?;
         Ok((out, lp.shape().clone()))
     }
 }
@@ -145,7 +145,7 @@ impl CustomOp2 for CrossEntropy {
         lt: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let rows = lx.shape().elem_count() / last_dim(lx);
-        let out = crate::cuda::nn::cross_entropy_fwd(x, lx, t, lt).map_err(wrap)?;
+        let out = super::cuda::ops::cross_entropy_fwd(x, lx, t, lt).map_err(wrap)?;
         Ok((out, Shape::from((rows, 2))))
     }
 
@@ -224,7 +224,7 @@ impl CustomOp3 for CrossEntropyBwd {
         gl: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::cross_entropy_bwd(x, lx, t, lt, gl, lg).map_err(wrap)?;
+        let out = super::cuda::ops::cross_entropy_bwd(x, lx, t, lt, gl, lg).map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
 }
@@ -311,7 +311,7 @@ impl CustomOp3 for LayerNormOp {
             None => None,
         };
         let out =
-            crate::cuda::nn::layer_norm((x, lx), (w, lw), (third, l3), self.eps, self.dx, res)
+            super::cuda::ops::layer_norm((x, lx), (w, lw), (third, l3), self.eps, self.dx, res)
                 .map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
@@ -366,7 +366,7 @@ impl CustomOp2 for LayerNormDwDb {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::layer_norm_dwdb(x, lx, g, lg, self.eps).map_err(wrap)?;
+        let out = super::cuda::ops::layer_norm_dwdb(x, lx, g, lg, self.eps).map_err(wrap)?;
         Ok((out, Shape::from((2, last_dim(lx)))))
     }
 }

@@ -28,7 +28,7 @@ impl CustomOp1 for Gelu {
         x: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::gelu(x, l, None).map_err(wrap)?;
+        let out = super::cuda::ops::gelu(x, l, None).map_err(wrap)?;
         Ok((out, l.shape().clone()))
     }
 
@@ -73,33 +73,8 @@ impl CustomOp2 for GeluBwd {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn::gelu(x, lx, Some((g, lg))).map_err(wrap)?;
+        let out = super::cuda::ops::gelu(x, lx, Some((g, lg))).map_err(wrap)?;
         Ok((out, lx.shape().clone()))
-    }
-}
-
-/// The transpose of a 2-D tensor of codes (CUDA only; the CPU uses
-/// candle's copy).
-pub(super) struct Transpose2d;
-
-impl CustomOp1 for Transpose2d {
-    fn name(&self) -> &'static str {
-        "amp_transpose_2d"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("amp_transpose_2d: CUDA only")
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (rows, cols) = l.shape().dims2()?;
-        let out = crate::cuda::nn_layout::transpose_2d(s, l).map_err(wrap)?;
-        Ok((out, Shape::from((cols, rows))))
     }
 }
 
@@ -135,7 +110,7 @@ impl CustomOp2 for BiasAdd {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn_layout::bias_add(x, lx, b, lb).map_err(wrap)?;
+        let out = super::cuda::layout::bias_add(x, lx, b, lb).map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
 
@@ -173,7 +148,7 @@ impl CustomOp1 for ColSum {
         x: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::cuda::nn_layout::col_sum(x, l).map_err(wrap)?;
+        let out = super::cuda::layout::col_sum(x, l).map_err(wrap)?;
         Ok((out, Shape::from(last_dim(l))))
     }
 }

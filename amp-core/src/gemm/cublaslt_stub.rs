@@ -1,0 +1,16 @@
+//! The cuBLASLt GEMM of a build without the `cuda` feature: the same
+//! signature, answering [`Error::NotCompiled`]`("cuda")`.
+
+use crate::error::{Error, Result};
+use crate::scaling::tensor::ScalingTensor;
+use candle_core::{DType, Tensor};
+
+pub(crate) fn fp8_gemm(
+    _: &ScalingTensor,
+    _: &ScalingTensor,
+    _: DType,
+    _: bool,
+    _: super::Epilogue<'_>,
+) -> Result<Tensor> {
+    Err(Error::NotCompiled("cuda"))
+}

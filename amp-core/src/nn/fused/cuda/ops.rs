@@ -1,0 +1,381 @@
+//! Launches of the fused training ops (`kernels/nn.cu`): causal softmax,
+//! cross-entropy, LayerNorm and GELU, forward and backward. Inputs are
+//! contiguous F32 or BF16 rows (the callers in `nn::fused` make them so);
+//! nothing here reads anything back to the host.
+
+use super::nn_func;
+use crate::error::{Error, Result};
+pub(super) use crate::nn::fused::cpu::chunking;
+use crate::numerics::cuda::launch::{aligned, grid, view, THREADS};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::{DType, Layout};
+
+/// Rows per block of the warp-per-row kernels.
+const ROWS_PER_BLOCK: usize = THREADS as usize / 32;
+/// Threads of the block-per-row cross-entropy kernels (`CE_THREADS`).
+const CE_THREADS: u32 = 256;
+
+/// A float storage as a typed view, to `$body` with `$t` the element type.
+macro_rules! with_float {
+    ($op:expr, $s:expr, |$t:ident| $body:expr) => {
+        match $s.dtype() {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            got => Err(Error::DType {
+                op: $op,
+                expected: "F32 or BF16",
+                got,
+            }),
+        }
+    };
+}
+pub(super) use with_float;
+
+pub(super) fn suffix(d: DType) -> &'static str {
+    if d == DType::BF16 {
+        "bf16"
+    } else {
+        "f32"
+    }
+}
+
+/// Whether rows of `cols` elements of `T` and every base allow 16-byte loads.
+pub(super) fn vec_ok<T>(cols: usize, views: &[&CudaView<'_, T>], dev: &CudaDevice) -> i32 {
+    let pack = 16 / std::mem::size_of::<T>();
+    i32::from(cols % pack == 0 && views.iter().all(|v| aligned(v, dev)))
+}
+
+fn warp_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(ROWS_PER_BLOCK).max(1) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn block_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (CE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+pub(super) fn cols_i32(op: &'static str, cols: usize) -> Result<i32> {
+    i32::try_from(cols).map_err(|_| Error::Unsupported {
+        op,
+        what: format!("rows of {cols} elements"),
+    })
+}
+
+pub(super) fn store<T: CudaDType + DeviceRepr>(
+    s: candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
+    dev: &CudaDevice,
+) -> CudaStorage {
+    CudaStorage::wrap_cuda_slice(s, dev.clone())
+}
+
+/// `softmax(scale * s)` over the last dim with the causal mask (row `r` is
+/// query `r % cols`), or its backward `scale * p * (dp - sum(p dp))`.
+pub(crate) fn causal_softmax(
+    s: &CudaStorage,
+    ls: &Layout,
+    dp: Option<(&CudaStorage, &Layout)>,
+    scale: f32,
+) -> Result<CudaStorage> {
+    const OP: &str = "causal_softmax";
+    let dev = s.device().clone();
+    let cols = ls.dims().last().copied().unwrap_or(1);
+    let n = ls.shape().elem_count();
+    let rows = n / cols.max(1);
+    let c = cols_i32(OP, cols)?;
+    let stream = dev.cuda_stream();
+    with_float!(OP, s, |T| {
+        let sv = view::<T>(OP, s, ls)?;
+        // SAFETY: the kernel writes every element of every row.
+        let mut out = unsafe { dev.alloc::<T>(n)? };
+        match dp {
+            None => {
+                let vec = vec_ok(cols, &[&sv], &dev);
+                let f = nn_func(&dev, &format!("causal_softmax_fwd_{}", suffix(s.dtype())))?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&sv)
+                    .arg(&mut out)
+                    .arg(&rows)
+                    .arg(&c)
+                    .arg(&scale)
+                    .arg(&vec);
+                unsafe { b.launch(warp_rows(rows)) }.w()?;
+            }
+            Some((g, lg)) => {
+                let gv = view::<T>(OP, g, lg)?;
+                let vec = vec_ok(cols, &[&sv, &gv], &dev);
+                let f = nn_func(&dev, &format!("causal_softmax_bwd_{}", suffix(s.dtype())))?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&sv).arg(&gv).arg(&mut out).arg(&rows).arg(&c);
+                b.arg(&scale).arg(&vec);
+                unsafe { b.launch(warp_rows(rows)) }.w()?;
+            }
+        }
+        Ok(store(out, &dev))
+    })
+}
+
+/// Per row `[lse - x[t], lse]` (F32 `[rows, 2]`).
+pub(crate) fn cross_entropy_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let rows = lx.shape().elem_count() / cols.max(1);
+    let c = cols_i32(OP, cols)?;
+    let tv = view::<u32>(OP, t, lt)?;
+    let stream = dev.cuda_stream();
+    let mut out = unsafe { dev.alloc::<f32>(2 * rows)? };
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let vec = vec_ok(cols, &[&xv], &dev);
+        let f = nn_func(&dev, &format!("cross_entropy_fwd_{}", suffix(x.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&tv).arg(&mut out).arg(&c).arg(&vec);
+        unsafe { b.launch(block_rows(rows)) }.w()?;
+        Ok::<_, Error>(())
+    })?;
+    Ok(store(out, &dev))
+}
+
+/// `g * (softmax(x) - onehot(t))` per row, `gl` holding `[g, lse]` per row.
+pub(crate) fn cross_entropy_bwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+    gl: &CudaStorage,
+    lg: &Layout,
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy_bwd";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let rows = lx.shape().elem_count() / cols.max(1);
+    let c = cols_i32(OP, cols)?;
+    let tv = view::<u32>(OP, t, lt)?;
+    let gv = view::<f32>(OP, gl, lg)?;
+    let stream = dev.cuda_stream();
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(rows * cols)? };
+        let vec = vec_ok(cols, &[&xv], &dev);
+        let f = nn_func(&dev, &format!("cross_entropy_bwd_{}", suffix(x.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&tv).arg(&gv).arg(&mut out).arg(&c).arg(&vec);
+        unsafe { b.launch(block_rows(rows)) }.w()?;
+        Ok(store(out, &dev))
+    })
+}
+
+/// LayerNorm forward, `(x - mean) * rstd * w + third` per row, or with
+/// `dx` its input gradient for `third` = dy, plus `res` (x's shape and
+/// dtype: a residual's gradient) where given.
+pub(crate) fn layer_norm(
+    (x, lx): (&CudaStorage, &Layout),
+    (w, lw): (&CudaStorage, &Layout),
+    (third, l3): (&CudaStorage, &Layout),
+    eps: f32,
+    dx: bool,
+    res: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    const OP: &str = "layer_norm";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let n = lx.shape().elem_count();
+    let rows = n / cols.max(1);
+    let c = cols_i32(OP, cols)?;
+    let wv = view::<f32>(OP, w, lw)?;
+    let stream = dev.cuda_stream();
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(n)? };
+        let sfx = suffix(x.dtype());
+        if dx {
+            let gv = view::<T>(OP, third, l3)?;
+            let rv = match res {
+                Some((r, lr)) if lr.shape() == lx.shape() => Some(view::<T>(OP, r, lr)?),
+                Some((_, lr)) => {
+                    return Err(Error::Shape {
+                        op: OP,
+                        lhs: lx.shape().clone(),
+                        rhs: lr.shape().clone(),
+                    })
+                }
+                None => None,
+            };
+            let mut views = vec![&xv, &gv];
+            views.extend(rv.as_ref());
+            let vec = vec_ok(cols, &views, &dev);
+            // a null pointer where there is no residual gradient
+            let (rp, _guard) = match &rv {
+                Some(r) => {
+                    let (p, g) = r.device_ptr(&stream);
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
+            let f = nn_func(&dev, &format!("layer_norm_dx_{sfx}"))?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&wv)
+                .arg(&gv)
+                .arg(&rp)
+                .arg(&mut out)
+                .arg(&rows)
+                .arg(&c);
+            b.arg(&eps).arg(&vec);
+            unsafe { b.launch(warp_rows(rows)) }.w()?;
+        } else {
+            let bv = view::<f32>(OP, third, l3)?;
+            let vec = vec_ok(cols, &[&xv], &dev);
+            let f = nn_func(&dev, &format!("layer_norm_fwd_{sfx}"))?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&wv)
+                .arg(&bv)
+                .arg(&mut out)
+                .arg(&rows)
+                .arg(&c);
+            b.arg(&eps).arg(&vec);
+            unsafe { b.launch(warp_rows(rows)) }.w()?;
+        }
+        Ok(store(out, &dev))
+    })
+}
+
+/// LayerNorm weight and bias gradients, F32 `[2, cols]` (`dw`, then `db`):
+/// row statistics, per-chunk partial sums, then the chunks summed in order.
+pub(crate) fn layer_norm_dwdb(
+    x: &CudaStorage,
+    lx: &Layout,
+    dy: &CudaStorage,
+    ldy: &Layout,
+    eps: f32,
+) -> Result<CudaStorage> {
+    const OP: &str = "layer_norm_bwd";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let n = lx.shape().elem_count();
+    let rows = n / cols.max(1);
+    let c = cols_i32(OP, cols)?;
+    let (chunks, per_chunk) = chunking(rows);
+    let chunks_i = chunks as i32;
+    let stream = dev.cuda_stream();
+    // SAFETY: every element of each is written by the kernel that fills it.
+    let mut stats = unsafe { dev.alloc::<f32>(2 * rows.max(1))? };
+    let mut part = unsafe { dev.alloc::<f32>(2 * chunks * cols)? };
+    let mut out = unsafe { dev.alloc::<f32>(2 * cols)? };
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let gv = view::<T>(OP, dy, ldy)?;
+        let vec = vec_ok(cols, &[&xv], &dev);
+        let sfx = suffix(x.dtype());
+        let f = nn_func(&dev, &format!("layer_norm_stats_{sfx}"))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv)
+            .arg(&mut stats)
+            .arg(&rows)
+            .arg(&c)
+            .arg(&eps)
+            .arg(&vec);
+        unsafe { b.launch(warp_rows(rows)) }.w()?;
+        let f = nn_func(&dev, &format!("layer_norm_dwdb_part_{sfx}"))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv)
+            .arg(&gv)
+            .arg(&stats)
+            .arg(&mut part)
+            .arg(&rows)
+            .arg(&c);
+        b.arg(&per_chunk);
+        unsafe { b.launch(chunk_cfg(cols, chunks)) }.w()?;
+        Ok::<_, Error>(())
+    })?;
+    sum_chunks(&dev, "layer_norm_dwdb_sum", &part, &mut out, c, chunks_i)?;
+    Ok(store(out, &dev))
+}
+
+/// The partial-sum kernels' grid: 32 columns by one row chunk per block of
+/// (32, 8) threads.
+pub(super) fn chunk_cfg(cols: usize, chunks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The chunks' partials summed in order by `kernel` into `out`.
+pub(super) fn sum_chunks(
+    dev: &CudaDevice,
+    kernel: &str,
+    part: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    cols: i32,
+    chunks: i32,
+) -> Result<()> {
+    let f = nn_func(dev, kernel)?;
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
+    b.arg(part).arg(out).arg(&cols).arg(&chunks);
+    unsafe { b.launch(grid(&dev, cols as usize)?) }.w()?;
+    Ok(())
+}
+
+/// GELU (tanh form) of `x`, or with `dy` its backward `dy * gelu'(x)`.
+pub(crate) fn gelu(
+    x: &CudaStorage,
+    lx: &Layout,
+    dy: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    const OP: &str = "gelu";
+    let dev = x.device().clone();
+    let n = lx.shape().elem_count();
+    let stream = dev.cuda_stream();
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let pack = 16 / std::mem::size_of::<T>();
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(n)? };
+        match dy {
+            None => {
+                let vec = vec_ok(pack, &[&xv], &dev);
+                let f = nn_func(&dev, &format!("gelu_fwd_{}", suffix(x.dtype())))?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&xv).arg(&mut out).arg(&n).arg(&vec);
+                unsafe { b.launch(grid(&dev, n.div_ceil(pack))?) }.w()?;
+            }
+            Some((g, lg)) => {
+                let gv = view::<T>(OP, g, lg)?;
+                let vec = vec_ok(pack, &[&xv, &gv], &dev);
+                let f = nn_func(&dev, &format!("gelu_bwd_{}", suffix(x.dtype())))?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&xv).arg(&gv).arg(&mut out).arg(&n).arg(&vec);
+                unsafe { b.launch(grid(&dev, n.div_ceil(pack))?) }.w()?;
+            }
+        }
+        Ok(store(out, &dev))
+    })
+}

@@ -1,0 +1,79 @@
+//! A causal flash-attention problem's geometry: its sizes, its inputs' and
+//! output's shapes and strides, and the softmax scale. The attention op
+//! (`flash.rs`) builds it and the CUDA launcher (`cuda/flash.rs`) reads it.
+
+use candle_core::Shape;
+
+/// The head dimension the kernels are built for.
+pub(crate) const HEAD_DIM: usize = 64;
+
+/// A flash-attention problem: `b` x `heads` sequences of `t` rows; q, k, v
+/// packed side by side in one projection's rows `[b, t, 3 * heads * 64]`,
+/// or separate `[b, heads, t, 64]` tensors.
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Flash {
+    pub b: usize,
+    pub heads: usize,
+    pub t: usize,
+    pub packed: bool,
+}
+
+/// The kernels' arguments.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl Flash {
+    /// Columns of q (and of k, v, and of the output) per row.
+    pub(crate) fn width(&self) -> usize {
+        self.heads * HEAD_DIM
+    }
+
+    /// Rows of all (batch, head) sequences.
+    pub(crate) fn rows(&self) -> usize {
+        self.b * self.heads * self.t
+    }
+
+    /// `1 / sqrt(head_dim)`.
+    pub(crate) fn scale(&self) -> f32 {
+        1.0 / (HEAD_DIM as f32).sqrt()
+    }
+
+    /// (batch, head, row) strides of q, k, v in elements.
+    pub(crate) fn in_strides(&self) -> [i64; 3] {
+        let w = self.width() as i64;
+        let (t, d) = (self.t as i64, HEAD_DIM as i64);
+        if self.packed {
+            [t * 3 * w, d, 3 * w]
+        } else {
+            [self.heads as i64 * t * d, t * d, d]
+        }
+    }
+
+    /// (batch, head, row) strides of the output (and of its gradient).
+    pub(crate) fn out_strides(&self) -> [i64; 3] {
+        let (t, d) = (self.t as i64, HEAD_DIM as i64);
+        if self.packed {
+            [t * self.width() as i64, d, self.width() as i64]
+        } else {
+            [self.heads as i64 * t * d, t * d, d]
+        }
+    }
+
+    /// The shape of the input (one packed, or each of q, k, v).
+    pub(crate) fn in_shape(&self) -> Shape {
+        if self.packed {
+            Shape::from((self.b, self.t, 3 * self.width()))
+        } else {
+            Shape::from((self.b, self.heads, self.t, HEAD_DIM))
+        }
+    }
+
+    /// The shape of the output: rows `[b, t, heads * 64]` packed, heads
+    /// otherwise.
+    pub(crate) fn out_shape(&self) -> Shape {
+        if self.packed {
+            Shape::from((self.b, self.t, self.width()))
+        } else {
+            Shape::from((self.b, self.heads, self.t, HEAD_DIM))
+        }
+    }
+}

@@ -1,0 +1,906 @@
+//! `amp::nn::Linear`: a drop-in for `candle_nn::Linear` whose matrix
+//! products run in FP8 inside an [`fp8_autocast`](super::fp8_autocast) scope.
+//!
+//! One concept in this file: the layer, its constructors (from tensors, a
+//! weight slot or a `VarBuilder`), and its forward paths: the checks, the
+//! native path, the FP8 path through its autograd op ([`op`]), and the
+//! fused forms that take a LayerNorm before, GELU on the input or a
+//! residual after into that op. The op's backward is in `op.rs`; the
+//! per-layer scaling state (TE's `fp8_meta`) in `layer_scaling.rs`; the
+//! table that finds a layer again from its weight in `registry.rs`.
+
+mod layer_scaling;
+pub(crate) mod op;
+mod registry;
+
+use super::fused::{Handoff, ResidualGrad};
+use super::mode::{current_mode, current_step, ComputeMode};
+use super::norm::LayerNorm;
+use super::precomputed::Precomputed;
+use crate::error::{Error, Result};
+use crate::gemm::{fp8_gemm_fused, fp8_gemm_with, Epilogue};
+use crate::scaling::flag::flagged_by_amax;
+use crate::scaling::sink::GradSink;
+use crate::scaling::weight::{Weight, WeightSlot};
+use candle_core::{DType, Module, Tensor, TensorId, Var};
+use layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
+use op::{Fp8LinearOp, Plan, Saved};
+use registry::LinearParts;
+use std::sync::{Arc, Mutex};
+
+pub use layer_scaling::LayerScaling;
+
+/// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.
+///
+/// Outside an FP8 scope (or with a native mode) an F32 weight runs candle's
+/// own matmul. In an FP8 mode: fprop casts the input and weight to E4M3
+/// (forward format), dgrad and wgrad cast the output gradient to the
+/// backward format (E5M2 under HYBRID), each GEMM accumulates in f32; the
+/// input is kept for backward as FP8 only. The weight gradient goes to the
+/// layer's [`GradSink`] as E4M3 if one is set, else to candle's `GradStore`.
+///
+/// ```
+/// use amp_core::nn::{self, fp8_autocast, ComputeMode};
+/// use amp_core::CurrentScaling;
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let layer = nn::linear(64, 32, vb.pp("fc"))?;
+/// let x = Tensor::randn(0f32, 1.0, (8, 64), &Device::Cpu)?;
+/// let native = layer.forward(&x)?;
+/// let fp8 = {
+///     let _scope = fp8_autocast(true, ComputeMode::Fp8Current(CurrentScaling::default()));
+///     layer.forward(&x)?
+/// };
+/// let rel = ((&fp8 - &native)?.sqr()?.sum_all()?.to_scalar::<f32>()?
+///     / native.sqr()?.sum_all()?.to_scalar::<f32>()?).sqrt();
+/// assert!(rel < 0.1, "{rel}");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub(super) name: String,
+    pub(super) weight: WeightSlot,
+    pub(super) bias: Option<Tensor>,
+    pub(super) scaling: SharedScaling,
+    pub(super) sink: Arc<Mutex<Option<GradSink>>>,
+    pub(super) saved_bytes: Arc<Mutex<usize>>,
+    pub(super) high_precision: Arc<std::sync::atomic::AtomicBool>,
+    pub(super) casts: LastCasts,
+}
+
+impl Linear {
+    /// A layer over an existing weight `[out, in]` (a `Var`'s tensor keeps
+    /// its identity, so candle's `GradStore` finds it) and optional bias.
+    /// `name` names the weight in sinks and reports (`<prefix>.weight`).
+    ///
+    /// # Errors
+    /// [`Error::Rank`] unless the weight is 2-D.
+    pub fn new(name: impl Into<String>, weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        if weight.rank() != 2 {
+            return Err(Error::Rank {
+                op: "Linear::new",
+                expected: 2,
+                got: weight.shape().clone(),
+            });
+        }
+        if weight.is_variable() {
+            // A second layer over the same Var shares the first one's slot,
+            // scaling state, sink and name: one weight, one storage.
+            if let Some(mut existing) = registered_linear(weight.id()) {
+                existing.bias = bias;
+                return Ok(existing);
+            }
+            let layer = Self::from_slot(
+                name,
+                WeightSlot::new(Weight::F32(Var::from_tensor(&weight)?)),
+                bias,
+            );
+            registry::register(weight.id(), layer.parts());
+            return Ok(layer);
+        }
+        Ok(Self::from_slot(
+            name,
+            WeightSlot::new(Weight::F32(Var::from_tensor(&weight)?)),
+            bias,
+        ))
+    }
+
+    fn parts(&self) -> LinearParts {
+        LinearParts {
+            name: self.name.clone(),
+            weight: self.weight.downgrade(),
+            scaling: Arc::downgrade(&self.scaling),
+            sink: Arc::downgrade(&self.sink),
+            saved_bytes: Arc::downgrade(&self.saved_bytes),
+            high_precision: Arc::downgrade(&self.high_precision),
+            casts: Arc::downgrade(&self.casts),
+        }
+    }
+
+    /// The layer again from its registered parts (without its bias, which
+    /// lives in the `VarMap`).
+    pub(crate) fn from_parts(p: &LinearParts) -> Option<Self> {
+        Some(Self {
+            name: p.name.clone(),
+            weight: WeightSlot::from_arc(p.weight.upgrade()?),
+            bias: None,
+            scaling: p.scaling.upgrade()?,
+            sink: p.sink.upgrade()?,
+            saved_bytes: p.saved_bytes.upgrade()?,
+            high_precision: p.high_precision.upgrade()?,
+            casts: p.casts.upgrade()?,
+        })
+    }
+
+    /// A layer over a shared weight slot (any storage).
+    pub fn from_slot(name: impl Into<String>, weight: WeightSlot, bias: Option<Tensor>) -> Self {
+        Self {
+            name: name.into(),
+            weight,
+            bias,
+            scaling: Arc::default(),
+            sink: Arc::default(),
+            saved_bytes: Arc::default(),
+            high_precision: Arc::default(),
+            casts: Arc::default(),
+        }
+    }
+
+    /// The weight's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The weight slot (shared: the levels engine converts its storage).
+    pub fn weight_slot(&self) -> &WeightSlot {
+        &self.weight
+    }
+
+    /// The bias.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Sends this layer's weight gradients to `sink` (or, with `None`, to
+    /// candle's `GradStore`).
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn set_grad_sink(&self, sink: Option<GradSink>) -> Result<()> {
+        *self.sink.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::set_grad_sink",
+        })? = sink;
+        Ok(())
+    }
+
+    /// Keeps this layer out of FP8 (the output head, say): it computes
+    /// natively inside any scope.
+    pub fn set_high_precision(&self, on: bool) {
+        self.high_precision
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the layer is kept out of FP8.
+    pub fn is_high_precision(&self) -> bool {
+        self.high_precision
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The delayed-scaling state (input, weight, output-gradient metas), once
+    /// a delayed-scaling forward has run.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn scaling_state(&self) -> Result<Option<LayerScaling>> {
+        Ok(self
+            .scaling
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::scaling_state",
+            })?
+            .clone())
+    }
+
+    /// What the layer's last FP8 casts of its input, weight and output
+    /// gradient saturated and flushed (any FP8 mode; `None` for a role not
+    /// cast yet). A host read: telemetry, not for the training step.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`]; candle's.
+    pub fn last_cast_stats(&self) -> Result<[Option<crate::CastStats>; 3]> {
+        let casts = self
+            .casts
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::last_cast_stats",
+            })?
+            .clone();
+        let mut out = [None; 3];
+        for (o, m) in out.iter_mut().zip(casts.iter()) {
+            if let Some(m) = m {
+                *o = m.last_cast_stats()?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces the delayed-scaling state (checkpoints).
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn set_scaling_state(&self, state: Option<LayerScaling>) -> Result<()> {
+        *self.scaling.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::set_scaling_state",
+        })? = state;
+        Ok(())
+    }
+
+    /// Bytes this layer kept for backward in its last forward (input and
+    /// weight as saved, scales included); 0 after a native forward of an F32
+    /// weight, whose saved tensors are candle's.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn saved_bytes(&self) -> Result<usize> {
+        Ok(*self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::saved_bytes",
+        })?)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.try_forward(x).map_err(candle_core::Error::wrap)
+    }
+}
+
+// The forward pass of `amp::nn::Linear`: checks, the native path, and the
+// FP8 path through the autograd op.
+
+impl Linear {
+    fn check_input(&self, x: &Tensor, in_dim: usize) -> Result<()> {
+        const OP: &str = "Linear::forward";
+        if !x.dtype().is_float() {
+            return Err(Error::DType {
+                op: OP,
+                expected: "a float dtype",
+                got: x.dtype(),
+            });
+        }
+        if x.rank() == 0 || x.dims()[x.rank() - 1] != in_dim {
+            return Err(Error::Shape {
+                op: OP,
+                lhs: x.shape().clone(),
+                rhs: (in_dim,).into(),
+            });
+        }
+        if !x.device().same_device(self.weight.read()?.device()) {
+            return Err(Error::Device {
+                op: OP,
+                lhs: x.device().location(),
+                rhs: self.weight.read()?.device().location(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The weight, its output width and the compute mode for input `x`,
+    /// after checking `x` against the weight: where every forward starts.
+    pub(super) fn prepare(&self, x: &Tensor) -> Result<(Weight, usize, ComputeMode)> {
+        let weight = self.weight.read()?.clone();
+        let (out_dim, in_dim) = weight.shape().dims2()?;
+        self.check_input(x, in_dim)?;
+        Ok((weight, out_dim, self.mode()))
+    }
+
+    /// The compute mode now: native for a high-precision layer, else the
+    /// scope's.
+    pub(super) fn mode(&self) -> ComputeMode {
+        if self.is_high_precision() {
+            ComputeMode::Native
+        } else {
+            current_mode()
+        }
+    }
+
+    /// Whether the layer runs its own op in `mode` (FP8 modes, low-bit
+    /// weights) rather than candle's ops (native compute, F32 weight).
+    pub(super) fn own_op(mode: &ComputeMode, weight: &Weight) -> bool {
+        !matches!((mode, weight), (ComputeMode::Native, Weight::F32(_)))
+    }
+
+    /// The forward pass; see the type's docs.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the input's last dimension is not `in`,
+    /// [`Error::DType`] for a non-float input, [`Error::Device`] when input
+    /// and weight are on different devices, [`Error::Unsupported`] for a
+    /// low-bit weight without a gradient sink.
+    pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (weight, out_dim, mode) = self.prepare(x)?;
+        let y = match (&mode, &weight) {
+            (ComputeMode::Native, Weight::F32(var)) => {
+                *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+                    op: "Linear::forward",
+                })? = 0;
+                // Native compute: BF16 on CUDA (the O0 baseline on the GPU,
+                // as PyTorch autocast), the input's dtype elsewhere.
+                let compute = if x.device().is_cuda() && x.dtype() == DType::F32 {
+                    DType::BF16
+                } else {
+                    x.dtype()
+                };
+                let w = var.as_tensor().to_dtype(compute)?;
+                x.to_dtype(compute)?
+                    .broadcast_matmul(&w.t()?)?
+                    .to_dtype(x.dtype())?
+            }
+            // the op adds the bias itself
+            _ => return self.scaled_forward(x, &weight, &mode, out_dim, OpFuse::default()),
+        };
+        match &self.bias {
+            Some(b) => super::fused::bias_add(&y, b),
+            None => Ok(y),
+        }
+    }
+
+    /// Forward through the custom op (FP8 mode, or a low-bit weight in
+    /// native mode). The op takes `x` as it is (any rank) and flattens it
+    /// inside, so the graph holds one node, not two reshapes around it;
+    /// with `gelu` the op's input is GELU's input (see
+    /// [`forward_gelu`](Self::forward_gelu)).
+    pub(super) fn scaled_forward(
+        &self,
+        x_nd: &Tensor,
+        weight: &Weight,
+        mode: &ComputeMode,
+        out_dim: usize,
+        fuse: OpFuse<'_>,
+    ) -> Result<Tensor> {
+        let OpFuse {
+            gelu,
+            residual,
+            handoff,
+            hand_out,
+            residual_grad,
+        } = fuse;
+        // the op's first argument in the graph: x, or the token standing for it
+        let (arg0, handoff) = match handoff {
+            Some((token, h)) => (token, Some(h)),
+            None => (x_nd.clone(), None),
+        };
+        let in_dim = x_nd.dim(candle_core::D::Minus1)?;
+        let mut out_dims = x_nd.dims().to_vec();
+        let last = out_dims.len() - 1;
+        out_dims[last] = out_dim;
+        let x = &x_nd.detach().reshape(((), in_dim))?.contiguous()?;
+        // with a handed input the op keeps GELU's input itself (its graph
+        // argument is a token)
+        let gelu_z = (gelu && handoff.is_some()).then(|| x.clone());
+        let x = &if gelu {
+            super::fused::gelu_detached(x)?
+        } else {
+            x.clone()
+        };
+        let sink = self
+            .sink
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::forward",
+            })?
+            .clone();
+        // The residual goes into the op where the weight's gradient goes to
+        // the sink (the residual takes the weight's argument slot) and it is
+        // tracked (else the op might not be built, and the sink not fed);
+        // otherwise it is added after the op.
+        let (residual, residual_after) = match residual {
+            Some(r) if sink.is_some() && r.track_op() => (Some(r), None),
+            r => (None, r),
+        };
+        // the residual's gradient to a LayerNorm reading the same tensor
+        let residual_grad = match (residual, residual_grad) {
+            (Some(_), Some(rg)) if rg.attach_writer()? => Some(rg),
+            _ => None,
+        };
+        if sink.is_none() && !matches!(weight, Weight::F32(_)) {
+            return Err(Error::Unsupported {
+                op: "Linear::forward",
+                what: format!(
+                    "`{}` has a {} weight but no gradient sink",
+                    self.name,
+                    weight.kind()
+                ),
+            });
+        }
+        let (scaling, fprop, dgrad, wgrad, fmt) = match mode {
+            ComputeMode::Native => (
+                Scaling::Current(Default::default()),
+                false,
+                false,
+                false,
+                Default::default(),
+            ),
+            ComputeMode::Fp8Current(r) => {
+                (Scaling::Current(r.clone()), true, true, true, r.fp8_format)
+            }
+            ComputeMode::Fp8Delayed(r) => {
+                let o = r.override_linear_precision;
+                (
+                    Scaling::Delayed(r.clone()),
+                    !o.fprop,
+                    !o.dgrad,
+                    !o.wgrad,
+                    r.fp8_format,
+                )
+            }
+        };
+        let step = current_step();
+        let fwd = fmt.forward();
+        // Native copies where a GEMM runs natively.
+        let w_native = || -> Result<Tensor> { Ok(weight.master_f32()?.to_dtype(x.dtype())?) };
+        // With dgrad in FP8, the weight's cast also writes Wᵀ (dgrad's
+        // K-major operand); with wgrad, x's writes xᵀ: each is kept for
+        // backward in place of the row-major codes (same bytes), so the
+        // backward GEMMs need no transpose.
+        let (wq, wq_t) = if fprop || dgrad {
+            match weight {
+                // O3: the stored FP8 copy is the GEMM operand as it is.
+                Weight::Fp8 { weight: w8, .. } | Weight::Fp8Gathered(w8)
+                    if w8.qtype() == fwd.into() =>
+                {
+                    (Some(w8.clone()), None)
+                }
+                _ => {
+                    let source = match weight {
+                        Weight::F32(var) => Source::Tensor(var.as_tensor()),
+                        Weight::F16(t) | Weight::Fp8 { master: t, .. } | Weight::Fp8Gathered(t) => {
+                            Source::Scaled(t)
+                        }
+                    };
+                    let (q, qt) = cast(
+                        source,
+                        fwd,
+                        &scaling,
+                        &self.scaling,
+                        Role::Weight,
+                        step,
+                        &self.casts,
+                        dgrad,
+                    )?;
+                    (Some(q), qt)
+                }
+            }
+        } else {
+            (None, None)
+        };
+        let (xq, xq_t) = if fprop || wgrad {
+            let (q, qt) = cast(
+                Source::Tensor(x),
+                fwd,
+                &scaling,
+                &self.scaling,
+                Role::Input,
+                step,
+                &self.casts,
+                wgrad,
+            )?;
+            (Some(q), qt)
+        } else {
+            (None, None)
+        };
+        // `in_gemm`: the bias and the op's residual were added in the GEMM's
+        // epilogue (BF16 activations: the bias as BF16, which cuBLASLt
+        // takes, both before the output's one rounding).
+        let (y, in_gemm) = match (&xq, &wq) {
+            // A saturating cast hides inf: a non-finite input amax makes the
+            // output NaN, never silently finite; the flag rides in x's
+            // scale_inv (flag.rs).
+            (Some(xq), Some(wq)) if fprop => {
+                let xq = flagged_by_amax(xq)?;
+                // Fast accumulation in fprop, as Transformer Engine.
+                if x.dtype() == DType::BF16 && (self.bias.is_some() || residual.is_some()) {
+                    let bias = match &self.bias {
+                        Some(b) => Some(b.detach().reshape(out_dim)?.to_dtype(DType::BF16)?),
+                        None => None,
+                    };
+                    let res = match residual {
+                        Some(r) => Some(r.detach().reshape(((), out_dim))?),
+                        None => None,
+                    };
+                    let epi = Epilogue {
+                        bias: bias.as_ref(),
+                        residual: res.as_ref(),
+                    };
+                    (fp8_gemm_fused(&xq, wq, DType::BF16, true, epi)?, true)
+                } else {
+                    (fp8_gemm_with(&xq, wq, x.dtype(), true)?, false)
+                }
+            }
+            _ => (x.matmul(&w_native()?.t()?)?, false),
+        };
+        let x_saved = match (xq, xq_t) {
+            (_, Some(xt)) if wgrad => Saved::Fp8T(xt),
+            (Some(xq), None) if wgrad => Saved::Fp8(xq),
+            _ => Saved::Native(x.clone()),
+        };
+        let w_saved = match (wq, wq_t) {
+            (_, Some(wt)) if dgrad => Saved::Fp8T(wt),
+            (Some(wq), None) if dgrad => Saved::Fp8(wq),
+            _ => Saved::Native(w_native()?),
+        };
+        *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::forward",
+        })? = x_saved.nbytes() + w_saved.nbytes();
+        // The op's second argument: the weight's Var when its gradient goes
+        // to candle's GradStore; otherwise a tracked one-element placeholder,
+        // so candle runs the backward (and feeds the sink) even when `x` is
+        // plain data, as for the first layer of a model.
+        let w_arg = match (weight, residual) {
+            (Weight::F32(var), _) if sink.is_none() => var.as_tensor().clone(),
+            // with a sink the residual takes the weight's place
+            (_, Some(r)) => r.clone(),
+            _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
+        };
+        // without a bias the weight argument stands in (its third gradient
+        // is never returned), so no placeholder is allocated per forward
+        let b_arg = self.bias.clone().unwrap_or_else(|| w_arg.clone());
+        let tracked = arg0.track_op() || w_arg.track_op() || b_arg.track_op();
+        // The bias is added in one pass and its gradient (a column sum of
+        // dy) comes from the op's backward: no graph node holds the product
+        // without the bias. Where the bias kernel takes it, the op's
+        // forward adds bias (and residual) into the storage it returns,
+        // rather than copying a finished output into it.
+        let epilogue = tracked
+            && !in_gemm
+            && hand_out.is_none()
+            && self
+                .bias
+                .as_ref()
+                .is_some_and(|b| super::fused::bias_kernel_takes(&y, b));
+        let y = if in_gemm {
+            y.reshape(out_dims.clone())?
+        } else if epilogue {
+            y
+        } else {
+            let y = match &self.bias {
+                Some(b) => super::fused::bias_add_detached(&y, b)?,
+                None => y,
+            };
+            let y = y.reshape(out_dims.clone())?;
+            match residual {
+                Some(r) => (r.detach() + y)?,
+                None => y,
+            }
+        };
+        let hand_out = hand_out.map(|(h, slot)| {
+            *slot = Some(y.clone());
+            h
+        });
+        if !tracked {
+            return Ok(match residual_after {
+                Some(r) => (r + y)?,
+                None => y,
+            });
+        }
+        let op = Fp8LinearOp {
+            y: Precomputed::new("amp_fp8_linear", y),
+            epilogue,
+            out_shape: out_dims.into(),
+            has_bias: self.bias.is_some(),
+            gelu,
+            gelu_z,
+            residual: residual.is_some(),
+            residual_grad,
+            handoff,
+            hand_out,
+            x_shape: x_nd.shape().clone(),
+            x_saved,
+            w_saved,
+            plan: Plan {
+                dgrad,
+                wgrad,
+                bwd_format: fmt.backward(),
+                scaling,
+            },
+            state: self.scaling.clone(),
+            casts: self.casts.clone(),
+            step,
+            sink,
+            name: self.name.clone(),
+            x_dtype: x.dtype(),
+            w_dtype: w_arg.dtype(),
+        };
+        let y = arg0.apply_op3(&w_arg, &b_arg, op)?;
+        match residual_after {
+            Some(r) => Ok((r + y)?),
+            None => Ok(y),
+        }
+    }
+}
+
+// `Linear::forward_with`: the layer with its neighbours (a LayerNorm
+// before, GELU on its input, a residual after) applied inside its op, and
+// the crate's handing of tensors to and from it (`fused::Handoff`).
+
+/// A handed tensor's token and its handoff.
+type Handed = (Tensor, Handoff);
+
+/// What [`Linear::forward_with`] applies inside the layer's op.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fuse<'a> {
+    /// GELU (tanh form) on the input: the layer computes `gelu(x) Wᵀ + b`.
+    pub gelu: bool,
+    /// A tensor added to the output (a residual stream).
+    pub residual: Option<&'a Tensor>,
+    /// A LayerNorm on the input first (TE's `LayerNormLinear`): its output
+    /// goes to the Linear's op outside candle's graph (the graph carries a
+    /// one-element token), so it is neither kept until backward nor given
+    /// a zero-filled gradient; the LayerNorm's parameters get their
+    /// gradients as usual. Not combined with `gelu` (then the parts run in
+    /// sequence).
+    pub norm: Option<&'a LayerNorm>,
+}
+
+/// What the op applies, as [`scaled_forward`](Linear::scaled_forward)
+/// takes it: `x` is the op's value; with `handoff` the graph carries its
+/// token instead.
+#[derive(Default)]
+pub(super) struct OpFuse<'a> {
+    pub gelu: bool,
+    pub residual: Option<&'a Tensor>,
+    pub handoff: Option<Handed>,
+    /// Hand the output on: the op's graph output is a token, the output
+    /// itself is left in the slot; the op's backward takes its gradient
+    /// from the handoff.
+    pub hand_out: Option<(Handoff, &'a mut Option<Tensor>)>,
+    /// Where the op that takes `residual` leaves its gradient for the
+    /// LayerNorm handoff reading the same tensor (see `ResidualGrad`).
+    pub residual_grad: Option<ResidualGrad>,
+}
+
+impl Linear {
+    /// A residual must have the output's shape and the input's dtype.
+    fn check_residual(&self, x: &Tensor, out_dim: usize, residual: Option<&Tensor>) -> Result<()> {
+        if let Some(r) = residual {
+            let mut dims = x.dims().to_vec();
+            if let Some(last) = dims.last_mut() {
+                *last = out_dim;
+            }
+            if r.dims() != dims.as_slice() {
+                return Err(Error::Shape {
+                    op: "Linear::forward_with",
+                    lhs: dims.into(),
+                    rhs: r.shape().clone(),
+                });
+            }
+            if r.dtype() != x.dtype() {
+                return Err(Error::DType {
+                    op: "Linear::forward_with",
+                    expected: "a residual of the input's dtype",
+                    got: r.dtype(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// LayerNorm of `x` for the op: handed (`(out, Some((token, handoff)))`)
+    /// where `hand` holds and the LayerNorm can hand it, else run in the
+    /// graph (`(out, None)`).
+    fn normed(
+        norm: Option<&LayerNorm>,
+        x: &Tensor,
+        hand: bool,
+        res_grad: Option<ResidualGrad>,
+    ) -> Result<(Option<Tensor>, Option<Handed>)> {
+        let Some(ln) = norm else {
+            return Ok((None, None));
+        };
+        if hand {
+            if let Some((out, token, h)) = ln.try_handoff(x, res_grad)? {
+                return Ok((Some(out), Some((token, h))));
+            }
+        }
+        Ok((Some(ln.try_forward(x)?), None))
+    }
+
+    /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]); see
+    /// [`forward_with`](Self::forward_with).
+    ///
+    /// [`fused::gelu`]: super::fused::gelu
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward).
+    pub fn forward_gelu(&self, z: &Tensor) -> Result<Tensor> {
+        self.forward_with(
+            z,
+            Fuse {
+                gelu: true,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// The layer with `fuse`'s neighbours applied inside its op:
+    /// `residual + self.forward(&gelu(x))` (each part optional). With
+    /// `gelu`, wherever the layer runs its own op (FP8 modes, low-bit
+    /// weights) GELU's output is no graph tensor: candle neither keeps it
+    /// until backward (only the FP8 codes the GEMMs take are kept) nor
+    /// zero-fills and adds a gradient for it, and the op's backward applies
+    /// GELU's backward to dgrad. With `residual` (same shape and dtype as
+    /// the output), where the weight's gradient goes to a sink (O1-O3) and
+    /// the residual is tracked, the sum is the op's output and the residual
+    /// its second argument, whose gradient is the output's: no add node, whose inputs candle would
+    /// keep and whose second gradient it would zero-fill and add. The
+    /// output and gradients have the values of the parts in sequence (the
+    /// same kernels in the same order; `r + y` is `y + r`), except that
+    /// with BF16 activations in an FP8 mode the residual is added in the
+    /// GEMM's epilogue ([`fp8_gemm_fused`](crate::fp8_gemm_fused)) before
+    /// the output's one rounding, where the parts round the product first:
+    /// the two differ by that second rounding. Elsewhere (native compute
+    /// with an F32 weight, no sink for the residual) the parts run in
+    /// sequence.
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
+    /// [`Error::DType`] for a residual unlike the output.
+    pub fn forward_with(&self, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
+        let (weight, out_dim, mode) = self.prepare(x)?;
+        self.check_residual(x, out_dim, fuse.residual)?;
+        let own_op = Self::own_op(&mode, &weight);
+        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu, None)?;
+        let x = normed.as_ref().unwrap_or(x);
+        // the op decides whether it takes the residual (it adds it outside
+        // itself where it cannot)
+        let y = match (own_op, fuse.gelu) {
+            (true, _) => {
+                let op_fuse = OpFuse {
+                    gelu: fuse.gelu,
+                    residual: fuse.residual,
+                    handoff,
+                    hand_out: None,
+                    residual_grad: None,
+                };
+                return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
+            }
+            (false, true) => self.try_forward(&super::fused::gelu(x)?)?,
+            (false, false) => self.try_forward(x)?,
+        };
+        match fuse.residual {
+            Some(r) => Ok((r + y)?),
+            None => Ok(y),
+        }
+    }
+
+    /// Whether the layer runs its own op in the current mode (FP8 modes,
+    /// low-bit weights): the condition for handing tensors to and from it.
+    pub(crate) fn runs_own_op(&self) -> Result<bool> {
+        Ok(Self::own_op(&self.mode(), &*self.weight.read()?))
+    }
+
+    /// [`forward_with`](Self::forward_with) whose output is handed on:
+    /// `(out, token, handoff)` (see `fused::Handoff`); a handed LayerNorm
+    /// adds `res_grad`'s gradient (see `ResidualGrad`) to its input's. The
+    /// caller checks [`runs_own_op`](Self::runs_own_op) first.
+    pub(crate) fn forward_handing(
+        &self,
+        x: &Tensor,
+        fuse: Fuse<'_>,
+        res_grad: Option<ResidualGrad>,
+    ) -> Result<(Tensor, Tensor, Handoff)> {
+        let (weight, out_dim, mode) = self.prepare(x)?;
+        if fuse.gelu || fuse.residual.is_some() {
+            return Err(Error::Unsupported {
+                op: "Linear::forward_handing",
+                what: "GELU or a residual on a handed-on output".into(),
+            });
+        }
+        let (normed, handoff) = Self::normed(fuse.norm, x, true, res_grad)?;
+        let x = normed.as_ref().unwrap_or(x);
+        let out = Handoff::default();
+        let mut value = None;
+        let op_fuse = OpFuse {
+            handoff,
+            hand_out: Some((out.clone(), &mut value)),
+            ..Default::default()
+        };
+        let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
+        let value = value.ok_or(Error::Unsupported {
+            op: "Linear::forward_handing",
+            what: "no output handed".into(),
+        })?;
+        Ok((value, token, out))
+    }
+
+    /// The layer on a tensor handed from another op (`token` stands for
+    /// `x` in the graph, `from` takes its gradient), GELU on it and
+    /// `residual` added as in [`forward_with`](Self::forward_with), its
+    /// gradient left in `res_grad` where a reader is attached (see
+    /// `ResidualGrad`); the caller checks [`runs_own_op`](Self::runs_own_op)
+    /// first.
+    pub(crate) fn forward_from(
+        &self,
+        x: &Tensor,
+        (token, from): Handed,
+        gelu: bool,
+        residual: Option<&Tensor>,
+        res_grad: Option<ResidualGrad>,
+    ) -> Result<Tensor> {
+        let (weight, out_dim, mode) = self.prepare(x)?;
+        self.check_residual(x, out_dim, residual)?;
+        let op_fuse = OpFuse {
+            gelu,
+            residual,
+            handoff: Some((token, from)),
+            residual_grad: res_grad,
+            ..Default::default()
+        };
+        self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)
+    }
+}
+
+// Building Linear layers from a `VarBuilder`, as `candle_nn::linear` does.
+
+/// A linear layer with bias from a `VarBuilder`, initialized as
+/// `candle_nn::linear` (weight `<prefix>.weight`, bias `<prefix>.bias`).
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    linear_b(in_dim, out_dim, true, vb)
+}
+
+/// [`linear`] without bias.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    linear_b(in_dim, out_dim, false, vb)
+}
+
+/// [`linear`] with or without bias.
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn linear_b(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: candle_nn::VarBuilder,
+) -> Result<Linear> {
+    let w = vb.get_with_hints(
+        (out_dim, in_dim),
+        "weight",
+        candle_nn::init::DEFAULT_KAIMING_NORMAL,
+    )?;
+    let b = if bias {
+        let bound = 1.0 / (in_dim as f64).sqrt();
+        Some(vb.get_with_hints(
+            out_dim,
+            "bias",
+            candle_nn::Init::Uniform {
+                lo: -bound,
+                up: bound,
+            },
+        )?)
+    } else {
+        None
+    };
+    let name = if vb.prefix().is_empty() {
+        "weight".to_string()
+    } else {
+        format!("{}.weight", vb.prefix())
+    };
+    Linear::new(name, w, b)
+}
+
+/// The Linear layer built from the `Var` with this tensor id, if it lives.
+pub fn registered_linear(id: TensorId) -> Option<Linear> {
+    registry::table()
+        .lock()
+        .ok()?
+        .get(&id)
+        .and_then(Linear::from_parts)
+}

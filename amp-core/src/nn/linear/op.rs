@@ -1,0 +1,329 @@
+//! The FP8 Linear as a candle op with its own backward: fprop, dgrad and
+//! wgrad in FP8 (or natively where overridden), the input saved as FP8,
+//! the weight gradient handed to a sink or to candle's `GradStore`.
+
+use crate::error::{Error, Result};
+use crate::gemm::fp8_gemm;
+use crate::nn::fused::BiasAdd;
+use crate::nn::precomputed::Precomputed;
+use crate::numerics::format::Fp8Format;
+use crate::numerics::recipe::CurrentScaling;
+use crate::scaling::flag::flagged_by_amax;
+use crate::scaling::sink::GradSink;
+use crate::scaling::tensor::ScalingTensor;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Storage};
+use candle_core::{CustomOp3, DType, Tensor};
+
+pub(crate) use super::layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
+
+/// A tensor kept for backward: FP8, or native where that GEMM is overridden.
+#[derive(Debug, Clone)]
+pub(crate) enum Saved {
+    Fp8(ScalingTensor),
+    /// FP8, kept transposed (the cast-transpose's second output): the
+    /// K-major operand its backward GEMM takes.
+    Fp8T(ScalingTensor),
+    Native(Tensor),
+}
+
+impl Saved {
+    pub(crate) fn nbytes(&self) -> usize {
+        match self {
+            Self::Fp8(t) | Self::Fp8T(t) => t.nbytes(),
+            Self::Native(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+}
+
+/// Which GEMMs run in FP8, with which formats and scaling.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub dgrad: bool,
+    pub wgrad: bool,
+    pub bwd_format: Fp8Format,
+    pub scaling: Scaling,
+}
+
+/// The autograd node. Its forward returns the output computed before the op
+/// was applied (candle's custom ops compute on storages; ours on tensors).
+pub(crate) struct Fp8LinearOp {
+    /// The output; with `epilogue`, the product before bias and residual.
+    pub y: Precomputed,
+    /// The forward adds bias (and the residual, with `residual`) to `y`
+    /// into the storage it returns (see [`Fp8LinearOp::epilogue`]).
+    pub epilogue: bool,
+    /// The output's shape (`x`'s with the last dimension `out`).
+    pub out_shape: candle_core::Shape,
+    /// Whether the third argument is a bias (else a placeholder).
+    pub has_bias: bool,
+    /// The op's input is GELU's: the GEMMs take `gelu(x)`, and dgrad goes
+    /// back through GELU's backward.
+    pub gelu: bool,
+    /// GELU's input (2-D) where the first argument is a token.
+    pub gelu_z: Option<Tensor>,
+    /// The second argument is a residual added to the output (its gradient
+    /// is the output's); the weight's gradient goes to the sink.
+    pub residual: bool,
+    /// Where the residual's gradient goes instead of candle's graph (a
+    /// LayerNorm handoff reading the same tensor adds it).
+    pub residual_grad: Option<crate::nn::fused::ResidualGrad>,
+    /// The first argument is a token for the input (see
+    /// `fused::Handoff`): the input's gradient is left there.
+    pub handoff: Option<crate::nn::fused::Handoff>,
+    /// The output is handed on: the forward returns a token, the backward
+    /// takes the output's gradient from here.
+    pub hand_out: Option<crate::nn::fused::Handoff>,
+    /// The input's shape (the first argument's, unless a token).
+    pub x_shape: candle_core::Shape,
+    pub x_saved: Saved,
+    pub w_saved: Saved,
+    pub plan: Plan,
+    pub state: SharedScaling,
+    pub casts: LastCasts,
+    pub step: u64,
+    pub sink: Option<GradSink>,
+    pub name: String,
+    pub x_dtype: DType,
+    pub w_dtype: DType,
+}
+
+fn wrap(e: Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+impl Fp8LinearOp {
+    /// dgrad (when `need_dx`) and wgrad; the weight gradient goes to the sink
+    /// (returned `None`) or back to candle.
+    fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let p = &self.plan;
+        let (dyq, dyq_t) = if p.dgrad || p.wgrad {
+            let (q, qt) = cast(
+                Source::Tensor(&dy),
+                p.bwd_format,
+                &p.scaling,
+                &self.state,
+                Role::GradOutput,
+                self.step,
+                &self.casts,
+                p.wgrad && matches!(self.x_saved, Saved::Fp8T(_)),
+            )?;
+            (Some(q), qt)
+        } else {
+            (None, None)
+        };
+        // A saturating cast turns inf into max: carry a non-finite dy amax
+        // into the results (x 1 if finite, NaN otherwise), so an overflowing
+        // step is still seen, and skipped, downstream.
+        // (the flag as a tensor only where a native product needs it, once)
+        let flag = std::cell::OnceCell::new();
+        let finite = |t: Tensor| -> Result<Tensor> {
+            let Some(q) = &dyq else {
+                return Ok(t);
+            };
+            if flag.get().is_none() {
+                let _ = flag.set(q.meta().amax()?.affine(0.0, 1.0)?);
+            }
+            match flag.get() {
+                Some(f) => Ok(t.broadcast_mul(&f.to_dtype(t.dtype())?)?),
+                None => Ok(t),
+            }
+        };
+        // The FP8 GEMMs take the flag in dy's scale_inv (no pass over their
+        // outputs); the native products multiply by it.
+        let (dqf, dqf_t) = match &dyq {
+            Some(q) => {
+                let dq = flagged_by_amax(q)?;
+                // the transpose shares the flagged metadata
+                let dqt = dyq_t
+                    .as_ref()
+                    .map(|t| ScalingTensor::from_parts(t.data().clone(), dq.meta().clone()))
+                    .transpose()?;
+                (Some(dq), dqt)
+            }
+            _ => (None, None),
+        };
+        let native = |q: &ScalingTensor| q.dequantize(dy.dtype());
+        // dgrad: dx = dy · W, i.e. fp8_gemm(dy [m, out], Wᵀ [in, out]).
+        let dx = if need_dx {
+            Some(match (&dqf, &self.w_saved) {
+                (Some(dq), Saved::Fp8T(wt)) if p.dgrad => fp8_gemm(dq, wt, self.x_dtype)?,
+                (Some(dq), Saved::Fp8(wq)) if p.dgrad => fp8_gemm(dq, &wq.t()?, self.x_dtype)?,
+                (_, Saved::Native(w)) => finite(dy.matmul(&w.to_dtype(dy.dtype())?)?)?,
+                (_, Saved::Fp8(wq)) => finite(dy.matmul(&native(wq)?)?)?,
+                (_, Saved::Fp8T(wt)) => finite(dy.matmul(&native(wt)?.t()?)?)?,
+            })
+        } else {
+            None
+        };
+        // wgrad: dW = dyᵀ · x, i.e. fp8_gemm(dyᵀ [out, m], xᵀ [in, m]).
+        let dw = match (&dqf, &self.x_saved) {
+            (Some(dq), Saved::Fp8T(xt)) if p.wgrad => match &dqf_t {
+                Some(dqt) => fp8_gemm(dqt, xt, DType::F32)?,
+                None => fp8_gemm(&dq.t()?, xt, DType::F32)?,
+            },
+            (Some(dq), Saved::Fp8(xq)) if p.wgrad => fp8_gemm(&dq.t()?, &xq.t()?, DType::F32)?,
+            (_, Saved::Native(x)) => finite(
+                dy.t()?
+                    .matmul(&x.to_dtype(dy.dtype())?)?
+                    .to_dtype(DType::F32)?,
+            )?,
+            (_, Saved::Fp8(xq)) => finite(dy.t()?.matmul(&native(xq)?)?.to_dtype(DType::F32)?)?,
+            (_, Saved::Fp8T(xt)) => {
+                finite(dy.t()?.matmul(&native(xt)?.t()?)?.to_dtype(DType::F32)?)?
+            }
+        };
+        match &self.sink {
+            Some(sink) => {
+                sink.add(&self.name, fp8_grad(&dw)?)?;
+                Ok((dx, None))
+            }
+            None => Ok((dx, Some(dw.to_dtype(self.w_dtype)?))),
+        }
+    }
+}
+
+impl Fp8LinearOp {
+    /// The epilogue's last part: `r + out` (the residual, the op's second
+    /// argument, as the left operand: `r + y` as the unfused path adds it)
+    /// with `residual`, `out` otherwise; shaped as the output.
+    fn add_residual<S: BackendStorage>(
+        &self,
+        out: S,
+        r: &S,
+        lr: &Layout,
+    ) -> candle_core::Result<(S, candle_core::Shape)> {
+        let shape = self.out_shape.clone();
+        if !self.residual {
+            return Ok((out, shape));
+        }
+        let lo = Layout::contiguous(shape.clone());
+        Ok((r.binary_impl::<candle_core::op::Add>(&out, lr, &lo)?, shape))
+    }
+}
+
+/// A weight gradient as the sink keeps it: E4M3 with a power-of-two scale;
+/// its metadata keeps the F32 gradient's amax, so inf or NaN stay visible.
+pub(crate) fn fp8_grad(dw: &Tensor) -> Result<ScalingTensor> {
+    Ok(ScalingTensor::quantize(dw, crate::QType::E4M3, &CurrentScaling::default())?.0)
+}
+
+impl CustomOp3 for Fp8LinearOp {
+    fn name(&self) -> &'static str {
+        "amp_fp8_linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        r: &CpuStorage,
+        lr: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
+        if self.hand_out.is_some() {
+            drop(self.y.take()?);
+            return Ok(crate::nn::fused::Handoff::cpu_token());
+        }
+        if !self.epilogue {
+            return self.y.cpu();
+        }
+        let y = self.y.take()?;
+        let (ys, ly) = y.storage_and_layout();
+        let Storage::Cpu(ys) = &*ys else {
+            candle_core::bail!("amp_fp8_linear: the output is not on the CPU")
+        };
+        let (out, _) = BiasAdd.cpu_fwd(ys, ly, b, lb)?;
+        self.add_residual(out, r, lr)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        r: &candle_core::CudaStorage,
+        lr: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        if self.hand_out.is_some() {
+            drop(self.y.take()?);
+            return crate::nn::fused::Handoff::cuda_token(r.device());
+        }
+        if !self.epilogue {
+            return self.y.cuda();
+        }
+        let y = self.y.take()?;
+        let (ys, ly) = y.storage_and_layout();
+        let Storage::Cuda(ys) = &*ys else {
+            candle_core::bail!("amp_fp8_linear: the output is not on CUDA")
+        };
+        let (out, _) = BiasAdd.cuda_fwd(ys, ly, b, lb)?;
+        self.add_residual(out, r, lr)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // a handed-on output's gradient comes through the handoff
+        let handed;
+        let dy = match &self.hand_out {
+            Some(h) => {
+                handed = h.take().map_err(wrap)?;
+                &handed
+            }
+            None => dy,
+        };
+        // the op flattens its input: dy to 2-D, dx back to x's shape
+        let out_dim = dy.dim(candle_core::D::Minus1)?;
+        let dy2 = dy.reshape(((), out_dim))?;
+        let (dx, dw) = self.backward(&dy2, x.track_op()).map_err(wrap)?;
+        let dx = match dx {
+            Some(d) if self.gelu => {
+                let z = match &self.gelu_z {
+                    Some(z) => z.clone(),
+                    None => x.reshape(((), x.dim(candle_core::D::Minus1)?))?,
+                };
+                Some(crate::nn::fused::gelu_bwd_detached(&z, &d).map_err(wrap)?)
+            }
+            d => d,
+        };
+        let dx = match (&self.handoff, dx) {
+            (Some(h), Some(d)) => {
+                h.put(d.reshape(self.x_shape.clone())?).map_err(wrap)?;
+                Some(crate::nn::fused::Handoff::token_grad(x).map_err(wrap)?)
+            }
+            (_, d) => d.map(|d| d.reshape(x.shape())).transpose()?,
+        };
+        // A weight gradient only goes to the GradStore for a tracked weight;
+        // a residual in the weight's place gets the output's gradient.
+        let dw = match (self.residual, w.track_op(), &self.residual_grad) {
+            (true, true, Some(rg)) => {
+                rg.put(dy.clone()).map_err(wrap)?;
+                None
+            }
+            (true, true, None) => Some(dy.clone()),
+            (false, true, _) => dw,
+            (_, false, _) => None,
+        };
+        let db = if self.has_bias && b.track_op() {
+            Some(
+                crate::nn::fused::col_sum(&dy2)
+                    .map_err(wrap)?
+                    .to_dtype(b.dtype())?
+                    .reshape(b.shape())?,
+            )
+        } else {
+            None
+        };
+        Ok((dx, dw, db))
+    }
+}

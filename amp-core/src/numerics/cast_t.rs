@@ -1,0 +1,65 @@
+//! The cast-transpose as a [`Kernel`]: the cast of a 2-D input with its
+//! codes also written transposed (CUDA: `kernels/cast_t.cu`, one pass; the
+//! CPU casts, then transposes).
+
+use crate::error::{Error, Result};
+use crate::numerics::cast::{Dequantize, Quantize};
+use crate::numerics::kernel::arity;
+use crate::numerics::kernel::Kernel;
+use crate::numerics::qtype::QType;
+use crate::numerics::scale::FromAmax;
+use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape};
+
+/// [`Quantize`] of a 2-D `x` (FP8 targets) with its codes also transposed:
+/// `(codes [rows, cols], codes [cols, rows], amax, counts)`, the operands
+/// of the GEMMs that take `x` K-major (Transformer Engine's cast-transpose).
+/// One pass on CUDA; the CPU casts, then transposes the codes. `scaled`:
+/// `x` is an FP16 scaling tensor's data and a third input its scale_inv;
+/// the cast takes the dequantized F32 values (bit for bit a dequantize,
+/// then this cast), which CUDA decodes as it reads.
+pub(crate) struct QuantizeT {
+    pub qtype: QType,
+    pub from_amax: Option<FromAmax>,
+    pub scaled: bool,
+}
+
+impl Kernel for QuantizeT {
+    const NAME: &'static str = "quantize_t";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let cast = Quantize {
+            qtype: self.qtype,
+            from_amax: self.from_amax,
+        };
+        let mut out = match inputs {
+            [x, s] if !self.scaled => cast.cpu(&[*x, *s])?,
+            [x, s, pre] if self.scaled => {
+                let dq = Dequantize {
+                    qtype: QType::F16,
+                    dtype: DType::F32,
+                };
+                let [(values, shape)] = <[(CpuStorage, Shape); 1]>::try_from(dq.cpu(&[*x, *pre])?)
+                    .map_err(|_| arity(Self::NAME))?;
+                cast.cpu(&[(&values, &Layout::contiguous(shape)), *s])?
+            }
+            _ => return Err(arity(Self::NAME)),
+        };
+        let (rows, cols) = out[0].1.dims2()?;
+        let CpuStorage::U8(codes) = &out[0].0 else {
+            return Err(Error::Unsupported {
+                op: Self::NAME,
+                what: "a transposed FP16 cast (FP8 targets only)".into(),
+            });
+        };
+        let mut t = vec![0u8; codes.len()];
+        for (r, row) in codes.chunks(cols.max(1)).enumerate() {
+            for (c, &v) in row.iter().enumerate() {
+                t[c * rows + r] = v;
+            }
+        }
+        out.insert(1, (CpuStorage::U8(t), Shape::from((cols, rows))));
+        Ok(out)
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::cast_t::quantize_t(self.qtype, self.from_amax, self.scaled, inputs)
+    }
+}

@@ -1,0 +1,123 @@
+//! The CUDA module of a build without the `cuda` feature: the same API,
+//! every call answers [`Error::NotCompiled`]`("cuda")`. (candle's
+//! `dummy_cuda_backend` habit; its `CudaStorage` stands in here.)
+
+use crate::error::{Error, Result};
+use crate::numerics::qtype::QType;
+use crate::numerics::recipe::AmaxComputeAlgo;
+use crate::numerics::scale::ScaleRule;
+use candle_core::{CudaStorage, DType, Device, Layout, Shape};
+
+type Inputs<'a> = &'a [(&'a CudaStorage, &'a Layout)];
+type Outputs = Result<Vec<(CudaStorage, Shape)>>;
+
+pub(crate) fn amax(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn quantize(
+    _: QType,
+    _: Option<crate::numerics::scale::FromAmax>,
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) mod cast_t {
+    use super::*;
+
+    pub(crate) fn fits(_: usize, _: usize) -> bool {
+        false
+    }
+
+    pub(crate) fn quantize_t(
+        _: QType,
+        _: Option<crate::numerics::scale::FromAmax>,
+        _: bool,
+        _: Inputs<'_>,
+    ) -> Outputs {
+        Err(Error::NotCompiled("cuda"))
+    }
+}
+
+pub(crate) fn dequantize(_: QType, _: DType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn flag_scale_inv(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn gather_scalars(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn decoded_amax(_: QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn requantize(_: QType, _: QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn record_amax(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn scale_update(
+    _: ScaleRule,
+    _: AmaxComputeAlgo,
+    _: u32,
+    _: f32,
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Sets the release threshold of the CUDA device's default memory pool
+/// (built without `cuda`: always [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn set_pool_release_threshold(_: &Device, _: u64) -> Result<()> {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Keeps freed CUDA memory pooled (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn keep_freed_memory(_: &Device) -> Result<()> {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Stops cudarc's per-allocation events (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Safety
+/// Nothing to uphold in this build.
+///
+/// # Errors
+/// Always, in this build.
+pub unsafe fn skip_event_tracking(_: &Device) -> Result<bool> {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Peak bytes of the CUDA memory pool (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn pool_peaks(_: &Device) -> Result<(u64, u64)> {
+    Err(Error::NotCompiled("cuda"))
+}
+
+/// Resets the CUDA memory pool's peaks (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn reset_pool_peaks(_: &Device) -> Result<()> {
+    Err(Error::NotCompiled("cuda"))
+}

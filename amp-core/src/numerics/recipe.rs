@@ -1,0 +1,297 @@
+//! Scaling recipes: MS-AMP's current scaling and Transformer Engine's
+//! `DelayedScaling`, with TE's field names and defaults, serde (JSON, TOML).
+//!
+//! ```
+//! use amp_core::{DelayedScaling, Format, AmaxComputeAlgo};
+//! let r = DelayedScaling::from_json(r#"{"margin": 1, "amax_history_len": 16}"#)?;
+//! assert_eq!(r.margin, 1);
+//! assert_eq!(r.fp8_format, Format::Hybrid);               // TE default
+//! assert_eq!(r.amax_compute_algo, AmaxComputeAlgo::Max);  // TE default
+//! let e = DelayedScaling::from_toml("amax_history_len = 0").unwrap_err();
+//! assert!(e.to_string().contains("amax_history_len"));
+//! # Ok::<(), amp_core::Error>(())
+//! ```
+
+use crate::error::{Error, Result};
+use crate::numerics::config::{self, Validate};
+use crate::numerics::format::Fp8Format;
+use crate::numerics::scale::{FromAmax, ScaleRule};
+use serde::{Deserialize, Serialize};
+
+/// Which FP8 format each pass uses (TE's `Format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Format {
+    /// E4M3 in forward and backward.
+    E4M3,
+    /// E5M2 in forward and backward (TE refuses it for training; so do we).
+    E5M2,
+    /// E4M3 forward (activations, weights), E5M2 backward (gradients).
+    #[default]
+    #[serde(rename = "HYBRID")]
+    Hybrid,
+}
+
+impl Format {
+    /// The format of forward tensors (inputs, weights).
+    pub fn forward(self) -> Fp8Format {
+        match self {
+            Self::E5M2 => Fp8Format::E5M2,
+            Self::E4M3 | Self::Hybrid => Fp8Format::E4M3,
+        }
+    }
+
+    /// The format of backward tensors (output gradients).
+    pub fn backward(self) -> Fp8Format {
+        match self {
+            Self::E4M3 => Fp8Format::E4M3,
+            Self::E5M2 | Self::Hybrid => Fp8Format::E5M2,
+        }
+    }
+}
+
+/// How delayed scaling reduces the amax history (TE's `amax_compute_algo`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AmaxComputeAlgo {
+    /// The maximum over the whole history.
+    #[default]
+    Max,
+    /// The most recent amax only.
+    MostRecent,
+}
+
+/// Which GEMMs of a Linear run in higher precision instead of FP8
+/// (TE's `_OverrideLinearPrecision`). Accepts `{"fprop": .., "dgrad": ..,
+/// "wgrad": ..}` or TE's tuple form `[fprop, dgrad, wgrad]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
+pub struct OverrideLinearPrecision {
+    /// Forward GEMM (input x weight).
+    pub fprop: bool,
+    /// Input-gradient GEMM (grad_output x weight).
+    pub dgrad: bool,
+    /// Weight-gradient GEMM (grad_output x input).
+    pub wgrad: bool,
+}
+
+impl<'de> Deserialize<'de> for OverrideLinearPrecision {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::{Error as _, MapAccess, SeqAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = OverrideLinearPrecision;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("[fprop, dgrad, wgrad] booleans or a table of fprop, dgrad, wgrad")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                let mut flags = [false; 3];
+                for (i, flag) in flags.iter_mut().enumerate() {
+                    *flag = seq
+                        .next_element()?
+                        .ok_or_else(|| A::Error::invalid_length(i, &self))?;
+                }
+                if seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    return Err(A::Error::invalid_length(4, &self));
+                }
+                let [fprop, dgrad, wgrad] = flags;
+                Ok(OverrideLinearPrecision {
+                    fprop,
+                    dgrad,
+                    wgrad,
+                })
+            }
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                let mut out = OverrideLinearPrecision::default();
+                while let Some(key) = map.next_key::<String>()? {
+                    let slot = match key.as_str() {
+                        "fprop" => &mut out.fprop,
+                        "dgrad" => &mut out.dgrad,
+                        "wgrad" => &mut out.wgrad,
+                        other => {
+                            return Err(A::Error::unknown_field(
+                                other,
+                                &["fprop", "dgrad", "wgrad"],
+                            ))
+                        }
+                    };
+                    *slot = map.next_value()?;
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Transformer Engine's `DelayedScaling` recipe: scales come from an amax
+/// history, so a cast reads its input once.
+///
+/// Defaults are TE's: margin 0, interval 1, HYBRID, history 1024, `max`,
+/// no override. `reduce_amax` (TE: all-reduce amaxes across data-parallel
+/// ranks) defaults to true.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DelayedScaling {
+    /// The scale is divided by `2^margin` (headroom).
+    pub margin: u32,
+    /// Recompute the scale every `interval` steps (at least 1).
+    pub interval: u32,
+    /// FP8 formats of the forward and backward passes.
+    pub fp8_format: Format,
+    /// Length of the amax history (at least 1).
+    pub amax_history_len: usize,
+    /// How the history becomes one amax.
+    pub amax_compute_algo: AmaxComputeAlgo,
+    /// GEMMs to run in higher precision.
+    pub override_linear_precision: OverrideLinearPrecision,
+    /// All-reduce amaxes across data-parallel ranks before the update.
+    pub reduce_amax: bool,
+}
+
+impl Default for DelayedScaling {
+    fn default() -> Self {
+        Self {
+            margin: 0,
+            interval: 1,
+            fp8_format: Format::Hybrid,
+            amax_history_len: 1024,
+            amax_compute_algo: AmaxComputeAlgo::Max,
+            override_linear_precision: OverrideLinearPrecision::default(),
+            reduce_amax: true,
+        }
+    }
+}
+
+/// Largest margin accepted: past it every scale would underflow.
+pub const MAX_MARGIN: u32 = 64;
+
+fn check_margin(margin: u32) -> Result<()> {
+    if margin > MAX_MARGIN {
+        return Err(Error::Config {
+            field: "margin".into(),
+            reason: format!("{margin} is larger than {MAX_MARGIN}"),
+        });
+    }
+    Ok(())
+}
+
+impl Validate for DelayedScaling {
+    fn validate(&self) -> Result<()> {
+        check_margin(self.margin)?;
+        if self.interval == 0 {
+            return Err(Error::Config {
+                field: "interval".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        if self.amax_history_len == 0 {
+            return Err(Error::Config {
+                field: "amax_history_len".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        if self.fp8_format == Format::E5M2 {
+            return Err(Error::Config {
+                field: "fp8_format".into(),
+                reason: "E5M2 in the forward pass is not supported (as in TE): use HYBRID or E4M3"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// MS-AMP's current scaling: each cast takes its scale from the tensor's own
+/// amax (two reads: amax, then cast).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CurrentScaling {
+    /// The scale is divided by `2^margin` (headroom).
+    pub margin: u32,
+    /// FP8 formats of the forward and backward passes.
+    pub fp8_format: Format,
+    /// How the scale follows from the amax (MS-AMP: power of two).
+    pub scale_rule: ScaleRule,
+}
+
+impl Default for CurrentScaling {
+    fn default() -> Self {
+        Self {
+            margin: 0,
+            fp8_format: Format::Hybrid,
+            scale_rule: ScaleRule::PowerOfTwo,
+        }
+    }
+}
+
+impl Validate for CurrentScaling {
+    fn validate(&self) -> Result<()> {
+        check_margin(self.margin)?;
+        if self.fp8_format == Format::E5M2 {
+            return Err(Error::Config {
+                field: "fp8_format".into(),
+                reason: "E5M2 in the forward pass is not supported: use HYBRID or E4M3".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+macro_rules! config_io {
+    ($t:ty) => {
+        impl $t {
+            /// Parses and validates JSON.
+            ///
+            /// # Errors
+            /// [`Error::Config`] naming the field that is wrong.
+            pub fn from_json(text: &str) -> Result<Self> {
+                config::from_json(text)
+            }
+            /// Parses and validates TOML.
+            ///
+            /// # Errors
+            /// [`Error::Config`] naming the field that is wrong.
+            pub fn from_toml(text: &str) -> Result<Self> {
+                config::from_toml(text)
+            }
+            /// Reads a `.json` or `.toml` file.
+            ///
+            /// # Errors
+            /// [`Error::ConfigFile`] when it cannot be read, [`Error::Config`] when wrong.
+            pub fn from_path(path: impl AsRef<std::path::Path>) -> Result<Self> {
+                config::from_path(path.as_ref())
+            }
+            /// Pretty JSON.
+            ///
+            /// # Errors
+            /// Never for these types; the signature leaves room.
+            pub fn to_json(&self) -> Result<String> {
+                config::to_json(self)
+            }
+            /// TOML.
+            ///
+            /// # Errors
+            /// Never for these types; the signature leaves room.
+            pub fn to_toml(&self) -> Result<String> {
+                config::to_toml(self)
+            }
+        }
+    };
+}
+config_io!(DelayedScaling);
+config_io!(CurrentScaling);
+
+impl FromAmax {
+    /// Current scaling by `recipe`'s rule and margin.
+    pub(crate) fn of(recipe: &CurrentScaling) -> Self {
+        Self {
+            rule: recipe.scale_rule,
+            margin: recipe.margin,
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! Scaling, above the numerics: per-tensor scaling metadata kept on the
+//! device ([`ScalingMeta`](meta::ScalingMeta): scale, its inverse, the amax
+//! history and the delayed and current scale updates), what each cast
+//! saturated or flushed ([`CastStats`](stats::CastStats)), scaled tensors
+//! ([`ScalingTensor`](tensor::ScalingTensor)), how a parameter is stored
+//! ([`Weight`](weight::Weight), [`WeightSlot`](weight::WeightSlot)), where
+//! FP8 weight gradients go ([`GradSink`](sink::GradSink)) and the
+//! non-finite flag a GEMM operand carries into its output.
+
+pub(crate) mod flag;
+pub(crate) mod meta;
+pub(crate) mod sink;
+pub(crate) mod stats;
+pub(crate) mod tensor;
+pub(crate) mod weight;

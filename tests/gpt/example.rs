@@ -1,0 +1,383 @@
+//! End-to-end: the GPT example's training function at every level on the
+//! tiny size, its determinism, exact resume, export, the comparison
+//! outputs, and the CLI's errors.
+
+use crate::data;
+use crate::gpt_common;
+use crate::model;
+use crate::report;
+use crate::train;
+
+use amp::levels::{Compute, ExportDType, Level};
+use amp::{CurrentScaling, DelayedScaling};
+use candle_core::{DType, Device};
+use train::{train, TrainConfig};
+
+/// Small enough for CI: tiny model, short sequences.
+fn quick(level: Level, compute: Compute, steps: u64) -> TrainConfig {
+    TrainConfig {
+        level,
+        compute,
+        steps,
+        batch: 8,
+        seq: 32,
+        warmup: 5,
+        eval_every: 10,
+        eval_batches: 2,
+        ..Default::default()
+    }
+}
+
+fn current() -> Compute {
+    Compute::Fp8Current {
+        recipe: CurrentScaling::default(),
+    }
+}
+
+fn delayed() -> Compute {
+    Compute::Fp8Delayed {
+        recipe: DelayedScaling::default(),
+    }
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("amp-gpt-{}-{name}", std::process::id()))
+}
+
+#[test]
+fn every_level_learns_and_reports() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    // Every level, and each compute path at least once ("TE path only",
+    // O0 + fp8-delayed, is the determinism test's run; the resume test
+    // runs delayed scaling at O3).
+    let runs = [
+        (Level::O0, Compute::Native),
+        (Level::O1, delayed()),
+        (Level::O2, current()),
+        (Level::O3, current()),
+    ];
+    for (level, compute) in runs {
+        let s = train(&quick(level, compute.clone(), 30), &corpus)?;
+        let tag = format!("{level} {}", train::compute_name(&compute));
+        // ln(256) = 5.55 at the start; bytes of English text sit near 2.5 nats
+        // once the model knows the letters' frequencies.
+        assert!(
+            (5.0..6.5).contains(&s.first_loss),
+            "{tag}: first loss {}",
+            s.first_loss
+        );
+        assert!(
+            s.final_loss < 0.6 * s.first_loss,
+            "{tag}: {} -> {}",
+            s.first_loss,
+            s.final_loss
+        );
+        assert!(
+            s.val_loss < 0.6 * s.first_loss,
+            "{tag}: validation {}",
+            s.val_loss
+        );
+        assert_eq!(s.skipped_steps, 0, "{tag}");
+        assert_eq!(s.train_curve.len(), 30);
+        assert_eq!(s.val_curve.len(), 3);
+
+        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string(&s)?)?;
+        for key in [
+            "level",
+            "compute",
+            "size",
+            "steps",
+            "first_loss",
+            "final_loss",
+            "val_loss",
+            "tokens_per_s",
+            "bytes_per_linear_param",
+            "persistent_bytes",
+            "skipped_steps",
+            "device",
+        ] {
+            assert!(json.get(key).is_some(), "{tag}: no `{key}` in {json}");
+        }
+        assert_eq!(json["level"], level.to_string());
+        assert_eq!(json["compute"], train::compute_name(&compute));
+        assert_eq!(json["size"], "tiny");
+        assert_eq!(json["steps"], 30);
+        assert_eq!(json["device"], "cpu");
+        assert!(
+            json["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0),
+            "{tag}"
+        );
+        // Measured bytes per Linear parameter are the level's prediction
+        // plus the scaling metadata, nothing else.
+        let p = &json["persistent_bytes"];
+        let (measured, predicted) = (s.bytes_per_linear_param, s.predicted_bytes_per_linear_param);
+        let excess = (measured - predicted) * s.linear_params as f64;
+        let meta = p["scaling_metadata"].as_f64().unwrap_or(-1.0);
+        assert!(
+            excess > -0.5 && excess <= meta + 0.5,
+            "{tag}: {measured} bytes per linear parameter, predicted {predicted}, metadata {meta}"
+        );
+        let parts: u64 = [
+            "linear_weights",
+            "master_weights",
+            "weight_gradients",
+            "first_moments",
+            "second_moments",
+            "other_params",
+            "other_states",
+            "scaling_metadata",
+        ]
+        .iter()
+        .map(|k| p[*k].as_u64().unwrap_or(u64::MAX / 16))
+        .sum();
+        assert_eq!(p["total"].as_u64(), Some(parts), "{tag}: {p}");
+        assert_eq!(
+            p["master_weights"].as_u64() == Some(0),
+            level != Level::O3,
+            "{tag}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn bf16_activations_learn_like_f32_and_are_reported() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let cfg = quick(Level::O2, current(), 30);
+    let f32_run = train(&cfg, &corpus)?;
+    let bf16_activations = TrainConfig {
+        activations: DType::BF16,
+        ..cfg
+    };
+    let bf16_run = train(&bf16_activations, &corpus)?;
+    assert_eq!(f32_run.activations, "F32");
+    assert_eq!(bf16_run.activations, "BF16");
+    // a different run (BF16 rounding), the same learning
+    assert_ne!(f32_run.final_loss.to_bits(), bf16_run.final_loss.to_bits());
+    assert!(bf16_run.final_loss < 0.8 * bf16_run.first_loss);
+    let (a, b) = (f64::from(f32_run.val_loss), f64::from(bf16_run.val_loss));
+    assert!((a - b).abs() <= 0.05 * a, "val {a} (F32) vs {b} (BF16)");
+    // other activation dtypes are refused with a message
+    let (gpt, _) = model::build(model::GptConfig::named("tiny", 256, 32)?, 0, &Device::Cpu)?;
+    assert!(gpt
+        .with_activations(DType::F16)
+        .is_err_and(|e| e.to_string().contains("F32 or BF16")));
+    Ok(())
+}
+
+#[test]
+fn same_seed_same_losses() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let cfg = quick(Level::O0, delayed(), 6);
+    let a = train(&cfg, &corpus)?;
+    let b = train(&cfg, &corpus)?;
+    let bits = |s: &train::Summary| -> Vec<u32> {
+        s.train_curve
+            .iter()
+            .chain(&s.val_curve)
+            .map(|p| p.1.to_bits())
+            .collect()
+    };
+    assert_eq!(bits(&a), bits(&b));
+    let c = train(&TrainConfig { seed: 1, ..cfg }, &corpus)?;
+    assert_ne!(bits(&a), bits(&c), "another seed gave the same run");
+    Ok(())
+}
+
+#[test]
+fn resume_continues_exactly() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let ckpt = tmp("resume.safetensors");
+    let cfg = TrainConfig {
+        eval_every: 100,
+        ..quick(Level::O3, delayed(), 10)
+    };
+    let (whole, rest) = gpt_common::whole_and_resumed(&cfg, &corpus, 4, &ckpt)?;
+    std::fs::remove_file(&ckpt)?;
+    assert_eq!(rest.train_curve.first().map(|p| p.0), Some(5));
+    assert_eq!(rest.train_curve, whole.train_curve[4..]);
+    assert_eq!(rest.val_loss.to_bits(), whole.val_loss.to_bits());
+    Ok(())
+}
+
+#[test]
+fn export_loads_as_a_plain_gpt() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    for (level, dtype, tol) in [
+        (Level::O0, ExportDType::F32, 1e-6),
+        (Level::O2, ExportDType::BF16, 0.05),
+    ] {
+        let path = tmp(&format!("export-{level}.safetensors"));
+        let cfg = TrainConfig {
+            export: Some((path.clone(), dtype)),
+            ..quick(level, Compute::Native, 5)
+        };
+        let s = train(&cfg, &corpus)?;
+        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
+        std::fs::remove_file(&path)?;
+        let want = if dtype == ExportDType::F32 {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        for name in [
+            "wte.weight",
+            "wpe.weight",
+            "h.3.attn.c_attn.weight",
+            "h.0.mlp.c_proj.bias",
+            "ln_f.weight",
+            "lm_head.weight",
+        ] {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| anyhow::anyhow!("{level}: no {name}"))?;
+            assert_eq!(t.dtype(), want, "{name}");
+        }
+        assert_eq!(tensors["h.0.attn.c_attn.weight"].dims(), [384, 128]);
+        // Plain candle code reads it back: the same model, the same loss.
+        let f32s = tensors
+            .into_iter()
+            .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
+            .collect::<candle_core::Result<std::collections::HashMap<_, _>>>()?;
+        let vb = candle_nn::VarBuilder::from_tensors(f32s, DType::F32, &Device::Cpu);
+        let plain = model::Gpt::new(model::GptConfig::named("tiny", 256, cfg.seq)?, vb)?;
+        let mut sum = 0.0;
+        for i in 0..cfg.eval_batches as u64 {
+            let (x, y) = corpus.batch(
+                data::Split::Val,
+                i,
+                cfg.seed,
+                cfg.batch,
+                cfg.seq,
+                &Device::Cpu,
+            )?;
+            sum += plain.loss(&x, &y)?.to_scalar::<f32>()?;
+        }
+        let loss = sum / cfg.eval_batches as f32;
+        assert!(
+            (loss - s.val_loss).abs() <= tol * s.val_loss,
+            "{level}: {loss} vs {}",
+            s.val_loss
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn parameter_count_and_names() -> anyhow::Result<()> {
+    let cfg = model::GptConfig::named("tiny", 256, 32)?;
+    let (_, varmap) = model::build(cfg, 0, &Device::Cpu)?;
+    let n: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    assert_eq!(n, cfg.params());
+    assert!(model::GptConfig::named("huge", 256, 32).is_err());
+    // every parameter receives a gradient (no silent stop in the graph)
+    let (gpt, varmap) = model::build(cfg, 0, &Device::Cpu)?;
+    let corpus = data::Corpus::bundled();
+    let (x, y) = corpus.batch(data::Split::Train, 0, 0, 2, 16, &Device::Cpu)?;
+    let grads = gpt.loss(&x, &y)?.backward()?;
+    for (name, var) in varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .iter()
+    {
+        let g = grads
+            .get(var.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no gradient for {name}"))?;
+        let norm = g.sqr()?.sum_all()?.to_scalar::<f32>()?;
+        assert!(
+            norm > 0.0 && norm.is_finite(),
+            "{name}: gradient norm {norm}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn compare_outputs() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let runs = [(Level::O0, Compute::Native), (Level::O2, current())]
+        .into_iter()
+        .map(|(l, c)| train(&quick(l, c, 3), &corpus))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let table = report::markdown(&runs);
+    assert!(
+        table.contains("| O0 | native |") && table.contains("| O2 | fp8-current |"),
+        "{table}"
+    );
+    let dir = tmp("compare");
+    std::fs::create_dir_all(&dir)?;
+    report::loss_svg(&runs, &dir.join("loss.svg"))?;
+    report::memory_svg(&runs, &dir.join("memory.svg"))?;
+    for f in ["loss.svg", "memory.svg"] {
+        let svg = std::fs::read_to_string(dir.join(f))?;
+        assert!(
+            svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+            "{f}"
+        );
+        assert!(svg.contains("O2 fp8-current"), "{f} has no legend");
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// The example binary cargo built beside this test.
+fn example_bin() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let bin = exe.parent()?.parent()?.join("examples").join("gpt");
+    bin.exists().then_some(bin)
+}
+
+#[test]
+fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
+    let Some(bin) = example_bin() else {
+        // `cargo test` builds examples first; a bare test binary has none.
+        eprintln!("skipped: target/*/examples/gpt not built");
+        return Ok(());
+    };
+    for (args, says) in [
+        (vec!["--level", "O9"], "O9"),
+        (vec!["--steps", "0"], "steps"),
+        (vec!["--size", "huge"], "huge"),
+        (vec!["--device", "tpu"], "tpu"),
+        (vec!["--lr=-1"], "lr"),
+        (vec!["--lr", "nan"], "lr"),
+        (vec!["--seq", "1000000"], "seq"),
+        (
+            vec!["--compute", "fp8-current", "--recipe", "r.toml"],
+            "recipe",
+        ),
+        (vec!["--recipe", "/nonexistent/recipe.toml"], "recipe"),
+        (vec!["--compare", "O0,O1", "--save", "x"], "compare"),
+        (vec!["--bogus"], "bogus"),
+    ] {
+        let out = std::process::Command::new(&bin).args(&args).output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    // launched as a rank (WORLD_SIZE set) by a build without NCCL: a clear error
+    let out = std::process::Command::new(&bin)
+        .args(["--steps", "1"])
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "0")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("nccl"), "{err}");
+    let out = std::process::Command::new(&bin)
+        .args([
+            "--level", "O2", "--steps", "2", "--batch", "2", "--seq", "16", "--json",
+        ])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout)?;
+    let json: serde_json::Value = serde_json::from_str(stdout.trim())?;
+    assert_eq!(json["level"], "O2");
+    assert_eq!(json["compute"], "fp8-current");
+    assert_eq!(json["steps"], 2);
+    Ok(())
+}

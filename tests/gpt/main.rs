@@ -1,0 +1,28 @@
+//! The GPT example end to end, single-process and data-parallel.
+//! One test binary for these modules (one link instead of one each).
+
+// The example's own modules, compiled into this test: the code under test
+// is the code users run. Parts only the CLI uses are dead here.
+#[allow(dead_code)]
+#[path = "../../examples/gpt/data.rs"]
+mod data;
+#[path = "../gpt_common/mod.rs"]
+mod gpt_common;
+#[allow(dead_code)]
+#[path = "../../examples/gpt/model.rs"]
+mod model;
+#[allow(dead_code)]
+#[path = "../../examples/gpt/report.rs"]
+mod report;
+#[allow(dead_code)]
+#[path = "../../examples/gpt/sample.rs"]
+mod sample;
+#[allow(dead_code)]
+#[path = "../../examples/gpt/summary.rs"]
+mod summary;
+#[allow(dead_code)]
+#[path = "../../examples/gpt/train.rs"]
+mod train;
+
+mod distributed;
+mod example;

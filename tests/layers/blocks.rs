@@ -1,0 +1,263 @@
+//! `nn::causal_self_attention` and `nn::pre_norm_mlp`: the tensors handed
+//! between LayerNorm, the Linears and the attention give the values of the
+//! parts in sequence (output and every gradient: input, LayerNorm, both
+//! Linears' weights (GradStore or sink) and biases) in every compute mode,
+//! F32 and BF16, over delayed-scaling steps. Where the fused path adds the
+//! residual in the FP8 GEMM's epilogue (BF16), its output is the parts'
+//! within one rounding (see `within_one_rerounding`).
+
+use crate::common;
+
+use amp::nn::{self, fp8_autocast, ComputeMode, GradSink};
+use candle_core::{DType, Tensor, Var};
+use common::{modes, randt, residual_in_gemm, values, within_one_rerounding, DTYPE_SINK};
+
+struct Block {
+    ln: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    vars: Vec<Var>,
+    sink: GradSink,
+}
+
+/// A block over fresh Vars (names from `tag`): the second Linear `d ->
+/// 3d` (attention) or `3d -> d` (`mlp`).
+fn block(tag: &str, d: usize, with_sink: bool, mlp: bool) -> Block {
+    let var = |shape: &[usize], seed: u64, scale: f32| {
+        Var::from_tensor(&randt(shape, seed, scale)).unwrap()
+    };
+    let vars = vec![
+        Var::from_tensor(&randt(&[d], 1, 0.3).affine(1.0, 1.0).unwrap()).unwrap(),
+        var(&[d], 2, 0.1),
+        var(&[3 * d, d], 3, 0.3),
+        var(&[3 * d], 4, 0.1),
+        var(&[d, if mlp { 3 * d } else { d }], 5, 0.3),
+        var(&[d], 6, 0.1),
+    ];
+    let t = |i: usize| vars[i].as_tensor().clone();
+    let ln = nn::LayerNorm::new(t(0), t(1), 1e-5).unwrap();
+    let qkv = nn::Linear::new(format!("{tag}.qkv.weight"), t(2), Some(t(3))).unwrap();
+    let proj = nn::Linear::new(format!("{tag}.proj.weight"), t(4), Some(t(5))).unwrap();
+    let sink = GradSink::new();
+    if with_sink {
+        qkv.set_grad_sink(Some(sink.clone())).unwrap();
+        proj.set_grad_sink(Some(sink.clone())).unwrap();
+    }
+    Block {
+        ln,
+        qkv,
+        proj,
+        vars,
+        sink,
+    }
+}
+
+type Forward<'a> = dyn Fn(&Block, &Tensor) -> Tensor + 'a;
+
+/// `fused` against `parts` on two blocks with equal values; `residual`:
+/// whether the block adds its input to its output.
+fn check(name: &str, mlp: bool, residual: bool, fused: &Forward<'_>, parts: &Forward<'_>) {
+    let modes = modes();
+    let d = 16;
+    for (m, mode) in modes.into_iter().enumerate() {
+        for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
+            let (a, b) = (
+                block(&format!("{name}{m}{c}a"), d, with_sink, mlp),
+                block(&format!("{name}{m}{c}b"), d, with_sink, mlp),
+            );
+            for step in 0..3u64 {
+                let what = format!("{name} {mode:?} {dtype:?} sink {with_sink} step {step}");
+                let h =
+                    Var::from_tensor(&randt(&[2, 5, d], 80 + step, 1.5).to_dtype(dtype).unwrap())
+                        .unwrap();
+                let r = randt(&[2, 5, d], 90 + step, 1.0).to_dtype(dtype).unwrap();
+                let _s = fp8_autocast(true, mode.clone());
+                let h_t = h.as_tensor();
+                let (y1, y2) = (fused(&a, h_t), parts(&b, h_t));
+                if residual && residual_in_gemm(&mode, dtype, with_sink) {
+                    assert!(within_one_rerounding(&y1, &y2, h_t), "{what}: y");
+                } else {
+                    assert_eq!(values(&y1), values(&y2), "{what}: y");
+                }
+                let g1 = (&y1 * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (&y2 * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let dh = |g: &candle_core::backprop::GradStore| values(g.get(h_t).expect("dh"));
+                assert_eq!(dh(&g1), dh(&g2), "{what}: dh");
+                let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
+                for (i, (va, vb)) in a.vars.iter().zip(&b.vars).enumerate() {
+                    if fp8_weights && (i == 2 || i == 4) {
+                        continue;
+                    }
+                    let (ga, gb) = (g1.get(va.as_tensor()), g2.get(vb.as_tensor()));
+                    let (ga, gb) = (ga.expect("grad a"), gb.expect("grad b"));
+                    assert_eq!(values(ga), values(gb), "{what}: parameter {i}");
+                }
+                if fp8_weights {
+                    let (sa, sb) = (a.sink.take().unwrap(), b.sink.take().unwrap());
+                    for part in ["qkv", "proj"] {
+                        let ka = format!("{name}{m}{c}a.{part}.weight");
+                        let kb = format!("{name}{m}{c}b.{part}.weight");
+                        assert_eq!(
+                            values(&sa[&ka].dequantize(DType::F32).unwrap()),
+                            values(&sb[&kb].dequantize(DType::F32).unwrap()),
+                            "{what}: sink {part}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn handed_self_attention_equals_the_parts_in_sequence() {
+    let heads = 2;
+    check(
+        "sa",
+        false,
+        true,
+        &move |b, h| nn::causal_self_attention(h, &b.ln, &b.qkv, &b.proj, heads).unwrap(),
+        &move |b, h| {
+            let qkv = b.qkv.try_forward(&b.ln.try_forward(h).unwrap()).unwrap();
+            let att = nn::causal_attention_qkv(&qkv, heads).unwrap();
+            (h + b.proj.try_forward(&att).unwrap()).unwrap()
+        },
+    );
+}
+
+#[test]
+fn handed_mlp_equals_the_parts_in_sequence() {
+    for residual in [true, false] {
+        check(
+            if residual { "mr" } else { "mn" },
+            true,
+            residual,
+            &move |b, h| nn::pre_norm_mlp(h, &b.ln, &b.qkv, &b.proj, residual).unwrap(),
+            &move |b, h| {
+                let m = b.qkv.try_forward(&b.ln.try_forward(h).unwrap()).unwrap();
+                let y = b.proj.try_forward(&nn::gelu(&m).unwrap()).unwrap();
+                if residual {
+                    (h + y).unwrap()
+                } else {
+                    y
+                }
+            },
+        );
+    }
+}
+
+/// One Linear in high precision: the half-block falls back to the parts
+/// in sequence (same values); a projection whose output does not match
+/// the residual is an error on both paths, never a panic.
+#[test]
+fn mixed_precision_falls_back_and_bad_residuals_are_errors() {
+    let d = 16;
+    let (a, b) = (block("mx_a", d, true, false), block("mx_b", d, true, false));
+    a.proj.set_high_precision(true);
+    b.proj.set_high_precision(true);
+    let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
+    let h = Var::from_tensor(&randt(&[2, 5, d], 3, 1.0)).unwrap();
+    let y1 = nn::causal_self_attention(h.as_tensor(), &a.ln, &a.qkv, &a.proj, 2).unwrap();
+    let qkv = b
+        .qkv
+        .try_forward(&b.ln.try_forward(h.as_tensor()).unwrap())
+        .unwrap();
+    let att = nn::causal_attention_qkv(&qkv, 2).unwrap();
+    let y2 = (h.as_tensor() + b.proj.try_forward(&att).unwrap()).unwrap();
+    assert_eq!(values(&y1), values(&y2));
+    // a d -> d + 1 projection: its output cannot take the residual
+    let wide = nn::Linear::new(
+        "mx_wide.weight",
+        Var::from_tensor(&randt(&[d + 1, d], 4, 0.3))
+            .unwrap()
+            .as_tensor()
+            .clone(),
+        None,
+    )
+    .unwrap();
+    wide.set_grad_sink(Some(GradSink::new())).unwrap();
+    let e = nn::causal_self_attention(h.as_tensor(), &a.ln, &a.qkv, &wide, 2);
+    assert!(e.is_err(), "a residual of another width accepted");
+    let c = block("mx_c", d, true, true);
+    let e = nn::pre_norm_mlp(h.as_tensor(), &c.ln, &c.qkv, &wide, true);
+    assert!(e.is_err(), "an MLP output of another width accepted");
+}
+
+/// `linear_cross_entropy`: the handed logits give the loss and gradients
+/// (input, LayerNorm, the head's weight in the GradStore or the sink) of
+/// the parts in sequence, in every mode, F32 and BF16.
+#[test]
+fn handed_head_and_loss_equal_the_parts_in_sequence() {
+    let modes = modes();
+    let (d, vocab) = (16, 40);
+    let targets = Tensor::from_vec(
+        (0..10u32).map(|i| (i * 7) % 40).collect(),
+        (2, 5),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    for (m, mode) in modes.into_iter().enumerate() {
+        for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
+            let heads = [0, 1].map(|i| {
+                let b = block(&format!("ce{m}{c}{i}"), d, false, false);
+                let w = Var::from_tensor(&randt(&[vocab, d], 11, 0.3)).unwrap();
+                let head = nn::Linear::new(
+                    format!("ce{m}{c}{i}.head.weight"),
+                    w.as_tensor().clone(),
+                    None,
+                )
+                .unwrap();
+                let sink = GradSink::new();
+                if with_sink {
+                    head.set_grad_sink(Some(sink.clone())).unwrap();
+                }
+                (b, head, w, sink)
+            });
+            for step in 0..3u64 {
+                let what = format!("{mode:?} {dtype:?} sink {with_sink} step {step}");
+                let h =
+                    Var::from_tensor(&randt(&[2, 5, d], 100 + step, 1.5).to_dtype(dtype).unwrap())
+                        .unwrap();
+                let _s = fp8_autocast(true, mode.clone());
+                let (a, b) = (&heads[0], &heads[1]);
+                let l1 =
+                    nn::linear_cross_entropy(h.as_tensor(), Some(&a.0.ln), &a.1, &targets).unwrap();
+                let logits =
+                    b.1.try_forward(&b.0.ln.try_forward(h.as_tensor()).unwrap())
+                        .unwrap();
+                let l2 = nn::cross_entropy(&logits, &targets).unwrap();
+                assert_eq!(values(&l1), values(&l2), "{what}: loss");
+                let (g1, g2) = (l1.backward().unwrap(), l2.backward().unwrap());
+                let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
+                let mut pairs = vec![
+                    ("dh", h.as_tensor(), h.as_tensor()),
+                    ("dln_w", a.0.vars[0].as_tensor(), b.0.vars[0].as_tensor()),
+                    ("dln_b", a.0.vars[1].as_tensor(), b.0.vars[1].as_tensor()),
+                ];
+                if !fp8_weights {
+                    pairs.push(("dw", a.2.as_tensor(), b.2.as_tensor()));
+                }
+                for (name, x, y) in pairs {
+                    let (gx, gy) = (g1.get(x).expect(name), g2.get(y).expect(name));
+                    assert_eq!(values(gx), values(gy), "{what}: {name}");
+                }
+                if fp8_weights {
+                    let (sa, sb) = (a.3.take().unwrap(), b.3.take().unwrap());
+                    assert_eq!(
+                        values(
+                            &sa[&format!("ce{m}{c}0.head.weight")]
+                                .dequantize(DType::F32)
+                                .unwrap()
+                        ),
+                        values(
+                            &sb[&format!("ce{m}{c}1.head.weight")]
+                                .dequantize(DType::F32)
+                                .unwrap()
+                        ),
+                        "{what}: sink dw"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! Checkpoints: exact resume at every level, clear errors for corrupt files
+//! (with nothing changed), level mismatch.
+
+use crate::ckpt_common;
+use crate::common;
+
+use amp::levels::Level;
+use candle_core::{DType, Device, Tensor};
+use ckpt_common::{build, contents, tmp, train, with_metadata};
+use common::masters;
+use safetensors::SafeTensors;
+
+#[test]
+fn resume_is_bit_exact_at_every_level() {
+    for level in Level::ALL {
+        let (straight, sctx, mut sopt) = build(8, level);
+        train(&straight, &sctx, &mut sopt, 0..6);
+        let (first, fctx, mut fopt) = build(8, level);
+        train(&first, &fctx, &mut fopt, 0..3);
+        let mid = tmp(&format!("mid-{level}.safetensors"));
+        fctx.save(&mid, &fopt).unwrap();
+        let (resumed, rctx, mut ropt) = build(8, level);
+        rctx.load(&mid, &mut ropt).unwrap();
+        train(&resumed, &rctx, &mut ropt, 3..6);
+        let (a, b) = (
+            tmp(&format!("straight-{level}.safetensors")),
+            tmp(&format!("resumed-{level}.safetensors")),
+        );
+        sctx.save(&a, &sopt).unwrap();
+        rctx.save(&b, &ropt).unwrap();
+        let (ca, cb) = (contents(&a), contents(&b));
+        assert!(ca.0.len() > 10, "{level}: {} tensors", ca.0.len());
+        assert_eq!(ca.0.len(), cb.0.len(), "{level}: same tensors");
+        for ((na, da), (nb, db)) in ca.0.iter().zip(&cb.0) {
+            assert_eq!(na, nb, "{level}");
+            assert!(da == db, "{level}: tensor {na} differs after resume");
+        }
+        assert_eq!(ca.1, cb.1, "{level}: metadata (step, scaler, layer metas)");
+        if level != Level::O0 {
+            assert!(
+                ca.0.iter().any(|(n, _)| n.contains("__fp8_meta")),
+                "{level}: layer metas saved"
+            );
+        }
+    }
+}
+
+#[test]
+fn corrupt_checkpoints_are_clear_errors_and_change_nothing() {
+    let (model, ctx, mut opt) = build(8, Level::O2);
+    train(&model, &ctx, &mut opt, 0..2);
+    let good = tmp("good.safetensors");
+    ctx.save(&good, &opt).unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+    let before = tmp("before.safetensors");
+    ctx.save(&before, &opt).unwrap();
+    let mut cases: Vec<(String, Vec<u8>)> = vec![];
+    for cut in [0, 4, 8, 20, bytes.len() / 2, bytes.len() - 1] {
+        cases.push((format!("truncated at {cut}"), bytes[..cut].to_vec()));
+    }
+    let mut flipped = bytes.clone();
+    flipped[10] ^= 0x40;
+    cases.push(("flipped header byte".into(), flipped));
+    cases.push((
+        "not safetensors".into(),
+        b"this is a text file, not a checkpoint".to_vec(),
+    ));
+    // A checkpoint of a wider model: right names, wrong shapes.
+    let (wide, wctx, mut wopt) = build(12, Level::O2);
+    train(&wide, &wctx, &mut wopt, 0..1);
+    let w = tmp("wide.safetensors");
+    wctx.save(&w, &wopt).unwrap();
+    cases.push(("wrong shapes".into(), std::fs::read(&w).unwrap()));
+    for (what, data) in cases {
+        let p = tmp("corrupt.safetensors");
+        std::fs::write(&p, &data).unwrap();
+        let e = ctx.load(&p, &mut opt).unwrap_err();
+        assert!(e.to_string().contains("checkpoint"), "{what}: {e}");
+        let after = tmp("after.safetensors");
+        ctx.save(&after, &opt).unwrap();
+        assert_eq!(
+            contents(&before),
+            contents(&after),
+            "{what}: state changed by a failed load"
+        );
+    }
+    // The good file still loads.
+    ctx.load(&good, &mut opt).unwrap();
+    let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
+}
+
+#[test]
+fn a_checkpoint_loads_at_another_level_and_exports_as_plain_safetensors() {
+    let (model, ctx, mut opt) = build(8, Level::O2);
+    train(&model, &ctx, &mut opt, 0..3);
+    let path = tmp("o2.safetensors");
+    ctx.save(&path, &opt).unwrap();
+    let saved = masters(&opt);
+    for level in [Level::O0, Level::O1, Level::O3] {
+        let (_, c, mut o) = build(8, level);
+        c.load(&path, &mut o).unwrap();
+        assert_eq!(o.inner().step_count(), 3, "{level}");
+        // FP16 masters convert exactly to F32 and to FP16 again.
+        assert_eq!(masters(&o), saved, "{level}");
+    }
+    // Export: plain tensors under the model's names, F32 exact, BF16 rounded.
+    for (dtype, tol) in [
+        (amp::levels::ExportDType::F32, 0.0f32),
+        (amp::levels::ExportDType::BF16, 1.0 / 256.0),
+    ] {
+        let out = tmp("export.safetensors");
+        ctx.export(&out, &opt, dtype).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = st.names();
+        names.sort_unstable();
+        assert_eq!(names.len(), saved.len());
+        for (name, want) in &saved {
+            let v = st.tensor(name).unwrap();
+            let got: Vec<f32> = match v.dtype() {
+                safetensors::Dtype::F32 => v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+                safetensors::Dtype::BF16 => v
+                    .data()
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                    .collect(),
+                other => panic!("{other:?}"),
+            };
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() <= tol * b.abs(), "{name}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_metadata_is_refused_before_anything_changes() {
+    let (model, ctx, mut opt) = build(8, Level::O3);
+    train(&model, &ctx, &mut opt, 0..2);
+    let good = tmp("meta-good.safetensors");
+    ctx.save(&good, &opt).unwrap();
+    for (key, value, says) in [
+        ("level", "O9", "level"),
+        ("version", "99", "version"),
+        ("step", "18446744073709551615", "step"),
+        (
+            "scaler",
+            r#"{"config":{"static":{"scale":0.0}},"scale":0.0,"growth_tracker":0}"#,
+            "scaler",
+        ),
+        ("param_steps", "{}", "no step"),
+        ("format", "something-else", "not a candle-amp checkpoint"),
+    ] {
+        let p = with_metadata(&good, key, value);
+        let before = contents(&good);
+        let e = ctx.load(&p, &mut opt).unwrap_err().to_string();
+        assert!(e.contains(says), "{key}={value}: {e}");
+        let after = tmp("meta-after.safetensors");
+        ctx.save(&after, &opt).unwrap();
+        assert_eq!(contents(&after).0, before.0, "{key}: nothing changed");
+    }
+}

@@ -1,0 +1,9 @@
+//! AdamW and the low-bit AdamW (`amp::optim`).
+//! One test binary for these modules (one link instead of one each).
+
+#[allow(dead_code)]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod adamw;
+mod lowbit;
