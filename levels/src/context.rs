@@ -1,8 +1,18 @@
-//! `initialize`: converts a model's parameters to a level's storages and
-//! builds the optimizer; `AmpOptimizer::backward_step` runs a training step.
+//! The context of a model trained at a level: [`initialize`] converts a
+//! model's parameters to the level's storages and builds the optimizer;
+//! [`AmpContext`] opens the compute scope for forward passes (and for
+//! evaluation that leaves the training state as it was);
+//! [`AmpOptimizer::backward_step`] runs a training step.
+//!
+//! Data parallelism is not this module's: the optimizer step calls a
+//! [`DataParallel`] hook, which the `distributed` module implements and
+//! installs through [`initialize_with`] (docs/ARCHITECTURE.md, "Data
+//! parallelism"). This module imports none above it: the checkpoint module
+//! (`save`, `load`, `export`) and the memory report (`memory_report`) add
+//! their methods to [`AmpContext`], each beside its concept.
 
 use crate::config::AmpConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::level::{GradStorage, Level, WeightStorage};
 use amp_core::nn::{fp8_autocast, registered_linear, Fp8Autocast, GradSink, Linear};
 use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
@@ -10,6 +20,42 @@ use amp_optim::{
     AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, StateFormat, StepOutcome,
 };
 use candle_core::Tensor;
+
+/// What a data-parallel group does inside [`initialize_with`] and the
+/// optimizer step; the `distributed` module implements it (this module
+/// knows no communicator).
+pub(crate) trait DataParallel: std::fmt::Debug {
+    /// This rank and the number of ranks.
+    fn rank_and_world(&self) -> (usize, usize);
+
+    /// At a level that keeps an FP8 copy and an FP16 master of Linear
+    /// weight `name` (F32 `value`, the layer's `slot`): the optimizer's slot
+    /// holding this rank's slice of the master, the layer's slot then set
+    /// to the whole FP8 copy; `None` (nothing changed) to store it whole.
+    fn split_master(
+        &mut self,
+        name: &str,
+        value: &Tensor,
+        slot: &WeightSlot,
+    ) -> Result<Option<WeightSlot>>;
+
+    /// The mean of every rank's gradients (of a weight this rank holds a
+    /// slice of: only that slice).
+    fn average(&self, grads: Grads) -> Result<Grads>;
+
+    /// Whether the optimizer holds only this rank's slice of `name`.
+    fn holds_slice(&self, name: &str) -> bool;
+
+    /// The squared gradient norm over all ranks, from this rank's part.
+    fn total_sq(&self, part_sq: f64) -> amp_optim::Result<f64>;
+
+    /// After an applied step: what the ranks share again (the FP8 copies
+    /// of the sliced weights).
+    fn after_step(&self, opt: &LowBitAdamW) -> Result<()>;
+
+    /// Itself, for the implementing module to find its own type.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
 
 /// What `initialize` set up: the config, the Linear layers it converted and
 /// the sink their FP8 weight gradients go to.
@@ -45,17 +91,61 @@ impl AmpContext {
         fp8_autocast(true, self.config.compute.mode())
     }
 
-    /// The memory report of this model and optimizer now.
-    ///
-    /// # Errors
-    /// As [`crate::MemoryReport::measure`].
-    pub fn memory_report(&self, opt: &AmpOptimizer) -> Result<crate::MemoryReport> {
-        crate::MemoryReport::measure(self, opt)
-    }
-
     /// Whether a parameter name belongs to a Linear weight handled by the level.
     pub fn is_linear(&self, name: &str) -> bool {
         self.linear_names.iter().any(|n| n == name)
+    }
+
+    /// Runs `f` (forward passes for validation or sampling) in the config's
+    /// compute mode, then puts every Linear's delayed-scaling state back as
+    /// it was. Under delayed scaling a forward records amaxes and each
+    /// scope rolls the amax histories, so validation between training steps
+    /// would otherwise change the scales of the following steps (and a
+    /// resumed run would not match an uninterrupted one).
+    ///
+    /// ```
+    /// # use amp_levels::{initialize, AmpConfig, Compute, Level};
+    /// # use candle_core::{Device, DType, Module, Tensor};
+    /// # let varmap = candle_nn::VarMap::new();
+    /// # let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    /// let fc = amp_core::nn::linear(8, 8, vb.pp("fc"))?;
+    /// let cfg = AmpConfig {
+    ///     level: Level::O2,
+    ///     compute: Compute::Fp8Delayed { recipe: Default::default() },
+    ///     ..Default::default()
+    /// };
+    /// let (amp, _opt) = initialize(&varmap, Default::default(), cfg)?;
+    /// let x = Tensor::ones((4, 8), DType::F32, &Device::Cpu)?;
+    /// let val = amp.evaluate(|| -> Result<f32, Box<dyn std::error::Error>> {
+    ///     Ok(fc.forward(&x)?.sum_all()?.to_scalar::<f32>()?)
+    /// })?;
+    /// assert!(val.is_finite());
+    /// assert!(fc.scaling_state()?.is_none()); // as before: no delayed-scaling state yet
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// `f`'s; [`Error::Core`] for a poisoned layer.
+    pub fn evaluate<T, E: From<Error>>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        let saved = self
+            .linears()
+            .iter()
+            .map(|l| l.scaling_state())
+            .collect::<amp_core::Result<Vec<_>>>()
+            .map_err(|e| E::from(e.into()))?;
+        let out = {
+            let _scope = self.autocast();
+            f()
+        };
+        for (layer, state) in self.linears().iter().zip(saved) {
+            layer
+                .set_scaling_state(state)
+                .map_err(|e| E::from(e.into()))?;
+        }
+        out
     }
 }
 
@@ -71,11 +161,8 @@ pub struct AmpOptimizer {
     /// ended (before the optimizer step).
     pub(crate) backward_peak: Option<u64>,
     pub(crate) linear_names: Vec<String>,
-    /// Data parallelism's group ([`crate::initialize_distributed`]).
-    pub(crate) comm: Option<crate::distributed::Comm>,
-    /// O3 with more than one rank: the Linear weights whose master and
-    /// moments this rank holds a slice of.
-    pub(crate) shards: Vec<crate::zero::Shard>,
+    /// Data parallelism's group (`initialize_distributed`), if any.
+    group: Option<Box<dyn DataParallel>>,
 }
 
 impl AmpOptimizer {
@@ -131,33 +218,22 @@ impl AmpOptimizer {
         Ok(grads)
     }
 
-    /// The step half of [`backward_step`](Self::backward_step).
+    /// The step half of [`backward_step`](Self::backward_step); with a
+    /// data-parallel group the gradients are averaged over the ranks, the
+    /// squared norm summed over them, and after an applied step the FP8
+    /// copies of sliced weights gathered again.
     fn step_grads(&mut self, grads: Grads) -> Result<StepOutcome> {
-        let Some(comm) = &self.comm else {
+        let Some(group) = &self.group else {
             return Ok(self.opt.step(&grads)?);
         };
-        let comm = comm.0.as_ref();
-        let grads = crate::distributed::average(comm, grads, &self.shards)?;
-        let shards = &self.shards;
-        let outcome = self.opt.step_partitioned(
-            &grads,
-            &|name| shards.iter().any(|s| s.name == name),
-            &mut |part_sq| {
-                if shards.is_empty() {
-                    return Ok(part_sq);
-                }
-                let t = Tensor::new(&[part_sq as f32], comm.device())?;
-                let sum = comm
-                    .all_reduce_sum(&t)
-                    .map_err(|e| amp_optim::Error::Config {
-                        field: "data parallelism",
-                        reason: e.to_string(),
-                    })?;
-                Ok(sum.to_vec1::<f32>()?[0] as f64)
-            },
-        )?;
+        let grads = group.average(grads)?;
+        let holds_slice = |name: &str| group.holds_slice(name);
+        let mut total_sq = |part_sq| group.total_sq(part_sq);
+        let outcome = self
+            .opt
+            .step_partitioned(&grads, &holds_slice, &mut total_sq)?;
         if let StepOutcome::Applied { .. } = outcome {
-            crate::zero::gather(comm, &self.opt, &self.shards)?;
+            group.after_step(&self.opt)?;
         }
         Ok(outcome)
     }
@@ -171,9 +247,12 @@ impl AmpOptimizer {
 
     /// This rank and the number of ranks (`(0, 1)` without a group).
     pub fn rank_and_world(&self) -> (usize, usize) {
-        self.comm
-            .as_ref()
-            .map_or((0, 1), |c| (c.0.rank(), c.0.world_size()))
+        self.group.as_ref().map_or((0, 1), |g| g.rank_and_world())
+    }
+
+    /// The data-parallel group's hook, if there is a group.
+    pub(crate) fn data_parallel(&self) -> Option<&dyn DataParallel> {
+        self.group.as_deref()
     }
 
     /// The low-bit AdamW inside.
@@ -203,7 +282,7 @@ fn claim(varmap: &candle_nn::VarMap) -> Result<()> {
         .lock()
         .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?;
     if data.contains_key(INITIALIZED_MARK) {
-        return Err(crate::Error::Config {
+        return Err(Error::Config {
             field: "varmap".into(),
             reason: "this VarMap was already initialized: build the model anew for another level"
                 .into(),
@@ -223,25 +302,26 @@ fn claim(varmap: &candle_nn::VarMap) -> Result<()> {
 /// copy is freed). The model's code does not change between levels.
 ///
 /// # Errors
-/// [`crate::Error::Core`] for a bad config, the optimizer's for bad
+/// [`Error::Core`] for a bad config, the optimizer's for bad
 /// hyperparameters.
 pub fn initialize(
     varmap: &candle_nn::VarMap,
     adam: AdamWConfig,
     config: AmpConfig,
 ) -> Result<(AmpContext, AmpOptimizer)> {
-    initialize_sharded(varmap, adam, config, (0, 1))
+    initialize_with(varmap, adam, config, None)
 }
 
-/// [`initialize`] for `rank` of `world` data-parallel ranks: at O3 with
-/// more than one rank, each Linear weight's master and moments are this
-/// rank's slice ([`crate::zero`]).
-pub(crate) fn initialize_sharded(
+/// [`initialize`] for one rank of a data-parallel `group`, which the
+/// optimizer then keeps: at O3 the group may keep only this rank's slice
+/// of each Linear weight's master ([`DataParallel::split_master`]).
+pub(crate) fn initialize_with(
     varmap: &candle_nn::VarMap,
     adam: AdamWConfig,
     config: AmpConfig,
-    (rank, world): (usize, usize),
+    mut group: Option<Box<dyn DataParallel>>,
 ) -> Result<(AmpContext, AmpOptimizer)> {
+    let (_, world) = group.as_ref().map_or((0, 1), |g| g.rank_and_world());
     amp_core::config::Validate::validate(&config)?;
     adam.validate()?;
     claim(varmap)?;
@@ -260,7 +340,6 @@ pub(crate) fn initialize_sharded(
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut params = Vec::with_capacity(vars.len());
     let (mut linears, mut linear_names, mut removed) = (vec![], vec![], vec![]);
-    let mut shards = vec![];
     for (name, var) in vars {
         let moments = |(m, v): (StateFormat, StateFormat)| {
             if config.keeps_f32_moments(&name) {
@@ -276,13 +355,13 @@ pub(crate) fn initialize_sharded(
                 let converts = policy.linear_weight != WeightStorage::F32
                     || policy.linear_grad != GradStorage::F32;
                 if !matches!(&*slot.read()?, Weight::F32(_)) {
-                    return Err(crate::Error::Config {
+                    return Err(Error::Config {
                         field: name,
                         reason: "this Linear weight was converted by an earlier initialize: build the model anew".into(),
                     });
                 }
                 if converts && layer.name() != name {
-                    return Err(crate::Error::Config {
+                    return Err(Error::Config {
                         field: name.clone(),
                         reason: format!(
                             "the Linear layer `{}` uses this weight under another name (a tied weight): \
@@ -297,18 +376,13 @@ pub(crate) fn initialize_sharded(
                     WeightStorage::F32 => {}
                     WeightStorage::F16 => slot.replace(Weight::F16(low_bit(value, QType::F16)?))?,
                     WeightStorage::Fp8WithMaster => {
-                        match crate::zero::master_slice(value, rank, world)? {
-                            Some((master, range)) if world > 1 => {
-                                slot.replace(Weight::Fp8Gathered(low_bit(value, QType::E4M3)?))?;
-                                param_slot = WeightSlot::new(Weight::F16(master));
-                                shards.push(crate::zero::Shard {
-                                    name: name.clone(),
-                                    layer: slot.clone(),
-                                    range,
-                                    shape: value.shape().clone(),
-                                });
-                            }
-                            _ => slot.replace(Weight::Fp8 {
+                        let sliced = match group.as_mut() {
+                            Some(g) => g.split_master(&name, value, &slot)?,
+                            None => None,
+                        };
+                        match sliced {
+                            Some(master) => param_slot = master,
+                            None => slot.replace(Weight::Fp8 {
                                 weight: low_bit(value, QType::E4M3)?,
                                 master: low_bit(value, QType::F16)?,
                             })?,
@@ -369,8 +443,7 @@ pub(crate) fn initialize_sharded(
             last_grad_bytes: [0; 3],
             backward_peak: None,
             linear_names,
-            comm: None,
-            shards,
+            group,
         },
     ))
 }

@@ -1,5 +1,6 @@
 //! The optimization levels and the one table that says how each stores every
-//! class of tensor (DESIGN.md 2). Nothing else in the crate names a level.
+//! class of tensor (docs/ARCHITECTURE.md, "Levels"). Nothing else in the
+//! crate names a level.
 
 use amp_optim::StateFormat;
 use serde::{Deserialize, Serialize};
@@ -58,7 +59,7 @@ const F32_MOMENTS: (StateFormat, StateFormat) = (StateFormat::F32, StateFormat::
 const LOW_BIT_MOMENTS: (StateFormat, StateFormat) = (StateFormat::E4M3, StateFormat::F16);
 
 impl Level {
-    /// The table (DESIGN.md 2).
+    /// The table (docs/ARCHITECTURE.md, "Levels").
     pub const fn policy(self) -> Policy {
         use GradStorage as G;
         use WeightStorage as W;

@@ -2,34 +2,35 @@
 //!
 //! The optimization levels O0-O3 of candle-amp: [`Level`] and its storage
 //! table ([`Level::policy`]), [`AmpConfig`], [`initialize`] (converts the
-//! Linear weights of a model built with `amp::nn` and builds the optimizer)
-//! the [`MemoryReport`], and checkpoints ([`AmpContext::save`],
-//! [`AmpContext::load`]).
+//! Linear weights of a model built with `amp::nn` and builds the optimizer),
+//! [`initialize_distributed`] (the same for one rank of a data-parallel
+//! group), the [`MemoryReport`], and checkpoints ([`AmpContext::save`],
+//! [`AmpContext::load`], [`AmpContext::export`]).
+//!
+//! The modules, each importing only those listed below it:
+//!
+//! - `checkpoint/`: saving, loading (converting, resharding) and exporting;
+//! - `report`: the memory report;
+//! - `distributed/`: data parallelism (gradient averaging, ZeRO for O3),
+//!   installed into the context as its data-parallel hook;
+//! - `context`: [`AmpContext`], [`AmpOptimizer`], [`initialize`], the step;
+//! - `config`: [`AmpConfig`], [`Compute`];
+//! - `level`: [`Level`] and its table; `error`: [`Error`].
 #![warn(missing_docs)]
 
 mod checkpoint;
-#[cfg(test)]
-mod checkpoint_tests;
-mod ckpt_header;
-mod ckpt_index;
-mod ckpt_load;
-mod ckpt_reader;
-mod ckpt_reshard;
 mod config;
 mod context;
 mod distributed;
 mod error;
-mod eval;
-mod export;
 mod level;
 mod report;
-mod zero;
 
+pub use checkpoint::export::ExportDType;
+pub use checkpoint::index::shard_path;
 pub use config::{matches, AmpConfig, Compute};
 pub use context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};
 pub use distributed::initialize_distributed;
 pub use error::{Error, Result};
-pub use export::ExportDType;
 pub use level::{state_bytes, GradStorage, Level, Policy, WeightStorage};
 pub use report::{Categories, MemoryReport};
-pub use zero::shard_path;

@@ -1,8 +1,12 @@
 //! The memory report: persistent bytes by category, each summed from the
-//! tensors that exist, beside the level's prediction.
+//! tensors that exist, beside the level's prediction
+//! ([`AmpContext::memory_report`], [`MemoryReport::measure`]). It reads the
+//! context and the optimizer, and the data-parallel group's shards, and
+//! changes nothing.
 
 use crate::context::{AmpContext, AmpOptimizer};
-use crate::error::Result;
+use crate::distributed;
+use crate::error::{Error, Result};
 use crate::level::Level;
 use amp_core::{ScalingTensor, Weight};
 use amp_optim::State;
@@ -61,7 +65,7 @@ fn split(t: &ScalingTensor) -> (usize, usize) {
 fn split_weight(w: &Weight) -> Result<(usize, usize)> {
     match w {
         Weight::F16(t) | Weight::Fp8Gathered(t) => Ok(split(t)),
-        other => Err(crate::Error::Config {
+        other => Err(Error::Config {
             field: "weight".into(),
             reason: format!("a sharded weight stored as {}", other.kind()),
         }),
@@ -75,6 +79,16 @@ fn state(s: &State) -> (usize, usize) {
     }
 }
 
+impl AmpContext {
+    /// The memory report of this model and optimizer now.
+    ///
+    /// # Errors
+    /// As [`MemoryReport::measure`].
+    pub fn memory_report(&self, opt: &AmpOptimizer) -> Result<MemoryReport> {
+        MemoryReport::measure(self, opt)
+    }
+}
+
 impl MemoryReport {
     /// Measures `ctx` and `opt` now.
     ///
@@ -83,11 +97,12 @@ impl MemoryReport {
     pub fn measure(ctx: &AmpContext, opt: &AmpOptimizer) -> Result<Self> {
         let mut b = Categories::default();
         let (mut linear_params, mut other_params, mut linear_meta) = (0, 0, 0);
+        let shards = distributed::shards(opt);
         for p in opt.inner().params() {
             let w = p.slot.read()?;
             let (m, mm) = state(&p.exp_avg);
             let (v, vm) = state(&p.exp_avg_sq);
-            if let Some(shard) = opt.shards.iter().find(|s| s.name == p.name) {
+            if let Some(shard) = shards.iter().find(|s| s.name == p.name) {
                 // ZeRO: the whole FP8 copy (the layer's) and this rank's slice
                 // of the master (the optimizer's parameter)
                 linear_params += shard.shape.elem_count();
@@ -154,9 +169,9 @@ impl MemoryReport {
             other_params,
             bytes: b,
             measured_bytes_per_linear_param: per_linear as f64 / linear_params.max(1) as f64,
-            predicted_bytes_per_linear_param: ctx.level().predicted_bytes_per_linear_param(
-                if opt.shards.is_empty() { 1 } else { ctx.world },
-            ),
+            predicted_bytes_per_linear_param: ctx
+                .level()
+                .predicted_bytes_per_linear_param(if shards.is_empty() { 1 } else { ctx.world }),
             ratio_to_o0: None,
         })
     }

@@ -1,7 +1,7 @@
 //! Reading a checkpoint: every tensor checked for presence, dtype and
 //! shape, and remembered, so that the caller can refuse extra tensors.
 
-use crate::checkpoint::err;
+use super::{err, not_a_param};
 use crate::error::Result;
 use amp_core::{QType, ScalingMeta, ScalingTensor, Weight};
 use amp_optim::State;
@@ -154,7 +154,7 @@ impl<'a> Reader<'a> {
         w: &Weight,
     ) -> Result<(Weight, State, State)> {
         let weight = match w {
-            Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
+            Weight::Fp8Gathered(_) => return Err(not_a_param("load")),
             Weight::F32(v) => Weight::F32(candle_core::Var::from_tensor(
                 &self.plain(&p.name, v.shape())?,
             )?),
@@ -232,7 +232,7 @@ pub(crate) fn encode(
         Ok(ScalingTensor::quantize(&value, qtype, &amp_core::CurrentScaling::default())?.0)
     };
     let weight = match w {
-        Weight::Fp8Gathered(_) => return Err(crate::zero::not_a_param("load")),
+        Weight::Fp8Gathered(_) => return Err(not_a_param("load")),
         Weight::F32(_) => Weight::F32(candle_core::Var::from_tensor(&value)?),
         Weight::F16(_) => Weight::F16(q(QType::F16)?),
         Weight::Fp8 { .. } => Weight::Fp8 {

@@ -1,11 +1,12 @@
 //! A checkpoint file's metadata, read and checked: the format and version,
 //! the level, the counters, the loss scaler, and what the file holds of a
-//! ZeRO-sharded run.
+//! ZeRO-sharded run (its tag and its slices, as a save records them).
 
-use crate::checkpoint::{err, FORMAT, VERSION};
+use super::{err, FORMAT, INDEX_FORMAT, VERSION};
+use crate::context::AmpOptimizer;
+use crate::distributed;
 use crate::error::Result;
-use crate::zero::SliceInfo;
-use crate::Level;
+use crate::level::Level;
 use amp_optim::LossScaler;
 use safetensors::tensor::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
@@ -37,14 +38,14 @@ pub(crate) struct Header {
 /// Parses `bytes`, read from `path`, and checks its metadata.
 ///
 /// # Errors
-/// [`crate::Error::Checkpoint`] naming `path` and what is wrong.
+/// [`crate::error::Error::Checkpoint`] naming `path` and what is wrong.
 pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTensors<'a>, Header)> {
     let st = SafeTensors::deserialize(bytes)
         .map_err(|e| err(path, format!("not a readable safetensors file: {e}")))?;
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| err(path, e.to_string()))?;
     let meta = Metadata::new(path, header.metadata().clone().unwrap_or_default());
     let field = |k: &str| meta.field(k);
-    if field("format")? == crate::ckpt_index::INDEX_FORMAT {
+    if field("format")? == INDEX_FORMAT {
         return Err(err(
             path,
             "the index of a sharded checkpoint, not one of its rank files",
@@ -95,6 +96,47 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
     Ok((st, header))
 }
 
+/// Where a rank's slice of a sharded parameter lies, as a rank's
+/// checkpoint file records it (metadata `zero_slices`, by name): the range
+/// of the flat weight and the whole weight's shape.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SliceInfo {
+    /// First element of the slice in the flat weight.
+    pub start: usize,
+    /// One past its last element.
+    pub end: usize,
+    /// The whole weight's shape.
+    pub shape: Vec<usize>,
+}
+
+/// The slices `opt` holds, by parameter name (empty unless ZeRO).
+pub(crate) fn slices(opt: &AmpOptimizer) -> BTreeMap<String, SliceInfo> {
+    distributed::shards(opt)
+        .iter()
+        .map(|s| {
+            (
+                s.name.clone(),
+                SliceInfo {
+                    start: s.range.start,
+                    end: s.range.end,
+                    shape: s.shape.dims().to_vec(),
+                },
+            )
+        })
+        .collect()
+}
+
+/// What a checkpoint records of `opt`'s sharding (metadata `zero`): `none`,
+/// or `rank/world`.
+pub(crate) fn zero_tag(opt: &AmpOptimizer) -> String {
+    if distributed::shards(opt).is_empty() {
+        return "none".into();
+    }
+    let (rank, world) = opt.rank_and_world();
+    format!("{rank}/{world}")
+}
+
 /// A safetensors header's metadata, read with errors naming the file.
 pub(crate) struct Metadata<'a> {
     map: HashMap<String, String>,
@@ -115,7 +157,7 @@ impl<'a> Metadata<'a> {
     /// Entry `k`.
     ///
     /// # Errors
-    /// [`crate::Error::Checkpoint`] when it is missing.
+    /// [`crate::error::Error::Checkpoint`] when it is missing.
     pub(crate) fn field(&self, k: &str) -> Result<&str> {
         self.get(k)
             .ok_or_else(|| err(self.path, format!("metadata `{k}` missing")))
@@ -124,7 +166,7 @@ impl<'a> Metadata<'a> {
     /// Checks that this build reads the format version.
     ///
     /// # Errors
-    /// [`crate::Error::Checkpoint`] for another version.
+    /// [`crate::error::Error::Checkpoint`] for another version.
     pub(crate) fn check_version(&self) -> Result<()> {
         let version = self.field("version")?;
         if version != VERSION {
@@ -139,7 +181,7 @@ impl<'a> Metadata<'a> {
     /// The level it was saved at.
     ///
     /// # Errors
-    /// [`crate::Error::Checkpoint`] when missing or not a level.
+    /// [`crate::error::Error::Checkpoint`] when missing or not a level.
     pub(crate) fn level(&self) -> Result<Level> {
         self.field("level")?
             .parse()

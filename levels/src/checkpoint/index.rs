@@ -1,8 +1,7 @@
-//! The index of a ZeRO-sharded checkpoint, the collective save that writes
-//! it, and the agreement of a group's ranks on a checkpoint operation.
+//! The index of a ZeRO-sharded checkpoint and the names of its rank files.
 //!
 //! Each rank `r` of a sharded O3 run of `N` ranks writes its file
-//! [`shard_path`](crate::shard_path)`(path, r, N)`; once every rank has
+//! [`shard_path`]`(path, r, N)`; once every rank has
 //! written its file, rank 0 writes the index at `path` itself. The index is
 //! a safetensors file without tensors; its metadata holds
 //!
@@ -19,20 +18,29 @@
 //! after some rank files leaves the old index, whose sizes and checksums no
 //! longer match those files (an error, never a silent mix of two saves).
 
-use crate::checkpoint::{err, write_atomic, VERSION};
-use crate::ckpt_header::Metadata;
-use crate::ckpt_reshard::Part;
-use crate::context::{AmpContext, AmpOptimizer};
+use super::header::Metadata;
+use super::{err, write_atomic, Part, INDEX_FORMAT, VERSION};
 use crate::error::Result;
-use crate::Level;
-use amp_comm::Communicator;
-use candle_core::{Device, Tensor};
+use crate::level::Level;
 use safetensors::tensor::{SafeTensors, TensorView};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-/// The `format` of an index.
-pub(crate) const INDEX_FORMAT: &str = "candle-amp-checkpoint-index";
+/// The file a rank of a ZeRO-sharded run writes for checkpoint `path`:
+/// `ckpt.safetensors` becomes `ckpt.rank0-of-4.safetensors` (`path` itself
+/// is then the index that lists the rank files, with their sizes and
+/// CRC-32s; load `path`, at any world size).
+pub fn shard_path(path: impl AsRef<Path>, rank: usize, world: usize) -> PathBuf {
+    let path = path.as_ref();
+    let stem = path
+        .file_stem()
+        .map_or_else(Default::default, |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}-of-{world}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}-of-{world}"),
+    };
+    path.with_file_name(name)
+}
 
 /// One rank's file, as the index records it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -64,7 +72,7 @@ impl Index {
     /// anything else.
     ///
     /// # Errors
-    /// [`crate::Error::Checkpoint`] for an index with missing or bad fields.
+    /// [`crate::error::Error::Checkpoint`] for an index with missing or bad fields.
     pub(crate) fn parse(path: &Path, bytes: &[u8]) -> Result<Option<Self>> {
         let Ok((_, header)) = SafeTensors::read_metadata(bytes) else {
             return Ok(None);
@@ -113,7 +121,7 @@ impl Index {
     /// its entry.
     ///
     /// # Errors
-    /// [`crate::Error::Checkpoint`] naming the file: missing, unreadable,
+    /// [`crate::error::Error::Checkpoint`] naming the file: missing, unreadable,
     /// or of another size or checksum than the index records.
     pub(crate) fn read_file(&self, path: &Path, rank: usize) -> Result<Part> {
         let entry = self
@@ -156,7 +164,7 @@ impl Index {
     }
 
     /// Writes the index at `path`, atomically.
-    fn write(&self, path: &Path) -> Result<()> {
+    pub(crate) fn write(&self, path: &Path) -> Result<()> {
         let files = serde_json::to_string(&self.files).map_err(|e| err(path, e.to_string()))?;
         let metadata = HashMap::from([
             ("format".to_string(), INDEX_FORMAT.to_string()),
@@ -172,119 +180,5 @@ impl Index {
         )
         .map_err(|e| err(path, e.to_string()))?;
         write_atomic(path, &bytes, false)
-    }
-}
-
-/// The collective save of a sharded run: each rank writes its file, the
-/// ranks exchange sizes and checksums, rank 0 writes the index.
-///
-/// # Errors
-/// [`crate::Error::Checkpoint`] on every rank when any rank's file or the
-/// index could not be written.
-pub(crate) fn save_sharded(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer) -> Result<()> {
-    let Some(comm) = &opt.comm else {
-        return Err(err(path, "a sharded optimizer without its group"));
-    };
-    let comm = comm.0.as_ref();
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let name = |r: usize| -> Result<String> {
-        let file = crate::shard_path(path, r, world);
-        file.file_name()
-            .and_then(|n| n.to_str())
-            .map(String::from)
-            .ok_or_else(|| err(&file, "not a UTF-8 file name"))
-    };
-    let written = name(rank).and_then(|file| {
-        let target = path.with_file_name(&file);
-        let bytes = ctx.checkpoint_bytes(&target, opt)?;
-        write_atomic(&target, &bytes, false)?;
-        Ok(FileEntry {
-            file,
-            bytes: bytes.len() as u64,
-            crc32: crc32fast::hash(&bytes),
-        })
-    });
-    let entry = agree(comm, path, written, |r| {
-        format!("rank {r} could not write its file, so the index was not written")
-    })?;
-    // every rank's [size (8 bytes), crc32 (4 bytes)], little-endian
-    let mut mine = [0u8; 12];
-    mine[..8].copy_from_slice(&entry.bytes.to_le_bytes());
-    mine[8..].copy_from_slice(&entry.crc32.to_le_bytes());
-    let mut files = Vec::with_capacity(world);
-    for (r, m) in exchange(comm, &mine)?.iter().enumerate() {
-        let (Ok(size), Ok(crc)) = (
-            <[u8; 8]>::try_from(&m[..8.min(m.len())]),
-            <[u8; 4]>::try_from(m.get(8..).unwrap_or_default()),
-        ) else {
-            return Err(err(path, format!("rank {r} sent a malformed file entry")));
-        };
-        files.push(FileEntry {
-            file: name(r)?,
-            bytes: u64::from_le_bytes(size),
-            crc32: u32::from_le_bytes(crc),
-        });
-    }
-    let index = Index {
-        level: ctx.level(),
-        step: opt.inner().step_count(),
-        world,
-        files,
-    };
-    let wrote = if rank == 0 { index.write(path) } else { Ok(()) };
-    agree(comm, path, wrote, |r| {
-        format!("rank {r} could not write the index")
-    })
-}
-
-/// Every rank's `bytes` (all of one length), in rank order.
-fn exchange(comm: &dyn Communicator, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-    let t = Tensor::from_slice(bytes, bytes.len(), comm.device())?;
-    Ok(comm.all_gather(&t)?.to_device(&Device::Cpu)?.to_vec2()?)
-}
-
-/// How much of a failed rank's error message the others receive.
-const MESSAGE_BYTES: usize = 512;
-
-/// `local`, this rank's outcome of a checkpoint operation on `path`, once
-/// every rank of the group has reported its own: this rank's error, or the
-/// first failed rank's (its message, up to 512 bytes, after `failed(rank)`
-/// saying what it could not do), or `local`'s value when all succeeded.
-/// Every rank calls it, so that none is left waiting in a later collective.
-///
-/// # Errors
-/// As described; the communicator's when the group is broken.
-pub(crate) fn agree<T>(
-    comm: &dyn Communicator,
-    path: &Path,
-    local: Result<T>,
-    failed: impl Fn(usize) -> String,
-) -> Result<T> {
-    // [ok, message bytes (zero-padded)]
-    let mut mine = vec![0u8; 1 + MESSAGE_BYTES];
-    match &local {
-        Ok(_) => mine[0] = 1,
-        Err(e) => {
-            let msg = e.to_string();
-            let mut end = msg.len().min(MESSAGE_BYTES);
-            while !msg.is_char_boundary(end) {
-                end -= 1;
-            }
-            mine[1..=end].copy_from_slice(&msg.as_bytes()[..end]);
-        }
-    }
-    let all = exchange(comm, &mine);
-    let value = local?;
-    let all = all?;
-    match all.iter().position(|m| m.first() != Some(&1)) {
-        Some(r) => {
-            let msg = all[r].get(1..).unwrap_or_default();
-            let msg = String::from_utf8_lossy(msg);
-            Err(err(
-                path,
-                format!("{}: {}", failed(r), msg.trim_end_matches('\0')),
-            ))
-        }
-        None => Ok(value),
     }
 }

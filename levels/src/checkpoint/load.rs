@@ -1,0 +1,115 @@
+//! Loading a checkpoint: every rank reads and checks everything (which
+//! files depends on what `path` holds and on this run's sharding), the
+//! ranks agree, then each applies; a checkpoint of another level is
+//! converted, one of another sharding resharded ([`super::reshard`]).
+
+use super::agree::agree;
+use super::index::{shard_path, Index};
+use super::reshard::stage_assembled;
+use super::stage::{stage_file, Staged};
+use super::{err, Part};
+use crate::context::{AmpContext, AmpOptimizer};
+use crate::distributed;
+use crate::error::Result;
+use amp_core::Weight;
+use std::path::Path;
+
+/// Loads the checkpoint at `path` into `ctx` and `opt`
+/// ([`AmpContext::load`]): staged (every rank of a group agreeing that it
+/// could), then applied; at O3 with ZeRO the FP8 copies are then gathered
+/// from the loaded master slices.
+///
+/// # Errors
+/// [`crate::error::Error::Checkpoint`] naming the file and what is wrong,
+/// on every rank of a group; nothing changed.
+pub(crate) fn load(ctx: &AmpContext, path: &Path, opt: &mut AmpOptimizer) -> Result<()> {
+    let staged = stage(ctx, path, opt);
+    let staged = match distributed::group(opt) {
+        Some(group) => agree(group.comm(), path, staged, |r| {
+            format!("rank {r} could not load it, so nothing changed here")
+        })?,
+        None => staged?,
+    };
+    apply(ctx, opt, staged)?;
+    if let Some(group) = distributed::group(opt).filter(|g| !g.shards().is_empty()) {
+        // the FP8 copies, gathered from the loaded master slices
+        group.gather(opt.inner())?;
+    }
+    Ok(())
+}
+
+/// Reads and checks what `path` holds for this rank; changes nothing.
+fn stage(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer) -> Result<Staged> {
+    let (rank, world) = opt.rank_and_world();
+    let sharded = !distributed::shards(opt).is_empty();
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if sharded && e.kind() == std::io::ErrorKind::NotFound => {
+            // saved without an index (before there was one): this
+            // rank's own file, at the same world size only
+            let own = shard_path(path, rank, world);
+            return match std::fs::read(&own) {
+                Ok(bytes) => stage_file(ctx, &own, &bytes, opt),
+                Err(_) => Err(err(
+                    path,
+                    format!(
+                        "{e}: neither a checkpoint nor the index of a sharded one \
+                         (nor rank {rank}'s file of a {world}-rank save without an index)"
+                    ),
+                )),
+            };
+        }
+        Err(e) => return Err(err(path, e.to_string())),
+    };
+    match Index::parse(path, &bytes)? {
+        // the saved world size: this rank's own file, bit-exact
+        Some(index) if sharded && index.world == world => {
+            let part = index.read_file(path, rank)?;
+            stage_file(ctx, &part.path, &part.bytes, opt)
+        }
+        Some(index) => {
+            let parts = (0..index.world)
+                .map(|r| index.read_file(path, r))
+                .collect::<Result<Vec<_>>>()?;
+            stage_assembled(ctx, path, &parts, Some(&index), opt)
+        }
+        None if sharded => {
+            let whole = Part {
+                path: path.to_path_buf(),
+                bytes,
+                rank: 0,
+                world: 1,
+            };
+            stage_assembled(ctx, path, &[whole], None, opt)
+        }
+        None => stage_file(ctx, path, &bytes, opt),
+    }
+}
+
+/// Sets everything staged.
+fn apply(ctx: &AmpContext, opt: &mut AmpOptimizer, staged: Staged) -> Result<()> {
+    let path = &staged.path;
+    for ((p, (weight, m, v)), step) in opt
+        .inner_mut()
+        .params_mut()
+        .iter_mut()
+        .zip(staged.weights)
+        .zip(staged.steps)
+    {
+        match weight {
+            Weight::F32(var) => match &*p.slot.read()? {
+                Weight::F32(cur) => cur.set(var.as_tensor())?,
+                _ => return Err(err(path, "storage changed while loading")),
+            },
+            other => p.slot.replace(other)?,
+        }
+        p.exp_avg = m;
+        p.exp_avg_sq = v;
+        p.step = step;
+    }
+    for (layer, state) in ctx.linears().iter().zip(staged.layers) {
+        layer.set_scaling_state(state)?;
+    }
+    opt.inner_mut().restore_counters(staged.step, staged.scaler);
+    Ok(())
+}

@@ -1,0 +1,238 @@
+//! Data parallelism (docs/ARCHITECTURE.md, "Data parallelism"): every rank
+//! holds the whole model, trains on its share of the batch, and the
+//! gradients are averaged across ranks before the step, the Linear weight
+//! gradients in FP8.
+//!
+//! - FP8 weight gradients (O1-O3): [`amp_comm::fp8_all_reduce`]: one scale
+//!   agreed by all ranks, FP8 codes on the wire (a quarter of F32's
+//!   bytes), F32 accumulation, the mean re-quantized with a fresh agreed
+//!   scale.
+//! - F32 gradients (every other parameter, and Linear weights at O0): one
+//!   packed F32 all-reduce of all of them, divided by the world size.
+//! - At O3 with more than one rank, ZeRO ([`zero`]): each rank keeps a
+//!   slice of every Linear weight's master and moments.
+//!
+//! Every rank then takes the same step on the same gradients, so the
+//! replicas stay bitwise identical; a non-finite gradient on any rank is
+//! non-finite on every rank after the reduction, and every rank skips.
+//!
+//! The context does not know this module: [`initialize_distributed`]
+//! hands a [`Group`] to the context's initialization as its
+//! [`DataParallel`] hook, which the optimizer step calls. The checkpoint
+//! and the memory report, above both, find the group with [`group`].
+
+pub(crate) mod zero;
+
+use crate::config::AmpConfig;
+use crate::context::{initialize_with, AmpContext, AmpOptimizer, DataParallel, INITIALIZED_MARK};
+use crate::error::{Error, Result};
+use amp_comm::{fp8_all_reduce, Communicator, Fp8ReduceConfig};
+use amp_core::WeightSlot;
+use amp_optim::{AdamWConfig, Grad, Grads, LowBitAdamW};
+use candle_core::Tensor;
+use std::sync::Arc;
+use zero::Shard;
+
+/// A data-parallel group as one rank's optimizer holds it: the
+/// communicator and, at O3 with ZeRO, the Linear weights whose master and
+/// moments this rank holds a slice of.
+pub(crate) struct Group {
+    comm: Arc<dyn Communicator>,
+    shards: Vec<Shard>,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Group(rank {} of {}, {} shard(s))",
+            self.comm.rank(),
+            self.comm.world_size(),
+            self.shards.len()
+        )
+    }
+}
+
+impl Group {
+    /// The communicator.
+    pub(crate) fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+
+    /// The sharded weights (empty unless ZeRO).
+    pub(crate) fn shards(&self) -> &[Shard] {
+        &self.shards
+    }
+
+    /// Every shard's FP8 copy gathered from the ranks' master slices in
+    /// `opt` (after a step or a load).
+    ///
+    /// # Errors
+    /// The communicator's; a shard the optimizer does not hold.
+    pub(crate) fn gather(&self, opt: &LowBitAdamW) -> Result<()> {
+        zero::gather(self.comm(), opt, &self.shards)
+    }
+}
+
+impl DataParallel for Group {
+    fn rank_and_world(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world_size())
+    }
+
+    fn split_master(
+        &mut self,
+        name: &str,
+        value: &Tensor,
+        slot: &WeightSlot,
+    ) -> Result<Option<WeightSlot>> {
+        let split = zero::split(name, value, slot, self.rank_and_world())?;
+        Ok(split.map(|(shard, master)| {
+            self.shards.push(shard);
+            master
+        }))
+    }
+
+    fn average(&self, grads: Grads) -> Result<Grads> {
+        average(self.comm(), grads, &self.shards)
+    }
+
+    fn holds_slice(&self, name: &str) -> bool {
+        self.shards.iter().any(|s| s.name == name)
+    }
+
+    fn total_sq(&self, part_sq: f64) -> amp_optim::Result<f64> {
+        if self.shards.is_empty() {
+            return Ok(part_sq);
+        }
+        let comm = self.comm();
+        let t = Tensor::new(&[part_sq as f32], comm.device())?;
+        let sum = comm
+            .all_reduce_sum(&t)
+            .map_err(|e| amp_optim::Error::Config {
+                field: "data parallelism",
+                reason: e.to_string(),
+            })?;
+        Ok(sum.to_vec1::<f32>()?[0] as f64)
+    }
+
+    fn after_step(&self, opt: &LowBitAdamW) -> Result<()> {
+        self.gather(opt)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The group that [`initialize_distributed`] installed in `opt`, if any.
+pub(crate) fn group(opt: &AmpOptimizer) -> Option<&Group> {
+    opt.data_parallel()?.as_any().downcast_ref()
+}
+
+/// The weights whose master and moments `opt` holds a slice of (empty
+/// unless ZeRO).
+pub(crate) fn shards(opt: &AmpOptimizer) -> &[Shard] {
+    match group(opt) {
+        Some(g) => g.shards(),
+        None => &[],
+    }
+}
+
+/// [`initialize`](crate::context::initialize) for one rank of a data-parallel
+/// group: every parameter is first broadcast from rank 0 (candle's CPU
+/// generator cannot be seeded, so replicas built apart start apart), then
+/// converted as the level says (at O3 with ZeRO: this rank's slice of each
+/// Linear weight's master and moments);
+/// [`AmpOptimizer::backward_step`] averages the gradients over the ranks
+/// before it steps. Each rank calls this with its own model, built by the
+/// same code.
+///
+/// # Errors
+/// As [`initialize`](crate::context::initialize); the communicator's
+/// ([`Error::Comm`]), e.g. a rank that fails or never arrives.
+pub fn initialize_distributed(
+    varmap: &candle_nn::VarMap,
+    adam: AdamWConfig,
+    config: AmpConfig,
+    comm: Arc<dyn Communicator>,
+) -> Result<(AmpContext, AmpOptimizer)> {
+    broadcast_vars(varmap, comm.as_ref())?;
+    let group = Group {
+        comm,
+        shards: Vec::new(),
+    };
+    initialize_with(varmap, adam, config, Some(Box::new(group)))
+}
+
+/// Rank 0's value of every variable, in name order, on every rank.
+fn broadcast_vars(varmap: &candle_nn::VarMap, comm: &dyn Communicator) -> Result<()> {
+    let mut vars: Vec<(String, candle_core::Var)> = varmap
+        .data()
+        .lock()
+        .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?
+        .iter()
+        .filter(|(n, _)| n.as_str() != INITIALIZED_MARK)
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (_, var) in vars {
+        let value = comm.broadcast(var.as_tensor(), 0)?;
+        if comm.rank() != 0 {
+            var.set(&value.reshape(var.shape())?)?;
+        }
+    }
+    Ok(())
+}
+
+/// The mean of every rank's gradients, with FP8 ones reduced in FP8; of a
+/// sharded weight, only this rank's slice.
+fn average(comm: &dyn Communicator, grads: Grads, shards: &[Shard]) -> Result<Grads> {
+    let n = comm.world_size();
+    let mut names: Vec<String> = grads.0.keys().cloned().collect();
+    names.sort();
+    let mut grads = grads.0;
+    let mut out = Grads::new();
+    let mut dense: Vec<(String, Tensor)> = Vec::new();
+    for name in names {
+        let shard = shards.iter().find(|s| s.name == name);
+        match (grads.remove(&name), shard) {
+            (Some(Grad::Scaled(t)), Some(shard)) => {
+                out.insert(name, zero::reduce_scatter(comm, &t, shard)?);
+            }
+            (Some(Grad::Scaled(t)), None) => {
+                let cfg = Fp8ReduceConfig {
+                    qtype: t.qtype(),
+                    ..Default::default()
+                };
+                out.insert(name, Grad::Scaled(fp8_all_reduce(comm, &t, &cfg)?.grad));
+            }
+            (Some(Grad::F32(_)), Some(_)) => {
+                return Err(Error::Config {
+                    field: name,
+                    reason: "a sharded weight needs its FP8 gradient from the layer's sink".into(),
+                })
+            }
+            (Some(Grad::F32(t)), None) => dense.push((name, t)),
+            (None, _) => {}
+        }
+    }
+    if !dense.is_empty() {
+        // one all-reduce for all of them: fewer, larger messages
+        let flat: Vec<Tensor> = dense
+            .iter()
+            .map(|(_, t)| t.flatten_all())
+            .collect::<candle_core::Result<_>>()?;
+        let summed = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
+        let mean = (summed / n as f64)?;
+        let mut offset = 0;
+        for (name, t) in dense {
+            let len = t.elem_count();
+            out.insert(
+                name,
+                Grad::F32(mean.narrow(0, offset, len)?.reshape(t.shape())?),
+            );
+            offset += len;
+        }
+    }
+    Ok(out)
+}
