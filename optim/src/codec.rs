@@ -23,10 +23,9 @@ pub(crate) enum Codec {
     Decode { q: QType, scale_inv: f32 },
 }
 
-impl Kernel for Codec {
-    const NAME: &'static str = "lowbit_step_codec";
-
-    fn cpu(
+impl Codec {
+    /// The CPU body of the kernel (`dispatch.rs` makes it one).
+    pub(crate) fn cpu_body(
         &self,
         inputs: &[(&CpuStorage, &Layout)],
     ) -> amp_core::Result<Vec<(CpuStorage, candle_core::Shape)>> {
@@ -46,14 +45,6 @@ impl Kernel for Codec {
             }
         };
         Ok(vec![(out, l.shape().clone())])
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, candle_core::Shape)>> {
-        crate::cuda_codec::codec(self, inputs)
     }
 }
 

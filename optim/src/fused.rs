@@ -127,10 +127,12 @@ pub(crate) fn encode_with(qtype: QType, values: &[f32], scale: f32) -> CpuStorag
     }
 }
 
-impl Kernel for LowBitStep<'_> {
-    const NAME: &'static str = "lowbit_adamw_step";
-
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
+impl LowBitStep<'_> {
+    /// The CPU body of the kernel (`dispatch.rs` makes it one).
+    pub(crate) fn cpu_body(
+        &self,
+        inputs: &[(&CpuStorage, &Layout)],
+    ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
         const OP: &str = "lowbit_adamw_step";
         let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs), (gm, lgm), ..] =
             inputs
@@ -218,15 +220,6 @@ impl Kernel for LowBitStep<'_> {
         out.push((CpuStorage::F32(meta), Shape::from(META_LEN)));
         Ok(out)
     }
-
-    /// Two launches, bit-identical to [`cpu`](Self::cpu) (see `cuda.rs`).
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda::lowbit_step(self, inputs)
-    }
 }
 
 /// Sum of squares of a decoded gradient (for the global norm and the
@@ -235,10 +228,12 @@ pub(crate) struct SumSq {
     pub g: Q,
 }
 
-impl Kernel for SumSq {
-    const NAME: &'static str = "grad_sum_sq";
-
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
+impl SumSq {
+    /// The CPU body of the kernel (`dispatch.rs` makes it one).
+    pub(crate) fn cpu_body(
+        &self,
+        inputs: &[(&CpuStorage, &Layout)],
+    ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
         const OP: &str = SumSq::NAME;
         let [(g, lg), (gs, lgs)] = inputs else {
             return Err(amp_core::Error::Unsupported {
@@ -274,15 +269,6 @@ impl Kernel for SumSq {
             total += group;
         }
         Ok(vec![(CpuStorage::F64(vec![total]), Shape::from(1usize))])
-    }
-
-    /// The same sums in the same order, bit-identical (see `cuda.rs`).
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda_sum_sq::sum_sq(self, inputs)
     }
 }
 

@@ -52,6 +52,7 @@ mod cuda_codec;
 mod cuda_multi;
 #[cfg(feature = "cuda")]
 mod cuda_sum_sq;
+mod dispatch;
 mod error;
 mod fused;
 mod grad;

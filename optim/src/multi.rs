@@ -27,10 +27,12 @@ const ALIGN: usize = 16;
 /// inputs (gradient, its scale_inv) pairs; output one F64 per gradient.
 pub(crate) struct SumSqMulti;
 
-impl Kernel for SumSqMulti {
-    const NAME: &'static str = "grad_sum_sq_multi";
-
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
+impl SumSqMulti {
+    /// The CPU body of the kernel (`dispatch.rs` makes it one).
+    pub(crate) fn cpu_body(
+        &self,
+        inputs: &[(&CpuStorage, &Layout)],
+    ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
         let mut sums = Vec::with_capacity(inputs.len() / 2);
         for pair in inputs.chunks(2) {
             let out = SumSq { g: None }.cpu(pair)?;
@@ -45,15 +47,6 @@ impl Kernel for SumSqMulti {
         let n = sums.len();
         Ok(vec![(CpuStorage::F64(sums), Shape::from(n))])
     }
-
-    /// One launch, a gradient a block.
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda_multi::sum_sq_multi(inputs)
-    }
 }
 
 /// Steps of many parameters whose weights are F32 and updated in place
@@ -67,23 +60,16 @@ pub(crate) struct LowBitMulti {
     pub steps: Vec<(AdamStep, [Q; 3])>,
 }
 
-impl Kernel for LowBitMulti {
-    const NAME: &'static str = "lowbit_adamw_step_multi";
-
-    fn cpu(&self, _: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
+impl LowBitMulti {
+    /// The CPU body of the kernel (`dispatch.rs` makes it one).
+    pub(crate) fn cpu_body(
+        &self,
+        _: &[(&CpuStorage, &Layout)],
+    ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
         Err(amp_core::Error::Unsupported {
             op: Self::NAME,
             what: "an in-place weight update on the CPU".into(),
         })
-    }
-
-    /// One launch, a parameter a block.
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda_multi::lowbit_multi(self, inputs)
     }
 }
 

@@ -1,4 +1,4 @@
-//! Levels O0-O3: the memory report against DESIGN.md 2 computed from shapes,
+//! Levels O0-O3: the memory report against docs/ARCHITECTURE.md, "Levels", computed from shapes,
 //! training at every level against O0, and exclusions.
 
 use crate::common;
@@ -107,7 +107,7 @@ fn memory_report_equals_the_design_table_computed_from_shapes() {
         opt.backward_step(&loss).unwrap();
         let r = amp.memory_report(&opt).unwrap();
         let b = r.bytes;
-        // Expected from DESIGN.md 2, per level, from the shapes alone.
+        // Expected from docs/ARCHITECTURE.md, "Levels", per level, from the shapes alone.
         let (w, master, g, m, v, other_states, meta) = match level {
             Level::O0 => (
                 4 * linear,
