@@ -11,86 +11,50 @@ use crate::multi::{LowBitMulti, SumSqMulti};
 use amp_core::kernel::Kernel;
 use candle_core::{CpuStorage, Layout, Shape};
 
-impl Kernel for LowBitStep<'_> {
-    const NAME: &'static str = "lowbit_adamw_step";
+/// `impl Kernel for $ty`: the CPU body `cpu_body`, the CUDA body `$cuda`
+/// (with `$k` the kernel and `$inputs` the storages).
+macro_rules! dispatch {
+    ($ty:ty, $name:literal, |$k:ident, $inputs:ident| $cuda:expr) => {
+        impl Kernel for $ty {
+            const NAME: &'static str = $name;
 
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        self.cpu_body(inputs)
-    }
+            fn cpu(
+                &self,
+                inputs: &[(&CpuStorage, &Layout)],
+            ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
+                self.cpu_body(inputs)
+            }
 
-    /// Two launches, bit-identical to [`cpu`](Self::cpu) (see `cuda.rs`).
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda::lowbit_step(self, inputs)
-    }
+            #[cfg(feature = "cuda")]
+            fn cuda(
+                &self,
+                $inputs: &[(&candle_core::CudaStorage, &Layout)],
+            ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
+                let $k = self;
+                $cuda
+            }
+        }
+    };
 }
 
-impl Kernel for SumSq {
-    const NAME: &'static str = "grad_sum_sq";
-
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        self.cpu_body(inputs)
-    }
-
-    /// The same sums in the same order, bit-identical (see `cuda.rs`).
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda_sum_sq::sum_sq(self, inputs)
-    }
-}
-
-impl Kernel for SumSqMulti {
-    const NAME: &'static str = "grad_sum_sq_multi";
-
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        self.cpu_body(inputs)
-    }
-
-    /// One launch, a gradient a block.
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda_multi::sum_sq_multi(inputs)
-    }
-}
-
-impl Kernel for LowBitMulti {
-    const NAME: &'static str = "lowbit_adamw_step_multi";
-
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        self.cpu_body(inputs)
-    }
-
-    /// One launch, a parameter a block.
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, Shape)>> {
-        crate::cuda_multi::lowbit_multi(self, inputs)
-    }
-}
-
-impl Kernel for Codec {
-    const NAME: &'static str = "lowbit_step_codec";
-
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        self.cpu_body(inputs)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[(&candle_core::CudaStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(candle_core::CudaStorage, candle_core::Shape)>> {
-        crate::cuda_codec::codec(self, inputs)
-    }
-}
+// Two launches, bit-identical to the CPU body (see `cuda.rs`).
+dispatch!(LowBitStep<'_>, "lowbit_adamw_step", |k, inputs| {
+    crate::cuda::lowbit_step(k, inputs)
+});
+// The same sums in the same order, bit-identical (see `cuda.rs`).
+dispatch!(
+    SumSq,
+    "grad_sum_sq",
+    |k, inputs| crate::cuda_sum_sq::sum_sq(k, inputs)
+);
+// One launch, a gradient a block.
+dispatch!(SumSqMulti, "grad_sum_sq_multi", |_k, inputs| {
+    crate::cuda_multi::sum_sq_multi(inputs)
+});
+// One launch, a parameter a block.
+dispatch!(LowBitMulti, "lowbit_adamw_step_multi", |k, inputs| {
+    crate::cuda_multi::lowbit_multi(k, inputs)
+});
+dispatch!(Codec, "lowbit_step_codec", |k, inputs| {
+    crate::cuda_codec::codec(k, inputs)
+});

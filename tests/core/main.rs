@@ -1,7 +1,6 @@
 //! FP8 formats, scaling metadata and tensors, casts, the FP8 GEMM, recipes (amp-core below `nn`).
 //! One test binary for these modules (one link instead of one each).
 
-#[allow(dead_code)]
 #[path = "../common/mod.rs"]
 mod common;
 

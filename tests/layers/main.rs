@@ -1,7 +1,6 @@
 //! The FP8 layers and fused ops of `amp::nn`.
 //! One test binary for these modules (one link instead of one each).
 
-#[allow(dead_code)]
 #[path = "../common/mod.rs"]
 mod common;
 

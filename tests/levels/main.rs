@@ -1,10 +1,8 @@
 //! The levels O0-O3: memory report, owned steps, checkpoints and their resharding, bounded property tests of the parsers.
 //! One test binary for these modules (one link instead of one each).
 
-#[allow(dead_code)]
 #[path = "../ckpt_common/mod.rs"]
 mod ckpt_common;
-#[allow(dead_code)]
 #[path = "../common/mod.rs"]
 mod common;
 

@@ -1,7 +1,6 @@
 //! AdamW and the low-bit AdamW (`amp::optim`).
 //! One test binary for these modules (one link instead of one each).
 
-#[allow(dead_code)]
 #[path = "../common/mod.rs"]
 mod common;
 
