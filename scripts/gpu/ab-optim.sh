@@ -2,8 +2,9 @@
 # ab-optim.sh [CARRY_DIR]: one device call comparing two builds of the
 # optimizer kernels: `cuda_check_old`/`gpt_old` (the previous build) and
 # `cuda_check`/`gpt` (the new one), all gzipped in CARRY_DIR.
-#   1. the new build's optimizer checks (`--optim-only`; CODECS=1 adds the
-#      step codecs over all 2^32 f32 inputs), unless NO_CHECK=1;
+#   1. the new build's optimizer tests (`optim::` and `codecs::` of the GPU
+#      tests, gpu-tests.gz, see run-tests.sh; CODECS=1 adds the step codecs
+#      over all 2^32 f32 inputs), unless NO_CHECK=1;
 #   2. the optimizer bench, old and new alternating, REPS (3) times each;
 #   3. with NCU=1, each bench under ncu (time and instructions of every
 #      optimizer kernel, per step: the steps are counted by their
@@ -19,8 +20,10 @@ for b in gpt gpt_old cuda_check cuda_check_old; do
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/facts.log"
 if [ -z "${NO_CHECK:-}" ]; then
-  timeout 330 /tmp/cuda_check --optim-only ${CODECS:+--codecs} --watchdog 320 > "$OUT/check.log" 2>&1
-  echo "check rc=$?"; grep -E "CHECK|differ|DIFFERENT|ERROR|  step" "$OUT/check.log"
+  for f in optim:: codecs::; do
+    TIMEOUT=330 OUT=$OUT bash "$C/run-tests.sh" "$C" "$f" ${CODECS:+--include-ignored} > /dev/null
+    echo "tests $f rc=$?"; grep -E "^test result|FAILED|panicked" "$OUT/gpu-tests.log"
+  done
 fi
 for i in $(seq "${REPS:-3}"); do
   for b in cuda_check_old cuda_check; do

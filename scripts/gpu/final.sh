@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # final.sh: one device call for BENCHMARKS.md's GPT tables (run with carry
-# [".carry"], binaries and scripts in .carry/gpu/). cuda_check's checks
-# (no 2^32 sweep), the optimizer's check and bench, then run-gpt.sh at 125M
+# [".carry"], binaries and scripts in .carry/gpu/). The GPU tests (no 2^32
+# sweep; gpu-tests.gz, see run-tests.sh), the optimizer's bench, then run-gpt.sh at 125M
 # and 350M: the five levels with F32 activations, O0 native and O2 with BF16
 # activations, PyTorch (eager at both sizes, compiled and torchao at 350M).
 # Summary lines go to the output (a call returns only a few files).
@@ -10,13 +10,18 @@ C=.carry/gpu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source $C/device-env.sh
 gzip -dc $C/cuda_check.gz > /tmp/cuda_check && chmod +x /tmp/cuda_check
-# SIZES (default "125m 350m"), CHECK_ARGS (default --skip-exhaustive; empty
-# string: no cuda_check), TORCH350 (torch modes at 350M).
+# SIZES (default "125m 350m"), NO_TESTS=1 (no GPU tests), CHECK_ARGS
+# (cuda_check's timings, e.g. --bench; default empty: none), TORCH350
+# (torch modes at 350M).
 SIZES=${SIZES:-"125m 350m"}
-CHECK_ARGS=${CHECK_ARGS---skip-exhaustive}
+CHECK_ARGS=${CHECK_ARGS:-}
+if [ -z "${NO_TESTS:-}" ]; then
+  TIMEOUT=200 OUT=$OUT bash $C/run-tests.sh $C > /dev/null; echo "gpu tests rc=$?"
+  grep -E "^test result|FAILED|panicked" $OUT/gpu-tests.log
+fi
 if [ -n "$CHECK_ARGS" ]; then
   timeout 200 /tmp/cuda_check $CHECK_ARGS --watchdog 190 > $OUT/check.log 2>&1; echo "cuda_check rc=$?"
-  grep -E "^CHECK|DIFFER|FAIL|ERROR|panic" $OUT/check.log | tr '\n' ' '; echo
+  grep -E "^CHECK|FAIL|ERROR|panic" $OUT/check.log | tr '\n' ' '; echo
   grep -E "^BENCH (copy|cast|pool)" $OUT/check.log
   if [[ " $CHECK_ARGS " == *" --bench"* ]]; then
     PYTHONUNBUFFERED=1 timeout 140 python3 $C/torch_gemm.py > $OUT/torch_gemm.log 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # run-gpt.sh [CARRY_DIR] [SIZE] [LEVELS]: one device call for issue 8's GPT
-# comparison. The optimizer kernels' check and timing (cuda_check
-# --optim-only --bench), then the GPT example at O0 native (BF16 GEMMs),
+# comparison. The optimizer step's timing (cuda_check --optim-only
+# --bench; its checks are the GPU tests, run-tests.sh), then the GPT example at O0 native (BF16 GEMMs),
 # O0 + fp8-delayed (TE path), O1, O2 and O3 with fp8-current, then
 # torch_gpt.py (PyTorch eager BF16, compiled BF16, torchao FP8) on the same
 # machine. Each under `timeout`; logs and JSON lines go to $OUT.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run-on-device.sh [CARRY_DIR] [cuda_check args...]: one device call. The
-# checks and benchmarks of cuda_check, then (with --bench) the torch side in
-# the same call, then the joined table. Logs go to $OUT.
+# timings of cuda_check, then (with --bench) the torch side in the same
+# call, then the joined table. Logs go to $OUT. (The checks against the
+# CPU are the GPU tests: run-tests.sh.)
 set -uo pipefail
 C=${1:-.carry}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
