@@ -292,7 +292,7 @@ REQUANTIZE(f16, 2, e5m2, 1)
 REQUANTIZE(f16, 2, f16, 2)
 
 // ------------------------------------------------ amax history and scale --
-// pow2 and compute_scale (ScaleRule::compute) are in cast.cuh.
+// pow2 and compute_scale (ScaleRule::compute) are in codec.cuh.
 
 // history[0] = max(history[0], amax), NaN if either is NaN (Rust's f32::NAN).
 extern "C" __global__ void record_amax(const float* hist, const float* amax, float* out, int len) {

@@ -1,79 +1,14 @@
-// Shared by amp.cu and cast_t.cu: the formats' encode and decode, the
-// per-element quantize step with amax and counts, the block reduction.
-// The rules they reproduce are listed at the top of amp.cu.
+// Shared by amp.cu and cast_t.cu: the per-element quantize step with amax
+// and counts, the input and output conversions with the CPU's NaN bits,
+// the block reduction, the cast's scale. The formats' encode and decode
+// and the scale rules are in codec.cuh (shared with the optimizer's
+// kernels). The rules they reproduce are listed at the top of amp.cu.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
-#define CANONICAL_NAN 0x7FFFFFFFu
-#define RUST_F32_NAN 0x7FC00000u
-#define F16_NAN 0x7FFFu
-#define F16_MAX 65504.0f
-
-// ---------------------------------------------------------------- formats --
-// FMT: 0 = E4M3, 1 = E5M2, 2 = F16 (the QType order).
-template <int FMT> struct Fmt;
-template <> struct Fmt<0> {
-    typedef uint8_t code_t;
-    static constexpr float MAX = 448.0f;
-    static __device__ __forceinline__ uint8_t encode(float v) {
-        if (isnan(v)) return 0x7F;
-        return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-    }
-    // Branch-free (the conversion is inline asm: no branch around it).
-    static __device__ __forceinline__ float decode(uint8_t c) {
-        const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)));
-        return (c & 0x7F) == 0x7F ? __uint_as_float(CANONICAL_NAN) : v;
-    }
-    static __device__ __forceinline__ bool is_zero(uint8_t c) { return (c & 0x7F) == 0; }
-    // Two codes (x in the low byte) with no branch; NaN fixed afterwards
-    // on packed words (nan_fix).
-    static __device__ __forceinline__ uint16_t encode2_raw(float x, float y) {
-        return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
-    }
-    // Bytes whose magnitude is 0x7F (only NaN inputs give it) become 0x7F.
-    static __device__ __forceinline__ uint32_t nan_fix(uint32_t w) {
-        const uint32_t ones = (((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) >> 7;
-        return (w & ~(ones * 0xFFu)) | (ones * 0x7Fu);
-    }
-};
-template <> struct Fmt<1> {
-    typedef uint8_t code_t;
-    static constexpr float MAX = 57344.0f;
-    static __device__ __forceinline__ uint8_t encode(float v) {
-        if (isnan(v)) return 0x7F;
-        return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
-    }
-    static __device__ __forceinline__ float decode(uint8_t c) {
-        const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E5M2)));
-        return (c & 0x7F) > 0x7C ? __uint_as_float(CANONICAL_NAN) : v;
-    }
-    static __device__ __forceinline__ bool is_zero(uint8_t c) { return (c & 0x7F) == 0; }
-    static __device__ __forceinline__ uint16_t encode2_raw(float x, float y) {
-        return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E5M2);
-    }
-    // Bytes above 0x7C in magnitude (NaN; satfinite never gives inf) become
-    // 0x7F.
-    static __device__ __forceinline__ uint32_t nan_fix(uint32_t w) {
-        const uint32_t ones = (((w & 0x7F7F7F7Fu) + 0x03030303u) & 0x80808080u) >> 7;
-        return (w & ~(ones * 0xFFu)) | (ones * 0x7Fu);
-    }
-};
-template <> struct Fmt<2> {
-    typedef uint16_t code_t;
-    static constexpr float MAX = F16_MAX;
-    static __device__ __forceinline__ uint16_t encode(float v) {
-        if (isnan(v)) return F16_NAN;
-        return __half_as_ushort(__float2half_rn(fminf(fmaxf(v, -F16_MAX), F16_MAX)));
-    }
-    static __device__ __forceinline__ float decode(uint16_t c) {
-        const float v = __half2float(__ushort_as_half(c));
-        return (c & 0x7FFF) > 0x7C00 ? __uint_as_float(CANONICAL_NAN) : v;
-    }
-    static __device__ __forceinline__ bool is_zero(uint16_t c) { return (c & 0x7FFF) == 0; }
-};
+#include "codec.cuh"
 
 // ----------------------------------------------------- input conversions --
 // The CPU's `half` conversions: bf16 is a shift; an f16 NaN keeps its sign and
@@ -192,29 +127,6 @@ __device__ __forceinline__ uint32_t quantize4(const float* x, float scale, uint3
 }
 
 // ------------------------------------------------------------------ scale --
-__device__ __forceinline__ float pow2(int e) {
-    if (e < -126) return 0.0f;
-    if (e > 127) return __uint_as_float(0x7F800000u);
-    return __uint_as_float((uint32_t)(e + 127) << 23);
-}
-
-// ScaleRule::compute of scale.rs. rule: 0 = Te, 1 = PowerOfTwo.
-__device__ float compute_scale(int rule, float amax, float prev, float max, unsigned margin) {
-    if (!(amax > 0.0f && isfinite(amax) && max > 0.0f && isfinite(max))) return prev;
-    float s;
-    if (rule == 0) {
-        s = (max / amax) / pow2((int)min(margin, 255u));
-        if (isinf(s)) s = 3.40282347e+38f;
-    } else {
-        const double q = (double)max / (double)amax;
-        long long e = (long long)((__double_as_longlong(q) >> 52) & 0x7FF) - 1023;
-        e -= (long long)margin;
-        e = e < -126 ? -126 : (e > 127 ? 127 : e);
-        s = pow2((int)e);
-    }
-    return (s >= 1.17549435e-38f && isfinite(s)) ? s : prev;
-}
-
 // The scale a cast applies: `*scale_p` (delayed scaling: the meta's), or
 // with `amax_in` (current scaling) compute_scale(rule, *amax_in, 1, max,
 // margin), the scale_update of a one-slot history with no previous scale,

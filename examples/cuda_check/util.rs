@@ -1,78 +1,4 @@
-//! Bits of tensors, a small random generator, relative errors.
-
-use amp::ScalingTensor;
-use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
-
-/// Every element's bit pattern, widened to u64 (U8, F16, BF16, F32, F64, I64).
-pub fn bits(t: &Tensor) -> Result<Vec<u64>> {
-    let t = t.flatten_all()?.to_device(&Device::Cpu)?;
-    Ok(match t.dtype() {
-        DType::U8 => t.to_vec1::<u8>()?.into_iter().map(u64::from).collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .into_iter()
-            .map(|v| u64::from(v.to_bits()))
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .into_iter()
-            .map(|v| u64::from(v.to_bits()))
-            .collect(),
-        DType::F32 => t
-            .to_vec1::<f32>()?
-            .into_iter()
-            .map(|v| u64::from(v.to_bits()))
-            .collect(),
-        DType::F64 => t.to_vec1::<f64>()?.into_iter().map(f64::to_bits).collect(),
-        DType::I64 => t.to_vec1::<i64>()?.into_iter().map(|v| v as u64).collect(),
-        d => anyhow::bail!("bits: dtype {d:?}"),
-    })
-}
-
-/// Compares two tensors bit for bit; prints the first differences.
-pub fn same(what: &str, gpu: &Tensor, cpu: &Tensor) -> Result<bool> {
-    let (g, c) = (bits(gpu)?, bits(cpu)?);
-    if g.len() != c.len() {
-        println!("  {what}: lengths differ, cuda {} cpu {}", g.len(), c.len());
-        return Ok(false);
-    }
-    let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i] != c[i]).collect();
-    for &i in diff.iter().take(4) {
-        println!("  {what}: [{i}] cuda {:#x} cpu {:#x}", g[i], c[i]);
-    }
-    if !diff.is_empty() {
-        println!("  {what}: {} of {} differ", diff.len(), g.len());
-    }
-    Ok(diff.is_empty())
-}
-
-/// Data, scale, scale_inv, amax history and last-cast counts of two scaled
-/// tensors, bit for bit.
-pub fn same_scaled(what: &str, gpu: &ScalingTensor, cpu: &ScalingTensor) -> Result<bool> {
-    let m = |t: &ScalingTensor| -> Result<Vec<Tensor>> {
-        let mut v = vec![
-            t.data().clone(),
-            t.meta().scale().clone(),
-            t.meta().scale_inv().clone(),
-            t.meta().amax_history().clone(),
-        ];
-        if let Some(s) = t.meta().last_cast_stats()? {
-            v.push(Tensor::new(
-                &[s.saturated as i64, s.flushed as i64],
-                &Device::Cpu,
-            )?);
-        }
-        Ok(v)
-    };
-    let (g, c) = (m(gpu)?, m(cpu)?);
-    let names = ["data", "scale", "scale_inv", "amax", "counts"];
-    let mut ok = g.len() == c.len();
-    for (i, (g, c)) in g.iter().zip(&c).enumerate() {
-        ok &= same(&format!("{what} {}", names[i]), g, c)?;
-    }
-    Ok(ok)
-}
+//! The benches' data: a small reproducible generator.
 
 /// xorshift64*: reproducible data without a dependency.
 pub struct Rng(pub u64);
@@ -88,71 +14,10 @@ impl Rng {
     pub fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
-    /// Values over many decades with zeros, subnormals, infinities and NaNs.
-    pub fn values(&mut self, n: usize, decades: f64) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let r = self.next_u64();
-                match r % 200 {
-                    0 => f32::NAN,
-                    1 => -f32::NAN,
-                    2 => f32::INFINITY,
-                    3 => f32::NEG_INFINITY,
-                    4 => 0.0,
-                    5 => -0.0,
-                    6 => f32::from_bits((r >> 16) as u32 & 0x807F_FFFF),
-                    _ => {
-                        let sign = if r & (1 << 40) != 0 { -1.0 } else { 1.0 };
-                        (sign * 10f64.powf((self.unit() - 0.5) * 2.0 * decades)) as f32
-                    }
-                }
-            })
-            .collect()
-    }
     /// Normal-ish values (sum of uniforms), finite.
     pub fn normal(&mut self, n: usize) -> Vec<f32> {
         (0..n)
             .map(|_| ((0..4).map(|_| self.unit()).sum::<f64>() - 2.0) as f32 * 1.7)
             .collect()
     }
-}
-
-/// ‖a − b‖ / ‖b‖ in float64.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    Ok(num / den)
-}
-
-/// A scaled tensor (codes and metadata) on `dev`.
-pub fn to_dev(t: &ScalingTensor, dev: &Device) -> Result<ScalingTensor> {
-    let m = t.meta();
-    let meta = amp::ScalingMeta::from_parts(
-        m.qtype(),
-        m.scale().to_device(dev)?,
-        m.scale_inv().to_device(dev)?,
-        m.amax_history().to_device(dev)?,
-    )?;
-    Ok(ScalingTensor::from_parts(t.data().to_device(dev)?, meta)?)
-}
-
-/// `f` over `xs` cut into `threads` parts, each on a thread of its own;
-/// the parts' results in order (the CPU side of the 2^32 sweeps).
-pub fn on_threads<T: Send>(
-    xs: &[f32],
-    threads: usize,
-    f: impl Fn(&[f32]) -> Result<T> + Sync,
-) -> Result<Vec<T>> {
-    let part = xs.len().div_ceil(threads.max(1)).max(1);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = xs.chunks(part).map(|c| s.spawn(|| f(c))).collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("CPU thread panicked")))
-            })
-            .collect()
-    })
 }

@@ -1,6 +1,7 @@
-// The step kernels' vector groups (included by lowbit.cu after codec.cuh):
-// a group's raw words of each stream kind, their decode and encode, in
-// groups of 4 elements and, for streams of 1- and 2-byte codes only, of 8.
+// The step kernels' vector groups (included by lowbit.cu after codec.cuh,
+// amp-core's): a group's raw words of each stream kind, their decode and
+// encode, in groups of 4 elements and, for streams of 1- and 2-byte codes
+// only, of 8.
 #pragma once
 
 // ------------------------------------------------------- vector groups --

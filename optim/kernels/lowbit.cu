@@ -30,24 +30,21 @@
 // So the codes always come from the scale of the whole updated tensor's
 // amax, as on the CPU, and a step whose scales stay put reads and writes
 // each stream once.
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <stdint.h>
+//
+// The element codecs (decode and encode of each stream kind K_E4M3, K_E5M2,
+// K_F16, K_F32 with amp-core's saturating round-to-nearest-even casts, one
+// element at a time and packed), the format constants and the
+// power-of-two scale rule are amp-core's, shared with the cast kernels.
+#include "../../amp-core/kernels/codec.cuh"
 
-#define CANONICAL_NAN 0x7FFFFFFFu
-#define F16_NAN 0x7FFFu
-#define F16_MAX 65504.0f
-#define E4M3_MAX 448.0f
-#define E5M2_MAX 57344.0f
-
-// Stream kinds (StreamKind in optim/src/cuda.rs): the QType order, then F32.
-#define K_E4M3 0
-#define K_E5M2 1
-#define K_F16 2
-#define K_F32 3
-
-#include "codec.cuh"
-
+// The running amax as f32: max(a, |x|), NaN above everything (max.NaN
+// returns the canonical NaN), so its bits are the CPU's integer max of
+// |x|'s bits wherever no NaN payload differs.
+__device__ __forceinline__ float amax_fold(float a, float x) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(fabsf(x)));
+    return r;
+}
 
 // AdamStep of optim/src/adamw.rs (field order), plus the gradient multiplier.
 struct Adam {

@@ -2,9 +2,9 @@
 # ab-optim.sh [CARRY]: an old and a new build of the optimizer's kernels in
 # one device call. CARRY (default .carry/gpu) holds cuda_check_old.gz and
 # gpt_old.gz (the previous build) beside cuda_check.gz and gpt.gz (the new).
-#   1. the new build's optimizer checks (`--optim-only`; CODECS=1 adds the
-#      step's codecs over all 2^32 f32 inputs, about 4 minutes), unless
-#      NO_CHECK=1;
+#   1. the new build's optimizer tests (`optim::` and `codecs::` of the GPU
+#      tests in .carry/tests, see run-tests.sh; CODECS=1 adds the step's
+#      codecs over all 2^32 f32 inputs, about 4 minutes), unless NO_CHECK=1;
 #   2. the optimizer bench, old and new alternating, REPS (3) times each;
 #   3. with NCU=1, each bench under ncu (time, instructions and DRAM bytes
 #      of every optimizer kernel per step; steps counted by their
@@ -19,8 +19,10 @@ source "$(dirname "$0")/lib.sh"
 unpack gpt gpt_old cuda_check cuda_check_old; need cuda_check cuda_check_old
 facts
 if [ -z "${NO_CHECK:-}" ]; then
-  timeout 330 "$BIN/cuda_check" --optim-only ${CODECS:+--codecs} --watchdog 320 > "$OUT/check.log" 2>&1
-  echo "check rc=$?"; grep -E "CHECK|differ|DIFFERENT|ERROR|  step" "$OUT/check.log"
+  for f in optim:: codecs::; do
+    TEST_TIMEOUT=330 bash "$HERE/run-tests.sh" .carry/tests "$f" ${CODECS:+--include-ignored} > "$OUT/tests.log" 2>&1
+    echo "tests $f rc=$?"; grep -E "^test result|FAILED|panicked" "$OUT/tests.log"
+  done
 fi
 for _ in $(seq "${REPS:-3}"); do
   for b in cuda_check_old cuda_check; do

@@ -1,29 +1,34 @@
 #!/usr/bin/env bash
-# final.sh [CARRY]: cuda_check's checks and the GPT tables in one device call.
-# cuda_check (by default without the 2^32 sweeps), then run-gpt.sh per size:
+# final.sh [CARRY]: the GPU tests and the GPT tables in one device call.
+# The GPU tests (test-binaries.sh's, in .carry/tests; no 2^32 sweep), with
+# CHECK_ARGS cuda_check's timings, then run-gpt.sh per size:
 # the five levels with F32 activations (the optimizer's check and bench with
 # the first size only), then O0 native and O2 with BF16 activations, and
 # PyTorch (eager; at 350M also compiled and torchao). The summary lines go
 # to the output, so the call's output holds the whole table.
 # CARRY (default .carry/gpu) holds gpt.gz and cuda_check.gz.
-# Env: SIZES ("125m 350m"), CHECK_ARGS (--skip-exhaustive; empty: no
-# cuda_check; with --bench also torch_gemm.py and compare.py, the GEMM
-# table), TORCH350 (torch modes at 350M).
+# Env: SIZES ("125m 350m"), NO_TESTS=1 (no GPU tests), CHECK_ARGS (empty:
+# no cuda_check; --bench: its timings, and torch_gemm.py and compare.py,
+# the GEMM table), TORCH350 (torch modes at 350M).
 #
-#   SIZES=125m CHECK_ARGS="--skip-exhaustive --bench" bash scripts/gpu/final.sh
+#   SIZES=125m CHECK_ARGS=--bench bash scripts/gpu/final.sh
 set -uo pipefail
 CARRY=${1:-.carry/gpu}
 SIZES=${SIZES:-"125m 350m"}
-CHECK_ARGS=${CHECK_ARGS---skip-exhaustive}
+CHECK_ARGS=${CHECK_ARGS:-}
 source "$(dirname "$0")/lib.sh"
 unpack cuda_check
 facts
+if [ -z "${NO_TESTS:-}" ]; then
+  TEST_TIMEOUT=200 bash "$HERE/run-tests.sh" .carry/tests > "$OUT/tests.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "^test result|FAILED|panicked" "$OUT/tests.log"
+fi
 if [ -n "$CHECK_ARGS" ]; then
   need cuda_check
   # shellcheck disable=SC2086 # CHECK_ARGS is a list of arguments
   timeout 200 "$BIN/cuda_check" $CHECK_ARGS --watchdog 190 > "$OUT/check.log" 2>&1
   echo "cuda_check rc=$?"
-  grep -E "^CHECK|DIFFER|FAIL|ERROR|panic" "$OUT/check.log" | tr '\n' ' '; echo
+  grep -E "FAIL|ERROR|panic" "$OUT/check.log" | tr '\n' ' '; echo
   grep -E "^BENCH (copy|cast|pool)" "$OUT/check.log"
   if [[ " $CHECK_ARGS " == *" --bench"* ]]; then
     timeout 140 python3 "$HERE/torch_gemm.py" > "$OUT/torch_gemm.log" 2>&1

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # run-gpt.sh [CARRY] [SIZE] ["LEVEL:COMPUTE ..."]: the GPT example per level
 # against PyTorch, in one device call. First `cuda_check --optim-only
-# --bench` (the fused low-bit AdamW step and the gradients' sum of squares
-# bit for bit against the CPU, and the step's time over its bandwidth
-# floor), then per run `gpt --device cuda --size SIZE --vocab 50304 --batch
+# --bench` (the fused low-bit AdamW step's time over its bandwidth floor;
+# its checks against the CPU are the GPU tests, run-tests.sh), then per run `gpt --device cuda --size SIZE --vocab 50304 --batch
 # 8 --seq 1024 ... --json`, then torch_gpt.py on the same GPU. Every program
 # under `timeout`; logs and JSON lines in $OUT; summary.py prints the lines
 # BENCHMARKS.md quotes.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# run-on-device.sh [CARRY] [cuda_check args...]: cuda_check on the GPU (its
-# checks against the CPU; with --bench its GEMM and cast timings, then
-# torch_gemm.py's in the same call and compare.py's table of both).
+# run-on-device.sh [CARRY] [cuda_check args...]: cuda_check's timings on the
+# GPU (with --bench its GEMM and cast timings, then torch_gemm.py's in the
+# same call and compare.py's table of both). The checks against the CPU are
+# the GPU tests (run-tests.sh).
 # CARRY (default .carry/gpu) holds cuda_check.gz. Logs go to $OUT.
 #
 #   bash scripts/gpu/run-on-device.sh .carry/gpu --bench

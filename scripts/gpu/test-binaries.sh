@@ -3,10 +3,10 @@
 # feature here (through build-cuda.sh) and puts each one, stripped and
 # gzipped, into ${CARRY:-.carry}/tests/ for `run`'s carry; run-tests.sh
 # runs them on the GPU machine. The arguments go to `cargo test --release
-# --features cuda --no-run` and default to `--test gpu` (tests/gpu.rs: the
+# --features cuda --no-run` and default to `--test gpu` (tests/gpu/main.rs: the
 # CUDA-against-CPU checks, one binary).
 #
-#   scripts/gpu/test-binaries.sh                  # tests/gpu.rs
+#   scripts/gpu/test-binaries.sh                  # tests/gpu/main.rs
 #   scripts/gpu/test-binaries.sh --workspace      # every test binary (big)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -38,7 +38,7 @@
 //! them; no F32 copy is written. Scale updates are one block; current
 //! scaling's metadata is one of them with no previous scale (1).
 //!
-//! The GPU tests (`tests/gpu.rs`, run with `--features cuda` on a GPU)
+//! The GPU tests (`tests/gpu/main.rs`, run with `--features cuda` on a GPU)
 //! check every kernel here bit for bit against the CPU body.
 //!
 //! Scales are read from device memory by the kernels; no op here copies

@@ -1,18 +1,45 @@
-//! Every code decoded; random tensors through amax, quantize, dequantize,
-//! requantize; the amax history and scale updates. CUDA vs CPU, bit for bit.
+//! The casts: every code decoded, every BF16 and FP16 input and (ignored:
+//! minutes) every f32 bit pattern quantized, random tensors through amax,
+//! quantize, dequantize and requantize, the cast-transpose, the amax
+//! history and scale updates, `read_scalars`. The device against the CPU,
+//! bit for bit.
 
-use crate::util::{same, same_scaled, Rng};
+use crate::util::{bits, cores, on_threads, same, same_scaled, Rng};
 use amp::{
     AmaxComputeAlgo, CurrentScaling, DelayedScaling, QType, ScaleRule, ScalingMeta, ScalingTensor,
 };
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
+use std::time::Instant;
 
 const OUT: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+const QTYPES: [QType; 3] = [QType::E4M3, QType::E5M2, QType::F16];
+
+test_device!(codes_decode, codes_decode_cpu, codes_decode_cuda);
+test_device!(inputs_16bit, inputs_16bit_cpu, inputs_16bit_cuda);
+test_device!(random_ops, random_ops_cuda);
+test_device!(cast_transpose, cast_transpose_cpu, cast_transpose_cuda);
+test_device!(scale_updates, scale_updates_cpu, scale_updates_cuda);
+test_device!(read_scalars, read_scalars_cpu, read_scalars_cuda);
+test_device!(
+    #[ignore = "2^32 inputs: about 40 s on an H100 with 16 cores; run with --include-ignored"]
+    all_f32_to_e4m3,
+    all_f32_to_e4m3_cuda
+);
+test_device!(
+    #[ignore = "2^32 inputs: about 40 s on an H100 with 16 cores; run with --include-ignored"]
+    all_f32_to_e5m2,
+    all_f32_to_e5m2_cuda
+);
+test_device!(
+    #[ignore = "2^32 inputs: about 40 s on an H100 with 16 cores; run with --include-ignored"]
+    all_f32_to_f16,
+    all_f32_to_f16_cuda
+);
 
 /// All 256 codes of each FP8 format and all 2^16 FP16 values, decoded to
-/// every output dtype at scale_inv 1 and at a non-power-of-two one.
-pub fn all_codes(dev: &Device) -> Result<bool> {
+/// every output dtype at scale_inv 1 and at non-power-of-two ones.
+fn codes_decode(dev: &Device) -> Result<()> {
     let mut ok = true;
     let fp8 = Tensor::from_vec((0..=255u8).collect::<Vec<_>>(), 256, &Device::Cpu)?;
     let fp16 = Tensor::from_vec(
@@ -20,7 +47,7 @@ pub fn all_codes(dev: &Device) -> Result<bool> {
         65536,
         &Device::Cpu,
     )?;
-    for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+    for qtype in QTYPES {
         let data = if qtype == QType::F16 { &fp16 } else { &fp8 };
         for scale in [1.0f32, 3.0, 2f32.powi(-20)] {
             let on = |d: &Device| -> Result<ScalingTensor> {
@@ -37,17 +64,50 @@ pub fn all_codes(dev: &Device) -> Result<bool> {
             }
         }
     }
-    println!(
-        "every code of E4M3, E5M2, FP16 decoded to F32/F16/BF16/F64: {}",
-        if ok { "identical" } else { "DIFFER" }
+    ensure!(
+        ok,
+        "decoded codes differ from the CPU's (see the lines above)"
     );
-    Ok(ok)
+    Ok(())
+}
+
+/// Every BF16 and FP16 bit pattern through quantize to each storage type,
+/// at several scales (powers of two and not).
+fn inputs_16bit(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let bf: Vec<half::bf16> = (0..=u16::MAX).map(half::bf16::from_bits).collect();
+    let hf: Vec<half::f16> = (0..=u16::MAX).map(half::f16::from_bits).collect();
+    let inputs = [
+        Tensor::from_vec(bf, 65536, &Device::Cpu)?,
+        Tensor::from_vec(hf, 65536, &Device::Cpu)?,
+    ];
+    let mut rng = Rng(17);
+    for x in &inputs {
+        let xg = x.to_device(dev)?;
+        for qtype in QTYPES {
+            for scale in [
+                1.0f32,
+                448.0 / 3.0,
+                2f32.powi(-10),
+                3e4,
+                (rng.unit() * 100.0) as f32 + 1e-3,
+            ] {
+                let mg = ScalingMeta::new(qtype, 1, dev)?.with_scale(scale)?;
+                let mc = ScalingMeta::new(qtype, 1, &Device::Cpu)?.with_scale(scale)?;
+                let (qg, _) = ScalingTensor::quantize_with(&xg, &mg)?;
+                let (qc, _) = ScalingTensor::quantize_with(x, &mc)?;
+                ok &= same_scaled(&format!("{:?} -> {qtype} x {scale}", x.dtype()), &qg, &qc)?;
+            }
+        }
+    }
+    ensure!(ok, "casts of 16-bit inputs differ (see the lines above)");
+    Ok(())
 }
 
 /// Random tensors (odd lengths, an offset view for the unaligned path,
 /// specials sprinkled in) through current-scaling quantize (amax, scale
 /// rule, quantize with counts), dequantize and requantize between all types.
-pub fn random_ops(dev: &Device) -> Result<bool> {
+fn random_ops(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(0x5EED);
     let n = 1_000_003;
@@ -66,7 +126,7 @@ pub fn random_ops(dev: &Device) -> Result<bool> {
             } else {
                 (xc, xg)
             };
-            for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+            for qtype in QTYPES {
                 for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
                     let r = CurrentScaling {
                         scale_rule: rule,
@@ -85,7 +145,7 @@ pub fn random_ops(dev: &Device) -> Result<bool> {
                             &qc.dequantize(out)?,
                         )?;
                     }
-                    for to in [QType::E4M3, QType::E5M2, QType::F16] {
+                    for to in QTYPES {
                         let (rg, rag) = qg.requantize(to, &r)?;
                         let (rc, rac) = qc.requantize(to, &r)?;
                         ok &= same(&format!("{what} requantize {to} amax"), &rag, &rac)?;
@@ -95,17 +155,17 @@ pub fn random_ops(dev: &Device) -> Result<bool> {
             }
         }
     }
-    println!(
-        "random tensors through amax/quantize/dequantize/requantize: {}",
-        if ok { "identical" } else { "DIFFER" }
+    ensure!(
+        ok,
+        "amax/quantize/dequantize/requantize differ (see the lines above)"
     );
-    Ok(ok)
+    Ok(())
 }
 
 /// Random amax histories (zeros, NaN, inf included) through record_amax,
 /// update_scale (both rules, both algorithms, several margins) and TE's
 /// update_delayed over several steps.
-pub fn scale_updates(dev: &Device) -> Result<bool> {
+fn scale_updates(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(99);
     for len in [1usize, 2, 16, 1024] {
@@ -116,7 +176,7 @@ pub fn scale_updates(dev: &Device) -> Result<bool> {
             }
             let prev = (rng.unit() * 1000.0) as f32 + 1e-3;
             let amax = rng.values(1, 30.0)[0].abs();
-            for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+            for qtype in QTYPES {
                 let make = |d: &Device| -> Result<ScalingMeta> {
                     Ok(ScalingMeta::from_parts(
                         qtype,
@@ -164,11 +224,11 @@ pub fn scale_updates(dev: &Device) -> Result<bool> {
             }
         }
     }
-    println!(
-        "amax histories and scale updates: {}",
-        if ok { "identical" } else { "DIFFER" }
+    ensure!(
+        ok,
+        "amax histories or scale updates differ (see the lines above)"
     );
-    Ok(ok)
+    Ok(())
 }
 
 /// The cast-transpose (`quantize_with_t`, `quantize_t`) against the CPU,
@@ -176,7 +236,7 @@ pub fn scale_updates(dev: &Device) -> Result<bool> {
 /// the vector path (cols not a multiple of 8, rows not of 16), an offset
 /// (unaligned) view, specials sprinkled in; and the transposed codes equal
 /// to the row-major codes' transpose on the device.
-pub fn cast_transpose(dev: &Device) -> Result<bool> {
+fn cast_transpose(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(0xCA57);
     for (rows, cols, offset) in [
@@ -246,17 +306,14 @@ pub fn cast_transpose(dev: &Device) -> Result<bool> {
             ok &= same_scaled(&format!("{what} delayed transposed"), &gt, &ct)?;
         }
     }
-    println!(
-        "cast-transpose against the CPU: {}",
-        if ok { "identical" } else { "DIFFER" }
-    );
-    Ok(ok)
+    ensure!(ok, "cast-transpose differs (see the lines above)");
+    Ok(())
 }
 
-/// `read_scalars` on the GPU against the CPU: F32 and F64 one-element
+/// `read_scalars` on the device against the CPU: F32 and F64 one-element
 /// tensors mixed, views at offsets, NaN, inf, a subnormal, and more than
 /// one launch's 256 values; equal bit for bit.
-pub fn read_scalars(dev: &Device) -> Result<bool> {
+fn read_scalars(dev: &Device) -> Result<()> {
     let mut rng = Rng(0x5ca1);
     let vals = rng.values(700, 1e3);
     let mut cpu: Vec<Tensor> = Vec::new();
@@ -276,7 +333,7 @@ pub fn read_scalars(dev: &Device) -> Result<bool> {
         });
     }
     // the offset stays on the device: narrow after the copy
-    let gpu: Vec<Tensor> = cpu
+    let on_dev: Vec<Tensor> = cpu
         .iter()
         .enumerate()
         .map(|(i, t)| -> Result<Tensor> {
@@ -289,14 +346,111 @@ pub fn read_scalars(dev: &Device) -> Result<bool> {
         })
         .collect::<Result<_>>()?;
     let c = amp::read_scalars(&cpu.iter().collect::<Vec<_>>())?;
-    let g = amp::read_scalars(&gpu.iter().collect::<Vec<_>>())?;
-    let same = c.len() == g.len()
-        && c.iter()
-            .zip(&g)
-            .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
-    println!(
-        "read_scalars (700 values, F32 and F64, views): {}",
-        if same { "identical" } else { "DIFFER" }
+    let g = amp::read_scalars(&on_dev.iter().collect::<Vec<_>>())?;
+    ensure!(
+        c.len() == g.len(),
+        "{} values, the CPU read {}",
+        g.len(),
+        c.len()
     );
-    Ok(same)
+    for (i, (a, b)) in c.iter().zip(&g).enumerate() {
+        ensure!(
+            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+            "value {i}: device {b:e}, cpu {a:e}"
+        );
+    }
+    Ok(())
+}
+
+/// Codes (as bits), amax bits, saturated and flushed counts of one cast.
+type Cast = (Vec<u64>, u32, u64, u64);
+
+/// One cast's codes as bits, amax bits and counts.
+fn cast(q: &ScalingTensor, amax: &Tensor) -> Result<Cast> {
+    let stats = q.meta().last_cast_stats()?.unwrap_or_default();
+    Ok((
+        bits(q.data())?,
+        amax.flatten_all()?.to_vec1::<f32>()?[0].to_bits(),
+        stats.saturated,
+        stats.flushed,
+    ))
+}
+
+/// The CPU result of quantizing one chunk, computed in `threads` parts:
+/// codes as bits, amax bits (max over the parts: the kernel's own rule),
+/// saturated and flushed counts.
+fn cpu_quantize(xs: &[f32], meta: &ScalingMeta, threads: usize) -> Result<Cast> {
+    let parts = on_threads(xs, threads, |c| {
+        let x = Tensor::from_slice(c, c.len(), &Device::Cpu)?;
+        let (q, amax) = ScalingTensor::quantize_with(&x, meta)?;
+        cast(&q, &amax)
+    })?;
+    let mut out = (Vec::with_capacity(xs.len()), 0u32, 0u64, 0u64);
+    for (codes, amax, sat, flush) in parts {
+        out.0.extend(codes);
+        out.1 = out.1.max(amax);
+        out.2 += sat;
+        out.3 += flush;
+    }
+    Ok(out)
+}
+
+fn all_f32_to_e4m3(dev: &Device) -> Result<()> {
+    all_f32(dev, QType::E4M3)
+}
+fn all_f32_to_e5m2(dev: &Device) -> Result<()> {
+    all_f32(dev, QType::E5M2)
+}
+fn all_f32_to_f16(dev: &Device) -> Result<()> {
+    all_f32(dev, QType::F16)
+}
+
+/// All 2^32 f32 inputs through quantize (scale 1) to `qtype`, in chunks of
+/// 2^26: codes, amax and counts of every chunk, the device vs the CPU.
+fn all_f32(dev: &Device, qtype: QType) -> Result<()> {
+    let chunk = 1usize << 26;
+    let threads = cores();
+    let t0 = Instant::now();
+    let dev_meta = ScalingMeta::new(qtype, 1, dev)?;
+    let cpu_meta = ScalingMeta::new(qtype, 1, &Device::Cpu)?;
+    let (mut bad, mut bad_meta, mut sat, mut flush) = (0u64, 0u64, 0u64, 0u64);
+    let mut xs = vec![0f32; chunk];
+    for c in 0..(1usize << 32) / chunk {
+        let base = (c * chunk) as u32;
+        for (i, x) in xs.iter_mut().enumerate() {
+            *x = f32::from_bits(base.wrapping_add(i as u32));
+        }
+        let x = Tensor::from_slice(&xs, chunk, dev)?;
+        let (q, amax) = ScalingTensor::quantize_with(&x, &dev_meta)?;
+        let (g_codes, g_amax, g_sat, g_flush) = cast(&q, &amax)?;
+        let (c_codes, c_amax, c_sat, c_flush) = cpu_quantize(&xs, &cpu_meta, threads)?;
+        for i in (0..chunk).filter(|&i| g_codes[i] != c_codes[i]) {
+            if bad < 8 {
+                println!(
+                    "  {qtype}: x = {:#010x}: device {:#06x} cpu {:#06x}",
+                    base.wrapping_add(i as u32),
+                    g_codes[i],
+                    c_codes[i]
+                );
+            }
+            bad += 1;
+        }
+        if (g_amax, g_sat, g_flush) != (c_amax, c_sat, c_flush) {
+            println!(
+                "  {qtype}: chunk {c}: amax device {g_amax:#x} cpu {c_amax:#x}, saturated {g_sat} / {c_sat}, flushed {g_flush} / {c_flush}"
+            );
+            bad_meta += 1;
+        }
+        sat += c_sat;
+        flush += c_flush;
+    }
+    println!(
+        "2^32 f32 -> {qtype}: {bad} codes differ, {bad_meta} chunks with differing amax/counts (saturated {sat}, flushed {flush} in all), {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    ensure!(
+        bad == 0 && bad_meta == 0,
+        "{bad} codes and {bad_meta} chunks' amax/counts differ"
+    );
+    Ok(())
 }

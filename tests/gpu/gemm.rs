@@ -1,5 +1,6 @@
-//! The cuBLASLt FP8 GEMM against a float64 product of the decoded inputs
-//! on the GPU, and the FP8 Linear's forward and backward against the CPU.
+//! The FP8 GEMM against a float64 product of the decoded inputs on the
+//! same device (cuBLASLt on CUDA), its epilogue and output amax, and the
+//! FP8 Linear's forward and backward against the CPU.
 
 use crate::util::{rel_err, to_dev, Rng};
 use amp::nn::{self, fp8_autocast, ComputeMode};
@@ -7,8 +8,13 @@ use amp::{
     fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, CurrentScaling, DelayedScaling, Epilogue, QType,
     ScalingTensor,
 };
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
+
+test_device!(fp8_gemm, fp8_gemm_cuda);
+test_device!(epilogue, epilogue_cuda);
+test_device!(output_amax, output_amax_cuda);
+test_device!(linear, linear_cuda);
 
 fn quantized(
     rng: &mut Rng,
@@ -21,8 +27,9 @@ fn quantized(
     Ok(ScalingTensor::quantize(&x, qtype, &CurrentScaling::default())?.0)
 }
 
-/// Shapes (aligned and not), format pairs, output dtypes, fast accumulation.
-pub fn check(dev: &Device) -> Result<bool> {
+/// Shapes (aligned and not), format pairs, output dtypes, fast
+/// accumulation, against a float64 product on the same device.
+fn fp8_gemm(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(4242);
     let shapes = [
@@ -42,7 +49,7 @@ pub fn check(dev: &Device) -> Result<bool> {
         for (fa, fb) in pairs {
             let a = quantized(&mut rng, m, k, fa, dev)?;
             let b = quantized(&mut rng, n, k, fb, dev)?;
-            // float64 reference on the GPU: decoding is exact (power-of-two scales)
+            // float64 reference: decoding is exact (power-of-two scales)
             let reference = a
                 .dequantize(DType::F64)?
                 .matmul(&b.dequantize(DType::F64)?.t()?)?;
@@ -77,20 +84,17 @@ pub fn check(dev: &Device) -> Result<bool> {
             }
         }
     }
-    println!(
-        "cuBLASLt FP8 GEMM vs float64 on the GPU: {}",
-        if ok { "within tolerance" } else { "FAILED" }
-    );
-    Ok(ok)
+    ensure!(ok, "FP8 GEMM out of tolerance (see the lines above)");
+    Ok(())
 }
 
 /// The epilogue (`fp8_gemm_fused`: residual and BF16 bias added before the
 /// BF16 output's one rounding; the residual a misaligned view): cuBLASLt's
-/// epilogue at aligned shapes, the
-/// F32 product and two adds at a padded one, against a float64 reference
-/// of the decoded operands plus the addends, and against the CPU's result
-/// (the same inputs; only the accumulation order differs).
-pub fn epilogue(dev: &Device) -> Result<bool> {
+/// epilogue at aligned shapes, the F32 product and two adds at a padded
+/// one, against a float64 reference of the decoded operands plus the
+/// addends, and against the CPU's result (the same inputs; only the
+/// accumulation order differs).
+fn epilogue(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(5151);
     for (m, k, n) in [(256, 512, 384), (8192, 1024, 3072), (100, 72, 40)] {
@@ -135,14 +139,15 @@ pub fn epilogue(dev: &Device) -> Result<bool> {
             ok &= pass;
         }
     }
-    Ok(ok)
+    ensure!(ok, "GEMM epilogue out of tolerance (see the lines above)");
+    Ok(())
 }
 
 /// `fp8_gemm_amax` at the GPT's weight-gradient shapes (E5M2 dy x E4M3
 /// x, F32 and BF16 out) and a padded one: the amax equals the bits of the
 /// current-scaling cast's amax over that output, and an operand whose cast
 /// saw inf gives NaN.
-pub fn output_amax(dev: &Device) -> Result<bool> {
+fn output_amax(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(6161);
     let cases = [
@@ -174,16 +179,18 @@ pub fn output_amax(dev: &Device) -> Result<bool> {
         );
         ok &= pass;
     }
-    Ok(ok)
+    ensure!(ok, "GEMM output amax wrong (see the lines above)");
+    Ok(())
 }
 
 /// One layer, three steps of delayed scaling (HYBRID: E4M3 forward, E5M2
-/// backward), on the GPU and on the CPU from the same data: output, input
-/// gradient and weight gradient must agree to the GEMMs' rounding. The loss
-/// is `sum(y * r)` for a fixed `r`, so both devices cast the same output
-/// gradient (with `y`'s own gradient, the E5M2 codes of dy would flip
-/// wherever the two devices' y differ by a rounding, 12-25% on that element).
-pub fn linear(dev: &Device) -> Result<bool> {
+/// backward), on the device and on the CPU from the same data: output,
+/// input gradient and weight gradient must agree to the GEMMs' rounding.
+/// The loss is `sum(y * r)` for a fixed `r`, so both devices cast the same
+/// output gradient (with `y`'s own gradient, the E5M2 codes of dy would
+/// flip wherever the two devices' y differ by a rounding, 12-25% on that
+/// element).
+fn linear(dev: &Device) -> Result<()> {
     let mut rng = Rng(7);
     let (m, k, n) = (512, 768, 1024);
     let xs = rng.normal(m * k);
@@ -220,14 +227,11 @@ pub fn linear(dev: &Device) -> Result<bool> {
         let e = rel_err(g, c)?;
         let what = ["y", "dx", "dw"][i % 3];
         println!(
-            "  linear step {} {what}: rel err cuda vs cpu {e:.3e}",
+            "  linear step {} {what}: rel err device vs cpu {e:.3e}",
             i / 3
         );
         ok &= e < 2e-3;
     }
-    println!(
-        "FP8 Linear fprop/dgrad/wgrad on the GPU vs the CPU: {}",
-        if ok { "agree" } else { "DIFFER" }
-    );
-    Ok(ok)
+    ensure!(ok, "FP8 Linear differs from the CPU (see the lines above)");
+    Ok(())
 }

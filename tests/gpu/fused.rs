@@ -1,0 +1,397 @@
+//! The fused training ops (`amp::nn::fused`), causal attention and the
+//! half-blocks on the device against their CPU bodies: forward outputs and
+//! every gradient.
+//!
+//! - Cross-entropy, LayerNorm, GELU: F32 and BF16, on shapes that take the
+//!   16-byte path and odd ones that do not. CPU and CUDA agree to rounding
+//!   (their exp/ln/tanh differ in the last bit): F32 within 1e-5, BF16
+//!   within 1e-2. The bias gradient (a column sum in the kernels' order)
+//!   bit for bit, the embedding (a gather, a sum in token order) with a
+//!   relative error of 0.
+//! - Attention: flash attention (head dimension 64) and the materialised
+//!   path (other head dimensions, or flash turned off) against the CPU's
+//!   F32 body; flash against the materialised GPU path at the GPT's
+//!   shapes. The GPU runs its products in BF16 against F32 on the CPU, so
+//!   within 2e-2. Where the reference is exactly zero (q's and k's
+//!   gradients at one row: the softmax of one score is constant) the error
+//!   is the device value's RMS, which must be BF16 rounding size.
+//! - The half-blocks (`nn::causal_self_attention`, `nn::pre_norm_mlp`) in
+//!   an FP8 mode with the weights' gradients in a sink: the tensors handed
+//!   between their ops, the bias and residual in the GEMM's epilogue, the
+//!   residual's gradient added in the LayerNorm's backward. Within 1e-1:
+//!   the two devices' GEMMs round differently, and a rounding that moves an
+//!   E5M2 gradient code moves that element by up to 25% (measured: 1e-3 to
+//!   3.7e-2). A lost bias, residual or residual gradient is an error of
+//!   order one.
+
+use crate::util::{backward, g, rel_err, report, same, var, Rng};
+use amp::nn::{self, fp8_autocast, fused, ComputeMode, GradSink};
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor, Var};
+
+test_device!(pointwise, pointwise_cuda);
+test_device!(bias_grad, bias_grad_cuda);
+test_device!(embedding, embedding_cuda);
+test_device!(attention, attention_cuda);
+test_device!(flash_vs_materialised, flash_vs_materialised_cuda);
+test_device!(half_blocks, half_blocks_cuda);
+
+fn tol(dtype: DType) -> f64 {
+    if dtype == DType::BF16 {
+        1e-2
+    } else {
+        1e-5
+    }
+}
+
+/// Cross-entropy (loss and dlogits), and LayerNorm and GELU on the same
+/// shapes (except the vocabulary-wide one).
+fn pointwise(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0x5eed_f00d);
+    let mut ok = true;
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, cols) in [(64usize, 768usize), (37, 50304), (33, 101)] {
+            let (xc, xg) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let t: Vec<u32> = (0..rows).map(|i| ((i * 7919) % cols) as u32).collect();
+            let (tc, tg) = (
+                Tensor::new(t.as_slice(), &Device::Cpu)?,
+                Tensor::new(t.as_slice(), dev)?,
+            );
+            let (lc, lg) = (
+                fused::cross_entropy(&xc, &tc)?,
+                fused::cross_entropy(&xg, &tg)?,
+            );
+            let (gc, gg) = (lc.backward()?, lg.backward()?);
+            let e = [
+                ("loss", rel_err(&lg, &lc)?),
+                ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
+            ];
+            ok &= report(
+                &format!("cross_entropy {dtype:?} {rows}x{cols}"),
+                &e,
+                tol(dtype),
+            );
+            if cols > 50000 {
+                continue;
+            }
+            let (wc, wg) = var(&mut rng, &[cols], DType::F32, dev)?;
+            let (bc, bg) = var(&mut rng, &[cols], DType::F32, dev)?;
+            let (rc, rg) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let yc = fused::layer_norm(&xc, &wc, &bc, 1e-5)?;
+            let yg = fused::layer_norm(&xg, &wg, &bg, 1e-5)?;
+            let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+            let e = [
+                ("y", rel_err(&yg, &yc)?),
+                ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
+                ("dw", rel_err(&g(&gg, &wg)?, &g(&gc, &wc)?)?),
+                ("db", rel_err(&g(&gg, &bg)?, &g(&gc, &bc)?)?),
+            ];
+            ok &= report(
+                &format!("layer_norm {dtype:?} {rows}x{cols}"),
+                &e,
+                tol(dtype),
+            );
+            let yc = fused::gelu(&xc)?;
+            let yg = fused::gelu(&xg)?;
+            let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+            let e = [
+                ("y", rel_err(&yg, &yc)?),
+                ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
+            ];
+            ok &= report(&format!("gelu {dtype:?} {rows}x{cols}"), &e, tol(dtype));
+        }
+    }
+    ensure!(ok, "fused ops out of tolerance (see the lines above)");
+    Ok(())
+}
+
+/// The bias gradient (a column sum, the CPU in the kernels' order): bit
+/// for bit, on the 8-columns-a-thread path (cols % 8 == 0) and the other.
+fn bias_grad(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0xb1a5);
+    let mut ok = true;
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, cols) in [(8192usize, 768usize), (1000, 3072), (33, 101)] {
+            let (xc, xg) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let (bc, bg) = var(&mut rng, &[cols], DType::F32, dev)?;
+            let (rc, rg) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let (yc, yg) = (fused::bias_add(&xc, &bc)?, fused::bias_add(&xg, &bg)?);
+            let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+            ok &= same(
+                &format!("bias_add {dtype:?} {rows}x{cols} db"),
+                &g(&gg, &bg)?,
+                &g(&gc, &bc)?,
+            )?;
+        }
+    }
+    ensure!(ok, "bias gradients differ (see the lines above)");
+    Ok(())
+}
+
+/// The embedding: a gather and a sum in token order, so a relative
+/// error of 0.
+fn embedding(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0xe3b0);
+    let mut ok = true;
+    for (rows, cols, n) in [(50304usize, 768usize, 8192usize), (37, 101, 1000)] {
+        let (tc, tg) = var(&mut rng, &[rows, cols], DType::F32, dev)?;
+        // skewed ids: many repeats of a few rows, as text has
+        let ids: Vec<u32> = (0..n)
+            .map(|i| ((i * i * 7919 + i) % rows.min(if i % 3 == 0 { 17 } else { rows })) as u32)
+            .collect();
+        let ic = Tensor::from_vec(ids, (2, n / 2), &Device::Cpu)?;
+        let ig = ic.to_device(dev)?;
+        let (rc, rg) = var(&mut rng, &[2, n / 2, cols], DType::F32, dev)?;
+        let yc = fused::embedding(&ic, &tc)?;
+        let yg = fused::embedding(&ig, &tg)?;
+        let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+        let e = [
+            ("y", rel_err(&yg, &yc)?),
+            ("dtable", rel_err(&g(&gg, &tg)?, &g(&gc, &tc)?)?),
+        ];
+        ok &= report(&format!("embedding {rows}x{cols}, {n} ids"), &e, 0.0);
+    }
+    ensure!(ok, "embedding differs (see the lines above)");
+    Ok(())
+}
+
+const ATTENTION_TOL: f64 = 2e-2;
+
+/// `|a - b| / |b|` (L2 norms); for an all-zero `b`, `a`'s RMS.
+fn rel_err_or_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let n = b.elem_count().max(1) as f64;
+    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    Ok(if den == 0.0 {
+        num / n.sqrt()
+    } else {
+        num / den
+    })
+}
+
+/// Separate q, k, v `[b, heads, t, d]`: the device against the CPU.
+/// `sharp` scales q by 4 (peaked probabilities).
+fn separate(
+    rng: &mut Rng,
+    dev: &Device,
+    dims: [usize; 4],
+    dtype: DType,
+    sharp: bool,
+) -> Result<bool> {
+    let mk = |rng: &mut Rng| var(rng, &dims, dtype, dev);
+    let ((qc, qg), (kc, kg), (vc, vg)) = (mk(rng)?, mk(rng)?, mk(rng)?);
+    let (rc, rg) = mk(rng)?;
+    let s = if sharp { 4.0 } else { 1.0 };
+    let yc = fused::causal_attention(&(qc.as_tensor() * s)?, &kc, &vc)?;
+    let yg = fused::causal_attention(&(qg.as_tensor() * s)?, &kg, &vg)?;
+    let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+    let e = [
+        ("y", rel_err_or_rms(&yg, &yc)?),
+        ("dq", rel_err_or_rms(&g(&gg, &qg)?, &g(&gc, &qc)?)?),
+        ("dk", rel_err_or_rms(&g(&gg, &kg)?, &g(&gc, &kc)?)?),
+        ("dv", rel_err_or_rms(&g(&gg, &vg)?, &g(&gc, &vc)?)?),
+    ];
+    let path = if dims[3] == 64 {
+        "flash"
+    } else {
+        "materialised"
+    };
+    Ok(report(
+        &format!(
+            "causal_attention {dims:?} {dtype:?}{} ({path})",
+            if sharp { " sharp" } else { "" }
+        ),
+        &e,
+        ATTENTION_TOL,
+    ))
+}
+
+/// A packed projection `[b, t, 3 * heads * hd]`: the device against the CPU.
+fn packed(
+    rng: &mut Rng,
+    dev: &Device,
+    (b, t, heads, hd): (usize, usize, usize, usize),
+    dtype: DType,
+) -> Result<bool> {
+    let dims = [b, t, 3 * heads * hd];
+    let (xc, xg) = var(rng, &dims, dtype, dev)?;
+    let (rc, rg) = var(rng, &[b, t, heads * hd], dtype, dev)?;
+    let yc = fused::causal_attention_qkv(&xc, heads)?;
+    let yg = fused::causal_attention_qkv(&xg, heads)?;
+    let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+    let e = [
+        ("y", rel_err_or_rms(&yg, &yc)?),
+        ("dqkv", rel_err_or_rms(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
+    ];
+    Ok(report(
+        &format!("causal_attention_qkv {dims:?} heads {heads} {dtype:?}"),
+        &e,
+        ATTENTION_TOL,
+    ))
+}
+
+/// Separate and packed attention, flash and materialised shapes, F32 and
+/// BF16, against the CPU.
+fn attention(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0xa77e_0001);
+    let mut ok = true;
+    for dtype in [DType::F32, DType::BF16] {
+        for dims in [
+            [2usize, 3, 128, 64],
+            [1, 2, 37, 64],
+            [2, 2, 200, 64],
+            [1, 1, 1, 64],
+            [1, 2, 37, 24],
+        ] {
+            ok &= separate(&mut rng, dev, dims, dtype, false)?;
+        }
+        ok &= separate(&mut rng, dev, [1, 2, 130, 64], dtype, true)?;
+        for shape in [
+            (2usize, 128usize, 3usize, 64usize),
+            (1, 100, 2, 64),
+            (2, 65, 1, 64),
+            (1, 37, 2, 12),
+        ] {
+            ok &= packed(&mut rng, dev, shape, dtype)?;
+        }
+    }
+    ensure!(ok, "attention out of tolerance (see the lines above)");
+    Ok(())
+}
+
+/// `(y, dqkv)` of the packed attention with flash on or off.
+fn run_packed(x: &Var, r: &Tensor, heads: usize, flash: bool) -> Result<(Tensor, Tensor)> {
+    fused::set_flash_attention(flash);
+    let y = fused::causal_attention_qkv(x, heads);
+    fused::set_flash_attention(true);
+    let y = y?;
+    let grads = backward(&y, r)?;
+    Ok((y, g(&grads, x)?))
+}
+
+/// The GPT's shapes, flash against the materialised path on the device.
+fn flash_vs_materialised(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0xa77e_0003);
+    let mut ok = true;
+    for (b, t, heads) in [(8usize, 1024usize, 12usize), (2, 1024, 16)] {
+        let (_, x) = var(&mut rng, &[b, t, 3 * heads * 64], DType::BF16, dev)?;
+        let (_, r) = var(&mut rng, &[b, t, heads * 64], DType::BF16, dev)?;
+        let (yf, gf) = run_packed(&x, r.as_tensor(), heads, true)?;
+        let (ym, gm) = run_packed(&x, r.as_tensor(), heads, false)?;
+        let e = [
+            ("y", rel_err_or_rms(&yf, &ym)?),
+            ("dqkv", rel_err_or_rms(&gf, &gm)?),
+        ];
+        ok &= report(
+            &format!(
+                "flash vs materialised [{b}, {t}, {}] heads {heads}",
+                3 * heads * 64
+            ),
+            &e,
+            ATTENTION_TOL,
+        );
+    }
+    ensure!(
+        ok,
+        "flash differs from the materialised path (see the lines above)"
+    );
+    Ok(())
+}
+
+/// One device's half-block: `(ln, first, second, vars, sink)`, vars in the
+/// order LayerNorm weight, bias, first weight, bias, second weight, bias.
+type Half = (nn::LayerNorm, nn::Linear, nn::Linear, Vec<Var>, GradSink);
+
+fn halves(rng: &mut Rng, d: usize, mlp: bool, dev: &Device) -> Result<(Half, Half)> {
+    let wide = if mlp { 4 * d } else { 3 * d };
+    let (w2_out, w2_in) = if mlp { (d, wide) } else { (d, d) };
+    let dims: [&[usize]; 6] = [&[d], &[d], &[wide, d], &[wide], &[w2_out, w2_in], &[d]];
+    let mut cpu = Vec::new();
+    let mut on_dev = Vec::new();
+    for (i, dims) in dims.iter().enumerate() {
+        let (c, g) = var(rng, dims, DType::F32, dev)?;
+        // LayerNorm weight near 1, weights small, biases of the output's
+        // size (a lost bias or residual moves the output by far more than
+        // the tolerance)
+        let fix = |v: &Var| -> Result<Var> {
+            let t = match i {
+                0 => (v.as_tensor() * 0.1)?.affine(1.0, 1.0)?,
+                2 | 4 => (v.as_tensor() * 0.1)?,
+                _ => (v.as_tensor() * 0.5)?,
+            };
+            Ok(Var::from_tensor(&t)?)
+        };
+        cpu.push(fix(&c)?);
+        on_dev.push(fix(&g)?);
+    }
+    let build = |v: Vec<Var>, tag: &str| -> Result<Half> {
+        let t = |i: usize| v[i].as_tensor().clone();
+        let ln = nn::LayerNorm::new(t(0), t(1), 1e-5)?;
+        let a = nn::Linear::new(format!("{tag}.a.weight"), t(2), Some(t(3)))?;
+        let b = nn::Linear::new(format!("{tag}.b.weight"), t(4), Some(t(5)))?;
+        let sink = GradSink::new();
+        a.set_grad_sink(Some(sink.clone()))?;
+        b.set_grad_sink(Some(sink.clone()))?;
+        Ok((ln, a, b, v, sink))
+    };
+    Ok((build(cpu, "cpu")?, build(on_dev, "dev")?))
+}
+
+fn run_half(half: &Half, h: &Tensor, mlp: bool, heads: usize) -> Result<Tensor> {
+    let (ln, a, b, _, _) = half;
+    Ok(if mlp {
+        nn::pre_norm_mlp(h, ln, a, b, true)?
+    } else {
+        nn::causal_self_attention(h, ln, a, b, heads)?
+    })
+}
+
+/// Both half-blocks, F32 and BF16 activations, FP8 current scaling.
+fn half_blocks(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0xb10c);
+    let mut ok = true;
+    let (d, heads) = (128, 2);
+    for dtype in [DType::F32, DType::BF16] {
+        for mlp in [false, true] {
+            let (hc, hg) = halves(&mut rng, d, mlp, dev)?;
+            let (xc, xg) = var(&mut rng, &[2, 48, d], dtype, dev)?;
+            let r = Tensor::from_vec(rng.normal(2 * 48 * d), (2, 48, d), &Device::Cpu)?;
+            let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
+            let yc = run_half(&hc, xc.as_tensor(), mlp, heads)?;
+            let yg = run_half(&hg, xg.as_tensor(), mlp, heads)?;
+            let (sc, sg) = (backward(&yc, &r)?, backward(&yg, &r.to_device(dev)?)?);
+            let mut errs = vec![
+                ("y", rel_err(&yg, &yc)?),
+                ("dh", rel_err(&g(&sg, &xg)?, &g(&sc, &xc)?)?),
+            ];
+            let names = ["dln_w", "dln_b", "da_bias", "db_bias"];
+            for (name, i) in names.into_iter().zip([0, 1, 3, 5]) {
+                errs.push((name, rel_err(&g(&sg, &hg.3[i])?, &g(&sc, &hc.3[i])?)?));
+            }
+            let (wc, wg) = (hc.4.take()?, hg.4.take()?);
+            for part in ["a", "b"] {
+                let dq = |m: &std::collections::HashMap<String, amp::ScalingTensor>, tag: &str| {
+                    m.get(&format!("{tag}.{part}.weight"))
+                        .ok_or_else(|| anyhow::anyhow!("no sink gradient for {part}"))?
+                        .dequantize(DType::F32)
+                        .map_err(anyhow::Error::from)
+                };
+                let name = if part == "a" { "dw_a" } else { "dw_b" };
+                errs.push((name, rel_err(&dq(&wg, "dev")?, &dq(&wc, "cpu")?)?));
+            }
+            let what = format!(
+                "{} {dtype:?}",
+                if mlp {
+                    "pre_norm_mlp"
+                } else {
+                    "causal_self_attention"
+                }
+            );
+            ok &= report(&what, &errs, 1e-1);
+        }
+    }
+    ensure!(ok, "half-blocks out of tolerance (see the lines above)");
+    Ok(())
+}
