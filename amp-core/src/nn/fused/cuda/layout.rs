@@ -8,7 +8,7 @@ use super::ops::{chunk_cfg, chunking, cols_i32, store, suffix, sum_chunks, vec_o
 use crate::error::{Error, Result};
 use crate::numerics::cuda::launch::{aligned, grid, view};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
 
