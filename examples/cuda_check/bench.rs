@@ -34,7 +34,8 @@ pub(crate) fn event_ms(dev: &CudaDevice, mut f: impl FnMut() -> Result<()>) -> R
     Ok(f64::from(start.elapsed_ms(&end)?) / REPS as f64)
 }
 
-/// The probe's method: synchronize, time one call on the host clock, median.
+/// Host-clock timing: synchronize, time one synchronized call, median (what
+/// a caller that waits for each GEMM sees).
 fn wall_ms(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..WARMUP {
         f()?;
@@ -93,7 +94,7 @@ fn gemms(dev: &Device, cuda: &CudaDevice) -> Result<()> {
             bf16 / fast
         );
         if name == "8192^3" {
-            // The per-call cost the probe saw: host clock around each
+            // The per-call cost a synchronizing caller sees: host clock around each
             // synchronized call, with the pool releasing at every sync
             // (CUDA's default threshold 0) and keeping freed memory.
             set_pool_release_threshold(dev, 0)?;

@@ -33,7 +33,7 @@ pub struct GptConfig {
 }
 
 /// The sizes by name: `tiny` trains on two CPU cores in minutes; the others
-/// are GPT-2/3 shapes (layers, heads, width) as `torch_gpt.py` uses them.
+/// are GPT-2/3 shapes (layers, heads, width) as `scripts/gpu/torch_gpt.py` uses them.
 pub const SIZES: [(&str, usize, usize, usize); 5] = [
     ("tiny", 4, 4, 128),
     ("125m", 12, 12, 768),

@@ -221,7 +221,7 @@ fn launch_dequantize<O: CudaDType + DeviceRepr>(
     let mut b = stream.launch_builder(&f);
     q.push(&mut b);
     b.arg(scale_inv).arg(&mut out).arg(&n).arg(&vec);
-    unsafe { b.launch(grid(&dev, items(n, vec))?) }.w()?;
+    unsafe { b.launch(grid(dev, items(n, vec))?) }.w()?;
     Ok(wrap(out, dev, shape))
 }
 

@@ -340,7 +340,7 @@ pub(super) fn sum_chunks(
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
     b.arg(part).arg(out).arg(&cols).arg(&chunks);
-    unsafe { b.launch(grid(&dev, cols as usize)?) }.w()?;
+    unsafe { b.launch(grid(dev, cols as usize)?) }.w()?;
     Ok(())
 }
 
