@@ -278,6 +278,7 @@ fn main() -> Result<()> {
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {
         usage("--save, --resume and --export take one run: leave them out of --compare");
     }
+    check_outputs(&args, levels.len() > 1);
     // Started by torchrun (or a loop setting its variables): one rank of an
     // NCCL group, on the GPU LOCAL_RANK names.
     let group = launch::from_env().transpose()?;
@@ -328,6 +329,80 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The output paths, checked before any training: the export never
+/// replaces the checkpoint written or resumed in the same run, and every
+/// file goes into an existing directory this process can write in (an
+/// error after the run would lose its work and its summary).
+fn check_outputs(args: &Args, compare: bool) {
+    if let Some(export) = &args.export {
+        for (flag, other) in [("--save", &args.save), ("--resume", &args.resume)] {
+            if other.as_ref().is_some_and(|p| same_file(p, export)) {
+                usage(format!(
+                    "--export {} is the checkpoint of {flag}: the export would replace it; \
+                     give the export another path",
+                    export.display()
+                ));
+            }
+        }
+    }
+    for (flag, path) in [("--save", &args.save), ("--export", &args.export)] {
+        if let Some(path) = path {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => std::path::Path::new("."),
+            };
+            if let Err(e) = writable_dir(dir) {
+                usage(format!("{flag} {}: {e}", path.display()));
+            }
+        }
+    }
+    if compare {
+        if let Err(e) = std::fs::create_dir_all(&args.out)
+            .map_err(|e| format!("cannot create it: {e}"))
+            .and_then(|()| writable_dir(&args.out))
+        {
+            usage(format!("--out {}: {e}", args.out.display()));
+        }
+    }
+}
+
+/// Whether two paths name one file (the file need not exist yet: its
+/// directory is resolved, links and `..` included).
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    fn resolved(p: &std::path::Path) -> Option<PathBuf> {
+        let abs = std::path::absolute(p).ok()?;
+        match (abs.parent().map(std::fs::canonicalize), abs.file_name()) {
+            (Some(Ok(dir)), Some(name)) => Some(dir.join(name)),
+            _ => Some(abs),
+        }
+    }
+    match (resolved(a), resolved(b)) {
+        (Some(a), Some(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+/// `Ok` if `dir` is an existing directory a file can be created in (tried
+/// with a probe file, removed at once), else why not.
+fn writable_dir(dir: &std::path::Path) -> std::result::Result<(), String> {
+    if !dir.is_dir() {
+        return Err(format!("{} is not an existing directory", dir.display()));
+    }
+    let probe = dir.join(format!(".gpt-write-probe.{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            // best effort: a probe left behind is an empty hidden file
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(format!("cannot write in {}: {e}", dir.display())),
+    }
 }
 
 fn print_summary(s: &train::Summary) {

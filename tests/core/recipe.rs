@@ -3,7 +3,7 @@
 
 use amp::{
     AmaxComputeAlgo, CurrentScaling, DelayedScaling, Error, Format, OverrideLinearPrecision,
-    ScaleRule,
+    ScaleRule, MAX_AMAX_HISTORY_LEN,
 };
 
 fn field_of(e: &Error) -> &str {
@@ -69,6 +69,14 @@ fn bad_configs_name_the_field() {
         (r#"{"fp8_format": "E3M4"}"#, "fp8_format"),
         (r#"{"fp8_format": "E5M2"}"#, "fp8_format"),
         (r#"{"amax_history_len": 0}"#, "amax_history_len"),
+        // bounded: a history of 1e9 or u64::MAX slots used to allocate
+        // until the process was killed, or panic with "capacity overflow"
+        (r#"{"amax_history_len": 65537}"#, "amax_history_len"),
+        (r#"{"amax_history_len": 1000000000}"#, "amax_history_len"),
+        (
+            r#"{"amax_history_len": 18446744073709551615}"#,
+            "amax_history_len",
+        ),
         (r#"{"margin": -1}"#, "margin"),
         (r#"{"margin": 1000}"#, "margin"),
         (r#"{"margin": "two"}"#, "margin"),
@@ -133,4 +141,22 @@ fn config_files_by_extension() {
         Error::ConfigFile { .. }
     ));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn amax_history_len_is_bounded_everywhere() {
+    let at_max = format!(r#"{{"amax_history_len": {MAX_AMAX_HISTORY_LEN}}}"#);
+    assert_eq!(
+        DelayedScaling::from_json(&at_max).unwrap().amax_history_len,
+        MAX_AMAX_HISTORY_LEN
+    );
+    let e = DelayedScaling::from_toml("amax_history_len = 1_000_000_000").unwrap_err();
+    assert_eq!(field_of(&e), "amax_history_len", "{e}");
+    // the metadata refuses it too, before allocating anything
+    let dev = candle_core::Device::Cpu;
+    for len in [0, MAX_AMAX_HISTORY_LEN + 1, usize::MAX] {
+        let e = amp::ScalingMeta::new(amp::QType::E4M3, len, &dev).unwrap_err();
+        assert_eq!(field_of(&e), "amax_history_len", "{len}: {e}");
+    }
+    assert!(amp::ScalingMeta::new(amp::QType::E4M3, MAX_AMAX_HISTORY_LEN, &dev).is_ok());
 }

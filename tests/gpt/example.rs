@@ -381,3 +381,66 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
     assert_eq!(json["steps"], 2);
     Ok(())
 }
+
+#[test]
+fn cli_refuses_bad_output_paths_before_training() -> anyhow::Result<()> {
+    let Some(bin) = example_bin() else {
+        eprintln!("skipped: target/*/examples/gpt not built");
+        return Ok(());
+    };
+    let dir = tmp("bad-outputs");
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"not a directory")?;
+    let ckpt = dir.join("ckpt.safetensors");
+    let same = dir.join(".").join("ckpt.safetensors");
+    let s = |p: &std::path::Path| p.display().to_string();
+    for (args, says) in [
+        // the export would replace the checkpoint written or resumed
+        (
+            vec!["--save".into(), s(&ckpt), "--export".into(), s(&ckpt)],
+            "--export",
+        ),
+        (
+            vec!["--resume".into(), s(&ckpt), "--export".into(), s(&same)],
+            "--resume",
+        ),
+        // missing directories, a file where a directory should be
+        (
+            vec!["--save".into(), s(&dir.join("missing/ckpt.safetensors"))],
+            "missing",
+        ),
+        (
+            vec!["--export".into(), s(&file.join("gpt.safetensors"))],
+            "a-file",
+        ),
+        (
+            vec![
+                "--compare".into(),
+                "O0,O1".into(),
+                "--out".into(),
+                s(&file.join("out")),
+            ],
+            "--out",
+        ),
+    ] {
+        let start = std::time::Instant::now();
+        // the default 300 steps train for over a minute: refused up front
+        let out = std::process::Command::new(&bin).args(&args).output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?} trained");
+        assert!(
+            start.elapsed().as_secs() < 30,
+            "{args:?}: refused only after {:?}",
+            start.elapsed()
+        );
+    }
+    assert!(
+        !ckpt.exists() && std::fs::read_dir(&dir)?.count() == 1,
+        "nothing written"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

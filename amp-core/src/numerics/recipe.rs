@@ -143,7 +143,7 @@ pub struct DelayedScaling {
     pub interval: u32,
     /// FP8 formats of the forward and backward passes.
     pub fp8_format: Format,
-    /// Length of the amax history (at least 1).
+    /// Length of the amax history (1 to [`MAX_AMAX_HISTORY_LEN`]).
     pub amax_history_len: usize,
     /// How the history becomes one amax.
     pub amax_compute_algo: AmaxComputeAlgo,
@@ -170,6 +170,29 @@ impl Default for DelayedScaling {
 /// Largest margin accepted: past it every scale would underflow.
 pub const MAX_MARGIN: u32 = 64;
 
+/// Longest amax history accepted: 64 times Transformer Engine's default
+/// (1024; TE itself sets no bound). Each scaled tensor keeps one F32 per
+/// slot on its device and the delayed update reads them all every step, so
+/// a history of millions would exhaust memory before training started.
+pub const MAX_AMAX_HISTORY_LEN: usize = 65_536;
+
+/// An amax history length in `1..=MAX_AMAX_HISTORY_LEN`.
+pub(crate) fn check_history_len(len: usize) -> Result<()> {
+    if len == 0 {
+        return Err(Error::Config {
+            field: "amax_history_len".into(),
+            reason: "must be at least 1".into(),
+        });
+    }
+    if len > MAX_AMAX_HISTORY_LEN {
+        return Err(Error::Config {
+            field: "amax_history_len".into(),
+            reason: format!("{len} is longer than {MAX_AMAX_HISTORY_LEN}"),
+        });
+    }
+    Ok(())
+}
+
 fn check_margin(margin: u32) -> Result<()> {
     if margin > MAX_MARGIN {
         return Err(Error::Config {
@@ -189,12 +212,7 @@ impl Validate for DelayedScaling {
                 reason: "must be at least 1".into(),
             });
         }
-        if self.amax_history_len == 0 {
-            return Err(Error::Config {
-                field: "amax_history_len".into(),
-                reason: "must be at least 1".into(),
-            });
-        }
+        check_history_len(self.amax_history_len)?;
         if self.fp8_format == Format::E5M2 {
             return Err(Error::Config {
                 field: "fp8_format".into(),

@@ -34,14 +34,10 @@ impl ScalingMeta {
     /// Scale 1, an all-zero amax history of `amax_history_len` slots.
     ///
     /// # Errors
-    /// [`Error::Config`] when `amax_history_len` is 0.
+    /// [`Error::Config`] when `amax_history_len` is 0 or above
+    /// [`MAX_AMAX_HISTORY_LEN`](crate::MAX_AMAX_HISTORY_LEN).
     pub fn new(qtype: QType, amax_history_len: usize, device: &Device) -> Result<Self> {
-        if amax_history_len == 0 {
-            return Err(Error::Config {
-                field: "amax_history_len".into(),
-                reason: "must be at least 1".into(),
-            });
-        }
+        crate::numerics::recipe::check_history_len(amax_history_len)?;
         Ok(Self {
             qtype,
             scale: Tensor::ones(1, DType::F32, device)?,
