@@ -311,6 +311,7 @@ fn main() -> Result<()> {
         } else {
             print_summary(&s);
         }
+        check_trained(&s)?;
         runs.push(s);
     }
     if levels.len() > 1 && rank == 0 {
@@ -327,6 +328,42 @@ fn main() -> Result<()> {
                 args.out.display()
             );
         }
+    }
+    Ok(())
+}
+
+/// Share of skipped steps above which a run warns on stderr.
+const SKIPPED_WARN: f64 = 0.1;
+
+/// A run that trained nothing is an error (after its summary is printed):
+/// every step skipped, or a loss that is no longer finite (the weights
+/// diverged). Many skipped steps are a warning.
+fn check_trained(s: &train::Summary) -> Result<()> {
+    let run = s.steps_run.max(1);
+    if s.skipped_steps >= run {
+        anyhow::bail!(
+            "{} {}: every one of the {run} steps was skipped (non-finite gradients): \
+             nothing was trained; lower --lr or check the data",
+            s.level,
+            s.compute
+        );
+    }
+    if !(s.final_loss.is_finite() && s.val_loss.is_finite()) {
+        anyhow::bail!(
+            "{} {}: the loss is no longer finite (final {}, validation {}; {} of {run} \
+             steps skipped): the weights diverged; lower --lr",
+            s.level,
+            s.compute,
+            s.final_loss,
+            s.val_loss,
+            s.skipped_steps
+        );
+    }
+    if s.skipped_steps as f64 > SKIPPED_WARN * run as f64 {
+        eprintln!(
+            "warning: {} {}: {} of {run} steps were skipped (non-finite gradients)",
+            s.level, s.compute, s.skipped_steps
+        );
     }
     Ok(())
 }

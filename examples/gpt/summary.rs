@@ -81,6 +81,8 @@ pub struct Summary {
     pub persistent_bytes: serde_json::Value,
     pub activations_saved_bytes: usize,
     pub skipped_steps: u64,
+    /// Optimizer steps this run took (from the resumed step to the last).
+    pub steps_run: u64,
     pub device: String,
     /// Data-parallel ranks; memory figures are per rank.
     pub world_size: usize,

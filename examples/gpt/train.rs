@@ -339,6 +339,7 @@ pub fn train_rank(
         persistent_bytes: persistent_json(&report),
         activations_saved_bytes: report.bytes.activations_saved,
         skipped_steps: skipped,
+        steps_run: end - start,
         device: device_name(&cfg.device),
         world_size: world,
         activations: format!("{:?}", cfg.activations).to_uppercase(),

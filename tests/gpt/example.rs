@@ -94,6 +94,7 @@ fn every_level_learns_and_reports() -> anyhow::Result<()> {
             "bytes_per_linear_param",
             "persistent_bytes",
             "skipped_steps",
+            "steps_run",
             "device",
         ] {
             assert!(json.get(key).is_some(), "{tag}: no `{key}` in {json}");
@@ -442,5 +443,38 @@ fn cli_refuses_bad_output_paths_before_training() -> anyhow::Result<()> {
         "nothing written"
     );
     std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn cli_run_that_trained_nothing_is_an_error() -> anyhow::Result<()> {
+    let Some(bin) = example_bin() else {
+        eprintln!("skipped: target/*/examples/gpt not built");
+        return Ok(());
+    };
+    // --lr 1e30: the first step's update makes every later loss non-finite;
+    // this used to exit 0 with a null loss and nothing on stderr
+    for level in ["O0", "O2"] {
+        let out = std::process::Command::new(&bin)
+            .args([
+                "--level", level, "--lr", "1e30", "--steps", "4", "--batch", "2",
+            ])
+            .args(["--seq", "16", "--json"])
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{level}: exit 0: {err}");
+        assert!(
+            err.contains("diverged") && err.contains("lower --lr"),
+            "{level}: {err}"
+        );
+        // the summary still comes first, for the record
+        let stdout = String::from_utf8(out.stdout)?;
+        let json: serde_json::Value = serde_json::from_str(stdout.trim())?;
+        assert_eq!(json["steps_run"], 4, "{json}");
+        assert!(
+            json["skipped_steps"].as_u64().is_some_and(|n| n >= 3),
+            "{json}"
+        );
+    }
     Ok(())
 }
