@@ -35,13 +35,19 @@
 //! every rank and the result is meaningless: skip the step. The exchange
 //! still runs (with scale 1), so all ranks stay in step.
 //!
+//! **Buckets.** [`fp8_all_reduce_bucket`](crate::fp8_all_reduce_bucket)
+//! runs these steps for several gradients at once: the amaxes of steps 1
+//! and 5 agreed as one vector each, one exchange and one all-gather of the
+//! concatenated codes, each tensor bitwise the result of this function
+//! (see its docs for the layout and the bytes).
+//!
 //! [`all_gather_shards`]: Communicator::all_gather_shards
 
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::shard::shard_range;
 use amp_core::{AmaxComputeAlgo, QType, ScaleRule, ScalingMeta, ScalingTensor};
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 use std::ops::Range;
 
 /// Settings of the FP8 reductions.
@@ -146,7 +152,7 @@ impl Fp8Reduced {
 }
 
 /// `max |x|` of a float tensor as a 1-element F32 tensor, NaN turned into inf.
-fn local_amax(x: &Tensor, qtype: QType) -> Result<Tensor> {
+pub(crate) fn local_amax(x: &Tensor, qtype: QType) -> Result<Tensor> {
     // The amax comes from amp-core's fused cast; its codes are discarded.
     let unit = ScalingMeta::new(qtype, 1, x.device())?;
     let (_, amax) = ScalingTensor::quantize_with(x, &unit)?;
@@ -161,8 +167,17 @@ fn agreed_meta<C: Communicator + ?Sized>(
     amax: &Tensor,
     cfg: &Fp8ReduceConfig,
 ) -> Result<ScalingMeta> {
-    let global = comm.all_reduce_max(amax)?;
-    let mut meta = ScalingMeta::new(cfg.qtype, 1, comm.device())?;
+    meta_from_global(comm.all_reduce_max(amax)?, cfg, comm.device())
+}
+
+/// The metadata of an agreed amax (`global`, one F32 element, the same on
+/// every rank): the scale by `cfg`, the amax in its history.
+pub(crate) fn meta_from_global(
+    global: Tensor,
+    cfg: &Fp8ReduceConfig,
+    device: &Device,
+) -> Result<ScalingMeta> {
+    let mut meta = ScalingMeta::new(cfg.qtype, 1, device)?;
     meta.record_amax(&global)?;
     meta.update_scale(cfg.scale_rule, AmaxComputeAlgo::MostRecent, cfg.margin)?;
     Ok(ScalingMeta::from_parts(
@@ -171,6 +186,22 @@ fn agreed_meta<C: Communicator + ?Sized>(
         meta.scale_inv().clone(),
         global,
     )?)
+}
+
+/// A gradient as a float tensor: float tensors as they are, scaled ones
+/// decoded with their own scale.
+pub(crate) fn float_input(op: &'static str, grad: Grad<'_>) -> Result<Tensor> {
+    match grad {
+        Grad::Tensor(t) => match t.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => Ok(t.clone()),
+            got => Err(Error::DType {
+                op,
+                expected: "F32, F16, BF16 or a ScalingTensor",
+                got,
+            }),
+        },
+        Grad::Scaled(s) => Ok(s.dequantize(DType::F32)?),
+    }
 }
 
 /// Steps 1-4 of [`fp8_all_reduce`]: this rank's chunk
@@ -185,19 +216,7 @@ pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<ReducedShard> {
-    let x = match grad.into() {
-        Grad::Tensor(t) => match t.dtype() {
-            DType::F32 | DType::F16 | DType::BF16 => t.clone(),
-            got => {
-                return Err(Error::DType {
-                    op: "fp8_reduce_scatter",
-                    expected: "F32, F16, BF16 or a ScalingTensor",
-                    got,
-                })
-            }
-        },
-        Grad::Scaled(s) => s.dequantize(DType::F32)?,
-    };
+    let x = float_input("fp8_reduce_scatter", grad.into())?;
     let (n, rank) = (comm.world_size(), comm.rank());
     let shape = x.shape().clone();
     let len = x.elem_count();

@@ -6,7 +6,10 @@
 //! backend ([`InProcessComm`]: `N` ranks as threads, CPU tensors), and the
 //! FP8 gradient all-reduce of docs/ARCHITECTURE.md, "Data parallelism" ([`fp8_all_reduce`]: one scale
 //! agreed by all ranks, FP8 on the wire, F32 accumulation) with its two
-//! halves for ZeRO ([`fp8_reduce_scatter`], [`fp8_all_gather`]).
+//! halves for ZeRO ([`fp8_reduce_scatter`], [`fp8_all_gather`]), and its
+//! bucketed form ([`fp8_all_reduce_bucket`]: several gradients, each with
+//! its own scales and bitwise the result of `fp8_all_reduce`, in four
+//! collectives for the whole bucket instead of four per tensor).
 //!
 //! Uneven sizes follow [`shard_range`]: chunks in rank order, the first
 //! `len % N` ranks one element longer. No backend hangs: a rank that does
@@ -38,6 +41,7 @@
 
 mod communicator;
 mod error;
+mod fp8_bucket;
 mod fp8_reduce;
 mod in_process;
 mod launch;
@@ -52,6 +56,7 @@ mod shard;
 
 pub use communicator::{Communicator, ReduceOp};
 pub use error::{Error, Result};
+pub use fp8_bucket::fp8_all_reduce_bucket;
 pub use fp8_reduce::{
     fp8_all_gather, fp8_all_reduce, fp8_reduce_scatter, Fp8ReduceConfig, Fp8Reduced, Grad,
     ReducedShard,
