@@ -164,3 +164,36 @@ fn bad_metadata_is_refused_before_anything_changes() {
         assert_eq!(contents(&after).0, before.0, "{key}: nothing changed");
     }
 }
+
+#[test]
+fn a_save_removes_the_temporary_files_of_killed_saves() {
+    let (_, ctx, opt) = build(8, Level::O2);
+    let dir = tmp("stale-temps");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ckpt.safetensors");
+    // what a save killed between its write and its rename leaves: dead
+    // processes' (pids above Linux's pid_max), and one of a save still
+    // running elsewhere (pid 1 always runs) that must stay
+    let dead = [
+        dir.join("ckpt.tmp.4194305.0"),
+        dir.join("ckpt.tmp.4194399.7"),
+    ];
+    let live = dir.join("ckpt.tmp.1.0");
+    let other = dir.join("other.tmp.4194305.0"); // another checkpoint's
+    for f in dead.iter().chain([&live, &other]) {
+        std::fs::write(f, b"partial").unwrap();
+    }
+    ctx.save(&path, &opt).unwrap();
+    for f in &dead {
+        if cfg!(target_os = "linux") {
+            assert!(!f.exists(), "{} left behind", f.display());
+        }
+    }
+    assert!(live.exists(), "a running save's temporary file was removed");
+    assert!(
+        other.exists(),
+        "another checkpoint's temporary file was removed"
+    );
+    assert!(path.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

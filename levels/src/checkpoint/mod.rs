@@ -122,5 +122,49 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], fail_before_rename: bool) 
             let _ = d.sync_all();
         }
     }
+    remove_stale_temps(path);
     Ok(())
+}
+
+/// Removes the temporary files that earlier saves to `path` left behind
+/// when they were killed between writing and renaming
+/// (`<path minus extension>.tmp.<pid>.<n>`): those of this process, and
+/// those of processes that no longer run (where that can be told: Linux's
+/// `/proc`). A temporary file of a save still running elsewhere stays.
+/// Best effort: a file that cannot be removed is left.
+fn remove_stale_temps(path: &Path) {
+    let Some(stem) = path
+        .with_extension("")
+        .file_name()
+        .map(|s| s.to_os_string())
+    else {
+        return;
+    };
+    let prefix = format!("{}.tmp.", stem.to_string_lossy());
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let me = std::process::id();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let mut parts = rest.split('.');
+        let (Some(pid), Some(seq), None) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), seq.parse::<u64>()) else {
+            continue;
+        };
+        let gone = pid == me
+            || (cfg!(target_os = "linux") && !Path::new(&format!("/proc/{pid}")).exists());
+        if gone {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
