@@ -139,7 +139,7 @@ struct Args {
     /// Data-parallel ranks (threads, in-process backend); --batch stays the global batch.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     world_size: u64,
-    /// CPU threads for candle's kernels [default: half the cores, at least 1].
+    /// CPU threads for candle's kernels, at most the cores [default: half the cores, at least 1].
     /// candle's pool waits in a spin loop, so a thread per core runs far
     /// slower as soon as anything else uses a core.
     #[arg(long)]
@@ -196,11 +196,19 @@ fn device(name: &str) -> Device {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let threads = args.threads.unwrap_or_else(|| {
-        std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
-    });
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = args.threads.unwrap_or((cores / 2).max(1));
     if threads == 0 {
         usage("--threads 0: at least one thread");
+    }
+    if threads > cores {
+        // candle's pool threads spin while they wait: past the core count
+        // they take the cores from each other (1000 threads on 2 cores ran
+        // about 150 times slower)
+        usage(format!(
+            "--threads {threads}: this machine has {cores} cores; more threads than cores \
+             spin against each other and run many times slower: use at most {cores}"
+        ));
     }
     // Read by candle when its thread pool starts, before any op runs;
     // nothing else runs yet, so setting the environment is safe here.

@@ -351,6 +351,8 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
         (vec!["--recipe", "/nonexistent/recipe.toml"], "recipe"),
         (vec!["--compare", "O0,O1", "--save", "x"], "compare"),
         (vec!["--bogus"], "bogus"),
+        // more threads than cores used to run ~150x slower without a word
+        (vec!["--threads", "100000"], "cores"),
     ] {
         let out = std::process::Command::new(&bin).args(&args).output()?;
         let err = String::from_utf8_lossy(&out.stderr);
