@@ -52,6 +52,7 @@ mod scaling;
 
 pub use error::{Error, Result};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
+pub use numerics::cast::CastStats;
 pub use numerics::cast::F16_NAN_BITS;
 #[cfg(feature = "cuda")]
 pub use numerics::cuda::launch::multiprocessors;
@@ -70,6 +71,5 @@ pub use numerics::scale::ScaleRule;
 pub use numerics::{config, kernel};
 pub use scaling::meta::ScalingMeta;
 pub use scaling::sink::GradSink;
-pub use scaling::stats::CastStats;
 pub use scaling::tensor::ScalingTensor;
 pub use scaling::weight::{Weight, WeightSlot};

@@ -32,9 +32,9 @@ impl LossScaling {
     /// Checks the ranges.
     ///
     /// # Errors
-    /// [`crate::Error::Config`] naming the field.
-    pub fn validate(&self) -> crate::Result<()> {
-        let bad = |field, reason: String| Err(crate::Error::Config { field, reason });
+    /// [`Error::Config`](crate::error::Error::Config) naming the field.
+    pub fn validate(&self) -> crate::error::Result<()> {
+        let bad = |field, reason: String| Err(crate::error::Error::Config { field, reason });
         match *self {
             Self::None => Ok(()),
             Self::Static { scale } if !(scale > 0.0 && scale.is_finite()) => bad(

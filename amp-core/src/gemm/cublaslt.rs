@@ -31,7 +31,7 @@
 //!   device (`gemm_plan.rs`).
 //! - Output buffers come from the stream-ordered pool; creating a context
 //!   raises the default pool's release threshold (see
-//!   [`keep_freed_memory`](crate::keep_freed_memory)) so freed outputs are
+//!   [`keep_freed_memory`](crate::numerics::cuda::pool::keep_freed_memory)) so freed outputs are
 //!   reused instead of being unmapped at every synchronize.
 
 use super::plan::{

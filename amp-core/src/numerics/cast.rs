@@ -312,3 +312,15 @@ impl Kernel for Dequantize {
 fn convert<T: Float>(values: &[f32]) -> Vec<T> {
     values.iter().map(|&v| T::from_f32(v)).collect()
 }
+
+/// What one cast lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct CastStats {
+    /// Elements whose scaled magnitude exceeded the format's max (or were
+    /// infinite) and were clamped to it.
+    pub saturated: u64,
+    /// Non-zero elements that became zero.
+    pub flushed: u64,
+    /// Elements inspected.
+    pub total: u64,
+}

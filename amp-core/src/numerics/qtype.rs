@@ -1,4 +1,4 @@
-//! What a [`ScalingTensor`](crate::ScalingTensor) stores: FP8 codes or FP16 values.
+//! What a [`ScalingTensor`](crate::scaling::tensor::ScalingTensor) stores: FP8 codes or FP16 values.
 
 use crate::numerics::format::{Fp8Format, F16_MAX};
 use candle_core::DType;

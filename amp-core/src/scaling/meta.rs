@@ -35,7 +35,7 @@ impl ScalingMeta {
     ///
     /// # Errors
     /// [`Error::Config`] when `amax_history_len` is 0 or above
-    /// [`MAX_AMAX_HISTORY_LEN`](crate::MAX_AMAX_HISTORY_LEN).
+    /// [`MAX_AMAX_HISTORY_LEN`](crate::numerics::recipe::MAX_AMAX_HISTORY_LEN).
     pub fn new(qtype: QType, amax_history_len: usize, device: &Device) -> Result<Self> {
         crate::numerics::recipe::check_history_len(amax_history_len)?;
         Ok(Self {
@@ -174,12 +174,12 @@ impl ScalingMeta {
     ///
     /// # Errors
     /// Only candle's.
-    pub fn last_cast_stats(&self) -> Result<Option<crate::CastStats>> {
+    pub fn last_cast_stats(&self) -> Result<Option<crate::numerics::cast::CastStats>> {
         let Some(counts) = &self.last_cast else {
             return Ok(None);
         };
         match counts.to_vec1::<i64>()?.as_slice() {
-            [saturated, flushed] => Ok(Some(crate::CastStats {
+            [saturated, flushed] => Ok(Some(crate::numerics::cast::CastStats {
                 saturated: *saturated as u64,
                 flushed: *flushed as u64,
                 total: 0,

@@ -1,7 +1,7 @@
 //! Scaling, above the numerics: per-tensor scaling metadata kept on the
 //! device ([`ScalingMeta`](meta::ScalingMeta): scale, its inverse, the amax
 //! history and the delayed and current scale updates), what each cast
-//! saturated or flushed ([`CastStats`](stats::CastStats)), scaled tensors
+//! saturated or flushed ([`CastStats`](crate::numerics::cast::CastStats)), scaled tensors
 //! ([`ScalingTensor`](tensor::ScalingTensor)), how a parameter is stored
 //! ([`Weight`](weight::Weight), [`WeightSlot`](weight::WeightSlot)), where
 //! FP8 weight gradients go ([`GradSink`](sink::GradSink)) and the

@@ -1,25 +1,14 @@
-//! Precision telemetry: how many elements a cast saturated and how many it
-//! flushed to zero. A diagnostic pass, outside the training step.
+//! Precision telemetry: how many elements a cast of a scaling tensor
+//! saturated and how many it flushed to zero ([`CastStats`]), counted again
+//! from its input. A diagnostic pass, outside the training step.
 
 use crate::error::{Error, Result};
-use crate::numerics::cast::{with_float, Float};
+use crate::numerics::cast::{with_float, CastStats, Float};
 use crate::numerics::kernel::arity;
 use crate::numerics::kernel::{launch, scalar, slice, Kernel};
 use crate::scaling::tensor::ScalingTensor;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
-
-/// What one cast lost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-pub struct CastStats {
-    /// Elements whose scaled magnitude exceeded the format's max (or were
-    /// infinite) and were clamped to it.
-    pub saturated: u64,
-    /// Non-zero elements that became zero.
-    pub flushed: u64,
-    /// Elements inspected.
-    pub total: u64,
-}
 
 impl ScalingTensor {
     /// Counts what casting `original` into `self` saturated and flushed:

@@ -44,7 +44,7 @@
 //! Scales are read from device memory by the kernels; no op here copies
 //! anything to the host or synchronizes. Unlike the CPU body, quantize
 //! cannot refuse a bad scale without reading it: every constructor of
-//! [`ScalingMeta`](crate::ScalingMeta) and the scale update produce finite
+//! [`ScalingMeta`](crate::scaling::meta::ScalingMeta) and the scale update produce finite
 //! normal scales.
 
 mod cast;
