@@ -2,6 +2,7 @@
 //! every rank, the bytes on the wire, non-finite gradients, scaled inputs,
 //! and the ZeRO halves.
 
+use crate::rng::Rng;
 use amp_comm::{
     fp8_all_gather, fp8_all_reduce, fp8_reduce_scatter, run_ranks, shard_range, Communicator,
     Error, Fp8ReduceConfig, Fp8Reduced,
@@ -30,23 +31,6 @@ fn min_subnormal(q: QType) -> f64 {
     match q {
         QType::E4M3 => 2f64.powi(-9),
         _ => 2f64.powi(-16),
-    }
-}
-
-/// xorshift: reproducible inputs without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -3,6 +3,7 @@
 //! (codes, scales, amaxes, finiteness), four collectives instead of four
 //! per tensor, and the bytes of the documented formula.
 
+use crate::rng::Rng;
 use amp_comm::{
     fp8_all_reduce, fp8_all_reduce_bucket, run_ranks, shard_len, Communicator, Error,
     Fp8ReduceConfig, Fp8Reduced, Grad, ReduceOp,
@@ -82,23 +83,6 @@ impl<C: Communicator> Communicator for Counting<'_, C> {
     }
     fn reset_bytes_sent(&self) {
         self.inner.reset_bytes_sent()
-    }
-}
-
-/// xorshift: reproducible inputs without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -9,3 +9,4 @@ mod failures;
 mod fp8_all_reduce;
 mod fp8_bucket;
 mod rendezvous;
+mod rng;
