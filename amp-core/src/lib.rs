@@ -52,8 +52,9 @@ mod scaling;
 
 pub use error::{Error, Result};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
-pub use numerics::cast::CastStats;
 pub use numerics::cast::F16_NAN_BITS;
+pub use numerics::cast::{amax, CastStats};
+pub use numerics::clock::StreamMark;
 #[cfg(feature = "cuda")]
 pub use numerics::cuda::launch::multiprocessors;
 pub use numerics::cuda::{

@@ -3,39 +3,18 @@
 //! four per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
 
-use crate::communicator::Communicator;
-use crate::error::{Error, Result};
-use crate::fp8_reduce::{
-    float_input, local_amax, meta_from_global, Fp8ReduceConfig, Fp8Reduced, Grad,
+use crate::bucket_cast::{
+    agreed_metas, cast_agreed, cat_nonempty, decode, inputs, rank_order_mean,
 };
+use crate::communicator::Communicator;
+use crate::error::Result;
+use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
 use crate::shard::shard_range;
-use amp_core::{ScalingMeta, ScalingTensor};
-use candle_core::{DType, Shape, Tensor};
+use amp_core::ScalingTensor;
+use candle_core::{DType, Tensor};
 use std::ops::Range;
 
 const OP: &str = "fp8_all_reduce_bucket";
-
-/// One metadata per amax of `amaxes` (one element each), agreed with one
-/// all-reduce(max) of their vector.
-fn agreed_metas<C: Communicator + ?Sized>(
-    comm: &C,
-    amaxes: &[Tensor],
-    cfg: &Fp8ReduceConfig,
-) -> Result<Vec<ScalingMeta>> {
-    let flat = amaxes
-        .iter()
-        .map(Tensor::flatten_all)
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let global = comm.all_reduce_max(&Tensor::cat(&flat, 0)?)?;
-    amaxes
-        .iter()
-        .enumerate()
-        .map(|(t, a)| {
-            let g = global.narrow(0, t, 1)?.reshape(a.shape())?;
-            meta_from_global(g, cfg, comm.device())
-        })
-        .collect()
-}
 
 /// `fp8_all_reduce` of every gradient of a bucket, with one amax
 /// all-reduce, one code exchange, one result-amax all-reduce and one
@@ -137,39 +116,22 @@ where
     C: Communicator + ?Sized,
     G: Into<Grad<'a>>,
 {
-    let inputs = grads
-        .into_iter()
-        .map(|g| float_input(OP, g.into()))
-        .collect::<Result<Vec<_>>>()?;
+    let (inputs, shapes) = inputs(OP, grads)?;
     if inputs.is_empty() {
         return Ok(Vec::new());
     }
     let (n, rank) = (comm.world_size(), comm.rank());
-    let shapes: Vec<Shape> = inputs.iter().map(|x| x.shape().clone()).collect();
-    let flats = inputs
-        .iter()
-        .map(Tensor::flatten_all)
-        .collect::<candle_core::Result<Vec<_>>>()?;
     // Each tensor's range in the bucket.
-    let mut spans = Vec::with_capacity(flats.len());
+    let mut spans = Vec::with_capacity(inputs.len());
     let mut total = 0;
-    for f in &flats {
-        spans.push(total..total + f.elem_count());
-        total += f.elem_count();
+    for x in &inputs {
+        spans.push(total..total + x.elem_count());
+        total += x.elem_count();
     }
 
     // Steps 1-2: one agreement of the input amaxes, per-tensor casts.
-    let amaxes = flats
-        .iter()
-        .map(|f| local_amax(f, cfg.qtype))
-        .collect::<Result<Vec<_>>>()?;
-    let metas = agreed_metas(comm, &amaxes, cfg)?;
-    let codes = flats
-        .iter()
-        .zip(&metas)
-        .map(|(f, m)| Ok(ScalingTensor::quantize_with(f, m)?.0.data().clone()))
-        .collect::<Result<Vec<_>>>()?;
-    let codes = Tensor::cat(&codes, 0)?;
+    let (metas, codes) = cast_agreed(comm, &inputs, cfg)?;
+    let codes = cat_nonempty(&codes, &codes[0])?;
 
     // Step 3: one exchange; rank r gets elements `shard_range(L, r, N)`.
     let chunks = (0..n)
@@ -180,12 +142,6 @@ where
         .collect::<candle_core::Result<Vec<_>>>()?;
     let mine = shard_range(total, rank, n);
     let received = comm.all_to_all(&chunks)?;
-    let (first, rest) = received
-        .split_first()
-        .ok_or_else(|| Error::InvalidArgument {
-            op: OP,
-            what: "all_to_all returned no chunk".into(),
-        })?;
 
     // Step 4: per tensor, its part of this rank's range (chunk coordinates).
     let pieces: Vec<(usize, Range<usize>)> = spans
@@ -196,31 +152,21 @@ where
             (lo < hi).then(|| (t, lo - mine.start..hi - mine.start))
         })
         .collect();
-    let decode = |c: &Tensor, t: usize, r: &Range<usize>| -> Result<Tensor> {
-        let part = c.narrow(0, r.start, r.len())?;
-        Ok(ScalingTensor::from_parts(part, metas[t].clone())?.dequantize(DType::F32)?)
-    };
     let mut sums = Vec::with_capacity(pieces.len());
     for (t, r) in &pieces {
-        // Rank order, from rank 0's values (not 0 + x: keeps -0.0).
-        let mut sum = decode(first, *t, r)?;
-        for c in rest {
-            sum = (sum + decode(c, *t, r)?)?;
-        }
-        if cfg.average && n > 1 {
-            sum = (sum / n as f64)?;
-        }
-        sums.push(sum);
+        let parts = received
+            .iter()
+            .map(|c| decode(&c.narrow(0, r.start, r.len())?, &metas[*t]))
+            .collect::<Result<Vec<_>>>()?;
+        sums.push(rank_order_mean(parts, cfg.average)?);
     }
 
     // Step 5: one agreement of the result amaxes; 0 where this rank holds
     // none of a tensor (the amax of the empty chunk `fp8_all_reduce` takes).
-    let mut result_amaxes = amaxes
-        .iter()
-        .map(Tensor::zeros_like)
-        .collect::<candle_core::Result<Vec<_>>>()?;
+    let zero = Tensor::zeros(1, DType::F32, comm.device())?;
+    let mut result_amaxes = vec![zero; inputs.len()];
     for ((t, _), s) in pieces.iter().zip(&sums) {
-        result_amaxes[*t] = local_amax(s, cfg.qtype)?;
+        result_amaxes[*t] = amp_core::amax(s)?;
     }
     let result_metas = agreed_metas(comm, &result_amaxes, cfg)?;
     let out_codes = pieces
@@ -233,11 +179,7 @@ where
                 .clone())
         })
         .collect::<Result<Vec<_>>>()?;
-    let shard = if out_codes.is_empty() {
-        codes.narrow(0, mine.start, 0)?
-    } else {
-        Tensor::cat(&out_codes, 0)?
-    };
+    let shard = cat_nonempty(&out_codes, &codes)?;
 
     // Step 6: one all-gather of the bucket, cut back into tensors.
     let gathered = comm.all_gather_shards(&shard, total)?;

@@ -39,10 +39,12 @@
 //!   is plain Rust and is always built.
 #![warn(missing_docs)]
 
+mod bucket_cast;
 mod communicator;
 mod error;
 mod fp8_bucket;
 mod fp8_reduce;
+mod fp8_zero_bucket;
 mod in_process;
 mod launch;
 #[cfg(feature = "nccl")]
@@ -61,6 +63,7 @@ pub use fp8_reduce::{
     fp8_all_gather, fp8_all_reduce, fp8_reduce_scatter, Fp8ReduceConfig, Fp8Reduced, Grad,
     ReducedShard,
 };
+pub use fp8_zero_bucket::{fp8_all_gather_bucket, fp8_reduce_scatter_bucket};
 pub use in_process::{run_ranks, run_ranks_each, run_ranks_with, InProcessComm, InProcessConfig};
 pub use launch::{LaunchEnv, RendezvousConfig, DEFAULT_RENDEZVOUS_TIMEOUT};
 pub use nccl::NcclComm;

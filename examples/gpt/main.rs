@@ -139,6 +139,16 @@ struct Args {
     /// Data-parallel ranks (threads, in-process backend); --batch stays the global batch.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     world_size: u64,
+    /// Data parallelism: gradients are reduced in buckets of this many MiB
+    /// (counted as F32), as PyTorch DDP's bucket_cap_mb.
+    #[arg(long, default_value_t = amp::levels::DEFAULT_BUCKET_MB, value_parser = bucket_mb)]
+    bucket_mb: f64,
+    /// Gradient accumulation: each rank's share of a batch runs as this
+    /// many micro-batches, the gradients summed locally and communicated
+    /// once, after the last (PyTorch DDP's no_sync); --batch stays the
+    /// global batch, so its share on each rank must divide by this.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    grad_accum: u64,
     /// CPU threads for candle's kernels, at most the cores [default: half the cores, at least 1].
     /// candle's pool waits in a spin loop, so a thread per core runs far
     /// slower as soon as anything else uses a core.
@@ -150,6 +160,16 @@ struct Args {
 }
 
 /// A usage error: clap's format, exit code 2.
+/// `--bucket-mb`: a number of MiB in (0, MAX_BUCKET_MB].
+fn bucket_mb(s: &str) -> std::result::Result<f64, String> {
+    let max = amp::levels::MAX_BUCKET_MB;
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= max => Ok(v),
+        Ok(v) => Err(format!("{v} MiB: must be > 0 and at most {max}")),
+        Err(e) => Err(format!("not a number: {e}")),
+    }
+}
+
 fn usage(msg: impl std::fmt::Display) -> ! {
     Args::command()
         .error(clap::error::ErrorKind::ValueValidation, msg)
@@ -275,6 +295,8 @@ fn main() -> Result<()> {
         prompt: args.prompt.clone(),
         progress: !args.json && std::io::stdout().is_terminal(),
         world_size: args.world_size as usize,
+        bucket_mb: args.bucket_mb,
+        grad_accum: args.grad_accum as usize,
         timing_skip: args.timing_skip,
         activations: match args.activations {
             ExportArg::F32 => DType::F32,

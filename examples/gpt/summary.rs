@@ -90,8 +90,18 @@ pub struct Summary {
     pub activations: String,
     /// Whether attention ran as flash attention (CUDA, head dimension 64).
     pub flash_attention: bool,
-    /// Bytes rank 0 sent to other ranks per step (gradient averaging).
+    /// Bytes this rank sent to other ranks per step (gradient averaging,
+    /// and at O3 the weight gathers).
     pub wire_bytes_per_step: f64,
+    /// With data parallelism: the median over timed steps of the time the
+    /// step waited for communication after the backward (CUDA: timing
+    /// events on the device's stream; CPU: wall time), ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_exposed_ms: Option<f64>,
+    /// With data parallelism: the median number of buckets a timed step
+    /// reduced (and at O3 gathered).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub buckets_per_step: Option<f64>,
     pub wall_s: f64,
     /// (step, training loss) of every step of this run.
     #[serde(skip)]

@@ -78,6 +78,11 @@ pub struct TrainConfig {
     /// Data-parallel ranks (threads of this process, the in-process
     /// backend); each takes `batch / world_size` sequences of every batch.
     pub world_size: usize,
+    /// Data parallelism's bucket cap, MiB of F32 (`AmpConfig::bucket_mb`).
+    pub bucket_mb: f64,
+    /// Micro-batches a rank's share of each batch is split into, their
+    /// gradients communicated once (`AmpOptimizer::backward_accumulate`).
+    pub grad_accum: usize,
     /// Steps at the start left out of tokens/s and the median step time
     /// (warm-up: kernel loading, cuBLASLt plans, the memory pool growing).
     pub timing_skip: u64,
@@ -110,6 +115,8 @@ impl Default for TrainConfig {
             prompt: "And God said".into(),
             progress: false,
             world_size: 1,
+            bucket_mb: amp::levels::DEFAULT_BUCKET_MB,
+            grad_accum: 1,
             timing_skip: 0,
             activations: DType::F32,
             event_tracking: false,
@@ -155,15 +162,23 @@ pub fn train_rank(
             "batch, steps and seq must be positive (seq at least 2, batch a multiple of the ranks)"
         );
     }
+    let micro = cfg.grad_accum.max(1);
+    if (cfg.batch / world) % micro != 0 {
+        bail!(
+            "--grad-accum {micro}: each rank's {} sequences of a batch must divide into {micro} micro-batches",
+            cfg.batch / world
+        );
+    }
     if cfg.device.is_cuda() {
         // Keep freed blocks pooled, as PyTorch's caching allocator does;
         // measure the pool's peak from here on.
         amp::keep_freed_memory(&cfg.device)?;
         amp::reset_pool_peaks(&cfg.device)?;
-        // One rank: this host thread alone drives the device (in-process
-        // ranks are threads sharing it, each with its own per-thread
-        // stream; they keep cudarc's events).
-        if !cfg.event_tracking && world == 1 {
+        // One host thread drives the device: one rank, or one rank of an
+        // NCCL group (a process per GPU, NCCL on candle's stream). Ranks
+        // run as threads (--world-size) share it, each with its own
+        // per-thread stream, and keep cudarc's events.
+        if !cfg.event_tracking && cfg.world_size <= 1 {
             // SAFETY: every op, from this one host thread, runs on the
             // candle device's one (per-thread) stream.
             unsafe { amp::skip_event_tracking(&cfg.device)? };
@@ -176,6 +191,7 @@ pub fn train_rank(
         compute: cfg.compute.clone(),
         high_precision: cfg.high_precision.clone(),
         max_grad_norm: cfg.max_grad_norm,
+        bucket_mb: cfg.bucket_mb,
         ..Default::default()
     };
     let adam = AdamWConfig {
@@ -220,6 +236,7 @@ pub fn train_rank(
     let mut step_secs: Vec<f64> = Vec::new();
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     let mut backward_peak = None;
+    let (mut comm_exposed_ms, mut buckets) = (Vec::new(), Vec::new());
     // AMP_STEP_CLOCK: each step's start (`Instant`, the monotonic clock) on
     // stderr, to cut a host profile to the steps (scripts/gpu/perf-gpt.sh)
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
@@ -240,9 +257,33 @@ pub fn train_rank(
             x.narrow(0, rank * rows, rows)?,
             y.narrow(0, rank * rows, rows)?,
         );
+        // Micro-batches but the last: forward and backward, gradients kept.
+        let m_rows = rows / micro;
+        let mut local = 0f32;
+        for m in 0..micro - 1 {
+            let (xm, ym) = (
+                x.narrow(0, m * m_rows, m_rows)?,
+                y.narrow(0, m * m_rows, m_rows)?,
+            );
+            let loss = {
+                let _fp8 = amp.autocast();
+                (model.loss(&xm, &ym)? / micro as f64)?
+            };
+            local += loss.to_scalar::<f32>()?;
+            opt.backward_accumulate(loss)?;
+        }
+        let (x, y) = (
+            x.narrow(0, (micro - 1) * m_rows, m_rows)?,
+            y.narrow(0, (micro - 1) * m_rows, m_rows)?,
+        );
         let loss = {
             let _fp8 = amp.autocast();
-            model.loss(&x, &y)?
+            let loss = model.loss(&x, &y)?;
+            if micro > 1 {
+                (loss / micro as f64)?
+            } else {
+                loss
+            }
         };
         // a synchronize splits the step into forward and backward + update
         cfg.device.synchronize()?;
@@ -252,7 +293,7 @@ pub fn train_rank(
         }
         // the loss's value first: backward_step_owned drops the loss, and
         // with it the forward's saved tensors, before the optimizer step
-        let local = loss.to_scalar::<f32>()?;
+        local += loss.to_scalar::<f32>()?;
         if let StepOutcome::Skipped = opt.backward_step_owned(loss)? {
             skipped += 1;
         }
@@ -261,6 +302,10 @@ pub fn train_rank(
         }
         let value = mean(local)?;
         if step >= start + cfg.timing_skip {
+            if let Some(c) = opt.last_comm() {
+                comm_exposed_ms.push(c.exposed_ms()?);
+                buckets.push(c.buckets as f64);
+            }
             let secs = t.elapsed().as_secs_f64();
             train_secs += secs;
             step_secs.push(secs);
@@ -347,6 +392,8 @@ pub fn train_rank(
             && gcfg.n_embd == 64 * gcfg.n_head
             && amp::nn::flash_attention_enabled(),
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
+        comm_exposed_ms: (!comm_exposed_ms.is_empty()).then(|| median_max(&comm_exposed_ms).0),
+        buckets_per_step: (!buckets.is_empty()).then(|| median_max(&buckets).0),
         wall_s: t0.elapsed().as_secs_f64(),
         train_curve,
         val_curve,

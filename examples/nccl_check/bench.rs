@@ -1,8 +1,13 @@
 //! `--bench`: the all-reduce of 256 MiB of F32 gradients, F32 path vs FP8
-//! path, time and bytes on the wire.
+//! path, time and bytes on the wire; and the same bytes as the layers hand
+//! them over, FP8 (E5M2) weight gradients of 1024 x 4096, reduced in
+//! buckets as the levels do (`fp8_all_reduce_bucket`, `--bucket-mb`).
 
 use crate::Args;
-use amp::comm::{fp8_all_reduce, shard_range, Communicator, Fp8ReduceConfig, NcclComm};
+use amp::comm::{
+    fp8_all_reduce, fp8_all_reduce_bucket, shard_range, Communicator, Fp8ReduceConfig, NcclComm,
+};
+use amp::{CurrentScaling, QType, ScalingTensor};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
@@ -105,5 +110,56 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
         }
         Err(e) => println!("[rank {rank}/{n}] BENCH fp8_all_reduce: not run: {e:#}"),
     }
+
+    // As the levels reduce a step's weight gradients: E5M2 scaling tensors
+    // of 1024 x 4096, in buckets of at most `bucket_mb` MiB of F32.
+    let (rows, cols) = (1024, 4096);
+    let count = (len / (rows * cols)).max(1);
+    let grads = (0..count)
+        .map(|i| {
+            let g = g.narrow(0, (i * rows * cols) % len.max(1), (rows * cols).min(len))?;
+            Ok(ScalingTensor::quantize(&g, QType::E5M2, &CurrentScaling::default())?.0)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cap = ((args.bucket_mb * 1048576.0 / 4.0) as usize).max(1);
+    let mut buckets: Vec<Vec<&ScalingTensor>> = vec![];
+    let mut elems = 0;
+    for t in &grads {
+        match buckets.last_mut() {
+            Some(b) if elems + t.elem_count() <= cap => b.push(t),
+            _ => {
+                buckets.push(vec![t]);
+                elems = 0;
+            }
+        }
+        elems += t.elem_count();
+    }
+    let cfg = Fp8ReduceConfig {
+        qtype: QType::E5M2,
+        ..Default::default()
+    };
+    let bucketed = || -> Result<()> {
+        for b in &buckets {
+            fp8_all_reduce_bucket(comm, b.iter().copied(), &cfg)?;
+        }
+        Ok(())
+    };
+    comm.barrier()?;
+    let bucket_s = time(dev, args.iters, bucketed)?;
+    comm.reset_bytes_sent();
+    bucketed()?;
+    line(
+        &format!(
+            "fp8 bucketed, {count} E5M2 gradients of {rows}x{cols} in {} bucket(s) of <= {} MiB",
+            buckets.len(),
+            args.bucket_mb
+        ),
+        bucket_s,
+        comm.bytes_sent(),
+    );
+    println!(
+        "[rank {rank}/{n}] BENCH ratios: time fp8 bucketed/f32 {:.3}",
+        bucket_s / f32_s
+    );
     Ok(())
 }

@@ -35,6 +35,9 @@ struct Args {
     /// Timed iterations per path (after 3 warm-ups); the median is reported.
     #[arg(long, default_value_t = 10)]
     iters: usize,
+    /// Bucket cap for `--bench`'s bucketed FP8 reduction, MiB of F32.
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
 }
 
 /// Rank `r`'s input: small dyadic values, so sums are exact in any order.

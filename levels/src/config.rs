@@ -72,6 +72,12 @@ pub struct AmpConfig {
     pub high_precision: Vec<String>,
     /// Parameters (name patterns) whose Adam moments stay F32 at O2/O3.
     pub f32_moments: Vec<String>,
+    /// Data parallelism: the gradients are reduced in buckets of at most
+    /// this many MiB, counted as F32 (4 bytes an element, whatever goes on
+    /// the wire), as PyTorch DDP's `bucket_cap_mb`; a tensor larger than
+    /// that is a bucket of its own (docs/ARCHITECTURE.md, "Data
+    /// parallelism"). Default 25.
+    pub bucket_mb: f64,
 }
 
 impl Default for AmpConfig {
@@ -83,9 +89,16 @@ impl Default for AmpConfig {
             max_grad_norm: None,
             high_precision: Vec::new(),
             f32_moments: Vec::new(),
+            bucket_mb: DEFAULT_BUCKET_MB,
         }
     }
 }
+
+/// [`AmpConfig::bucket_mb`]'s default, PyTorch DDP's.
+pub const DEFAULT_BUCKET_MB: f64 = 25.0;
+
+/// [`AmpConfig::bucket_mb`]'s largest value (1 TiB).
+pub const MAX_BUCKET_MB: f64 = 1_048_576.0;
 
 /// `*`-wildcard match of a whole name.
 pub fn matches(pattern: &str, name: &str) -> bool {
@@ -176,6 +189,12 @@ impl Validate for AmpConfig {
             if !(n > 0.0 && n.is_finite()) {
                 return bad("max_grad_norm", format!("{n} must be finite and > 0"));
             }
+        }
+        if !(self.bucket_mb > 0.0 && self.bucket_mb <= MAX_BUCKET_MB) {
+            return bad(
+                "bucket_mb",
+                format!("{} must be > 0 and at most {MAX_BUCKET_MB}", self.bucket_mb),
+            );
         }
         self.loss_scaling.validate().map_err(|e| match e {
             amp_optim::Error::Config { field, reason } => amp_core::Error::Config {

@@ -11,11 +11,12 @@
 //! (`save`, `load`, `export`) and the memory report (`memory_report`) add
 //! their methods to [`AmpContext`], each beside its concept.
 
+use crate::comm_stats::CommStats;
 use crate::config::AmpConfig;
 use crate::error::{Error, Result};
 use crate::level::{GradStorage, Level, WeightStorage};
 use amp_core::nn::{fp8_autocast, registered_linear, Fp8Autocast, GradSink, Linear};
-use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
+use amp_core::{CurrentScaling, QType, ScalingTensor, StreamMark, Weight, WeightSlot};
 use amp_optim::{
     AdamWConfig, Grad, Grads, LowBitAdamW, LowBitAdamWConfig, StateFormat, StepOutcome,
 };
@@ -40,8 +41,8 @@ pub(crate) trait DataParallel: std::fmt::Debug {
     ) -> Result<Option<WeightSlot>>;
 
     /// The mean of every rank's gradients (of a weight this rank holds a
-    /// slice of: only that slice).
-    fn average(&self, grads: Grads) -> Result<Grads>;
+    /// slice of: only that slice), its buckets and bytes counted in `stats`.
+    fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads>;
 
     /// Whether the optimizer holds only this rank's slice of `name`.
     fn holds_slice(&self, name: &str) -> bool;
@@ -51,7 +52,7 @@ pub(crate) trait DataParallel: std::fmt::Debug {
 
     /// After an applied step: what the ranks share again (the FP8 copies
     /// of the sliced weights).
-    fn after_step(&self, opt: &LowBitAdamW) -> Result<()>;
+    fn after_step(&self, opt: &LowBitAdamW, stats: &mut CommStats) -> Result<()>;
 
     /// Itself, for the implementing module to find its own type.
     fn as_any(&self) -> &dyn std::any::Any;
@@ -163,6 +164,11 @@ pub struct AmpOptimizer {
     pub(crate) linear_names: Vec<String>,
     /// Data parallelism's group (`initialize_distributed`), if any.
     group: Option<Box<dyn DataParallel>>,
+    /// The last step's communication (with a group).
+    last_comm: Option<CommStats>,
+    /// Gradients of this step's earlier micro-batches
+    /// ([`backward_accumulate`](Self::backward_accumulate)).
+    pending: Option<Grads>,
 }
 
 impl AmpOptimizer {
@@ -190,6 +196,28 @@ impl AmpOptimizer {
         let grads = self.backward_grads(&loss)?;
         drop(loss);
         self.step_grads(grads)
+    }
+
+    /// The backward of one micro-batch of a step with gradient
+    /// accumulation: its gradients are added to those kept since the last
+    /// step, and nothing is communicated or stepped (PyTorch DDP's
+    /// `no_sync`); the step's last micro-batch goes through
+    /// [`backward_step`](Self::backward_step) (or
+    /// [`backward_step_owned`](Self::backward_step_owned)), which adds its
+    /// own, averages the sum over the ranks once and steps. Scale each
+    /// micro-batch's loss by `1 / micro-batches` for the mean. The loss is
+    /// dropped after its backward, freeing its saved activations.
+    ///
+    /// # Errors
+    /// As [`backward_step`](Self::backward_step).
+    pub fn backward_accumulate(&mut self, loss: Tensor) -> Result<()> {
+        let grads = self.backward_grads(&loss)?;
+        drop(loss);
+        match &mut self.pending {
+            Some(p) => p.accumulate(grads)?,
+            None => self.pending = Some(grads),
+        }
+        Ok(())
     }
 
     /// The backward half of [`backward_step`](Self::backward_step): the
@@ -222,20 +250,47 @@ impl AmpOptimizer {
     /// data-parallel group the gradients are averaged over the ranks, the
     /// squared norm summed over them, and after an applied step the FP8
     /// copies of sliced weights gathered again.
-    fn step_grads(&mut self, grads: Grads) -> Result<StepOutcome> {
+    fn step_grads(&mut self, mut grads: Grads) -> Result<StepOutcome> {
+        if let Some(mut pending) = self.pending.take() {
+            pending.accumulate(grads)?;
+            grads = pending;
+        }
         let Some(group) = &self.group else {
             return Ok(self.opt.step(&grads)?);
         };
-        let grads = group.average(grads)?;
+        let device = grads.0.values().next().map(|g| match g {
+            Grad::F32(t) => t.device().clone(),
+            Grad::Scaled(t) => t.device().clone(),
+        });
+        let mark = || device.as_ref().map(StreamMark::now).transpose();
+        let mut stats = CommStats::default();
+        let start = mark()?;
+        let grads = group.average(grads, &mut stats)?;
+        if let (Some(a), Some(b)) = (start, mark()?) {
+            stats.push_span(a, b);
+        }
         let holds_slice = |name: &str| group.holds_slice(name);
         let mut total_sq = |part_sq| group.total_sq(part_sq);
         let outcome = self
             .opt
             .step_partitioned(&grads, &holds_slice, &mut total_sq)?;
         if let StepOutcome::Applied { .. } = outcome {
-            group.after_step(&self.opt)?;
+            let start = mark()?;
+            group.after_step(&self.opt, &mut stats)?;
+            if let (Some(a), Some(b)) = (start, mark()?) {
+                stats.push_span(a, b);
+            }
         }
+        self.last_comm = Some(stats);
         Ok(outcome)
+    }
+
+    /// With a data-parallel group, the communication of the last step:
+    /// buckets, bytes sent by this rank, and the time the step waited for
+    /// it ([`CommStats::exposed_ms`]); `None` without a group or before a
+    /// step.
+    pub fn last_comm(&self) -> Option<&CommStats> {
+        self.last_comm.as_ref()
     }
 
     /// CUDA only: the device pool's used high-water mark (bytes) when the
@@ -444,6 +499,8 @@ pub(crate) fn initialize_with(
             backward_peak: None,
             linear_names,
             group,
+            last_comm: None,
+            pending: None,
         },
     ))
 }

@@ -19,6 +19,7 @@
 #![warn(missing_docs)]
 
 mod checkpoint;
+mod comm_stats;
 mod config;
 mod context;
 mod distributed;
@@ -28,7 +29,8 @@ mod report;
 
 pub use checkpoint::export::ExportDType;
 pub use checkpoint::index::shard_path;
-pub use config::{matches, AmpConfig, Compute};
+pub use comm_stats::CommStats;
+pub use config::{matches, AmpConfig, Compute, DEFAULT_BUCKET_MB, MAX_BUCKET_MB};
 pub use context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};
 pub use distributed::initialize_distributed;
 pub use error::{Error, Result};

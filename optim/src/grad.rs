@@ -95,6 +95,38 @@ impl Grads {
         Ok(())
     }
 
+    /// Adds every gradient of `more` to this one's (gradient accumulation
+    /// over micro-batches): F32 sums stay F32; the sum of two scaled
+    /// gradients is taken in F32 and re-encoded in their format with a
+    /// fresh current scale (as the layers' sink sums a weight used twice),
+    /// NaN when either held inf or NaN before its cast, so that the step
+    /// still sees it; a scaled and an F32 gradient sum to F32.
+    ///
+    /// # Errors
+    /// candle's, on shapes that differ.
+    pub fn accumulate(&mut self, more: Grads) -> Result<()> {
+        for (name, grad) in more.0 {
+            let sum = match (self.0.remove(&name), grad) {
+                (None, g) => g,
+                (Some(Grad::Scaled(a)), Grad::Scaled(b)) => {
+                    // amax * 0: 0, or NaN when a source was not finite
+                    let poison = a
+                        .meta()
+                        .amax()?
+                        .maximum(&b.meta().amax()?)?
+                        .affine(0.0, 0.0)?;
+                    let sum = (a.dequantize(DType::F32)? + b.dequantize(DType::F32)?)?
+                        .broadcast_add(&poison)?;
+                    let recipe = amp_core::CurrentScaling::default();
+                    Grad::Scaled(ScalingTensor::quantize(&sum, a.qtype(), &recipe)?.0)
+                }
+                (Some(prev), g) => Grad::F32((prev.to_f32()? + g.to_f32()?)?),
+            };
+            self.0.insert(name, sum);
+        }
+        Ok(())
+    }
+
     /// A parameter's gradient.
     pub fn get(&self, name: &str) -> Option<&Grad> {
         self.0.get(name)

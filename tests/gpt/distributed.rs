@@ -270,3 +270,88 @@ fn a_data_parallel_run_resumes_exactly() -> anyhow::Result<()> {
     assert_eq!(rest.train_curve, whole.train_curve[3..]);
     Ok(())
 }
+
+#[test]
+fn the_bucket_size_changes_no_value_only_the_buckets() -> anyhow::Result<()> {
+    // Every bucketed reduction is bitwise the per-tensor one, so a run is
+    // bitwise the same whatever the cap: one tensor a bucket (a cap below
+    // every tensor), DDP's 25 MiB, or everything in one bucket of each kind.
+    let corpus = data::Corpus::bundled();
+    for level in [Level::O2, Level::O3] {
+        let mut runs = vec![];
+        for bucket_mb in [1e-6, 25.0, 1e6] {
+            let cfg = TrainConfig {
+                bucket_mb,
+                steps: 4,
+                ..quick(level, current(), 2)
+            };
+            runs.push(train(&cfg, &corpus)?);
+        }
+        let curve = |s: &train::Summary| -> Vec<(u64, u32)> {
+            s.train_curve.iter().map(|p| (p.0, p.1.to_bits())).collect()
+        };
+        for r in &runs[1..] {
+            assert_eq!(curve(r), curve(&runs[0]), "{level}");
+            assert_eq!(r.val_loss.to_bits(), runs[0].val_loss.to_bits(), "{level}");
+        }
+        let buckets: Vec<f64> = runs.iter().map(|r| r.buckets_per_step.unwrap()).collect();
+        // one a tensor (grads of every parameter, and at O3 the gathers of
+        // the sharded weights), then fewer; the tiny model fits one bucket
+        // of each kind (FP8 whole, FP8 sharded, F32; O3's gathers)
+        assert!(
+            buckets[0] > buckets[1] && buckets[1] >= buckets[2],
+            "{level} {buckets:?}"
+        );
+        let kinds = if level == Level::O3 { 3.0 } else { 2.0 };
+        assert_eq!(buckets[2], kinds, "{level} {buckets:?}");
+        assert!(runs
+            .iter()
+            .all(|r| r.comm_exposed_ms.is_some_and(|ms| ms >= 0.0)));
+        if level == Level::O2 {
+            // with N = 2, the same bytes whatever the cut
+            for r in &runs[1..] {
+                assert_eq!(r.wire_bytes_per_step, runs[0].wire_bytes_per_step);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gradient_accumulation_communicates_once_a_step() -> anyhow::Result<()> {
+    // Four micro-batches of one sequence per rank against one of four: the
+    // same loss up to the sum's rounding, and the same buckets and bytes.
+    let corpus = data::Corpus::bundled();
+    for level in [Level::O0, Level::O2, Level::O3] {
+        let compute = if level == Level::O0 {
+            Compute::Native
+        } else {
+            current()
+        };
+        let base = train(&quick(level, compute.clone(), 2), &corpus)?;
+        let accum = train(
+            &TrainConfig {
+                grad_accum: 4,
+                ..quick(level, compute, 2)
+            },
+            &corpus,
+        )?;
+        let diff = max_rel(&base.train_curve, &accum.train_curve);
+        assert!(diff < 0.01, "{level}: {diff}");
+        assert_eq!(accum.buckets_per_step, base.buckets_per_step, "{level}");
+        assert_eq!(
+            accum.wire_bytes_per_step, base.wire_bytes_per_step,
+            "{level}"
+        );
+    }
+    let err = train(
+        &TrainConfig {
+            grad_accum: 3,
+            ..quick(Level::O2, current(), 2)
+        },
+        &corpus,
+    )
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("--grad-accum 3"), "{err:#}");
+    Ok(())
+}

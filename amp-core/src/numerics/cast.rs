@@ -14,7 +14,7 @@ use crate::numerics::kernel::{scalar, slice, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::{check_scale, FromAmax};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape};
+use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 
 /// A float element type a cast reads or writes.
@@ -135,6 +135,24 @@ pub(crate) fn one(v: f32) -> (CpuStorage, Shape) {
 
 /// `max |x|` into a 1-element F32 tensor.
 pub(crate) struct Amax;
+
+/// `max |x|` of a float tensor (F32, F16, BF16), in one pass, as a
+/// 1-element F32 tensor; NaN when `x` holds a NaN, 0 when it is empty.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let x = Tensor::new(&[0.5f32, -3.0, 2.0], &Device::Cpu)?;
+/// assert_eq!(amp_core::amax(&x)?.to_vec1::<f32>()?, [3.0]);
+/// # Ok::<(), amp_core::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::DType`](crate::Error::DType) for another dtype.
+pub fn amax(x: &Tensor) -> Result<Tensor> {
+    let [a] = <[Tensor; 1]>::try_from(crate::numerics::kernel::launch(&Amax, &[x])?)
+        .map_err(|_| arity(Amax::NAME))?;
+    Ok(a)
+}
 
 impl Kernel for Amax {
     const NAME: &'static str = "amax";

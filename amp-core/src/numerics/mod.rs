@@ -11,6 +11,7 @@
 pub(crate) mod bulk;
 pub(crate) mod cast;
 pub(crate) mod cast_t;
+pub(crate) mod clock;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

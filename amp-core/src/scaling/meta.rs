@@ -263,9 +263,18 @@ impl ScalingMeta {
     /// three fills and two launches (each cast of current scaling made
     /// them; 418 per GPT-125M step).
     ///
+    /// ```
+    /// use amp_core::{QType, ScaleRule, ScalingMeta};
+    /// use candle_core::{Device, Tensor};
+    /// let amax = Tensor::new(&[96.0f32], &Device::Cpu)?;
+    /// let m = ScalingMeta::for_current_amax(QType::E4M3, &amax, ScaleRule::PowerOfTwo, 0)?;
+    /// assert_eq!(m.scale().to_vec1::<f32>()?, [4.0]); // 2^floor(log2(448 / 96))
+    /// # Ok::<(), amp_core::Error>(())
+    /// ```
+    ///
     /// # Errors
     /// Only candle's, on a corrupt tensor.
-    pub(crate) fn for_current_amax(
+    pub fn for_current_amax(
         qtype: QType,
         amax: &Tensor,
         rule: ScaleRule,

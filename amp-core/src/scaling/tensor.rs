@@ -394,6 +394,41 @@ impl ScalingTensor {
         Self::from_cast(data, &meta, amax, counts)
     }
 
+    /// The amax of the value, `max |dequantize(F32)|`, from the codes in
+    /// one pass (NaN when a code is NaN), as a 1-element F32 tensor.
+    ///
+    /// # Errors
+    /// Only candle's, on a corrupt tensor.
+    pub fn decoded_amax(&self) -> Result<Tensor> {
+        let [amax] = <[Tensor; 1]>::try_from(launch(
+            &DecodedAmax {
+                qtype: self.qtype(),
+            },
+            &[&self.data, self.meta.scale_inv()],
+        )?)
+        .map_err(|_| arity(DecodedAmax::NAME))?;
+        Ok(amax)
+    }
+
+    /// The value cast with `meta`'s scale (to `meta`'s storage type): bit
+    /// for bit [`quantize_with`](Self::quantize_with)`(&self.dequantize(F32)?,
+    /// meta)`, in one pass over the codes with no F32 copy. Returns the
+    /// tensor and the value's amax.
+    ///
+    /// # Errors
+    /// As [`quantize_with`](Self::quantize_with).
+    pub fn requantize_with(&self, meta: &ScalingMeta) -> Result<(Self, Tensor)> {
+        let [data, amax, counts] = <[Tensor; 3]>::try_from(launch(
+            &Requantize {
+                from: self.qtype(),
+                to: meta.qtype(),
+            },
+            &[&self.data, self.meta.scale_inv(), meta.scale()],
+        )?)
+        .map_err(|_| arity(Requantize::NAME))?;
+        Self::from_cast(data, meta, amax, counts)
+    }
+
     /// [`quantize_t`](Self::quantize_t) of this tensor's value: bit for bit
     /// `quantize_t(&self.dequantize(F32)?, qtype, recipe)`. For an FP16
     /// tensor and an FP8 target no F32 copy is written: the amax comes from

@@ -14,13 +14,13 @@ use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A communicator that counts the collectives called through it.
-struct Counting<'a, C> {
+pub(crate) struct Counting<'a, C> {
     inner: &'a C,
     calls: AtomicUsize,
 }
 
 impl<'a, C: Communicator> Counting<'a, C> {
-    fn new(inner: &'a C) -> Self {
+    pub(crate) fn new(inner: &'a C) -> Self {
         Self {
             inner,
             calls: AtomicUsize::new(0),
@@ -30,7 +30,7 @@ impl<'a, C: Communicator> Counting<'a, C> {
         self.calls.fetch_add(1, Ordering::Relaxed);
     }
     /// Collectives and bytes since the last call, and starts counting anew.
-    fn take(&self) -> (usize, u64) {
+    pub(crate) fn take(&self) -> (usize, u64) {
         let out = (
             self.calls.swap(0, Ordering::Relaxed),
             self.inner.bytes_sent(),
@@ -89,16 +89,16 @@ impl<C: Communicator> Communicator for Counting<'_, C> {
 /// One tensor of a bucket: its shape, its values' magnitude (`2^exp`), and
 /// a value every rank's copy holds at `bad.1` on rank `bad.0` (inf, NaN).
 #[derive(Debug, Clone)]
-struct Spec {
-    dims: Vec<usize>,
-    exp: i32,
-    zero: bool,
-    bad: Option<(usize, usize, f32)>,
-    seed: u64,
+pub(crate) struct Spec {
+    pub(crate) dims: Vec<usize>,
+    pub(crate) exp: i32,
+    pub(crate) zero: bool,
+    pub(crate) bad: Option<(usize, usize, f32)>,
+    pub(crate) seed: u64,
 }
 
 impl Spec {
-    fn new(dims: &[usize], exp: i32) -> Self {
+    pub(crate) fn new(dims: &[usize], exp: i32) -> Self {
         Self {
             dims: dims.to_vec(),
             exp,
@@ -107,11 +107,11 @@ impl Spec {
             seed: 0,
         }
     }
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.dims.iter().product()
     }
     /// Rank `rank`'s gradient: random signs, magnitudes `2^exp * [1e-3, 10)`.
-    fn tensor(&self, t: usize, rank: usize) -> Tensor {
+    pub(crate) fn tensor(&self, t: usize, rank: usize) -> Tensor {
         let mut rng = Rng::new(self.seed ^ (t as u64 * 1_000_003 + rank as u64 * 7919 + 17));
         let scale = 2f64.powi(self.exp);
         let mut v: Vec<f32> = (0..self.len())
@@ -135,9 +135,9 @@ impl Spec {
 
 /// Everything that must be bitwise equal: codes, dims, scale, scale_inv,
 /// the result's amax, the call's amax, finiteness.
-type Print = (Vec<u8>, Vec<usize>, u32, u32, u32, u32, bool);
+pub(crate) type Print = (Vec<u8>, Vec<usize>, u32, u32, u32, u32, bool);
 
-fn print(r: &Fp8Reduced) -> Print {
+pub(crate) fn print(r: &Fp8Reduced) -> Print {
     let bits = |t: &Tensor| {
         let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(v.len(), 1);
@@ -363,7 +363,7 @@ fn an_integer_gradient_is_refused() {
     assert_eq!(out, [true]);
 }
 
-fn spec_strategy() -> impl Strategy<Value = Spec> {
+pub(crate) fn spec_strategy() -> impl Strategy<Value = Spec> {
     (0usize..40, -24i32..24, any::<bool>(), any::<u64>()).prop_map(|(len, exp, zero, seed)| {
         let mut s = Spec::new(&[len], exp);
         s.zero = zero && seed % 4 == 0;

@@ -8,5 +8,6 @@ mod collectives;
 mod failures;
 mod fp8_all_reduce;
 mod fp8_bucket;
+mod fp8_zero_bucket;
 mod rendezvous;
 mod rng;

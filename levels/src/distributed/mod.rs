@@ -3,12 +3,14 @@
 //! gradients are averaged across ranks before the step, the Linear weight
 //! gradients in FP8.
 //!
-//! - FP8 weight gradients (O1-O3): [`amp_comm::fp8_all_reduce`]: one scale
-//!   agreed by all ranks, FP8 codes on the wire (a quarter of F32's
-//!   bytes), F32 accumulation, the mean re-quantized with a fresh agreed
-//!   scale.
+//! - The gradients travel in buckets ([`buckets`]: up to
+//!   [`AmpConfig::bucket_mb`] each, a handful of collectives a bucket).
+//! - FP8 weight gradients (O1-O3): [`amp_comm::fp8_all_reduce_bucket`]:
+//!   one scale per tensor agreed by all ranks, FP8 codes on the wire (a
+//!   quarter of F32's bytes), F32 accumulation, the mean re-quantized with
+//!   a fresh agreed scale.
 //! - F32 gradients (every other parameter, and Linear weights at O0): one
-//!   packed F32 all-reduce of all of them, divided by the world size.
+//!   packed F32 all-reduce a bucket, divided by the world size.
 //! - At O3 with more than one rank, ZeRO ([`zero`]): each rank keeps a
 //!   slice of every Linear weight's master and moments.
 //!
@@ -21,14 +23,17 @@
 //! [`DataParallel`] hook, which the optimizer step calls. The checkpoint
 //! and the memory report, above both, find the group with [`group`].
 
+mod buckets;
+mod plan;
 pub(crate) mod zero;
 
+use crate::comm_stats::CommStats;
 use crate::config::AmpConfig;
 use crate::context::{initialize_with, AmpContext, AmpOptimizer, DataParallel, INITIALIZED_MARK};
-use crate::error::{Error, Result};
-use amp_comm::{fp8_all_reduce, Communicator, Fp8ReduceConfig};
+use crate::error::Result;
+use amp_comm::Communicator;
 use amp_core::WeightSlot;
-use amp_optim::{AdamWConfig, Grad, Grads, LowBitAdamW};
+use amp_optim::{AdamWConfig, Grads, LowBitAdamW};
 use candle_core::Tensor;
 use std::sync::Arc;
 use zero::Shard;
@@ -39,6 +44,8 @@ use zero::Shard;
 pub(crate) struct Group {
     comm: Arc<dyn Communicator>,
     shards: Vec<Shard>,
+    /// A bucket's cap, in elements.
+    cap: usize,
 }
 
 impl std::fmt::Debug for Group {
@@ -70,7 +77,15 @@ impl Group {
     /// # Errors
     /// The communicator's; a shard the optimizer does not hold.
     pub(crate) fn gather(&self, opt: &LowBitAdamW) -> Result<()> {
-        zero::gather(self.comm(), opt, &self.shards)
+        let mut stats = CommStats::default();
+        self.gather_counted(opt, &mut stats)
+    }
+
+    fn gather_counted(&self, opt: &LowBitAdamW, stats: &mut CommStats) -> Result<()> {
+        let before = self.comm.bytes_sent();
+        zero::gather(self.comm(), opt, &self.shards, self.cap, stats)?;
+        stats.wire_bytes += self.comm.bytes_sent().saturating_sub(before);
+        Ok(())
     }
 }
 
@@ -92,8 +107,11 @@ impl DataParallel for Group {
         }))
     }
 
-    fn average(&self, grads: Grads) -> Result<Grads> {
-        average(self.comm(), grads, &self.shards)
+    fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads> {
+        let before = self.comm.bytes_sent();
+        let out = buckets::average(self.comm(), grads, &self.shards, self.cap, stats)?;
+        stats.wire_bytes += self.comm.bytes_sent().saturating_sub(before);
+        Ok(out)
     }
 
     fn holds_slice(&self, name: &str) -> bool {
@@ -115,8 +133,8 @@ impl DataParallel for Group {
         Ok(sum.to_vec1::<f32>()?[0] as f64)
     }
 
-    fn after_step(&self, opt: &LowBitAdamW) -> Result<()> {
-        self.gather(opt)
+    fn after_step(&self, opt: &LowBitAdamW, stats: &mut CommStats) -> Result<()> {
+        self.gather_counted(opt, stats)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -160,6 +178,7 @@ pub fn initialize_distributed(
     let group = Group {
         comm,
         shards: Vec::new(),
+        cap: plan::cap_elems(config.bucket_mb),
     };
     initialize_with(varmap, adam, config, Some(Box::new(group)))
 }
@@ -182,57 +201,4 @@ fn broadcast_vars(varmap: &candle_nn::VarMap, comm: &dyn Communicator) -> Result
         }
     }
     Ok(())
-}
-
-/// The mean of every rank's gradients, with FP8 ones reduced in FP8; of a
-/// sharded weight, only this rank's slice.
-fn average(comm: &dyn Communicator, grads: Grads, shards: &[Shard]) -> Result<Grads> {
-    let n = comm.world_size();
-    let mut names: Vec<String> = grads.0.keys().cloned().collect();
-    names.sort();
-    let mut grads = grads.0;
-    let mut out = Grads::new();
-    let mut dense: Vec<(String, Tensor)> = Vec::new();
-    for name in names {
-        let shard = shards.iter().find(|s| s.name == name);
-        match (grads.remove(&name), shard) {
-            (Some(Grad::Scaled(t)), Some(shard)) => {
-                out.insert(name, zero::reduce_scatter(comm, &t, shard)?);
-            }
-            (Some(Grad::Scaled(t)), None) => {
-                let cfg = Fp8ReduceConfig {
-                    qtype: t.qtype(),
-                    ..Default::default()
-                };
-                out.insert(name, Grad::Scaled(fp8_all_reduce(comm, &t, &cfg)?.grad));
-            }
-            (Some(Grad::F32(_)), Some(_)) => {
-                return Err(Error::Config {
-                    field: name,
-                    reason: "a sharded weight needs its FP8 gradient from the layer's sink".into(),
-                })
-            }
-            (Some(Grad::F32(t)), None) => dense.push((name, t)),
-            (None, _) => {}
-        }
-    }
-    if !dense.is_empty() {
-        // one all-reduce for all of them: fewer, larger messages
-        let flat: Vec<Tensor> = dense
-            .iter()
-            .map(|(_, t)| t.flatten_all())
-            .collect::<candle_core::Result<_>>()?;
-        let summed = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
-        let mean = (summed / n as f64)?;
-        let mut offset = 0;
-        for (name, t) in dense {
-            let len = t.elem_count();
-            out.insert(
-                name,
-                Grad::F32(mean.narrow(0, offset, len)?.reshape(t.shape())?),
-            );
-            offset += len;
-        }
-    }
-    Ok(out)
 }

@@ -3,15 +3,20 @@
 //! Adam moments (its [`shard_range`] of the flat weight), and the whole FP8
 //! copy the GEMMs read.
 //!
-//! A step: the FP8 weight gradient is reduce-scattered in FP8
-//! ([`fp8_reduce_scatter`]: one agreed scale, F32 sums), each rank updates
-//! its slice of the master and the moments, the global gradient norm sums
-//! the slices' squares over the ranks, and the new FP8 copy is gathered
-//! from the updated slices with one agreed scale ([`fp8_all_gather`]).
+//! A step: the FP8 weight gradients are reduce-scattered in FP8, a bucket
+//! at a time ([`fp8_reduce_scatter_bucket`]: one agreed scale per weight,
+//! F32 sums), each rank updates its slice of the master and the moments,
+//! the global gradient norm sums the slices' squares over the ranks, and
+//! the new FP8 copies are gathered from the updated slices, a bucket at a
+//! time, with one agreed scale per weight ([`fp8_all_gather_bucket`]).
 //! Persistent bytes per Linear parameter and rank: 2 + 5/N.
 
+use super::plan::plan;
+use crate::comm_stats::CommStats;
 use crate::error::{Error, Result};
-use amp_comm::{fp8_all_gather, fp8_reduce_scatter, shard_range, Communicator, Fp8ReduceConfig};
+use amp_comm::{
+    fp8_all_gather_bucket, fp8_reduce_scatter_bucket, shard_range, Communicator, Fp8ReduceConfig,
+};
 use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use amp_optim::{Grad, LowBitAdamW};
 use candle_core::{Shape, Tensor};
@@ -74,38 +79,70 @@ fn master_slice(
     Ok(Some((master, range)))
 }
 
-/// This rank's slice of the mean FP8 gradient, as F32; NaN throughout when
-/// any rank's gradient was not finite (so that every rank skips the step).
+/// This rank's slice of each gradient of a bucket, averaged over the
+/// ranks in FP8 ([`fp8_reduce_scatter_bucket`]), as F32: NaN everywhere
+/// when a gradient's agreed amax is inf (a rank's gradient was not
+/// finite), so that the step is skipped on every rank.
+///
+/// # Errors
+/// The communicator's.
 pub(crate) fn reduce_scatter(
     comm: &dyn Communicator,
-    grad: &ScalingTensor,
-    shard: &Shard,
-) -> Result<Grad> {
+    bucket: &[(&ScalingTensor, &Shard)],
+) -> Result<Vec<Grad>> {
+    let Some((first, _)) = bucket.first() else {
+        return Ok(Vec::new());
+    };
     let cfg = Fp8ReduceConfig {
-        qtype: grad.qtype(),
+        qtype: first.qtype(),
         ..Default::default()
     };
-    let r = fp8_reduce_scatter(comm, grad, &cfg)?;
-    debug_assert_eq!(r.range, shard.range);
-    // amax * 0 is 0, or NaN when the agreed amax is inf: no host read
-    let poison = r.amax.affine(0.0, 0.0)?;
-    Ok(Grad::F32(r.shard.broadcast_add(&poison)?))
+    let reduced = fp8_reduce_scatter_bucket(comm, bucket.iter().map(|(g, _)| *g), &cfg)?;
+    reduced
+        .into_iter()
+        .zip(bucket)
+        .map(|(r, (_, shard))| {
+            debug_assert_eq!(r.range, shard.range);
+            // amax * 0 is 0, or NaN when the agreed amax is inf: no host read
+            let poison = r.amax.affine(0.0, 0.0)?;
+            Ok(Grad::F32(r.shard.broadcast_add(&poison)?))
+        })
+        .collect()
 }
 
-/// After an applied step (or a load): every shard's FP8 copy gathered from
-/// the ranks' master slices, with one agreed scale.
-pub(crate) fn gather(comm: &dyn Communicator, opt: &LowBitAdamW, shards: &[Shard]) -> Result<()> {
+/// Every shard's FP8 weight gathered from the ranks' updated master
+/// slices in `opt`, in buckets of at most `cap` elements
+/// ([`fp8_all_gather_bucket`]: one agreed scale per weight).
+///
+/// # Errors
+/// The communicator's; a shard the optimizer does not hold.
+pub(crate) fn gather(
+    comm: &dyn Communicator,
+    opt: &LowBitAdamW,
+    shards: &[Shard],
+    cap: usize,
+    stats: &mut CommStats,
+) -> Result<()> {
     let cfg = Fp8ReduceConfig::default();
-    for s in shards {
-        let Some(p) = opt.params().iter().find(|p| p.name == s.name) else {
-            return Err(Error::Config {
-                field: s.name.clone(),
-                reason: "the optimizer lost this sharded parameter".into(),
-            });
-        };
-        let master = p.slot.read()?.master_f32()?;
-        let full = fp8_all_gather(comm, &master, s.shape.clone(), &cfg)?.grad;
-        s.layer.replace(Weight::Fp8Gathered(full))?;
+    let items: Vec<(usize, ())> = shards.iter().map(|s| (s.shape.elem_count(), ())).collect();
+    for run in plan(&items, cap) {
+        let bucket = &shards[run];
+        let mut masters = Vec::with_capacity(bucket.len());
+        for s in bucket {
+            let Some(p) = opt.params().iter().find(|p| p.name == s.name) else {
+                return Err(Error::Config {
+                    field: s.name.clone(),
+                    reason: "the optimizer lost this sharded parameter".into(),
+                });
+            };
+            masters.push(p.slot.read()?.master_f32()?);
+        }
+        let shapes: Vec<Shape> = bucket.iter().map(|s| s.shape.clone()).collect();
+        let full = fp8_all_gather_bucket(comm, &masters, &shapes, &cfg)?;
+        for (s, f) in bucket.iter().zip(full) {
+            s.layer.replace(Weight::Fp8Gathered(f.grad))?;
+        }
+        stats.buckets += 1;
     }
     Ok(())
 }

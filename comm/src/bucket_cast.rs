@@ -1,0 +1,166 @@
+//! The first half of every bucketed FP8 collective: each gradient's amax,
+//! the amaxes agreed by all ranks as one vector (one all-reduce(max) for
+//! the bucket), and each gradient cast to FP8 with its own agreed scale.
+//! An FP8 gradient ([`ScalingTensor`]) is re-cast from its codes in one
+//! pass ([`ScalingTensor::requantize_with`]), never through an F32 copy;
+//! both casts are bit for bit those of the per-tensor functions.
+
+use crate::communicator::Communicator;
+use crate::error::{Error, Result};
+use crate::fp8_reduce::{Fp8ReduceConfig, Grad};
+use amp_core::{ScalingMeta, ScalingTensor};
+use candle_core::{DType, Shape, Tensor};
+
+/// One gradient of a bucket.
+pub(crate) enum Input {
+    /// A float tensor (F32, F16, BF16), flat.
+    Float(Tensor),
+    /// FP8 or FP16 codes with their scale.
+    Scaled(ScalingTensor),
+}
+
+impl Input {
+    /// Checks the dtype.
+    pub(crate) fn new(op: &'static str, grad: Grad<'_>) -> Result<Self> {
+        match grad {
+            Grad::Tensor(t) => match t.dtype() {
+                DType::F32 | DType::F16 | DType::BF16 => Ok(Self::Float(t.flatten_all()?)),
+                got => Err(Error::DType {
+                    op,
+                    expected: "F32, F16, BF16 or a ScalingTensor",
+                    got,
+                }),
+            },
+            Grad::Scaled(s) => Ok(Self::Scaled(s.clone())),
+        }
+    }
+
+    pub(crate) fn shape(&self) -> &Shape {
+        match self {
+            Self::Float(t) => t.shape(),
+            Self::Scaled(s) => s.shape(),
+        }
+    }
+
+    pub(crate) fn elem_count(&self) -> usize {
+        self.shape().elem_count()
+    }
+
+    /// The amax of the value (NaN when it holds one).
+    fn amax(&self) -> Result<Tensor> {
+        Ok(match self {
+            Self::Float(t) => amp_core::amax(t)?,
+            Self::Scaled(s) => s.decoded_amax()?,
+        })
+    }
+
+    /// The flat codes of the value cast with `meta`.
+    fn cast(&self, meta: &ScalingMeta) -> Result<Tensor> {
+        let q = match self {
+            Self::Float(t) => ScalingTensor::quantize_with(t, meta)?.0,
+            Self::Scaled(s) => s.requantize_with(meta)?.0,
+        };
+        Ok(q.data().flatten_all()?)
+    }
+}
+
+/// The bucket's inputs, with their original shapes, from `grads`.
+pub(crate) fn inputs<'a, G: Into<Grad<'a>>>(
+    op: &'static str,
+    grads: impl IntoIterator<Item = G>,
+) -> Result<(Vec<Input>, Vec<Shape>)> {
+    let mut inputs = Vec::new();
+    let mut shapes = Vec::new();
+    for g in grads {
+        let g = g.into();
+        shapes.push(match g {
+            Grad::Tensor(t) => t.shape().clone(),
+            Grad::Scaled(s) => s.shape().clone(),
+        });
+        inputs.push(Input::new(op, g)?);
+    }
+    Ok((inputs, shapes))
+}
+
+/// One metadata per element of `amaxes` (1-element F32 tensors, NaN
+/// counted as inf), agreed with one all-reduce(max) of their vector: what
+/// the per-tensor functions agree with one all-reduce each.
+pub(crate) fn agreed_metas<C: Communicator + ?Sized>(
+    comm: &C,
+    amaxes: &[Tensor],
+    cfg: &Fp8ReduceConfig,
+) -> Result<Vec<ScalingMeta>> {
+    let flat = amaxes
+        .iter()
+        .map(Tensor::flatten_all)
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let local = Tensor::cat(&flat, 0)?;
+    let inf = Tensor::full(f32::INFINITY, local.shape(), local.device())?;
+    let local = local.ne(&local)?.where_cond(&inf, &local)?;
+    let global = comm.all_reduce_max(&local)?;
+    (0..amaxes.len())
+        .map(|t| {
+            let g = global.narrow(0, t, 1)?;
+            let m = ScalingMeta::for_current_amax(cfg.qtype, &g, cfg.scale_rule, cfg.margin)?;
+            // the agreed amax as the metadata's, as `fp8_all_reduce` keeps it
+            Ok(ScalingMeta::from_parts(
+                cfg.qtype,
+                m.scale().clone(),
+                m.scale_inv().clone(),
+                g,
+            )?)
+        })
+        .collect()
+}
+
+/// Steps 1-2 of every bucketed collective: per input its agreed metadata
+/// and its flat codes cast with it.
+pub(crate) fn cast_agreed<C: Communicator + ?Sized>(
+    comm: &C,
+    inputs: &[Input],
+    cfg: &Fp8ReduceConfig,
+) -> Result<(Vec<ScalingMeta>, Vec<Tensor>)> {
+    let amaxes = inputs.iter().map(Input::amax).collect::<Result<Vec<_>>>()?;
+    let metas = agreed_metas(comm, &amaxes, cfg)?;
+    let codes = inputs
+        .iter()
+        .zip(&metas)
+        .map(|(x, m)| x.cast(m))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((metas, codes))
+}
+
+/// The concatenation of the non-empty `parts` (1-D, one dtype); a view of
+/// zero elements of `empty` when all are empty, so that no zero-element
+/// tensor is allocated.
+pub(crate) fn cat_nonempty(parts: &[Tensor], empty: &Tensor) -> Result<Tensor> {
+    let parts: Vec<&Tensor> = parts.iter().filter(|p| p.elem_count() > 0).collect();
+    Ok(match parts.as_slice() {
+        [] => empty.narrow(0, 0, 0)?,
+        [one] => (*one).clone(),
+        _ => Tensor::cat(&parts, 0)?,
+    })
+}
+
+/// The F32 value of `codes` (1-D) with `meta`'s scale.
+pub(crate) fn decode(codes: &Tensor, meta: &ScalingMeta) -> Result<Tensor> {
+    Ok(ScalingTensor::from_parts(codes.clone(), meta.clone())?.dequantize(DType::F32)?)
+}
+
+/// The rank-order sum of `parts` (one per rank, F32), from rank 0's values
+/// (not `0 + x`: keeps -0.0), divided by the world size when `average`.
+pub(crate) fn rank_order_mean(parts: Vec<Tensor>, average: bool) -> Result<Tensor> {
+    let n = parts.len();
+    let mut it = parts.into_iter();
+    let mut sum = it.next().ok_or_else(|| Error::InvalidArgument {
+        op: "fp8 bucket",
+        what: "no rank's part to sum".into(),
+    })?;
+    for p in it {
+        sum = (sum + p)?;
+    }
+    if average && n > 1 {
+        sum = (sum / n as f64)?;
+    }
+    Ok(sum)
+}

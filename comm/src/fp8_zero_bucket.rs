@@ -1,0 +1,196 @@
+//! ZeRO's two FP8 halves for a bucket of tensors sharded one by one:
+//! [`fp8_reduce_scatter_bucket`] and [`fp8_all_gather_bucket`], each
+//! bitwise the per-tensor [`fp8_reduce_scatter`](crate::fp8_reduce_scatter)
+//! and [`fp8_all_gather`](crate::fp8_all_gather) of every tensor, in two
+//! collectives for the whole bucket instead of two per tensor.
+//!
+//! # Layout
+//! Unlike [`fp8_all_reduce_bucket`](crate::fp8_all_reduce_bucket), which
+//! cuts the concatenated bucket, these keep ZeRO's per-tensor shards (the
+//! optimizer holds slice `shard_range(L_t, r, N)` of every weight `t`, and
+//! sharded checkpoints store those slices): the chunk rank `r` owns is
+//! the concatenation, in bucket order, of its slice of every tensor,
+//! `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)` elements.
+//! A bucket boundary never falls inside a tensor.
+
+use crate::bucket_cast::{
+    agreed_metas, cast_agreed, cat_nonempty, decode, inputs, rank_order_mean,
+};
+use crate::communicator::Communicator;
+use crate::error::{Error, Result};
+use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
+use crate::shard::{shard_len, shard_range};
+use amp_core::ScalingTensor;
+use candle_core::{DType, Shape, Tensor};
+
+/// Where each tensor's slice of rank `r` lies in `r`'s chunk: offsets in
+/// bucket order, and the chunk's length.
+fn chunk_offsets(lens: &[usize], r: usize, n: usize) -> (Vec<usize>, usize) {
+    let mut offsets = Vec::with_capacity(lens.len());
+    let mut at = 0;
+    for &l in lens {
+        offsets.push(at);
+        at += shard_len(l, r, n);
+    }
+    (offsets, at)
+}
+
+/// [`fp8_reduce_scatter`](crate::fp8_reduce_scatter) of every gradient of
+/// a bucket: element `t` is bitwise what it returns for `grads[t]` (the
+/// shard `shard_range(L_t, rank, N)` of the rank-order F32 mean, its
+/// range, shape and agreed amax), with one amax all-reduce and one
+/// `all_to_all` for the bucket (see the module docs for the layout). Every
+/// rank passes the same shapes in the same order; an empty bucket returns
+/// an empty vector without communicating.
+///
+/// Bytes sent by rank `r`: `8 (T + (N - 2) a_r)` for the amaxes (as
+/// `fp8_all_reduce_bucket`'s first agreement) and `S - S_r` bytes of codes
+/// (`S` = all `L_t` summed): the codes of the per-tensor calls, amaxes in
+/// one message instead of `T`.
+///
+/// # Errors
+/// [`Error::DType`] for a gradient that is not a float tensor or a
+/// [`ScalingTensor`], and the communicator's errors.
+pub fn fp8_reduce_scatter_bucket<'a, C, G>(
+    comm: &C,
+    grads: impl IntoIterator<Item = G>,
+    cfg: &Fp8ReduceConfig,
+) -> Result<Vec<ReducedShard>>
+where
+    C: Communicator + ?Sized,
+    G: Into<Grad<'a>>,
+{
+    let (inputs, shapes) = inputs("fp8_reduce_scatter_bucket", grads)?;
+    if inputs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
+    let (metas, codes) = cast_agreed(comm, &inputs, cfg)?;
+    let chunks = (0..n)
+        .map(|j| {
+            let parts = codes
+                .iter()
+                .zip(&lens)
+                .map(|(c, &l)| {
+                    let r = shard_range(l, j, n);
+                    Ok(c.narrow(0, r.start, r.len())?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            cat_nonempty(&parts, &codes[0])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let received = comm.all_to_all(&chunks)?;
+    let (offsets, _) = chunk_offsets(&lens, rank, n);
+    (0..inputs.len())
+        .map(|t| {
+            let range = shard_range(lens[t], rank, n);
+            let parts = received
+                .iter()
+                .map(|c| decode(&c.narrow(0, offsets[t], range.len())?, &metas[t]))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(ReducedShard {
+                shard: rank_order_mean(parts, cfg.average)?,
+                range,
+                shape: shapes[t].clone(),
+                amax: metas[t].amax()?,
+            })
+        })
+        .collect()
+}
+
+/// [`fp8_all_gather`](crate::fp8_all_gather) of every tensor of a bucket:
+/// `shards[t]` is this rank's slice of tensor `t` (read flat,
+/// `shard_len(L_t, rank, N)` elements, F32, F16 or BF16) and `shapes[t]`
+/// its whole shape; element `t` of the result is bitwise what
+/// `fp8_all_gather(comm, shards[t], shapes[t], cfg)` returns, with one amax
+/// all-reduce and one [`all_gather`](Communicator::all_gather) for the
+/// bucket. Each rank's chunk is padded to the longest rank's, `S_0` (at
+/// most `T` bytes more than the per-tensor calls send).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the lengths do not match; the
+/// communicator's errors.
+pub fn fp8_all_gather_bucket<C: Communicator + ?Sized>(
+    comm: &C,
+    shards: &[Tensor],
+    shapes: &[Shape],
+    cfg: &Fp8ReduceConfig,
+) -> Result<Vec<Fp8Reduced>> {
+    const OP: &str = "fp8_all_gather_bucket";
+    if shards.len() != shapes.len() {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            what: format!("{} shards for {} shapes", shards.len(), shapes.len()),
+        });
+    }
+    if shards.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
+    for (t, (s, &l)) in shards.iter().zip(&lens).enumerate() {
+        if s.elem_count() != shard_len(l, rank, n) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                what: format!(
+                    "shard {t} has {} elements, rank {rank} of {n} holds {} of {l}",
+                    s.elem_count(),
+                    shard_len(l, rank, n)
+                ),
+            });
+        }
+    }
+    // The amax of an empty slice is 0, as `fp8_all_gather` takes it.
+    let zero = Tensor::zeros(1, DType::F32, comm.device())?;
+    let flats = shards
+        .iter()
+        .map(Tensor::flatten_all)
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let amaxes = flats
+        .iter()
+        .map(|f| {
+            Ok(if f.elem_count() == 0 {
+                zero.clone()
+            } else {
+                amp_core::amax(f)?
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let metas = agreed_metas(comm, &amaxes, cfg)?;
+    let codes = flats
+        .iter()
+        .zip(&metas)
+        .filter(|(f, _)| f.elem_count() > 0)
+        .map(|(f, m)| Ok(ScalingTensor::quantize_with(f, m)?.0.data().clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let widest = chunk_offsets(&lens, 0, n).1;
+    let mut chunk = match codes.first() {
+        Some(first) => cat_nonempty(&codes, first)?,
+        None => Tensor::zeros(widest, DType::U8, comm.device())?,
+    };
+    if chunk.elem_count() < widest {
+        let pad = Tensor::zeros(widest - chunk.elem_count(), DType::U8, comm.device())?;
+        chunk = Tensor::cat(&[&chunk, &pad], 0)?;
+    }
+    let gathered = comm.all_gather(&chunk)?;
+    let offsets: Vec<Vec<usize>> = (0..n).map(|r| chunk_offsets(&lens, r, n).0).collect();
+    metas
+        .into_iter()
+        .enumerate()
+        .map(|(t, meta)| {
+            let parts = (0..n)
+                .map(|r| {
+                    let len = shard_len(lens[t], r, n);
+                    Ok(gathered.get(r)?.narrow(0, offsets[r][t], len)?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let whole = cat_nonempty(&parts, &parts[0])?.reshape(shapes[t].clone())?;
+            let amax = meta.amax()?;
+            Ok(Fp8Reduced {
+                grad: ScalingTensor::from_parts(whole, meta)?,
+                amax,
+            })
+        })
+        .collect()
+}
