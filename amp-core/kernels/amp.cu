@@ -370,3 +370,40 @@ extern "C" __global__ void flag_scale_inv(const float* scale_inv, const float* a
     if (threadIdx.x == 0 && blockIdx.x == 0)
         *out = __fmul_rn(*scale_inv, __fadd_rn(__fmul_rn(*amax, 0.0f), 1.0f));
 }
+
+// ------------------------------------------------------- decode and sum --
+// The rank-order sum of up to SUM_MAX ranks' codes of one tensor's chunk,
+// each decoded with the one agreed scale_inv, then (with `average`) times
+// inv_n plus 0: y = ((d0 * s + d1 * s) + ..) * inv_n + 0, every product and
+// sum one IEEE f32 operation in that order (no FMA): the CPU's dequantize,
+// add and affine, bit for bit. y[n] and amax (bits, zeroed by the caller).
+// The code pointers travel by value (512 bytes).
+#define SUM_MAX 64
+struct SumPtrs {
+    unsigned long long p[SUM_MAX];
+};
+template <int FMT>
+__device__ void decode_sum_impl(SumPtrs ptrs, int ranks, const float* __restrict__ scale_inv_p, int average,
+                                float inv_n, float* __restrict__ out, size_t n, uint32_t* amax_out) {
+    typedef typename Fmt<FMT>::code_t C;
+    const float s = *scale_inv_p;
+    uint32_t amax = 0;
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = tid; i < n; i += stride) {
+        float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[i]), s);
+        for (int k = 1; k < ranks; k++)
+            y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[i]), s));
+        if (average) y = __fadd_rn(__fmul_rn(y, inv_n), 0.0f);
+        out[i] = y;
+        amax = max(amax, abs_bits(y));
+    }
+    block_flush(amax, 0, 0, amax_out, nullptr);
+}
+#define DECODE_SUM(FN, FMT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 8) decode_sum_##FN(SumPtrs ptrs, int ranks,      \
+            const float* scale_inv, int average, float inv_n, float* out, size_t n, uint32_t* amax) { \
+        decode_sum_impl<FMT>(ptrs, ranks, scale_inv, average, inv_n, out, n, amax);                    \
+    }
+DECODE_SUM(e4m3, 0)
+DECODE_SUM(e5m2, 1)

@@ -61,6 +61,7 @@ pub use numerics::cuda::{
     keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
     skip_event_tracking,
 };
+pub use numerics::decode_sum::decode_sum;
 pub use numerics::format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
 pub use numerics::qtype::QType;
 pub use numerics::recipe::{

@@ -8,7 +8,7 @@
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Grad};
-use amp_core::{ScalingMeta, ScalingTensor};
+use amp_core::{QType, ScalingMeta, ScalingTensor};
 use candle_core::{DType, Shape, Tensor};
 
 /// One gradient of a bucket.
@@ -142,25 +142,41 @@ pub(crate) fn cat_nonempty(parts: &[Tensor], empty: &Tensor) -> Result<Tensor> {
     })
 }
 
-/// The F32 value of `codes` (1-D) with `meta`'s scale.
-pub(crate) fn decode(codes: &Tensor, meta: &ScalingMeta) -> Result<Tensor> {
-    Ok(ScalingTensor::from_parts(codes.clone(), meta.clone())?.dequantize(DType::F32)?)
-}
-
-/// The rank-order sum of `parts` (one per rank, F32), from rank 0's values
-/// (not `0 + x`: keeps -0.0), divided by the world size when `average`.
-pub(crate) fn rank_order_mean(parts: Vec<Tensor>, average: bool) -> Result<Tensor> {
-    let n = parts.len();
-    let mut it = parts.into_iter();
-    let mut sum = it.next().ok_or_else(|| Error::InvalidArgument {
-        op: "fp8 bucket",
-        what: "no rank's part to sum".into(),
-    })?;
-    for p in it {
-        sum = (sum + p)?;
+/// The rank-order F32 sum of `parts` (one chunk of codes per rank, all
+/// cast with `meta`), from rank 0's values (not `0 + x`: keeps -0.0),
+/// divided by the number of parts when `average`; and its amax (NaN when
+/// it holds one). FP8 codes of at most 64 ranks in one pass
+/// ([`amp_core::decode_sum`]); otherwise (and for empty parts) decoded one
+/// by one and added, bit for bit the same.
+pub(crate) fn rank_order_mean(
+    parts: &[Tensor],
+    meta: &ScalingMeta,
+    average: bool,
+) -> Result<(Tensor, Tensor)> {
+    if parts.is_empty() {
+        return Err(Error::InvalidArgument {
+            op: "fp8 bucket",
+            what: "no rank's part to sum".into(),
+        });
     }
-    if average && n > 1 {
-        sum = (sum / n as f64)?;
+    if meta.qtype() != QType::F16 && parts.len() <= 64 && parts[0].elem_count() > 0 {
+        return Ok(amp_core::decode_sum(
+            parts,
+            meta.scale_inv(),
+            meta.qtype(),
+            average,
+        )?);
     }
-    Ok(sum)
+    let decode = |codes: &Tensor| -> Result<Tensor> {
+        Ok(ScalingTensor::from_parts(codes.clone(), meta.clone())?.dequantize(DType::F32)?)
+    };
+    let mut sum = decode(&parts[0])?;
+    for p in &parts[1..] {
+        sum = (sum + decode(p)?)?;
+    }
+    if average && parts.len() > 1 {
+        sum = (sum / parts.len() as f64)?;
+    }
+    let amax = amp_core::amax(&sum)?;
+    Ok((sum, amax))
 }

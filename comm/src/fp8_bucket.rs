@@ -3,9 +3,7 @@
 //! four per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
 
-use crate::bucket_cast::{
-    agreed_metas, cast_agreed, cat_nonempty, decode, inputs, rank_order_mean,
-};
+use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, inputs, rank_order_mean};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
@@ -152,21 +150,19 @@ where
             (lo < hi).then(|| (t, lo - mine.start..hi - mine.start))
         })
         .collect();
-    let mut sums = Vec::with_capacity(pieces.len());
-    for (t, r) in &pieces {
-        let parts = received
-            .iter()
-            .map(|c| decode(&c.narrow(0, r.start, r.len())?, &metas[*t]))
-            .collect::<Result<Vec<_>>>()?;
-        sums.push(rank_order_mean(parts, cfg.average)?);
-    }
-
     // Step 5: one agreement of the result amaxes; 0 where this rank holds
     // none of a tensor (the amax of the empty chunk `fp8_all_reduce` takes).
     let zero = Tensor::zeros(1, DType::F32, comm.device())?;
     let mut result_amaxes = vec![zero; inputs.len()];
-    for ((t, _), s) in pieces.iter().zip(&sums) {
-        result_amaxes[*t] = amp_core::amax(s)?;
+    let mut sums = Vec::with_capacity(pieces.len());
+    for (t, r) in &pieces {
+        let parts = received
+            .iter()
+            .map(|c| c.narrow(0, r.start, r.len()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let (sum, amax) = rank_order_mean(&parts, &metas[*t], cfg.average)?;
+        sums.push(sum);
+        result_amaxes[*t] = amax;
     }
     let result_metas = agreed_metas(comm, &result_amaxes, cfg)?;
     let out_codes = pieces

@@ -13,9 +13,7 @@
 //! `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)` elements.
 //! A bucket boundary never falls inside a tensor.
 
-use crate::bucket_cast::{
-    agreed_metas, cast_agreed, cat_nonempty, decode, inputs, rank_order_mean,
-};
+use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, inputs, rank_order_mean};
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
@@ -87,10 +85,10 @@ where
             let range = shard_range(lens[t], rank, n);
             let parts = received
                 .iter()
-                .map(|c| decode(&c.narrow(0, offsets[t], range.len())?, &metas[t]))
-                .collect::<Result<Vec<_>>>()?;
+                .map(|c| c.narrow(0, offsets[t], range.len()))
+                .collect::<candle_core::Result<Vec<_>>>()?;
             Ok(ReducedShard {
-                shard: rank_order_mean(parts, cfg.average)?,
+                shard: rank_order_mean(&parts, &metas[t], cfg.average)?.0,
                 range,
                 shape: shapes[t].clone(),
                 amax: metas[t].amax()?,

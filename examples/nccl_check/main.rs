@@ -16,8 +16,10 @@
 mod bench;
 
 use amp::comm::{
-    fp8_all_reduce, run_ranks, shard_range, Communicator, Fp8ReduceConfig, NcclComm, ReduceOp,
+    fp8_all_reduce, fp8_all_reduce_bucket, fp8_reduce_scatter_bucket, run_ranks, shard_range,
+    Communicator, Fp8ReduceConfig, NcclComm, ReduceOp,
 };
+use amp::{CurrentScaling, QType, ScalingTensor};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
@@ -293,6 +295,68 @@ fn fp8_check(ck: &mut Checker) -> Result<()> {
     Ok(())
 }
 
+/// The bucketed FP8 reductions on the GPUs (E5M2 gradients as the layers
+/// hand them over, three tensors in one bucket) against the in-process
+/// backend on the CPU: the all-reduce's codes and scales, and ZeRO's
+/// reduce-scatter's F32 shards, bitwise equal.
+fn bucket_check(ck: &mut Checker) -> Result<()> {
+    let (rank, n) = (ck.comm.rank(), ck.comm.world_size());
+    let lens = [7usize, 1001, 65_537];
+    let cfg = Fp8ReduceConfig {
+        qtype: QType::E5M2,
+        ..Default::default()
+    };
+    let scaled = |rank: usize, dev: &Device| -> Result<Vec<ScalingTensor>> {
+        lens.iter()
+            .map(|&len| {
+                let g = Tensor::from_vec(grad_input(rank, len), len, dev)?;
+                Ok(ScalingTensor::quantize(&g, QType::E5M2, &CurrentScaling::default())?.0)
+            })
+            .collect()
+    };
+    type Out = (Vec<Vec<u8>>, Vec<Vec<f32>>, Vec<Vec<u32>>);
+    let run = |comm: &dyn Communicator, grads: &[ScalingTensor]| -> Result<Out> {
+        let all = fp8_all_reduce_bucket(comm, grads, &cfg)?;
+        let shards = fp8_reduce_scatter_bucket(comm, grads, &cfg)?;
+        let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+        Ok((
+            all.iter()
+                .map(|r| Ok(cpu(r.grad.data())?.to_vec1::<u8>()?))
+                .collect::<Result<_>>()?,
+            all.iter()
+                .map(|r| Ok(cpu(r.grad.meta().scale())?.to_vec1::<f32>()?))
+                .collect::<Result<_>>()?,
+            shards
+                .iter()
+                .map(|r| {
+                    Ok(cpu(&r.shard)?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect())
+                })
+                .collect::<Result<_>>()?,
+        ))
+    };
+    let name = "fp8 buckets (all-reduce, reduce-scatter) vs in-process";
+    let got = run(ck.comm, &scaled(rank, ck.comm.device())?);
+    let reference = run_ranks(n, |c| {
+        run(
+            &c,
+            &scaled(c.rank(), &Device::Cpu).map_err(|e| amp::comm::Error::InvalidArgument {
+                op: "bucket_check",
+                what: format!("{e:#}"),
+            })?,
+        )
+        .map_err(|e| amp::comm::Error::InvalidArgument {
+            op: "bucket_check",
+            what: format!("{e:#}"),
+        })
+    })?;
+    ck.report(name, got.map(|g| g == reference[rank]));
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let start = Instant::now();
@@ -311,6 +375,7 @@ fn main() -> Result<()> {
     };
     collectives(&mut ck)?;
     fp8_check(&mut ck)?;
+    bucket_check(&mut ck)?;
     let failures = ck.failures;
     if args.bench {
         bench::bench(&comm, &args)?;

@@ -56,6 +56,10 @@ pub(crate) fn decoded_amax(_: QType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn decode_sum(_: QType, _: bool, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn requantize(_: QType, _: QType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

@@ -18,6 +18,7 @@ pub(crate) mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_stub.rs"]
 pub(crate) mod cuda;
+pub(crate) mod decode_sum;
 pub(crate) mod format;
 pub mod kernel;
 pub(crate) mod qtype;

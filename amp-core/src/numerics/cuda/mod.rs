@@ -49,6 +49,7 @@
 
 mod cast;
 pub(crate) mod cast_t;
+mod decode_sum;
 pub(crate) mod launch;
 mod meta;
 pub(crate) mod pool;
@@ -56,6 +57,7 @@ mod scalars;
 pub(crate) mod transpose;
 
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
+pub(crate) use decode_sum::decode_sum;
 pub(crate) use meta::{flag_scale_inv, record_amax, scale_update};
 pub use pool::{
     keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
