@@ -72,6 +72,6 @@ pub use numerics::scalars::{gather_scalars, read_scalars};
 pub use numerics::scale::ScaleRule;
 pub use numerics::{config, kernel};
 pub use scaling::meta::ScalingMeta;
-pub use scaling::sink::GradSink;
+pub use scaling::sink::{with_sink_listener, GradSink};
 pub use scaling::tensor::ScalingTensor;
 pub use scaling::weight::{Weight, WeightSlot};

@@ -84,12 +84,13 @@ pub(crate) fn inputs<'a, G: Into<Grad<'a>>>(
 
 /// One metadata per element of `amaxes` (1-element F32 tensors, NaN
 /// counted as inf), agreed with one all-reduce(max) of their vector: what
-/// the per-tensor functions agree with one all-reduce each.
+/// the per-tensor functions agree with one all-reduce each. Returns the
+/// agreed amaxes too, as a vector.
 pub(crate) fn agreed_metas<C: Communicator + ?Sized>(
     comm: &C,
     amaxes: &[Tensor],
     cfg: &Fp8ReduceConfig,
-) -> Result<Vec<ScalingMeta>> {
+) -> Result<(Vec<ScalingMeta>, Tensor)> {
     let flat = amaxes
         .iter()
         .map(Tensor::flatten_all)
@@ -97,8 +98,8 @@ pub(crate) fn agreed_metas<C: Communicator + ?Sized>(
     let local = Tensor::cat(&flat, 0)?;
     let inf = Tensor::full(f32::INFINITY, local.shape(), local.device())?;
     let local = local.ne(&local)?.where_cond(&inf, &local)?;
-    let global = comm.all_reduce_max(&local)?;
-    (0..amaxes.len())
+    let global = comm.all_reduce_max_no_nan(&local)?;
+    let metas = (0..amaxes.len())
         .map(|t| {
             let g = global.narrow(0, t, 1)?;
             let m = ScalingMeta::for_current_amax(cfg.qtype, &g, cfg.scale_rule, cfg.margin)?;
@@ -110,24 +111,25 @@ pub(crate) fn agreed_metas<C: Communicator + ?Sized>(
                 g,
             )?)
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    Ok((metas, global))
 }
 
 /// Steps 1-2 of every bucketed collective: per input its agreed metadata
-/// and its flat codes cast with it.
+/// and its flat codes cast with it, and the agreed amaxes as a vector.
 pub(crate) fn cast_agreed<C: Communicator + ?Sized>(
     comm: &C,
     inputs: &[Input],
     cfg: &Fp8ReduceConfig,
-) -> Result<(Vec<ScalingMeta>, Vec<Tensor>)> {
+) -> Result<(Vec<ScalingMeta>, Vec<Tensor>, Tensor)> {
     let amaxes = inputs.iter().map(Input::amax).collect::<Result<Vec<_>>>()?;
-    let metas = agreed_metas(comm, &amaxes, cfg)?;
+    let (metas, global) = agreed_metas(comm, &amaxes, cfg)?;
     let codes = inputs
         .iter()
         .zip(&metas)
         .map(|(x, m)| x.cast(m))
         .collect::<Result<Vec<_>>>()?;
-    Ok((metas, codes))
+    Ok((metas, codes, global))
 }
 
 /// The concatenation of the non-empty `parts` (1-D, one dtype); a view of

@@ -95,6 +95,19 @@ pub trait Communicator {
         self.all_reduce(x, ReduceOp::Max)
     }
 
+    /// [`all_reduce_max`](Self::all_reduce_max) of values the caller
+    /// guarantees hold no NaN (amaxes with NaN already counted as inf): the
+    /// same result and bytes, without the NaN handling a backend may need
+    /// otherwise (NCCL's max drops NaN; the NCCL backend then reduces the
+    /// values alone, one collective and no extra kernels). A NaN passed
+    /// anyway may be lost.
+    ///
+    /// # Errors
+    /// As `all_reduce`.
+    fn all_reduce_max_no_nan(&self, x: &Tensor) -> Result<Tensor> {
+        self.all_reduce_max(x)
+    }
+
     /// This rank's chunk of the reduction of `x` over all ranks: `x`, F32 of
     /// the same shape on every rank, is read flat (`L` elements); the result
     /// is 1-D, elements `shard_range(L, rank, N)` of the reduction.

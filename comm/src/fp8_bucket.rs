@@ -128,7 +128,7 @@ where
     }
 
     // Steps 1-2: one agreement of the input amaxes, per-tensor casts.
-    let (metas, codes) = cast_agreed(comm, &inputs, cfg)?;
+    let (metas, codes, input_global) = cast_agreed(comm, &inputs, cfg)?;
     let codes = cat_nonempty(&codes, &codes[0])?;
 
     // Step 3: one exchange; rank r gets elements `shard_range(L, r, N)`.
@@ -164,7 +164,7 @@ where
         sums.push(sum);
         result_amaxes[*t] = amax;
     }
-    let result_metas = agreed_metas(comm, &result_amaxes, cfg)?;
+    let (result_metas, result_global) = agreed_metas(comm, &result_amaxes, cfg)?;
     let out_codes = pieces
         .iter()
         .zip(&sums)
@@ -177,15 +177,18 @@ where
         .collect::<Result<Vec<_>>>()?;
     let shard = cat_nonempty(&out_codes, &codes)?;
 
-    // Step 6: one all-gather of the bucket, cut back into tensors.
+    // Step 6: one all-gather of the bucket, cut back into tensors; each
+    // tensor's amax the larger of its two agreed ones (one op for all).
     let gathered = comm.all_gather_shards(&shard, total)?;
+    let amaxes = input_global.maximum(&result_global)?;
     spans
         .into_iter()
         .zip(shapes)
-        .zip(metas.iter().zip(result_metas))
-        .map(|((span, shape), (meta, result_meta))| {
+        .zip(result_metas)
+        .enumerate()
+        .map(|(t, ((span, shape), result_meta))| {
             let codes = gathered.narrow(0, span.start, span.len())?.reshape(shape)?;
-            let amax = meta.amax()?.maximum(&result_meta.amax()?)?;
+            let amax = amaxes.narrow(0, t, 1)?;
             Ok(Fp8Reduced {
                 grad: ScalingTensor::from_parts(codes, result_meta)?,
                 amax,

@@ -64,7 +64,7 @@ where
     }
     let (n, rank) = (comm.world_size(), comm.rank());
     let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
-    let (metas, codes) = cast_agreed(comm, &inputs, cfg)?;
+    let (metas, codes, _) = cast_agreed(comm, &inputs, cfg)?;
     let chunks = (0..n)
         .map(|j| {
             let parts = codes
@@ -155,7 +155,7 @@ pub fn fp8_all_gather_bucket<C: Communicator + ?Sized>(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let metas = agreed_metas(comm, &amaxes, cfg)?;
+    let (metas, _) = agreed_metas(comm, &amaxes, cfg)?;
     let codes = flats
         .iter()
         .zip(&metas)

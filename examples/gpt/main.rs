@@ -149,6 +149,10 @@ struct Args {
     /// global batch, so its share on each rank must divide by this.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     grad_accum: u64,
+    /// Data parallelism: reduce every bucket after the backward instead of
+    /// starting each while the backward runs (same values, for A/B runs).
+    #[arg(long)]
+    no_overlap: bool,
     /// CPU threads for candle's kernels, at most the cores [default: half the cores, at least 1].
     /// candle's pool waits in a spin loop, so a thread per core runs far
     /// slower as soon as anything else uses a core.
@@ -297,6 +301,7 @@ fn main() -> Result<()> {
         world_size: args.world_size as usize,
         bucket_mb: args.bucket_mb,
         grad_accum: args.grad_accum as usize,
+        overlap: !args.no_overlap,
         timing_skip: args.timing_skip,
         activations: match args.activations {
             ExportArg::F32 => DType::F32,

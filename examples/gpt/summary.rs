@@ -102,6 +102,9 @@ pub struct Summary {
     /// reduced (and at O3 gathered).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub buckets_per_step: Option<f64>,
+    /// Of those, the median number reduced while the backward still ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlapped_buckets_per_step: Option<f64>,
     pub wall_s: f64,
     /// (step, training loss) of every step of this run.
     #[serde(skip)]

@@ -83,6 +83,8 @@ pub struct TrainConfig {
     /// Micro-batches a rank's share of each batch is split into, their
     /// gradients communicated once (`AmpOptimizer::backward_accumulate`).
     pub grad_accum: usize,
+    /// Reduce buckets while the backward runs (`AmpConfig::overlap_backward`).
+    pub overlap: bool,
     /// Steps at the start left out of tokens/s and the median step time
     /// (warm-up: kernel loading, cuBLASLt plans, the memory pool growing).
     pub timing_skip: u64,
@@ -117,6 +119,7 @@ impl Default for TrainConfig {
             world_size: 1,
             bucket_mb: amp::levels::DEFAULT_BUCKET_MB,
             grad_accum: 1,
+            overlap: true,
             timing_skip: 0,
             activations: DType::F32,
             event_tracking: false,
@@ -192,6 +195,7 @@ pub fn train_rank(
         high_precision: cfg.high_precision.clone(),
         max_grad_norm: cfg.max_grad_norm,
         bucket_mb: cfg.bucket_mb,
+        overlap_backward: cfg.overlap,
         ..Default::default()
     };
     let adam = AdamWConfig {
@@ -236,7 +240,7 @@ pub fn train_rank(
     let mut step_secs: Vec<f64> = Vec::new();
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     let mut backward_peak = None;
-    let (mut comm_exposed_ms, mut buckets) = (Vec::new(), Vec::new());
+    let (mut comm_exposed_ms, mut buckets, mut overlapped) = (Vec::new(), Vec::new(), Vec::new());
     // AMP_STEP_CLOCK: each step's start (`Instant`, the monotonic clock) on
     // stderr, to cut a host profile to the steps (scripts/gpu/perf-gpt.sh)
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
@@ -305,6 +309,7 @@ pub fn train_rank(
             if let Some(c) = opt.last_comm() {
                 comm_exposed_ms.push(c.exposed_ms()?);
                 buckets.push(c.buckets as f64);
+                overlapped.push(c.overlapped as f64);
             }
             let secs = t.elapsed().as_secs_f64();
             train_secs += secs;
@@ -394,6 +399,7 @@ pub fn train_rank(
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         comm_exposed_ms: (!comm_exposed_ms.is_empty()).then(|| median_max(&comm_exposed_ms).0),
         buckets_per_step: (!buckets.is_empty()).then(|| median_max(&buckets).0),
+        overlapped_buckets_per_step: (!overlapped.is_empty()).then(|| median_max(&overlapped).0),
         wall_s: t0.elapsed().as_secs_f64(),
         train_curve,
         val_curve,

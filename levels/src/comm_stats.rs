@@ -11,6 +11,8 @@ pub struct CommStats {
     /// Buckets reduced (gradient buckets, and at O3 the FP8 weight
     /// gathers after the step).
     pub buckets: usize,
+    /// Of those, the buckets reduced while the backward still ran.
+    pub overlapped: usize,
     /// Bytes this rank sent, as the
     /// [`Communicator`](amp_comm::Communicator) counts them.
     pub wire_bytes: u64,

@@ -78,6 +78,11 @@ pub struct AmpConfig {
     /// that is a bucket of its own (docs/ARCHITECTURE.md, "Data
     /// parallelism"). Default 25.
     pub bucket_mb: f64,
+    /// Data parallelism: start reducing a bucket while the backward still
+    /// runs, as soon as its gradients have arrived (from the second step
+    /// on; docs/ARCHITECTURE.md, "Overlap with the backward"). Off: every
+    /// bucket after the backward. The same values either way. Default on.
+    pub overlap_backward: bool,
 }
 
 impl Default for AmpConfig {
@@ -90,6 +95,7 @@ impl Default for AmpConfig {
             high_precision: Vec::new(),
             f32_moments: Vec::new(),
             bucket_mb: DEFAULT_BUCKET_MB,
+            overlap_backward: true,
         }
     }
 }

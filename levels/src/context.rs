@@ -40,6 +40,19 @@ pub(crate) trait DataParallel: std::fmt::Debug {
         slot: &WeightSlot,
     ) -> Result<Option<WeightSlot>>;
 
+    /// Runs `backward`, which fills the layers' gradient sink (and returns
+    /// the step's gradients as the optimizer collects them), and may start
+    /// averaging gradients while the sink receives them, taking them out of
+    /// the sink (and their earlier micro-batches' part out of `pending`);
+    /// [`average`](Self::average) then completes the step's averaging.
+    /// Returns the gradients and, of those taken early, each one's name,
+    /// data bytes and metadata bytes.
+    fn backward(
+        &self,
+        pending: &mut Option<Grads>,
+        backward: &mut dyn FnMut() -> Result<Grads>,
+    ) -> Result<(Grads, Vec<(String, usize, usize)>)>;
+
     /// The mean of every rank's gradients (of a weight this rank holds a
     /// slice of: only that slice), its buckets and bytes counted in `stats`.
     fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads>;
@@ -179,7 +192,7 @@ impl AmpOptimizer {
     /// # Errors
     /// The optimizer's, candle's.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
-        let grads = self.backward_grads(loss)?;
+        let grads = self.backward_grads(loss, true)?;
         self.step_grads(grads)
     }
 
@@ -193,7 +206,7 @@ impl AmpOptimizer {
     /// # Errors
     /// As [`backward_step`](Self::backward_step).
     pub fn backward_step_owned(&mut self, loss: Tensor) -> Result<StepOutcome> {
-        let grads = self.backward_grads(&loss)?;
+        let grads = self.backward_grads(&loss, true)?;
         drop(loss);
         self.step_grads(grads)
     }
@@ -211,7 +224,7 @@ impl AmpOptimizer {
     /// # Errors
     /// As [`backward_step`](Self::backward_step).
     pub fn backward_accumulate(&mut self, loss: Tensor) -> Result<()> {
-        let grads = self.backward_grads(&loss)?;
+        let grads = self.backward_grads(&loss, false)?;
         drop(loss);
         match &mut self.pending {
             Some(p) => p.accumulate(grads)?,
@@ -222,19 +235,28 @@ impl AmpOptimizer {
 
     /// The backward half of [`backward_step`](Self::backward_step): the
     /// gradients, and this step's gradient bytes and backward peak recorded.
-    fn backward_grads(&mut self, loss: &Tensor) -> Result<Grads> {
-        let grads = self.opt.backward(loss, Some(&self.sink))?;
+    fn backward_grads(&mut self, loss: &Tensor, last: bool) -> Result<Grads> {
+        let (grads, early) = match &self.group {
+            Some(group) if last => {
+                let (opt, sink) = (&self.opt, &self.sink);
+                group.backward(&mut self.pending, &mut || {
+                    Ok(opt.backward(loss, Some(sink))?)
+                })?
+            }
+            _ => (self.opt.backward(loss, Some(&self.sink))?, Vec::new()),
+        };
         if loss.device().is_cuda() {
             self.backward_peak = Some(amp_core::pool_peaks(loss.device())?.0);
         }
         // What the gradients of this step hold, by class: Linear data, their
         // scales, and the F32 gradients of every other parameter.
+        // (Those data parallelism reduced during the backward included.)
         let (mut data, mut meta, mut other) = (0, 0, 0);
-        for (name, g) in &grads.0 {
-            let (d, m) = match g {
-                Grad::F32(t) => (t.elem_count() * t.dtype().size_in_bytes(), 0),
-                Grad::Scaled(t) => (t.nbytes() - t.meta().nbytes(), t.meta().nbytes()),
-            };
+        let sizes = grads.0.iter().map(|(name, g)| match g {
+            Grad::F32(t) => (name, t.elem_count() * t.dtype().size_in_bytes(), 0),
+            Grad::Scaled(t) => (name, t.nbytes() - t.meta().nbytes(), t.meta().nbytes()),
+        });
+        for (name, d, m) in sizes.chain(early.iter().map(|(n, d, m)| (n, *d, *m))) {
             if self.linear_names.iter().any(|n| n == name) {
                 data += d;
                 meta += m;

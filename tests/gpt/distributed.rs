@@ -355,3 +355,41 @@ fn gradient_accumulation_communicates_once_a_step() -> anyhow::Result<()> {
     assert!(format!("{err:#}").contains("--grad-accum 3"), "{err:#}");
     Ok(())
 }
+
+#[test]
+fn buckets_reduced_during_the_backward_change_no_value() -> anyhow::Result<()> {
+    // From the second step on, buckets start inside the backward; the run
+    // is bitwise the one that reduces everything after it.
+    let corpus = data::Corpus::bundled();
+    for level in [Level::O2, Level::O3] {
+        let run = |overlap: bool, grad_accum: usize| {
+            let cfg = TrainConfig {
+                overlap,
+                grad_accum,
+                bucket_mb: 0.01,
+                steps: 4,
+                timing_skip: 1,
+                ..quick(level, current(), 2)
+            };
+            train(&cfg, &corpus)
+        };
+        for accum in [1, 2] {
+            let (on, off) = (run(true, accum)?, run(false, accum)?);
+            let bits = |s: &train::Summary| -> Vec<u32> {
+                s.train_curve.iter().map(|p| p.1.to_bits()).collect()
+            };
+            assert_eq!(bits(&on), bits(&off), "{level} accum {accum}");
+            assert_eq!(on.val_loss.to_bits(), off.val_loss.to_bits(), "{level}");
+            assert_eq!(on.buckets_per_step, off.buckets_per_step, "{level}");
+            assert_eq!(on.wire_bytes_per_step, off.wire_bytes_per_step, "{level}");
+            assert_eq!(
+                on.bytes_per_linear_param, off.bytes_per_linear_param,
+                "{level}"
+            );
+            let early = on.overlapped_buckets_per_step.unwrap();
+            assert!(early >= 1.0, "{level} accum {accum}: {early}");
+            assert_eq!(off.overlapped_buckets_per_step, Some(0.0), "{level}");
+        }
+    }
+    Ok(())
+}

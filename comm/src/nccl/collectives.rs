@@ -125,6 +125,16 @@ impl Communicator for NcclComm {
         Ok(out.reshape(x.shape())?)
     }
 
+    fn all_reduce_max_no_nan(&self, x: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_reduce";
+        self.check_f32(OP, x)?;
+        let out = self.reduce_raw(OP, &x.flatten_all()?, ReduceOp::Max, false)?;
+        let (n, len) = (self.world_size(), x.elem_count());
+        let s = shard_len(len, self.rank(), n);
+        self.count((len - s + (n - 1) * s) * 4);
+        Ok(out.reshape(x.shape())?)
+    }
+
     fn reduce_scatter(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
         self.check_f32(OP, x)?;

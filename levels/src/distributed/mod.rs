@@ -24,6 +24,7 @@
 //! and the memory report, above both, find the group with [`group`].
 
 mod buckets;
+mod overlap;
 mod plan;
 pub(crate) mod zero;
 
@@ -32,9 +33,11 @@ use crate::config::AmpConfig;
 use crate::context::{initialize_with, AmpContext, AmpOptimizer, DataParallel, INITIALIZED_MARK};
 use crate::error::Result;
 use amp_comm::Communicator;
-use amp_core::WeightSlot;
+use amp_core::{with_sink_listener, GradSink, WeightSlot};
 use amp_optim::{AdamWConfig, Grads, LowBitAdamW};
 use candle_core::Tensor;
+use overlap::{Schedule, Step};
+use std::cell::RefCell;
 use std::sync::Arc;
 use zero::Shard;
 
@@ -46,6 +49,11 @@ pub(crate) struct Group {
     shards: Vec<Shard>,
     /// A bucket's cap, in elements.
     cap: usize,
+    /// The buckets reduced during the backward ([`overlap`]), unless off.
+    schedule: RefCell<Schedule>,
+    overlap: bool,
+    /// What the last backward reduced already, for [`DataParallel::average`].
+    early: RefCell<Option<(Grads, CommStats)>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -107,10 +115,55 @@ impl DataParallel for Group {
         }))
     }
 
+    fn backward(
+        &self,
+        pending: &mut Option<Grads>,
+        backward: &mut dyn FnMut() -> Result<Grads>,
+    ) -> Result<(Grads, Vec<(String, usize, usize)>)> {
+        if !self.overlap {
+            return Ok((backward()?, Vec::new()));
+        }
+        let mut schedule = self.schedule.borrow_mut();
+        if let Schedule::Unknown = *schedule {
+            *schedule = Schedule::Recording(Vec::new());
+        }
+        if let Schedule::Recording(order) = &mut *schedule {
+            let grads = with_sink_listener(
+                |_: &GradSink, name: &str| {
+                    order.push(name.to_string());
+                    Ok(())
+                },
+                &mut *backward,
+            )?;
+            schedule.finish_recording(&grads, &self.shards, self.cap);
+            return Ok((grads, Vec::new()));
+        }
+        let Some(mut step) = Step::new(self.comm(), &self.shards, &schedule, pending) else {
+            return Ok((backward()?, Vec::new()));
+        };
+        let grads = with_sink_listener(
+            |sink: &GradSink, name: &str| {
+                step.arrived(sink, name)
+                    .map_err(|e| amp_core::Error::Unsupported {
+                        op: "data parallelism during the backward",
+                        what: e.to_string(),
+                    })
+            },
+            &mut *backward,
+        )?;
+        *self.early.borrow_mut() = Some((step.reduced, step.stats));
+        Ok((grads, step.taken))
+    }
+
     fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads> {
+        let (mut out, early) = self.early.take().unwrap_or_default();
+        stats.buckets += early.buckets;
+        stats.overlapped += early.buckets;
+        stats.wire_bytes += early.wire_bytes;
         let before = self.comm.bytes_sent();
-        let out = buckets::average(self.comm(), grads, &self.shards, self.cap, stats)?;
+        let rest = buckets::average(self.comm(), grads, &self.shards, self.cap, stats)?;
         stats.wire_bytes += self.comm.bytes_sent().saturating_sub(before);
+        out.0.extend(rest.0);
         Ok(out)
     }
 
@@ -179,6 +232,9 @@ pub fn initialize_distributed(
         comm,
         shards: Vec::new(),
         cap: plan::cap_elems(config.bucket_mb),
+        schedule: RefCell::new(Schedule::Unknown),
+        overlap: config.overlap_backward,
+        early: RefCell::new(None),
     };
     initialize_with(varmap, adam, config, Some(Box::new(group)))
 }
