@@ -34,6 +34,9 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
     let (rank, n) = (comm.rank(), comm.world_size());
     let len = args.mib * (1 << 20) / 4;
     let dev = comm.device();
+    // Freed blocks stay pooled, as in the GPT example (and PyTorch's caching
+    // allocator): without it every timed call maps its outputs anew.
+    amp::keep_freed_memory(dev)?;
     let g = Tensor::randn(0f32, 1e-2, len, dev)?;
     let line = |path: &str, secs: f64, bytes: u64| {
         let gb = len as f64 * 4.0 / 1e9;

@@ -12,10 +12,13 @@
 #      on 2, eager (and with COMPILE=1, compiled);
 #   3. strong scaling (--batch 8 on 2 GPUs), the shell-loop launch, and a
 #      two-node launch simulated on one host (torchrun --nnodes 2, one GPU
-#      each), at O2.
+#      each), at O2 (unless LAUNCH=0);
+#   4. with VARIANTS=1, O2 on 2 GPUs with every bucket after the backward
+#      (--no-overlap) and with 100 MiB buckets.
 # CARRY (default .carry/nccl) holds gpt.gz, nccl_check.gz (and gpt_old.gz)
 # built with `--features nccl`. NVLink SHARP (multicast) stays off.
-# Env: STEPS (25), SKIP (5), COMPILE (0), EXTRA (more gpt arguments).
+# Env: STEPS (25), SKIP (5), COMPILE (0), LAUNCH (1), VARIANTS (0), EXTRA
+# (more gpt arguments).
 #
 #   bash scripts/gpu/ddp-scaling.sh .carry/nccl "350m 1.3b"
 set -uo pipefail
@@ -39,6 +42,7 @@ for l in sys.stdin:
     print('$2', 'tok/s(median) %.0f' % j['tokens_per_s_median'], 'step %.1f ms' % j['step_ms_median'],
           'peak %.2f GiB' % (j.get('peak_device_bytes', 0) / 2**30), 'world', j.get('world_size'),
           'val %.4f' % j['val_loss'], 'exposed', j.get('comm_exposed_ms'), 'buckets', j.get('buckets_per_step'),
+          'early', j.get('overlapped_buckets_per_step'),
           'wire/step %.0f' % j.get('wire_bytes_per_step', 0))"; }
 port=29600
 ours() { # ours LABEL NPROC BIN BATCH LEVEL [gpt args...]
@@ -73,6 +77,11 @@ for size in $SIZES; do
     ours "${size}_${lv}_x1" 1 gpt 8 "$lv"
     ours "${size}_${lv}_x2" 2 gpt 16 "$lv"
   done
+  if [ "${VARIANTS:-0}" = 1 ]; then
+    ours "${size}_O2_x2_no_overlap" 2 gpt 16 O2 --no-overlap
+    ours "${size}_O2_x2_bucket100" 2 gpt 16 O2 --bucket-mb 100
+    ours "${size}_O3_x2_no_overlap" 2 gpt 16 O3 --no-overlap
+  fi
   if [ -x "$BIN/gpt_old" ]; then
     ours "${size}_O2_x1_old" 1 gpt_old 8 O2
     ours "${size}_O2_x2_old" 2 gpt_old 16 O2
@@ -84,6 +93,7 @@ for size in $SIZES; do
     torch "${size}_torch_ddp_compile_x2" 2 --compile
   fi
 done
+[ "${LAUNCH:-1}" = 1 ] || exit 0
 size=${SIZES%% *}
 echo "== 3. $size O2: strong scaling, shell loop, two nodes on one host"
 ours "${size}_O2_x2_strong" 2 gpt 8 O2
