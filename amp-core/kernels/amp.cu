@@ -407,3 +407,116 @@ __device__ void decode_sum_impl(SumPtrs ptrs, int ranks, const float* __restrict
     }
 DECODE_SUM(e4m3, 0)
 DECODE_SUM(e5m2, 1)
+
+// --------------------------------------------------- a bucket at a time --
+// The per-tensor steps of a bucketed FP8 reduction for up to BUCKET_MAX
+// items in one launch (blockIdx.y = the item), each bit for bit its
+// one-tensor kernel: decoded amax, scale from amax, requantize, decode and
+// sum, quantize. Items travel by value (BucketArgs, 2 KiB): input address,
+// length, output offset, an extra address or offset, the item's tensor.
+#define BUCKET_MAX 64
+struct BucketArgs {
+    unsigned long long src[BUCKET_MAX];
+    unsigned long long len[BUCKET_MAX];
+    unsigned long long out_off[BUCKET_MAX];
+    unsigned long long aux[BUCKET_MAX];
+    int t[BUCKET_MAX];
+};
+#define BUCKET_LOOP(a)                                                                                 \
+    const int item = blockIdx.y;                                                                       \
+    const size_t n = (size_t)(a).len[item];                                                            \
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;                                  \
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+
+// amax[t] = max |decode(q) * scale_inv| with NaN counted as inf (bits, the
+// clamp commutes with the max). src: codes; aux: the scale_inv's address.
+template <int FMT>
+__device__ void bucket_amax_impl(BucketArgs a, uint32_t* amax_out) {
+    typedef typename Fmt<FMT>::code_t C;
+    BUCKET_LOOP(a)
+    const C* q = reinterpret_cast<const C*>(a.src[item]);
+    const float s = *reinterpret_cast<const float*>(a.aux[item]);
+    uint32_t amax = 0;
+    for (size_t i = tid; i < n; i += stride) amax = max(amax, abs_bits(Fmt<FMT>::decode(q[i]) * s));
+    block_flush(min(amax, 0x7F800000u), 0, 0, amax_out + a.t[item], nullptr);
+}
+
+// out[off..] = encode(decode(q) * scale_inv * scale[t]), as requantize.
+// src: codes; aux: the scale_inv's address.
+template <int FROM, int TO>
+__device__ void bucket_requantize_impl(BucketArgs a, const float* __restrict__ scale,
+                                       typename Fmt<TO>::code_t* __restrict__ out) {
+    typedef typename Fmt<FROM>::code_t C;
+    BUCKET_LOOP(a)
+    const C* q = reinterpret_cast<const C*>(a.src[item]);
+    const float si = *reinterpret_cast<const float*>(a.aux[item]);
+    const float sc = scale[a.t[item]];
+    typename Fmt<TO>::code_t* o = out + a.out_off[item];
+    uint32_t amax = 0, sat = 0, flush = 0;
+    for (size_t i = tid; i < n; i += stride) o[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * si, sc, amax, sat, flush);
+}
+
+// out[off..] = the rank-order sum of `ranks` chunks' codes at aux.., each
+// decoded with scale_inv[t], times inv_n plus 0 with `average` (as
+// decode_sum); amax[t] of it, NaN counted as inf.
+template <int FMT>
+__device__ void bucket_decode_sum_impl(BucketArgs a, SumPtrs ptrs, int ranks, const float* __restrict__ scale_inv,
+                                       int average, float inv_n, float* __restrict__ out, uint32_t* amax_out) {
+    typedef typename Fmt<FMT>::code_t C;
+    BUCKET_LOOP(a)
+    const float s = scale_inv[a.t[item]];
+    const size_t at = (size_t)a.aux[item];
+    float* o = out + a.out_off[item];
+    uint32_t amax = 0;
+    for (size_t i = tid; i < n; i += stride) {
+        float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[at + i]), s);
+        for (int k = 1; k < ranks; k++)
+            y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[at + i]), s));
+        if (average) y = __fadd_rn(__fmul_rn(y, inv_n), 0.0f);
+        o[i] = y;
+        amax = max(amax, abs_bits(y));
+    }
+    block_flush(min(amax, 0x7F800000u), 0, 0, amax_out + a.t[item], nullptr);
+}
+
+// out[off..] = encode(x * scale[t]), as quantize. src: F32 values.
+template <int TO>
+__device__ void bucket_quantize_impl(BucketArgs a, const float* __restrict__ scale,
+                                     typename Fmt<TO>::code_t* __restrict__ out) {
+    BUCKET_LOOP(a)
+    const float* x = reinterpret_cast<const float*>(a.src[item]);
+    const float sc = scale[a.t[item]];
+    typename Fmt<TO>::code_t* o = out + a.out_off[item];
+    uint32_t amax = 0, sat = 0, flush = 0;
+    for (size_t i = tid; i < n; i += stride) o[i] = quantize_one<TO>(x[i], sc, amax, sat, flush);
+}
+
+#define BUCKET_FMT(FN, FMT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) bucket_amax_##FN(BucketArgs a, uint32_t* amax) {  \
+        bucket_amax_impl<FMT>(a, amax);                                                                \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bucket_requantize_##FN(BucketArgs a,             \
+            const float* scale, uint8_t* out) {                                                        \
+        bucket_requantize_impl<FMT, FMT>(a, scale, out);                                               \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bucket_decode_sum_##FN(BucketArgs a, SumPtrs ptrs, \
+            int ranks, const float* scale_inv, int average, float inv_n, float* out, uint32_t* amax) { \
+        bucket_decode_sum_impl<FMT>(a, ptrs, ranks, scale_inv, average, inv_n, out, amax);             \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bucket_quantize_##FN(BucketArgs a,               \
+            const float* scale, uint8_t* out) {                                                        \
+        bucket_quantize_impl<FMT>(a, scale, out);                                                      \
+    }
+BUCKET_FMT(e4m3, 0)
+BUCKET_FMT(e5m2, 1)
+
+// scale[t], scale_inv[t] from amax[t] as scale_update with MostRecent and
+// no previous scale (ScalingMeta::for_current_amax), for n tensors.
+extern "C" __global__ void bucket_scales(const float* amax, float* scale, float* scale_inv, int n, int rule,
+                                         unsigned margin, float max) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float s = compute_scale(rule, amax[i], 1.0f, max, margin);
+    scale[i] = s;
+    scale_inv[i] = 1.0f / s;
+}

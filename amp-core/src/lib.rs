@@ -52,6 +52,9 @@ mod scaling;
 
 pub use error::{Error, Result};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
+pub use numerics::bucket::{
+    bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales, Piece,
+};
 pub use numerics::cast::F16_NAN_BITS;
 pub use numerics::cast::{amax, CastStats};
 pub use numerics::clock::StreamMark;

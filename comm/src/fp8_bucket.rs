@@ -3,14 +3,16 @@
 //! four per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
 
-use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, inputs, rank_order_mean};
+use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, inputs, rank_order_mean, Input};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
 use crate::shard::shard_range;
-use amp_core::ScalingTensor;
+use amp_core::{
+    bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales, Piece,
+    QType, ScalingMeta, ScalingTensor,
+};
 use candle_core::{DType, Tensor};
-use std::ops::Range;
 
 const OP: &str = "fp8_all_reduce_bucket";
 
@@ -126,56 +128,106 @@ where
         spans.push(total..total + x.elem_count());
         total += x.elem_count();
     }
-
-    // Steps 1-2: one agreement of the input amaxes, per-tensor casts.
-    let (metas, codes, input_global) = cast_agreed(comm, &inputs, cfg)?;
-    let codes = cat_nonempty(&codes, &codes[0])?;
-
-    // Step 3: one exchange; rank r gets elements `shard_range(L, r, N)`.
-    let chunks = (0..n)
-        .map(|j| {
-            let r = shard_range(total, j, n);
-            codes.narrow(0, r.start, r.len())
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?;
     let mine = shard_range(total, rank, n);
-    let received = comm.all_to_all(&chunks)?;
-
-    // Step 4: per tensor, its part of this rank's range (chunk coordinates).
-    let pieces: Vec<(usize, Range<usize>)> = spans
+    // Per tensor, its part of this rank's range (chunk coordinates).
+    let pieces: Vec<Piece> = spans
         .iter()
         .enumerate()
         .filter_map(|(t, s)| {
             let (lo, hi) = (s.start.max(mine.start), s.end.min(mine.end));
-            (lo < hi).then(|| (t, lo - mine.start..hi - mine.start))
+            (lo < hi).then(|| Piece {
+                tensor: t,
+                start: lo - mine.start,
+                len: hi - lo,
+            })
         })
         .collect();
-    // Step 5: one agreement of the result amaxes; 0 where this rank holds
-    // none of a tensor (the amax of the empty chunk `fp8_all_reduce` takes).
-    let zero = Tensor::zeros(1, DType::F32, comm.device())?;
-    let mut result_amaxes = vec![zero; inputs.len()];
-    let mut sums = Vec::with_capacity(pieces.len());
-    for (t, r) in &pieces {
-        let parts = received
-            .iter()
-            .map(|c| c.narrow(0, r.start, r.len()))
+    let exchange = |codes: &Tensor| -> Result<Vec<Tensor>> {
+        // Step 3: one exchange; rank r gets elements `shard_range(L, r, N)`.
+        let chunks = (0..n)
+            .map(|j| {
+                let r = shard_range(total, j, n);
+                codes.narrow(0, r.start, r.len())
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let (sum, amax) = rank_order_mean(&parts, &metas[*t], cfg.average)?;
-        sums.push(sum);
-        result_amaxes[*t] = amax;
-    }
-    let (result_metas, result_global) = agreed_metas(comm, &result_amaxes, cfg)?;
-    let out_codes = pieces
-        .iter()
-        .zip(&sums)
-        .map(|((t, _), s)| {
-            Ok(ScalingTensor::quantize_with(s, &result_metas[*t])?
-                .0
-                .data()
-                .clone())
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let shard = cat_nonempty(&out_codes, &codes)?;
+        comm.all_to_all(&chunks)
+    };
+    let (shard, input_global, result_metas, result_global) = match fused(&inputs, cfg, n) {
+        Some((scaled, qtype)) => {
+            // Every step a bucket at a time (one launch each).
+            let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
+            let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
+            let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
+            let global = comm.all_reduce_max_no_nan(&amax)?;
+            let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
+            let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale)?;
+            let received = exchange(&codes)?;
+            let (sums, result_amax) =
+                bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &pieces)?;
+            let result_global = comm.all_reduce_max_no_nan(&result_amax)?;
+            let (rscale, rscale_inv) =
+                bucket_scales(&result_global, qtype, cfg.scale_rule, cfg.margin)?;
+            let mut at = 0;
+            let in_sums: Vec<Piece> = pieces
+                .iter()
+                .map(|p| {
+                    let q = Piece { start: at, ..*p };
+                    at += p.len;
+                    q
+                })
+                .collect();
+            let shard = if pieces.is_empty() {
+                codes.narrow(0, mine.start, 0)?
+            } else {
+                bucket_quantize(&sums, &rscale, qtype, &in_sums)?
+            };
+            let metas = (0..inputs.len())
+                .map(|t| {
+                    Ok(ScalingMeta::from_parts(
+                        qtype,
+                        rscale.narrow(0, t, 1)?,
+                        rscale_inv.narrow(0, t, 1)?,
+                        result_global.narrow(0, t, 1)?,
+                    )?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            (shard, global, metas, result_global)
+        }
+        None => {
+            // Steps 1-2: one agreement of the input amaxes, per-tensor casts.
+            let (metas, codes, input_global) = cast_agreed(comm, &inputs, cfg)?;
+            let codes = cat_nonempty(&codes, &codes[0])?;
+            let received = exchange(&codes)?;
+            // Steps 4-5: the rank-order means of this rank's pieces, one
+            // agreement of their amaxes (0 where this rank holds none of a
+            // tensor: the amax of the empty chunk `fp8_all_reduce` takes).
+            let zero = Tensor::zeros(1, DType::F32, comm.device())?;
+            let mut result_amaxes = vec![zero; inputs.len()];
+            let mut sums = Vec::with_capacity(pieces.len());
+            for p in &pieces {
+                let parts = received
+                    .iter()
+                    .map(|c| c.narrow(0, p.start, p.len))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let (sum, amax) = rank_order_mean(&parts, &metas[p.tensor], cfg.average)?;
+                sums.push(sum);
+                result_amaxes[p.tensor] = amax;
+            }
+            let (result_metas, result_global) = agreed_metas(comm, &result_amaxes, cfg)?;
+            let out_codes = pieces
+                .iter()
+                .zip(&sums)
+                .map(|(p, s)| {
+                    Ok(ScalingTensor::quantize_with(s, &result_metas[p.tensor])?
+                        .0
+                        .data()
+                        .clone())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let shard = cat_nonempty(&out_codes, &codes)?;
+            (shard, input_global, result_metas, result_global)
+        }
+    };
 
     // Step 6: one all-gather of the bucket, cut back into tensors; each
     // tensor's amax the larger of its two agreed ones (one op for all).
@@ -195,4 +247,25 @@ where
             })
         })
         .collect()
+}
+
+/// The bucket's FP8 gradients and their format when every step can run a
+/// bucket at a time (`amp_core::bucket_*`): all inputs scaling tensors of
+/// the configured FP8 format, at most 64 ranks.
+fn fused<'i>(
+    inputs: &'i [Input],
+    cfg: &Fp8ReduceConfig,
+    n: usize,
+) -> Option<(Vec<&'i ScalingTensor>, QType)> {
+    if cfg.qtype == QType::F16 || n > 64 {
+        return None;
+    }
+    let scaled = inputs
+        .iter()
+        .map(|x| match x {
+            Input::Scaled(s) if s.qtype() == cfg.qtype => Some(s),
+            _ => None,
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((scaled, cfg.qtype))
 }

@@ -32,6 +32,7 @@ STEPS=${STEPS:-25}; SKIP=${SKIP:-5}
 echo "== 1. 256 MiB: ours (nccl_check --bench), then PyTorch's NCCL all-reduce"
 timeout 150 $TORCHRUN --no-python --nproc-per-node 2 --master-port 29500 "$BIN/nccl_check" --bench \
   > "$OUT/nccl_bench.log" 2>&1; echo "rc=$?"
+echo "checks: $(grep -c ' PASS ' "$OUT/nccl_bench.log") PASS, $(grep -c ' FAIL ' "$OUT/nccl_bench.log") FAIL"
 grep -E "BENCH|FAIL" "$OUT/nccl_bench.log" | grep "rank 0" | head -12
 timeout 90 $TORCHRUN --nproc-per-node 2 --master-port 29510 "$HERE/torch_allreduce.py" --mib 256 \
   2>&1 | tee "$OUT/torch_allreduce.log" | grep '^{'
@@ -80,6 +81,8 @@ for size in $SIZES; do
   if [ "${VARIANTS:-0}" = 1 ]; then
     ours "${size}_O2_x2_no_overlap" 2 gpt 16 O2 --no-overlap
     ours "${size}_O2_x2_bucket100" 2 gpt 16 O2 --bucket-mb 100
+    ours "${size}_O2_x2_bucket400" 2 gpt 16 O2 --bucket-mb 400
+    ours "${size}_O3_x2_bucket100" 2 gpt 16 O3 --bucket-mb 100
     ours "${size}_O3_x2_no_overlap" 2 gpt 16 O3 --no-overlap
   fi
   if [ -x "$BIN/gpt_old" ]; then

@@ -56,6 +56,35 @@ pub(crate) fn decoded_amax(_: QType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn bucket_amax(_: QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_scales(_: QType, _: ScaleRule, _: u32, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_requantize(_: QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_decode_sum(
+    _: QType,
+    _: bool,
+    _: &[crate::numerics::bucket::Piece],
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_quantize(
+    _: QType,
+    _: &[crate::numerics::bucket::Piece],
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn decode_sum(_: QType, _: bool, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

@@ -8,6 +8,7 @@
 //! the scaling layer's) and the device plumbing the other layers'
 //! launchers share. Imports nothing of the layers above.
 
+pub(crate) mod bucket;
 pub(crate) mod bulk;
 pub(crate) mod cast;
 pub(crate) mod cast_t;

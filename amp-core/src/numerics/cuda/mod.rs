@@ -47,6 +47,7 @@
 //! [`ScalingMeta`](crate::scaling::meta::ScalingMeta) and the scale update produce finite
 //! normal scales.
 
+mod bucket;
 mod cast;
 pub(crate) mod cast_t;
 mod decode_sum;
@@ -56,6 +57,9 @@ pub(crate) mod pool;
 mod scalars;
 pub(crate) mod transpose;
 
+pub(crate) use bucket::{
+    bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales,
+};
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use decode_sum::decode_sum;
 pub(crate) use meta::{flag_scale_inv, record_amax, scale_update};

@@ -1,0 +1,401 @@
+//! The per-tensor steps of a bucketed FP8 reduction, a whole bucket in one
+//! launch each instead of one launch per tensor (issue 21: with one launch
+//! per tensor, a 350M GPT's 96 weight gradients cost a few thousand small
+//! kernels a step). Each is bit for bit its one-tensor op, and its CPU
+//! body is made of those ops:
+//! [`bucket_amax`] (`ScalingTensor::decoded_amax`, NaN counted as inf),
+//! [`bucket_scales`] (`ScalingMeta::for_current_amax`),
+//! [`bucket_requantize`] (`ScalingTensor::requantize_with`, concatenated),
+//! [`bucket_decode_sum`] ([`decode_sum`](crate::decode_sum) of each piece,
+//! concatenated, with each tensor's amax) and [`bucket_quantize`]
+//! (`ScalingTensor::quantize_with` of each piece, concatenated).
+
+use crate::error::{Error, Result};
+use crate::numerics::cast::quantize_slice;
+use crate::numerics::decode_sum::DecodeSum;
+use crate::numerics::kernel::{arity, launch, scalar, slice, Kernel};
+use crate::numerics::qtype::QType;
+use crate::numerics::requantize::{DecodedAmax, Requantize};
+use crate::numerics::scale::ScaleRule;
+use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
+
+/// One piece of a bucket: the tensor it belongs to, where it starts in the
+/// input it is read from, and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Index of its tensor (for the per-tensor scale vectors).
+    pub tensor: usize,
+    /// First element in the input.
+    pub start: usize,
+    /// Elements.
+    pub len: usize,
+}
+
+fn f32_one(v: f32) -> (CpuStorage, Layout) {
+    (CpuStorage::F32(vec![v]), Layout::contiguous(1))
+}
+
+fn u8s(v: &[u8]) -> (CpuStorage, Layout) {
+    (CpuStorage::U8(v.to_vec()), Layout::contiguous(v.len()))
+}
+
+fn fp8(op: &'static str, qtype: QType) -> Result<()> {
+    match qtype.fp8() {
+        Some(_) => Ok(()),
+        None => Err(Error::Unsupported {
+            op,
+            what: "FP16 codes".into(),
+        }),
+    }
+}
+
+/// codes_0..T-1, scale_inv_0..T-1 -> amax [T], NaN as inf.
+pub(crate) struct BucketAmax {
+    pub qtype: QType,
+}
+
+impl Kernel for BucketAmax {
+    const NAME: &'static str = "bucket_amax";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        fp8(Self::NAME, self.qtype)?;
+        let t = inputs.len() / 2;
+        if t == 0 || inputs.len() != 2 * t {
+            return Err(arity(Self::NAME));
+        }
+        let op = DecodedAmax { qtype: self.qtype };
+        let mut out = Vec::with_capacity(t);
+        for i in 0..t {
+            let a = op.cpu(&[inputs[i], inputs[t + i]])?;
+            let (CpuStorage::F32(v), _) = &a[0] else {
+                return Err(arity(Self::NAME));
+            };
+            out.push(if v[0].is_nan() { f32::INFINITY } else { v[0] });
+        }
+        Ok(vec![(CpuStorage::F32(out), Shape::from(t))])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_amax(self.qtype, inputs)
+    }
+}
+
+/// amax [T] -> scale [T], scale_inv [T].
+pub(crate) struct BucketScales {
+    pub qtype: QType,
+    pub rule: ScaleRule,
+    pub margin: u32,
+}
+
+impl Kernel for BucketScales {
+    const NAME: &'static str = "bucket_scales";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(a, la)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let amax = slice::<f32>(Self::NAME, a, la)?;
+        let scale: Vec<f32> = amax
+            .iter()
+            .map(|&a| self.rule.compute(a, 1.0, self.qtype.max(), self.margin))
+            .collect();
+        let inv = scale.iter().map(|s| 1.0 / s).collect();
+        let shape = la.shape().clone();
+        Ok(vec![
+            (CpuStorage::F32(scale), shape.clone()),
+            (CpuStorage::F32(inv), shape),
+        ])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_scales(self.qtype, self.rule, self.margin, inputs)
+    }
+}
+
+/// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes [sum of lengths].
+pub(crate) struct BucketRequantize {
+    pub qtype: QType,
+}
+
+impl Kernel for BucketRequantize {
+    const NAME: &'static str = "bucket_requantize";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        fp8(Self::NAME, self.qtype)?;
+        let Some(((s, ls), rest)) = inputs.split_last() else {
+            return Err(arity(Self::NAME));
+        };
+        let t = rest.len() / 2;
+        if t == 0 || rest.len() != 2 * t {
+            return Err(arity(Self::NAME));
+        }
+        let scale = slice::<f32>(Self::NAME, s, ls)?;
+        let op = Requantize {
+            from: self.qtype,
+            to: self.qtype,
+        };
+        let mut out = Vec::new();
+        for i in 0..t {
+            let sc = f32_one(scale[i]);
+            let r = op.cpu(&[rest[i], rest[t + i], (&sc.0, &sc.1)])?;
+            let (CpuStorage::U8(c), _) = &r[0] else {
+                return Err(arity(Self::NAME));
+            };
+            out.extend_from_slice(c);
+        }
+        let n = out.len();
+        Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_requantize(self.qtype, inputs)
+    }
+}
+
+/// chunk_0..N-1 (U8), scale_inv [T] -> sums [sum of piece lengths], amax
+/// [T] (0 for a tensor without a piece, NaN as inf).
+pub(crate) struct BucketDecodeSum {
+    pub qtype: QType,
+    pub average: bool,
+    pub pieces: Vec<Piece>,
+}
+
+impl Kernel for BucketDecodeSum {
+    const NAME: &'static str = "bucket_decode_sum";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        fp8(Self::NAME, self.qtype)?;
+        let Some(((s, ls), chunks)) = inputs.split_last() else {
+            return Err(arity(Self::NAME));
+        };
+        let scale_inv = slice::<f32>(Self::NAME, s, ls)?;
+        let codes = chunks
+            .iter()
+            .map(|(c, l)| slice::<u8>(Self::NAME, c, l))
+            .collect::<Result<Vec<_>>>()?;
+        let op = DecodeSum {
+            qtype: self.qtype,
+            average: self.average,
+        };
+        let mut sums = Vec::new();
+        let mut amax = vec![0f32; scale_inv.len()];
+        for p in &self.pieces {
+            let parts: Vec<(CpuStorage, Layout)> = codes
+                .iter()
+                .map(|c| {
+                    c.get(p.start..p.start + p.len)
+                        .map(u8s)
+                        .ok_or_else(|| arity(Self::NAME))
+                })
+                .collect::<Result<_>>()?;
+            let si = f32_one(*scale_inv.get(p.tensor).ok_or_else(|| arity(Self::NAME))?);
+            let mut args: Vec<(&CpuStorage, &Layout)> = parts.iter().map(|(c, l)| (c, l)).collect();
+            args.push((&si.0, &si.1));
+            let r = op.cpu(&args)?;
+            let [(CpuStorage::F32(v), _), (a, la)] = r.as_slice() else {
+                return Err(arity(Self::NAME));
+            };
+            let a = scalar(Self::NAME, a, &Layout::contiguous(la.clone()))?;
+            amax[p.tensor] = if a.is_nan() { f32::INFINITY } else { a };
+            sums.extend_from_slice(v);
+        }
+        let (n, t) = (sums.len(), amax.len());
+        Ok(vec![
+            (CpuStorage::F32(sums), Shape::from(n)),
+            (CpuStorage::F32(amax), Shape::from(t)),
+        ])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_decode_sum(self.qtype, self.average, &self.pieces, inputs)
+    }
+}
+
+/// values (F32), scale [T] -> codes [sum of piece lengths].
+pub(crate) struct BucketQuantize {
+    pub qtype: QType,
+    pub pieces: Vec<Piece>,
+}
+
+impl Kernel for BucketQuantize {
+    const NAME: &'static str = "bucket_quantize";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        fp8(Self::NAME, self.qtype)?;
+        let [(x, lx), (s, ls)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let x = slice::<f32>(Self::NAME, x, lx)?;
+        let scale = slice::<f32>(Self::NAME, s, ls)?;
+        let mut out = Vec::new();
+        for p in &self.pieces {
+            let xs = x
+                .get(p.start..p.start + p.len)
+                .ok_or_else(|| arity(Self::NAME))?;
+            let sc = *scale.get(p.tensor).ok_or_else(|| arity(Self::NAME))?;
+            let (CpuStorage::U8(c), _, _) = quantize_slice(self.qtype, xs, sc) else {
+                return Err(arity(Self::NAME));
+            };
+            out.extend_from_slice(&c);
+        }
+        let n = out.len();
+        Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_quantize(self.qtype, &self.pieces, inputs)
+    }
+}
+
+/// The amax of each tensor's value, `max |decode(codes) * scale_inv|` with
+/// NaN counted as inf, as one F32 vector, in one launch: bit for bit each
+/// `ScalingTensor::decoded_amax` with NaN mapped to inf. `codes[t]` (FP8
+/// codes of `qtype`, `U8`) with its 1-element `scale_invs[t]`.
+///
+/// # Errors
+/// [`Error::Unsupported`] for FP16, no tensor, or lists of different
+/// lengths.
+pub fn bucket_amax(codes: &[&Tensor], scale_invs: &[&Tensor], qtype: QType) -> Result<Tensor> {
+    check_lists(BucketAmax::NAME, codes, scale_invs, qtype)?;
+    let mut inputs: Vec<&Tensor> = codes.to_vec();
+    inputs.extend_from_slice(scale_invs);
+    let [a] = <[Tensor; 1]>::try_from(launch(&BucketAmax { qtype }, &inputs)?)
+        .map_err(|_| arity(BucketAmax::NAME))?;
+    Ok(a)
+}
+
+fn check_lists(
+    op: &'static str,
+    codes: &[&Tensor],
+    scale_invs: &[&Tensor],
+    qtype: QType,
+) -> Result<()> {
+    fp8(op, qtype)?;
+    if codes.is_empty() || codes.len() != scale_invs.len() {
+        return Err(Error::Unsupported {
+            op,
+            what: format!(
+                "{} code tensors with {} scales",
+                codes.len(),
+                scale_invs.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Current scaling's scale and scale_inv for each amax of `amax` (a
+/// vector), in one launch: element `t` bit for bit those of
+/// [`ScalingMeta::for_current_amax`](crate::ScalingMeta::for_current_amax)
+/// of amax `t`.
+///
+/// # Errors
+/// Only candle's.
+pub fn bucket_scales(
+    amax: &Tensor,
+    qtype: QType,
+    rule: ScaleRule,
+    margin: u32,
+) -> Result<(Tensor, Tensor)> {
+    let [s, si] = <[Tensor; 2]>::try_from(launch(
+        &BucketScales {
+            qtype,
+            rule,
+            margin,
+        },
+        &[amax],
+    )?)
+    .map_err(|_| arity(BucketScales::NAME))?;
+    Ok((s, si))
+}
+
+/// Every tensor's value (`codes[t]` with `scale_invs[t]`, as in
+/// [`bucket_amax`]) re-cast with element `t` of `scale` to the same
+/// format, the codes concatenated (flat), in one launch: bit for bit the
+/// concatenation of each `ScalingTensor::requantize_with`.
+///
+/// # Errors
+/// As [`bucket_amax`].
+pub fn bucket_requantize(
+    codes: &[&Tensor],
+    scale_invs: &[&Tensor],
+    qtype: QType,
+    scale: &Tensor,
+) -> Result<Tensor> {
+    check_lists(BucketRequantize::NAME, codes, scale_invs, qtype)?;
+    let mut inputs: Vec<&Tensor> = codes.to_vec();
+    inputs.extend_from_slice(scale_invs);
+    inputs.push(scale);
+    let [c] = <[Tensor; 1]>::try_from(launch(&BucketRequantize { qtype }, &inputs)?)
+        .map_err(|_| arity(BucketRequantize::NAME))?;
+    Ok(c)
+}
+
+/// For each piece, the rank-order sum of `chunks`' codes (one flat `U8`
+/// tensor a rank, the piece at `start` in each) decoded with element
+/// `piece.tensor` of `scale_inv`, divided by the number of chunks when
+/// `average`; the sums concatenated (F32), and each tensor's amax of its
+/// piece (a vector as long as `scale_inv`; 0 for a tensor without a piece,
+/// NaN counted as inf), in one launch: bit for bit
+/// [`decode_sum`](crate::decode_sum) of each piece.
+///
+/// # Errors
+/// [`Error::Unsupported`] for FP16, no chunk or more than 64, a piece
+/// outside the chunks or naming no tensor.
+pub fn bucket_decode_sum(
+    chunks: &[Tensor],
+    scale_inv: &Tensor,
+    qtype: QType,
+    average: bool,
+    pieces: &[Piece],
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = BucketDecodeSum::NAME;
+    fp8(OP, qtype)?;
+    let len = chunks.first().map_or(0, Tensor::elem_count);
+    let tensors = scale_inv.elem_count();
+    if chunks.is_empty()
+        || chunks.len() > crate::numerics::decode_sum::MAX_RANKS
+        || chunks.iter().any(|c| c.elem_count() != len)
+        || pieces
+            .iter()
+            .any(|p| p.start + p.len > len || p.tensor >= tensors)
+    {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!(
+                "{} chunks of {len} codes, {tensors} tensors and pieces {pieces:?}",
+                chunks.len()
+            ),
+        });
+    }
+    let mut inputs: Vec<&Tensor> = chunks.iter().collect();
+    inputs.push(scale_inv);
+    let op = BucketDecodeSum {
+        qtype,
+        average,
+        pieces: pieces.to_vec(),
+    };
+    let [s, a] = <[Tensor; 2]>::try_from(launch(&op, &inputs)?).map_err(|_| arity(OP))?;
+    Ok((s, a))
+}
+
+/// Each piece of `values` (F32, flat) cast with element `piece.tensor` of
+/// `scale` to `qtype`, the codes concatenated, in one launch: bit for bit
+/// each [`ScalingTensor::quantize_with`].
+///
+/// # Errors
+/// [`Error::Unsupported`] for FP16 or a piece outside `values`.
+pub fn bucket_quantize(
+    values: &Tensor,
+    scale: &Tensor,
+    qtype: QType,
+    pieces: &[Piece],
+) -> Result<Tensor> {
+    const OP: &str = BucketQuantize::NAME;
+    fp8(OP, qtype)?;
+    if pieces
+        .iter()
+        .any(|p| p.start + p.len > values.elem_count() || p.tensor >= scale.elem_count())
+    {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("pieces {pieces:?} of {} values", values.elem_count()),
+        });
+    }
+    let op = BucketQuantize {
+        qtype,
+        pieces: pieces.to_vec(),
+    };
+    let [c] = <[Tensor; 1]>::try_from(launch(&op, &[values, scale])?).map_err(|_| arity(OP))?;
+    Ok(c)
+}

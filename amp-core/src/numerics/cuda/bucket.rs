@@ -1,0 +1,381 @@
+//! Launches of the `bucket_*` kernels (`kernels/amp.cu`): up to
+//! `BUCKET_MAX` items a launch (`blockIdx.y`), described by value in a
+//! `BucketArgs`; more items take more launches into the same outputs.
+
+use super::launch::{func, multiprocessors, view};
+use crate::error::{Error, Result};
+use crate::numerics::bucket::Piece;
+use crate::numerics::decode_sum::{DecodeSum, MAX_RANKS};
+use crate::numerics::kernel::arity;
+use crate::numerics::qtype::QType;
+use crate::numerics::scale::ScaleRule;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::{Layout, Shape};
+
+/// Items a launch (`BUCKET_MAX`).
+const ITEMS: usize = 64;
+const THREADS: u32 = 256;
+
+/// `BucketArgs` in amp.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct BucketArgs {
+    src: [u64; ITEMS],
+    len: [u64; ITEMS],
+    out_off: [u64; ITEMS],
+    aux: [u64; ITEMS],
+    t: [i32; ITEMS],
+}
+
+// SAFETY: plain old data laid out as the kernel's struct.
+unsafe impl DeviceRepr for BucketArgs {}
+
+impl BucketArgs {
+    fn new() -> Self {
+        Self {
+            src: [0; ITEMS],
+            len: [0; ITEMS],
+            out_off: [0; ITEMS],
+            aux: [0; ITEMS],
+            t: [0; ITEMS],
+        }
+    }
+}
+
+/// One item: input address, length, output offset, extra, tensor.
+#[derive(Clone, Copy)]
+struct Item {
+    src: u64,
+    len: usize,
+    out_off: usize,
+    aux: u64,
+    t: usize,
+}
+
+/// The grid of a launch of `items`: `blockIdx.y` the item, enough blocks
+/// in x for the longest, about eight blocks a multiprocessor in all.
+fn grid(dev: &CudaDevice, items: &[Item]) -> Result<LaunchConfig> {
+    let longest = items.iter().map(|i| i.len).max().unwrap_or(0);
+    let budget = (multiprocessors(dev)? * 8)
+        .div_ceil(items.len().max(1))
+        .max(1);
+    let x = longest.div_ceil(THREADS as usize * 4).clamp(1, budget) as u32;
+    Ok(LaunchConfig {
+        grid_dim: (x, items.len() as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// The launches for the items, `ITEMS` at a time (chunks of empty items
+/// left out): the `BucketArgs` of each and its grid.
+fn launches(dev: &CudaDevice, items: &[Item]) -> Result<Vec<(BucketArgs, LaunchConfig)>> {
+    items
+        .chunks(ITEMS)
+        .filter(|c| c.iter().any(|i| i.len > 0))
+        .map(|chunk| {
+            let mut a = BucketArgs::new();
+            for (k, i) in chunk.iter().enumerate() {
+                a.src[k] = i.src;
+                a.len[k] = i.len as u64;
+                a.out_off[k] = i.out_off as u64;
+                a.aux[k] = i.aux;
+                a.t[k] = i.t as i32;
+            }
+            Ok((a, grid(dev, chunk)?))
+        })
+        .collect()
+}
+
+fn fmt_name(op: &'static str, qtype: QType) -> Result<&'static str> {
+    match qtype {
+        QType::E4M3 => Ok("e4m3"),
+        QType::E5M2 => Ok("e5m2"),
+        QType::F16 => Err(Error::Unsupported {
+            op,
+            what: "FP16 codes".into(),
+        }),
+    }
+}
+
+fn wrap_f32(s: CudaSlice<f32>, dev: &CudaDevice, n: usize) -> (CudaStorage, Shape) {
+    (CudaStorage::wrap_cuda_slice(s, dev.clone()), Shape::from(n))
+}
+
+/// codes_0..T-1, scale_inv_0..T-1 -> amax [T] (NaN as inf).
+pub(crate) fn bucket_amax(
+    qtype: QType,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_amax";
+    let t = inputs.len() / 2;
+    if t == 0 || inputs.len() != 2 * t {
+        return Err(arity(OP));
+    }
+    let dev = inputs[0].0.device().clone();
+    let stream = dev.cuda_stream();
+    let codes = inputs[..t]
+        .iter()
+        .map(|(c, l)| view::<u8>(OP, c, l))
+        .collect::<Result<Vec<_>>>()?;
+    let sinv = inputs[t..]
+        .iter()
+        .map(|(s, l)| view::<f32>(OP, s, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut guards = Vec::new();
+    let mut items = Vec::with_capacity(t);
+    for (i, (c, s)) in codes.iter().zip(&sinv).enumerate() {
+        let (cp, g1) = c.device_ptr(&stream);
+        let (sp, g2) = s.device_ptr(&stream);
+        guards.push(g1);
+        guards.push(g2);
+        items.push(Item {
+            src: cp,
+            len: c.len(),
+            out_off: 0,
+            aux: sp,
+            t: i,
+        });
+    }
+    let mut amax = dev.alloc_zeros::<f32>(t)?;
+    let name = format!("bucket_amax_{}", fmt_name(OP, qtype)?);
+    let f = func(&dev, &name)?;
+    for (a, cfg) in launches(&dev, &items)? {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a).arg(&mut amax);
+        // SAFETY: every item's codes and scale_inv are live (`guards`).
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guards);
+    Ok(vec![wrap_f32(amax, &dev, t)])
+}
+
+/// amax [T] -> scale [T], scale_inv [T].
+pub(crate) fn bucket_scales(
+    qtype: QType,
+    rule: ScaleRule,
+    margin: u32,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_scales";
+    let [(a, la)] = inputs else {
+        return Err(arity(OP));
+    };
+    let dev = a.device().clone();
+    let n = la.shape().elem_count();
+    let amax = view::<f32>(OP, a, la)?;
+    // SAFETY: the kernel writes every element.
+    let mut scale = unsafe { dev.alloc::<f32>(n)? };
+    let mut inv = unsafe { dev.alloc::<f32>(n)? };
+    if n > 0 {
+        let rule: i32 = match rule {
+            ScaleRule::Te => 0,
+            ScaleRule::PowerOfTwo => 1,
+        };
+        let (count, max) = (n as i32, qtype.max());
+        let f = func(&dev, "bucket_scales")?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&f);
+        b.arg(&amax)
+            .arg(&mut scale)
+            .arg(&mut inv)
+            .arg(&count)
+            .arg(&rule)
+            .arg(&margin)
+            .arg(&max);
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: n amaxes in, n scales and scale_invs out.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    let shape = la.shape().clone();
+    Ok(vec![
+        (
+            CudaStorage::wrap_cuda_slice(scale, dev.clone()),
+            shape.clone(),
+        ),
+        (CudaStorage::wrap_cuda_slice(inv, dev), shape),
+    ])
+}
+
+/// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes [sum of lengths].
+pub(crate) fn bucket_requantize(
+    qtype: QType,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_requantize";
+    let Some(((s, ls), rest)) = inputs.split_last() else {
+        return Err(arity(OP));
+    };
+    let t = rest.len() / 2;
+    if t == 0 || rest.len() != 2 * t {
+        return Err(arity(OP));
+    }
+    let dev = s.device().clone();
+    let stream = dev.cuda_stream();
+    let scale = view::<f32>(OP, s, ls)?;
+    let codes = rest[..t]
+        .iter()
+        .map(|(c, l)| view::<u8>(OP, c, l))
+        .collect::<Result<Vec<_>>>()?;
+    let sinv = rest[t..]
+        .iter()
+        .map(|(s, l)| view::<f32>(OP, s, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut guards = Vec::new();
+    let mut items = Vec::with_capacity(t);
+    let mut total = 0;
+    for (i, (c, s)) in codes.iter().zip(&sinv).enumerate() {
+        let (cp, g1) = c.device_ptr(&stream);
+        let (sp, g2) = s.device_ptr(&stream);
+        guards.push(g1);
+        guards.push(g2);
+        items.push(Item {
+            src: cp,
+            len: c.len(),
+            out_off: total,
+            aux: sp,
+            t: i,
+        });
+        total += c.len();
+    }
+    // SAFETY: the items cover every element.
+    let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };
+    let name = format!("bucket_requantize_{}", fmt_name(OP, qtype)?);
+    let f = func(&dev, &name)?;
+    for (a, cfg) in launches(&dev, &items)? {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a).arg(&scale).arg(&mut out);
+        // SAFETY: every item's codes and scale_inv are live (`guards`), its
+        // output range within `out`.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guards);
+    Ok(vec![(
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from(total),
+    )])
+}
+
+/// chunk_0..N-1, scale_inv [T] -> sums [sum of piece lengths], amax [T].
+pub(crate) fn bucket_decode_sum(
+    qtype: QType,
+    average: bool,
+    pieces: &[Piece],
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_decode_sum";
+    let Some(((s, ls), chunks)) = inputs.split_last() else {
+        return Err(arity(OP));
+    };
+    if chunks.is_empty() || chunks.len() > MAX_RANKS {
+        return Err(arity(OP));
+    }
+    let dev = s.device().clone();
+    let stream = dev.cuda_stream();
+    let tensors = ls.shape().elem_count();
+    let scale_inv = view::<f32>(OP, s, ls)?;
+    let views = chunks
+        .iter()
+        .map(|(c, l)| view::<u8>(OP, c, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut ptrs = [0u64; MAX_RANKS];
+    let mut guards = Vec::new();
+    for (k, v) in views.iter().enumerate() {
+        let (p, g) = v.device_ptr(&stream);
+        ptrs[k] = p;
+        guards.push(g);
+    }
+    let mut items = Vec::with_capacity(pieces.len());
+    let mut total = 0;
+    for p in pieces {
+        items.push(Item {
+            src: 0,
+            len: p.len,
+            out_off: total,
+            aux: p.start as u64,
+            t: p.tensor,
+        });
+        total += p.len;
+    }
+    // SAFETY: the pieces cover every element.
+    let mut out = unsafe { dev.alloc::<f32>(total.max(1))? };
+    let mut amax = dev.alloc_zeros::<f32>(tensors.max(1))?;
+    let name = format!("bucket_decode_sum_{}", fmt_name(OP, qtype)?);
+    let ranks = chunks.len() as i32;
+    let avg = i32::from(average && chunks.len() > 1);
+    let inv_n = DecodeSum::inv_n(chunks.len());
+    let f = func(&dev, &name)?;
+    for (a, cfg) in launches(&dev, &items)? {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a)
+            .arg(&ptrs)
+            .arg(&ranks)
+            .arg(&scale_inv)
+            .arg(&avg)
+            .arg(&inv_n)
+            .arg(&mut out)
+            .arg(&mut amax);
+        // SAFETY: every chunk is live (`guards`) and holds each piece's
+        // range; every output range within `out`, every tensor in `amax`.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guards);
+    Ok(vec![
+        wrap_f32(out, &dev, total),
+        wrap_f32(amax, &dev, tensors),
+    ])
+}
+
+/// values (F32), scale [T] -> codes [sum of piece lengths].
+pub(crate) fn bucket_quantize(
+    qtype: QType,
+    pieces: &[Piece],
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_quantize";
+    let [(x, lx), (s, ls)] = inputs else {
+        return Err(arity(OP));
+    };
+    let dev = x.device().clone();
+    let stream = dev.cuda_stream();
+    let values = view::<f32>(OP, x, lx)?;
+    let scale = view::<f32>(OP, s, ls)?;
+    let (base, guard) = values.device_ptr(&stream);
+    let mut items = Vec::with_capacity(pieces.len());
+    let mut total = 0;
+    for p in pieces {
+        let src = base + (p.start * 4) as u64;
+        items.push(Item {
+            src,
+            len: p.len,
+            out_off: total,
+            aux: 0,
+            t: p.tensor,
+        });
+        total += p.len;
+    }
+    // SAFETY: the pieces cover every element.
+    let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };
+    let name = format!("bucket_quantize_{}", fmt_name(OP, qtype)?);
+    let f = func(&dev, &name)?;
+    for (a, cfg) in launches(&dev, &items)? {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a).arg(&scale).arg(&mut out);
+        // SAFETY: every piece lies within `values` (live, `guard`), every
+        // output range within `out`.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guard);
+    Ok(vec![(
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from(total),
+    )])
+}
