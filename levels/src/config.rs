@@ -75,8 +75,9 @@ pub struct AmpConfig {
     /// Data parallelism: the gradients are reduced in buckets of at most
     /// this many MiB, counted as F32 (4 bytes an element, whatever goes on
     /// the wire), as PyTorch DDP's `bucket_cap_mb`; a tensor larger than
-    /// that is a bucket of its own (docs/ARCHITECTURE.md, "Data
-    /// parallelism"). Default 25.
+    /// that is a bucket of its own (docs/ARCHITECTURE.md, "Buckets").
+    /// Default 100 (DDP's is 25; each of our buckets costs four
+    /// collectives, and 100 MiB measured fastest, BENCHMARKS.md).
     pub bucket_mb: f64,
     /// Data parallelism: start reducing a bucket while the backward still
     /// runs, as soon as its gradients have arrived (from the second step
@@ -100,8 +101,8 @@ impl Default for AmpConfig {
     }
 }
 
-/// [`AmpConfig::bucket_mb`]'s default, PyTorch DDP's.
-pub const DEFAULT_BUCKET_MB: f64 = 25.0;
+/// [`AmpConfig::bucket_mb`]'s default (PyTorch DDP's is 25).
+pub const DEFAULT_BUCKET_MB: f64 = 100.0;
 
 /// [`AmpConfig::bucket_mb`]'s largest value (1 TiB).
 pub const MAX_BUCKET_MB: f64 = 1_048_576.0;

@@ -13,12 +13,12 @@
 #   3. strong scaling (--batch 8 on 2 GPUs), the shell-loop launch, and a
 #      two-node launch simulated on one host (torchrun --nnodes 2, one GPU
 #      each), at O2 (unless LAUNCH=0);
-#   4. with VARIANTS=1, O2 on 2 GPUs with every bucket after the backward
-#      (--no-overlap) and with 100 MiB buckets.
+#   4. VARIANTS: more runs on 2 GPUs, each LEVEL:ARGS with commas for
+#      spaces, e.g. "O2:--no-overlap O2:--bucket-mb,25".
 # CARRY (default .carry/nccl) holds gpt.gz, nccl_check.gz (and gpt_old.gz)
 # built with `--features nccl`. NVLink SHARP (multicast) stays off.
-# Env: STEPS (25), SKIP (5), COMPILE (0), LAUNCH (1), VARIANTS (0), EXTRA
-# (more gpt arguments).
+# Env: STEPS (25), SKIP (5), COMPILE (0), BENCH (1: section 1), LAUNCH (1),
+# VARIANTS (none), EXTRA (more gpt arguments, for every run of ours).
 #
 #   bash scripts/gpu/ddp-scaling.sh .carry/nccl "350m 1.3b"
 set -uo pipefail
@@ -29,6 +29,7 @@ source "$(dirname "$0")/lib.sh"
 unpack gpt gpt_old nccl_check; need gpt nccl_check
 facts
 STEPS=${STEPS:-25}; SKIP=${SKIP:-5}
+if [ "${BENCH:-1}" = 1 ]; then
 echo "== 1. 256 MiB: ours (nccl_check --bench), then PyTorch's NCCL all-reduce"
 timeout 150 $TORCHRUN --no-python --nproc-per-node 2 --master-port 29500 "$BIN/nccl_check" --bench \
   > "$OUT/nccl_bench.log" 2>&1; echo "rc=$?"
@@ -36,6 +37,7 @@ echo "checks: $(grep -c ' PASS ' "$OUT/nccl_bench.log") PASS, $(grep -c ' FAIL '
 grep -E "BENCH|FAIL" "$OUT/nccl_bench.log" | grep "rank 0" | head -12
 timeout 90 $TORCHRUN --nproc-per-node 2 --master-port 29510 "$HERE/torch_allreduce.py" --mib 256 \
   2>&1 | tee "$OUT/torch_allreduce.log" | grep '^{'
+fi
 show() { grep '^{' "$1" | head -1 | python3 -c "
 import json, sys
 for l in sys.stdin:
@@ -78,13 +80,11 @@ for size in $SIZES; do
     ours "${size}_${lv}_x1" 1 gpt 8 "$lv"
     ours "${size}_${lv}_x2" 2 gpt 16 "$lv"
   done
-  if [ "${VARIANTS:-0}" = 1 ]; then
-    ours "${size}_O2_x2_no_overlap" 2 gpt 16 O2 --no-overlap
-    ours "${size}_O2_x2_bucket100" 2 gpt 16 O2 --bucket-mb 100
-    ours "${size}_O2_x2_bucket400" 2 gpt 16 O2 --bucket-mb 400
-    ours "${size}_O3_x2_bucket100" 2 gpt 16 O3 --bucket-mb 100
-    ours "${size}_O3_x2_no_overlap" 2 gpt 16 O3 --no-overlap
-  fi
+  for v in ${VARIANTS:-}; do
+    lv=${v%%:*}; vargs=${v#*:}
+    # shellcheck disable=SC2086 # the variant's arguments, split on commas
+    ours "${size}_${lv}_x2_$(echo "$vargs" | tr -c 'a-z0-9\n' '_')" 2 gpt 16 "$lv" ${vargs//,/ }
+  done
   if [ -x "$BIN/gpt_old" ]; then
     ours "${size}_O2_x1_old" 1 gpt_old 8 O2
     ours "${size}_O2_x2_old" 2 gpt_old 16 O2
