@@ -22,6 +22,9 @@ use amp_optim::{
 };
 use candle_core::Tensor;
 
+/// A gradient's name, data bytes and metadata bytes.
+pub(crate) type GradBytes = (String, usize, usize);
+
 /// What a data-parallel group does inside [`initialize_with`] and the
 /// optimizer step; the `distributed` module implements it (this module
 /// knows no communicator).
@@ -51,7 +54,7 @@ pub(crate) trait DataParallel: std::fmt::Debug {
         &self,
         pending: &mut Option<Grads>,
         backward: &mut dyn FnMut() -> Result<Grads>,
-    ) -> Result<(Grads, Vec<(String, usize, usize)>)>;
+    ) -> Result<(Grads, Vec<GradBytes>)>;
 
     /// The mean of every rank's gradients (of a weight this rank holds a
     /// slice of: only that slice), its buckets and bytes counted in `stats`.

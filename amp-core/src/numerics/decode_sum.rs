@@ -177,7 +177,7 @@ mod tests {
         let b = Tensor::zeros(4, DType::U8, &Device::Cpu)?;
         assert!(decode_sum(&[], &s, QType::E4M3, true).is_err());
         assert!(decode_sum(&[a.clone(), b], &s, QType::E4M3, true).is_err());
-        assert!(decode_sum(&[a.clone()], &s, QType::F16, true).is_err());
+        assert!(decode_sum(std::slice::from_ref(&a), &s, QType::F16, true).is_err());
         let many = vec![a; 65];
         assert!(decode_sum(&many, &s, QType::E5M2, false).is_err());
         Ok(())

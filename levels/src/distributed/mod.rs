@@ -30,7 +30,9 @@ pub(crate) mod zero;
 
 use crate::comm_stats::CommStats;
 use crate::config::AmpConfig;
-use crate::context::{initialize_with, AmpContext, AmpOptimizer, DataParallel, INITIALIZED_MARK};
+use crate::context::{
+    initialize_with, AmpContext, AmpOptimizer, DataParallel, GradBytes, INITIALIZED_MARK,
+};
 use crate::error::Result;
 use amp_comm::Communicator;
 use amp_core::{with_sink_listener, GradSink, WeightSlot};
@@ -119,7 +121,7 @@ impl DataParallel for Group {
         &self,
         pending: &mut Option<Grads>,
         backward: &mut dyn FnMut() -> Result<Grads>,
-    ) -> Result<(Grads, Vec<(String, usize, usize)>)> {
+    ) -> Result<(Grads, Vec<GradBytes>)> {
         if !self.overlap {
             return Ok((backward()?, Vec::new()));
         }

@@ -20,6 +20,7 @@
 use super::plan::plan;
 use super::zero::{self, Shard};
 use crate::comm_stats::CommStats;
+use crate::context::GradBytes;
 use crate::error::{Error, Result};
 use amp_comm::{fp8_all_reduce_bucket, Communicator, Fp8ReduceConfig};
 use amp_core::{GradSink, QType, ScalingTensor};
@@ -101,7 +102,7 @@ pub(crate) struct Step<'a> {
     pub(crate) reduced: Grads,
     pub(crate) stats: CommStats,
     /// Name, data bytes and metadata bytes of each gradient taken.
-    pub(crate) taken: Vec<(String, usize, usize)>,
+    pub(crate) taken: Vec<GradBytes>,
 }
 
 impl<'a> Step<'a> {
