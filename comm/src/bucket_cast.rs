@@ -182,3 +182,24 @@ pub(crate) fn rank_order_mean(
     let amax = amp_core::amax(&sum)?;
     Ok((sum, amax))
 }
+
+/// The bucket's FP8 gradients and their format when every step can run a
+/// bucket at a time (`amp_core::bucket_*`): all inputs scaling tensors of
+/// the configured FP8 format, at most 64 ranks.
+pub(crate) fn fused<'i>(
+    inputs: &'i [Input],
+    cfg: &Fp8ReduceConfig,
+    n: usize,
+) -> Option<(Vec<&'i ScalingTensor>, QType)> {
+    if cfg.qtype == QType::F16 || n > 64 {
+        return None;
+    }
+    let scaled = inputs
+        .iter()
+        .map(|x| match x {
+            Input::Scaled(s) if s.qtype() == cfg.qtype => Some(s),
+            _ => None,
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((scaled, cfg.qtype))
+}

@@ -3,14 +3,14 @@
 //! four per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
 
-use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, inputs, rank_order_mean, Input};
+use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, fused, inputs, rank_order_mean};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
 use crate::shard::shard_range;
 use amp_core::{
     bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales, Piece,
-    QType, ScalingMeta, ScalingTensor,
+    ScalingMeta, ScalingTensor,
 };
 use candle_core::{DType, Tensor};
 
@@ -160,7 +160,7 @@ where
             let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
             let global = comm.all_reduce_max_no_nan(&amax)?;
             let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
-            let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale)?;
+            let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, None)?;
             let received = exchange(&codes)?;
             let (sums, result_amax) =
                 bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &pieces)?;
@@ -247,25 +247,4 @@ where
             })
         })
         .collect()
-}
-
-/// The bucket's FP8 gradients and their format when every step can run a
-/// bucket at a time (`amp_core::bucket_*`): all inputs scaling tensors of
-/// the configured FP8 format, at most 64 ranks.
-fn fused<'i>(
-    inputs: &'i [Input],
-    cfg: &Fp8ReduceConfig,
-    n: usize,
-) -> Option<(Vec<&'i ScalingTensor>, QType)> {
-    if cfg.qtype == QType::F16 || n > 64 {
-        return None;
-    }
-    let scaled = inputs
-        .iter()
-        .map(|x| match x {
-            Input::Scaled(s) if s.qtype() == cfg.qtype => Some(s),
-            _ => None,
-        })
-        .collect::<Option<Vec<_>>>()?;
-    Some((scaled, cfg.qtype))
 }

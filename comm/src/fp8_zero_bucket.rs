@@ -13,12 +13,14 @@
 //! `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)` elements.
 //! A bucket boundary never falls inside a tensor.
 
-use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, inputs, rank_order_mean};
+use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, fused, inputs, rank_order_mean};
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
 use crate::shard::{shard_len, shard_range};
-use amp_core::ScalingTensor;
+use amp_core::{
+    bucket_amax, bucket_decode_sum, bucket_requantize, bucket_scales, Piece, QType, ScalingTensor,
+};
 use candle_core::{DType, Shape, Tensor};
 
 /// Where each tensor's slice of rank `r` lies in `r`'s chunk: offsets in
@@ -64,6 +66,9 @@ where
     }
     let (n, rank) = (comm.world_size(), comm.rank());
     let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
+    if let Some((scaled, qtype)) = fused(&inputs, cfg, n) {
+        return reduce_scatter_fused(comm, &scaled, qtype, &shapes, cfg);
+    }
     let (metas, codes, _) = cast_agreed(comm, &inputs, cfg)?;
     let chunks = (0..n)
         .map(|j| {
@@ -92,6 +97,90 @@ where
                 range,
                 shape: shapes[t].clone(),
                 amax: metas[t].amax()?,
+            })
+        })
+        .collect()
+}
+
+/// [`fp8_reduce_scatter_bucket`] of the layers' FP8 gradients, every step
+/// a bucket at a time (`amp_core::bucket_*`): the codes re-cast straight
+/// into the chunks' order (rank-major), one decode-and-sum for this rank's
+/// slices; bit for bit the general path.
+fn reduce_scatter_fused<C: Communicator + ?Sized>(
+    comm: &C,
+    scaled: &[&ScalingTensor],
+    qtype: QType,
+    shapes: &[Shape],
+    cfg: &Fp8ReduceConfig,
+) -> Result<Vec<ReducedShard>> {
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
+    let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
+    let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
+    let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
+    let global = comm.all_reduce_max_no_nan(&amax)?;
+    let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
+    let pieces: Vec<Piece> = (0..n)
+        .flat_map(|j| {
+            lens.iter().enumerate().map(move |(t, &l)| {
+                let r = shard_range(l, j, n);
+                Piece {
+                    tensor: t,
+                    start: r.start,
+                    len: r.len(),
+                }
+            })
+        })
+        .filter(|p| p.len > 0)
+        .collect();
+    let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, Some(&pieces))?;
+    let mut at = 0;
+    let chunks = (0..n)
+        .map(|j| {
+            let len = chunk_offsets(&lens, j, n).1;
+            let c = codes.narrow(0, at, len);
+            at += len;
+            c
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let received = comm.all_to_all(&chunks)?;
+    let (offsets, mine) = chunk_offsets(&lens, rank, n);
+    let mut at = 0;
+    let mut slices = Vec::with_capacity(lens.len());
+    for &l in &lens {
+        let range = shard_range(l, rank, n);
+        slices.push((at, range.clone()));
+        at += range.len();
+    }
+    let decode: Vec<Piece> = lens
+        .iter()
+        .enumerate()
+        .map(|(t, &l)| Piece {
+            tensor: t,
+            start: offsets[t],
+            len: shard_len(l, rank, n),
+        })
+        .collect();
+    let sums = if mine == 0 {
+        None
+    } else {
+        Some(bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &decode)?.0)
+    };
+    slices
+        .into_iter()
+        .zip(shapes)
+        .enumerate()
+        .map(|(t, ((at, range), shape))| {
+            let shard = match &sums {
+                Some(s) => s.narrow(0, at, range.len())?,
+                // nothing of this bucket on this rank: an empty view
+                None => global.narrow(0, 0, 0)?,
+            };
+            Ok(ReducedShard {
+                shard,
+                range,
+                shape: shape.clone(),
+                amax: global.narrow(0, t, 1)?,
             })
         })
         .collect()

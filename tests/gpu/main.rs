@@ -7,8 +7,8 @@
 //! float64 product, the FP8 Linear and the half-blocks to the GEMMs'
 //! rounding, the fused training ops and attention to their tolerances, a
 //! training-step slice captured into a CUDA graph (no device-to-host
-//! copy), and the fused low-bit AdamW step, the gradient sum of squares
-//! and the step's codecs bit for bit.
+//! copy), the fused low-bit AdamW step, the gradient sum of squares and
+//! the step's codecs, and the bucketed FP8 reduction's kernels bit for bit.
 //!
 //! One body per check, taking the device it runs on (`test_device!`):
 //! `NAME_cuda` runs it on CUDA device 0 against the CPU reference, and
@@ -62,6 +62,7 @@ macro_rules! test_device {
 }
 
 // (a crate root's modules sit beside it: these live in tests/gpu/)
+mod buckets;
 mod capture;
 mod casts;
 mod codecs;

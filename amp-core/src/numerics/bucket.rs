@@ -108,9 +108,11 @@ impl Kernel for BucketScales {
     }
 }
 
-/// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes [sum of lengths].
+/// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes of the pieces
+/// (`start` within the piece's tensor), concatenated.
 pub(crate) struct BucketRequantize {
     pub qtype: QType,
+    pub pieces: Vec<Piece>,
 }
 
 impl Kernel for BucketRequantize {
@@ -130,9 +132,14 @@ impl Kernel for BucketRequantize {
             to: self.qtype,
         };
         let mut out = Vec::new();
-        for i in 0..t {
-            let sc = f32_one(scale[i]);
-            let r = op.cpu(&[rest[i], rest[t + i], (&sc.0, &sc.1)])?;
+        for p in &self.pieces {
+            let (c, l) = rest.get(p.tensor).ok_or_else(|| arity(Self::NAME))?;
+            let codes = slice::<u8>(Self::NAME, c, l)?;
+            let part = u8s(codes
+                .get(p.start..p.start + p.len)
+                .ok_or_else(|| arity(Self::NAME))?);
+            let sc = f32_one(*scale.get(p.tensor).ok_or_else(|| arity(Self::NAME))?);
+            let r = op.cpu(&[(&part.0, &part.1), rest[t + p.tensor], (&sc.0, &sc.1)])?;
             let (CpuStorage::U8(c), _) = &r[0] else {
                 return Err(arity(Self::NAME));
             };
@@ -142,7 +149,7 @@ impl Kernel for BucketRequantize {
         Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::bucket_requantize(self.qtype, inputs)
+        crate::numerics::cuda::bucket_requantize(self.qtype, &self.pieces, inputs)
     }
 }
 
@@ -301,23 +308,48 @@ pub fn bucket_scales(
 
 /// Every tensor's value (`codes[t]` with `scale_invs[t]`, as in
 /// [`bucket_amax`]) re-cast with element `t` of `scale` to the same
-/// format, the codes concatenated (flat), in one launch: bit for bit the
-/// concatenation of each `ScalingTensor::requantize_with`.
+/// format, in one launch: the codes of `pieces` (each a range of its
+/// tensor, `start` within it) concatenated, or with `None` of every tensor
+/// whole, in order; bit for bit each `ScalingTensor::requantize_with`.
 ///
 /// # Errors
-/// As [`bucket_amax`].
+/// As [`bucket_amax`]; a piece outside its tensor.
 pub fn bucket_requantize(
     codes: &[&Tensor],
     scale_invs: &[&Tensor],
     qtype: QType,
     scale: &Tensor,
+    pieces: Option<&[Piece]>,
 ) -> Result<Tensor> {
-    check_lists(BucketRequantize::NAME, codes, scale_invs, qtype)?;
+    const OP: &str = BucketRequantize::NAME;
+    check_lists(OP, codes, scale_invs, qtype)?;
+    let pieces = match pieces {
+        Some(p) => p.to_vec(),
+        None => codes
+            .iter()
+            .enumerate()
+            .map(|(t, c)| Piece {
+                tensor: t,
+                start: 0,
+                len: c.elem_count(),
+            })
+            .collect(),
+    };
+    if pieces.iter().any(|p| {
+        codes
+            .get(p.tensor)
+            .is_none_or(|c| p.start + p.len > c.elem_count())
+    }) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("pieces {pieces:?} outside their tensors"),
+        });
+    }
     let mut inputs: Vec<&Tensor> = codes.to_vec();
     inputs.extend_from_slice(scale_invs);
     inputs.push(scale);
-    let [c] = <[Tensor; 1]>::try_from(launch(&BucketRequantize { qtype }, &inputs)?)
-        .map_err(|_| arity(BucketRequantize::NAME))?;
+    let [c] = <[Tensor; 1]>::try_from(launch(&BucketRequantize { qtype, pieces }, &inputs)?)
+        .map_err(|_| arity(OP))?;
     Ok(c)
 }
 

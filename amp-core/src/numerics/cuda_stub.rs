@@ -64,7 +64,11 @@ pub(crate) fn bucket_scales(_: QType, _: ScaleRule, _: u32, _: Inputs<'_>) -> Ou
     Err(Error::NotCompiled("cuda"))
 }
 
-pub(crate) fn bucket_requantize(_: QType, _: Inputs<'_>) -> Outputs {
+pub(crate) fn bucket_requantize(
+    _: QType,
+    _: &[crate::numerics::bucket::Piece],
+    _: Inputs<'_>,
+) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 

@@ -205,9 +205,11 @@ pub(crate) fn bucket_scales(
     ])
 }
 
-/// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes [sum of lengths].
+/// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes of the pieces
+/// (each a range of its tensor's codes), concatenated.
 pub(crate) fn bucket_requantize(
     qtype: QType,
+    pieces: &[Piece],
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     const OP: &str = "bucket_requantize";
@@ -230,21 +232,29 @@ pub(crate) fn bucket_requantize(
         .map(|(s, l)| view::<f32>(OP, s, l))
         .collect::<Result<Vec<_>>>()?;
     let mut guards = Vec::new();
-    let mut items = Vec::with_capacity(t);
-    let mut total = 0;
-    for (i, (c, s)) in codes.iter().zip(&sinv).enumerate() {
+    let mut bases = Vec::with_capacity(t);
+    for (c, s) in codes.iter().zip(&sinv) {
         let (cp, g1) = c.device_ptr(&stream);
         let (sp, g2) = s.device_ptr(&stream);
         guards.push(g1);
         guards.push(g2);
+        bases.push((cp, sp, c.len()));
+    }
+    let mut items = Vec::with_capacity(pieces.len());
+    let mut total = 0;
+    for p in pieces {
+        let &(cp, sp, len) = bases.get(p.tensor).ok_or_else(|| arity(OP))?;
+        if p.start + p.len > len {
+            return Err(arity(OP));
+        }
         items.push(Item {
-            src: cp,
-            len: c.len(),
+            src: cp + p.start as u64,
+            len: p.len,
             out_off: total,
             aux: sp,
-            t: i,
+            t: p.tensor,
         });
-        total += c.len();
+        total += p.len;
     }
     // SAFETY: the items cover every element.
     let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };

@@ -1,0 +1,163 @@
+//! The bucketed FP8 reduction's kernels (`amp::bucket_*`, `amp::decode_sum`)
+//! on the device against their CPU bodies, bit for bit: several tensors of
+//! odd lengths (one with a NaN code, one empty), both FP8 formats, pieces
+//! at odd offsets, 1 to 5 ranks' chunks, with and without averaging.
+
+use crate::util::{same, Rng};
+use amp::{
+    bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales, decode_sum,
+    CurrentScaling, Piece, QType, ScaleRule, ScalingTensor,
+};
+use anyhow::{ensure, Result};
+use candle_core::{Device, Tensor};
+
+fn refs(v: &[Tensor]) -> Vec<&Tensor> {
+    v.iter().collect()
+}
+
+test_device!(bucket_kernels, bucket_kernels_cpu, bucket_kernels_cuda);
+
+/// A scaling tensor of `n` random values of `decades` decades (the first
+/// code NaN with `nan`), on the CPU and on `dev`.
+fn scaled(
+    rng: &mut Rng,
+    n: usize,
+    qtype: QType,
+    nan: bool,
+    dev: &Device,
+) -> Result<(ScalingTensor, ScalingTensor)> {
+    let mut xs = rng.values(n, 6.0);
+    if nan && n > 0 {
+        xs[0] = f32::NAN;
+    }
+    let x = Tensor::from_vec(xs, n, &Device::Cpu)?;
+    let (c, _) = ScalingTensor::quantize(&x, qtype, &CurrentScaling::default())?;
+    let g = ScalingTensor::from_parts(c.data().to_device(dev)?, {
+        let m = c.meta();
+        amp::ScalingMeta::from_parts(
+            qtype,
+            m.scale().to_device(dev)?,
+            m.scale_inv().to_device(dev)?,
+            m.amax_history().to_device(dev)?,
+        )?
+    })?;
+    Ok((c, g))
+}
+
+fn bucket_kernels(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let mut rng = Rng(0xB0C4E7);
+    for qtype in [QType::E4M3, QType::E5M2] {
+        let lens = [1001usize, 7, 0, 65_537, 3];
+        let mut cpu = Vec::new();
+        let mut gpu = Vec::new();
+        for (i, &n) in lens.iter().enumerate() {
+            let (c, g) = scaled(&mut rng, n, qtype, i == 1, dev)?;
+            cpu.push(c);
+            gpu.push(g);
+        }
+        let codes = |v: &[ScalingTensor]| v.iter().map(|t| t.data().clone()).collect::<Vec<_>>();
+        let sinvs = |v: &[ScalingTensor]| {
+            v.iter()
+                .map(|t| t.meta().scale_inv().clone())
+                .collect::<Vec<_>>()
+        };
+        let (cc, cs, gc, gs) = (codes(&cpu), sinvs(&cpu), codes(&gpu), sinvs(&gpu));
+        let what = format!("{qtype}");
+        let ac = bucket_amax(&refs(&cc), &refs(&cs), qtype)?;
+        let ag = bucket_amax(&refs(&gc), &refs(&gs), qtype)?;
+        ok &= same(&format!("{what} bucket_amax"), &ag, &ac)?;
+        for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
+            let (sc, sic) = bucket_scales(&ac, qtype, rule, 1)?;
+            let (sg, sig) = bucket_scales(&ag, qtype, rule, 1)?;
+            ok &= same(&format!("{what} {rule:?} bucket_scales"), &sg, &sc)?;
+            ok &= same(&format!("{what} {rule:?} bucket_scales inv"), &sig, &sic)?;
+            let pieces = [
+                Piece {
+                    tensor: 3,
+                    start: 17,
+                    len: 40_000,
+                },
+                Piece {
+                    tensor: 0,
+                    start: 0,
+                    len: 1001,
+                },
+                Piece {
+                    tensor: 4,
+                    start: 1,
+                    len: 2,
+                },
+                Piece {
+                    tensor: 1,
+                    start: 0,
+                    len: 7,
+                },
+            ];
+            for p in [None, Some(&pieces[..])] {
+                let rc = bucket_requantize(&refs(&cc), &refs(&cs), qtype, &sc, p)?;
+                let rg = bucket_requantize(&refs(&gc), &refs(&gs), qtype, &sg, p)?;
+                ok &= same(
+                    &format!("{what} {rule:?} bucket_requantize {}", p.is_some()),
+                    &rg,
+                    &rc,
+                )?;
+            }
+            // chunks: N ranks' codes of one length, pieces at odd offsets
+            for ranks in 1..=5usize {
+                let len = 30_011;
+                let chunks: Vec<Tensor> = (0..ranks)
+                    .map(|r| {
+                        let v: Vec<u8> = (0..len).map(|i| ((i * 7 + r * 13) % 256) as u8).collect();
+                        Tensor::from_vec(v, len, &Device::Cpu)
+                    })
+                    .collect::<candle_core::Result<_>>()?;
+                let gchunks = chunks
+                    .iter()
+                    .map(|c| c.to_device(dev))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let dp = [
+                    Piece {
+                        tensor: 2,
+                        start: 3,
+                        len: 20_000,
+                    },
+                    Piece {
+                        tensor: 0,
+                        start: 20_003,
+                        len: 10_000,
+                    },
+                ];
+                for average in [false, true] {
+                    let w = format!("{what} {rule:?} {ranks} ranks avg {average}");
+                    let (sumc, amc) = bucket_decode_sum(&chunks, &sic, qtype, average, &dp)?;
+                    let (sumg, amg) = bucket_decode_sum(&gchunks, &sig, qtype, average, &dp)?;
+                    ok &= same(&format!("{w} bucket_decode_sum"), &sumg, &sumc)?;
+                    ok &= same(&format!("{w} bucket_decode_sum amax"), &amg, &amc)?;
+                    let qp = [
+                        Piece {
+                            tensor: 2,
+                            start: 0,
+                            len: 20_000,
+                        },
+                        Piece {
+                            tensor: 0,
+                            start: 20_000,
+                            len: 10_000,
+                        },
+                    ];
+                    let qc = bucket_quantize(&sumc, &sc, qtype, &qp)?;
+                    let qg = bucket_quantize(&sumg, &sg, qtype, &qp)?;
+                    ok &= same(&format!("{w} bucket_quantize"), &qg, &qc)?;
+                    let s1 = sic.narrow(0, 0, 1)?;
+                    let (dc, dac) = decode_sum(&chunks, &s1, qtype, average)?;
+                    let (dg, dag) = decode_sum(&gchunks, &s1.to_device(dev)?, qtype, average)?;
+                    ok &= same(&format!("{w} decode_sum"), &dg, &dc)?;
+                    ok &= same(&format!("{w} decode_sum amax"), &dag, &dac)?;
+                }
+            }
+        }
+    }
+    ensure!(ok, "the bucket kernels differ from the CPU");
+    Ok(())
+}
