@@ -520,3 +520,20 @@ extern "C" __global__ void bucket_scales(const float* amax, float* scale, float*
     scale[i] = s;
     scale_inv[i] = 1.0f / s;
 }
+
+// FP16 masters (ZeRO's slices) to the FP8 copy's codes: their amax, their
+// re-cast to E4M3; and a bucket's bytes moved piece by piece (the gathered
+// ranks' slices back into tensor order).
+extern "C" __global__ void __launch_bounds__(256) bucket_amax_f16(BucketArgs a, uint32_t* amax) {
+    bucket_amax_impl<2>(a, amax);
+}
+extern "C" __global__ void __launch_bounds__(256) bucket_requantize_f16_e4m3(BucketArgs a, const float* scale,
+                                                                              uint8_t* out) {
+    bucket_requantize_impl<2, 0>(a, scale, out);
+}
+extern "C" __global__ void __launch_bounds__(256) bucket_copy_u8(BucketArgs a, uint8_t* out) {
+    BUCKET_LOOP(a)
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(a.src[item]);
+    uint8_t* o = out + a.out_off[item];
+    for (size_t i = tid; i < n; i += stride) o[i] = s[i];
+}

@@ -47,7 +47,7 @@ impl Input {
     }
 
     /// The amax of the value (NaN when it holds one).
-    fn amax(&self) -> Result<Tensor> {
+    pub(crate) fn amax(&self) -> Result<Tensor> {
         Ok(match self {
             Self::Float(t) => amp_core::amax(t)?,
             Self::Scaled(s) => s.decoded_amax()?,
@@ -55,7 +55,7 @@ impl Input {
     }
 
     /// The flat codes of the value cast with `meta`.
-    fn cast(&self, meta: &ScalingMeta) -> Result<Tensor> {
+    pub(crate) fn cast(&self, meta: &ScalingMeta) -> Result<Tensor> {
         let q = match self {
             Self::Float(t) => ScalingTensor::quantize_with(t, meta)?.0,
             Self::Scaled(s) => s.requantize_with(meta)?.0,

@@ -160,7 +160,7 @@ where
             let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
             let global = comm.all_reduce_max_no_nan(&amax)?;
             let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
-            let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, None)?;
+            let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, None, None)?;
             let received = exchange(&codes)?;
             let (sums, result_amax) =
                 bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &pieces)?;

@@ -13,13 +13,16 @@
 //! `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)` elements.
 //! A bucket boundary never falls inside a tensor.
 
-use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, fused, inputs, rank_order_mean};
+use crate::bucket_cast::{
+    agreed_metas, cast_agreed, cat_nonempty, fused, inputs, rank_order_mean, Input,
+};
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
 use crate::shard::{shard_len, shard_range};
 use amp_core::{
-    bucket_amax, bucket_decode_sum, bucket_requantize, bucket_scales, Piece, QType, ScalingTensor,
+    bucket_amax, bucket_copy, bucket_decode_sum, bucket_requantize, bucket_scales, Piece, QType,
+    ScalingMeta, ScalingTensor,
 };
 use candle_core::{DType, Shape, Tensor};
 
@@ -133,7 +136,7 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
         })
         .filter(|p| p.len > 0)
         .collect();
-    let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, Some(&pieces))?;
+    let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, Some(&pieces), None)?;
     let mut at = 0;
     let chunks = (0..n)
         .map(|j| {
@@ -188,23 +191,32 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
 
 /// [`fp8_all_gather`](crate::fp8_all_gather) of every tensor of a bucket:
 /// `shards[t]` is this rank's slice of tensor `t` (read flat,
-/// `shard_len(L_t, rank, N)` elements, F32, F16 or BF16) and `shapes[t]`
-/// its whole shape; element `t` of the result is bitwise what
-/// `fp8_all_gather(comm, shards[t], shapes[t], cfg)` returns, with one amax
-/// all-reduce and one [`all_gather`](Communicator::all_gather) for the
-/// bucket. Each rank's chunk is padded to the longest rank's, `S_0` (at
-/// most `T` bytes more than the per-tensor calls send).
+/// `shard_len(L_t, rank, N)` elements: a float tensor, F32, F16 or BF16,
+/// or a [`ScalingTensor`] such as ZeRO's FP16 master slices) and
+/// `shapes[t]` its whole shape; element `t` of the result is bitwise what
+/// `fp8_all_gather` of the slice's value returns, with one amax all-reduce
+/// and one [`all_gather`](Communicator::all_gather) for the bucket. Each
+/// rank's chunk is padded to the longest rank's, `S_0` (at most `T` bytes
+/// more than the per-tensor calls send). Scaling tensors all of the
+/// configured format, or all FP16 with E4M3 configured, take a bucket at a
+/// time (`amp_core::bucket_*`: the amaxes, the scales, the cast and the
+/// reordering of the gathered slices in one launch each).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when the lengths do not match; the
-/// communicator's errors.
-pub fn fp8_all_gather_bucket<C: Communicator + ?Sized>(
+/// [`Error::InvalidArgument`] when the lengths do not match; [`Error::DType`]
+/// for a slice that is neither; the communicator's errors.
+pub fn fp8_all_gather_bucket<'a, C, G>(
     comm: &C,
-    shards: &[Tensor],
+    shards: impl IntoIterator<Item = G>,
     shapes: &[Shape],
     cfg: &Fp8ReduceConfig,
-) -> Result<Vec<Fp8Reduced>> {
+) -> Result<Vec<Fp8Reduced>>
+where
+    C: Communicator + ?Sized,
+    G: Into<Grad<'a>>,
+{
     const OP: &str = "fp8_all_gather_bucket";
+    let (shards, _) = inputs(OP, shards)?;
     if shards.len() != shapes.len() {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -228,40 +240,96 @@ pub fn fp8_all_gather_bucket<C: Communicator + ?Sized>(
             });
         }
     }
+    let widest = chunk_offsets(&lens, 0, n).1;
+    let offsets: Vec<Vec<usize>> = (0..n).map(|r| chunk_offsets(&lens, r, n).0).collect();
+    let pad = |chunk: Tensor| -> Result<Tensor> {
+        Ok(if chunk.elem_count() < widest {
+            let pad = Tensor::zeros(widest - chunk.elem_count(), DType::U8, comm.device())?;
+            Tensor::cat(&[&chunk, &pad], 0)?
+        } else {
+            chunk
+        })
+    };
+    if let Some((scaled, from)) = gather_fused(&shards, cfg) {
+        let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
+        let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
+        let amax = bucket_amax(&codes_in, &sinv_in, from)?;
+        let global = comm.all_reduce_max_no_nan(&amax)?;
+        let (scale, scale_inv) = bucket_scales(&global, cfg.qtype, cfg.scale_rule, cfg.margin)?;
+        let mine = chunk_offsets(&lens, rank, n).1;
+        let chunk = if mine == 0 {
+            Tensor::zeros(widest, DType::U8, comm.device())?
+        } else {
+            pad(bucket_requantize(
+                &codes_in,
+                &sinv_in,
+                from,
+                &scale,
+                None,
+                Some(cfg.qtype),
+            )?)?
+        };
+        let gathered = comm.all_gather(&chunk)?.flatten_all()?;
+        let pieces: Vec<Piece> = lens
+            .iter()
+            .enumerate()
+            .flat_map(|(t, &l)| {
+                let offsets = &offsets;
+                (0..n).map(move |r| Piece {
+                    tensor: t,
+                    start: r * widest + offsets[r][t],
+                    len: shard_len(l, r, n),
+                })
+            })
+            .filter(|p| p.len > 0)
+            .collect();
+        let whole = bucket_copy(&gathered, &pieces)?;
+        let mut at = 0;
+        return lens
+            .iter()
+            .zip(shapes)
+            .enumerate()
+            .map(|(t, (&l, shape))| {
+                let codes = whole.narrow(0, at, l)?.reshape(shape.clone())?;
+                at += l;
+                let amax = global.narrow(0, t, 1)?;
+                let meta = ScalingMeta::from_parts(
+                    cfg.qtype,
+                    scale.narrow(0, t, 1)?,
+                    scale_inv.narrow(0, t, 1)?,
+                    amax.clone(),
+                )?;
+                Ok(Fp8Reduced {
+                    grad: ScalingTensor::from_parts(codes, meta)?,
+                    amax,
+                })
+            })
+            .collect();
+    }
     // The amax of an empty slice is 0, as `fp8_all_gather` takes it.
     let zero = Tensor::zeros(1, DType::F32, comm.device())?;
-    let flats = shards
+    let amaxes = shards
         .iter()
-        .map(Tensor::flatten_all)
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let amaxes = flats
-        .iter()
-        .map(|f| {
-            Ok(if f.elem_count() == 0 {
+        .map(|s| {
+            Ok(if s.elem_count() == 0 {
                 zero.clone()
             } else {
-                amp_core::amax(f)?
+                s.amax()?
             })
         })
         .collect::<Result<Vec<_>>>()?;
     let (metas, _) = agreed_metas(comm, &amaxes, cfg)?;
-    let codes = flats
+    let codes = shards
         .iter()
         .zip(&metas)
-        .filter(|(f, _)| f.elem_count() > 0)
-        .map(|(f, m)| Ok(ScalingTensor::quantize_with(f, m)?.0.data().clone()))
+        .filter(|(s, _)| s.elem_count() > 0)
+        .map(|(s, m)| s.cast(m))
         .collect::<Result<Vec<_>>>()?;
-    let widest = chunk_offsets(&lens, 0, n).1;
-    let mut chunk = match codes.first() {
-        Some(first) => cat_nonempty(&codes, first)?,
+    let chunk = match codes.first() {
+        Some(first) => pad(cat_nonempty(&codes, first)?)?,
         None => Tensor::zeros(widest, DType::U8, comm.device())?,
     };
-    if chunk.elem_count() < widest {
-        let pad = Tensor::zeros(widest - chunk.elem_count(), DType::U8, comm.device())?;
-        chunk = Tensor::cat(&[&chunk, &pad], 0)?;
-    }
     let gathered = comm.all_gather(&chunk)?;
-    let offsets: Vec<Vec<usize>> = (0..n).map(|r| chunk_offsets(&lens, r, n).0).collect();
     metas
         .into_iter()
         .enumerate()
@@ -280,4 +348,25 @@ pub fn fp8_all_gather_bucket<C: Communicator + ?Sized>(
             })
         })
         .collect()
+}
+
+/// The slices and their format when the gather can run a bucket at a
+/// time: every slice a scaling tensor of the configured FP8 format, or
+/// every one FP16 with E4M3 configured.
+fn gather_fused<'i>(
+    shards: &'i [Input],
+    cfg: &Fp8ReduceConfig,
+) -> Option<(Vec<&'i ScalingTensor>, QType)> {
+    let scaled = shards
+        .iter()
+        .map(|x| match x {
+            Input::Scaled(s) => Some(s),
+            Input::Float(_) => None,
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let from = scaled.first()?.qtype();
+    let ok = scaled.iter().all(|s| s.qtype() == from)
+        && ((from == cfg.qtype && from != QType::F16)
+            || (from == QType::F16 && cfg.qtype == QType::E4M3));
+    ok.then_some((scaled, from))
 }

@@ -95,8 +95,8 @@ fn bucket_kernels(dev: &Device) -> Result<()> {
                 },
             ];
             for p in [None, Some(&pieces[..])] {
-                let rc = bucket_requantize(&refs(&cc), &refs(&cs), qtype, &sc, p)?;
-                let rg = bucket_requantize(&refs(&gc), &refs(&gs), qtype, &sg, p)?;
+                let rc = bucket_requantize(&refs(&cc), &refs(&cs), qtype, &sc, p, None)?;
+                let rg = bucket_requantize(&refs(&gc), &refs(&gs), qtype, &sg, p, None)?;
                 ok &= same(
                     &format!("{what} {rule:?} bucket_requantize {}", p.is_some()),
                     &rg,

@@ -17,6 +17,7 @@ use crate::numerics::kernel::{arity, launch, scalar, slice, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::requantize::{DecodedAmax, Requantize};
 use crate::numerics::scale::ScaleRule;
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
 
 /// One piece of a bucket: the tensor it belongs to, where it starts in the
@@ -39,6 +40,39 @@ fn u8s(v: &[u8]) -> (CpuStorage, Layout) {
     (CpuStorage::U8(v.to_vec()), Layout::contiguous(v.len()))
 }
 
+/// Elements `start..start + len` of a code storage (U8 or F16), as a
+/// storage of their own.
+fn codes_range(
+    c: &CpuStorage,
+    l: &Layout,
+    start: usize,
+    len: usize,
+) -> Result<(CpuStorage, Layout)> {
+    const OP: &str = "bucket codes";
+    let out = match c {
+        CpuStorage::U8(_) => CpuStorage::U8(
+            slice::<u8>(OP, c, l)?
+                .get(start..start + len)
+                .ok_or_else(|| arity(OP))?
+                .to_vec(),
+        ),
+        CpuStorage::F16(_) => CpuStorage::F16(
+            slice::<half::f16>(OP, c, l)?
+                .get(start..start + len)
+                .ok_or_else(|| arity(OP))?
+                .to_vec(),
+        ),
+        other => {
+            return Err(Error::DType {
+                op: OP,
+                expected: "U8 or F16",
+                got: other.dtype(),
+            })
+        }
+    };
+    Ok((out, Layout::contiguous(len)))
+}
+
 fn fp8(op: &'static str, qtype: QType) -> Result<()> {
     match qtype.fp8() {
         Some(_) => Ok(()),
@@ -57,7 +91,6 @@ pub(crate) struct BucketAmax {
 impl Kernel for BucketAmax {
     const NAME: &'static str = "bucket_amax";
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        fp8(Self::NAME, self.qtype)?;
         let t = inputs.len() / 2;
         if t == 0 || inputs.len() != 2 * t {
             return Err(arity(Self::NAME));
@@ -108,17 +141,19 @@ impl Kernel for BucketScales {
     }
 }
 
-/// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes of the pieces
-/// (`start` within the piece's tensor), concatenated.
+/// codes_0..T-1 (of `from`), scale_inv_0..T-1, scale [T] -> codes of
+/// `to` of the pieces (`start` within the piece's tensor), concatenated.
+/// `from` and `to` the same FP8 format, or FP16 to E4M3.
 pub(crate) struct BucketRequantize {
-    pub qtype: QType,
+    pub from: QType,
+    pub to: QType,
     pub pieces: Vec<Piece>,
 }
 
 impl Kernel for BucketRequantize {
     const NAME: &'static str = "bucket_requantize";
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        fp8(Self::NAME, self.qtype)?;
+        fp8(Self::NAME, self.to)?;
         let Some(((s, ls), rest)) = inputs.split_last() else {
             return Err(arity(Self::NAME));
         };
@@ -128,16 +163,13 @@ impl Kernel for BucketRequantize {
         }
         let scale = slice::<f32>(Self::NAME, s, ls)?;
         let op = Requantize {
-            from: self.qtype,
-            to: self.qtype,
+            from: self.from,
+            to: self.to,
         };
         let mut out = Vec::new();
         for p in &self.pieces {
             let (c, l) = rest.get(p.tensor).ok_or_else(|| arity(Self::NAME))?;
-            let codes = slice::<u8>(Self::NAME, c, l)?;
-            let part = u8s(codes
-                .get(p.start..p.start + p.len)
-                .ok_or_else(|| arity(Self::NAME))?);
+            let part = codes_range(c, l, p.start, p.len)?;
             let sc = f32_one(*scale.get(p.tensor).ok_or_else(|| arity(Self::NAME))?);
             let r = op.cpu(&[(&part.0, &part.1), rest[t + p.tensor], (&sc.0, &sc.1)])?;
             let (CpuStorage::U8(c), _) = &r[0] else {
@@ -149,7 +181,7 @@ impl Kernel for BucketRequantize {
         Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::bucket_requantize(self.qtype, &self.pieces, inputs)
+        crate::numerics::cuda::bucket_requantize(self.from, self.to, &self.pieces, inputs)
     }
 }
 
@@ -246,14 +278,15 @@ impl Kernel for BucketQuantize {
 
 /// The amax of each tensor's value, `max |decode(codes) * scale_inv|` with
 /// NaN counted as inf, as one F32 vector, in one launch: bit for bit each
-/// `ScalingTensor::decoded_amax` with NaN mapped to inf. `codes[t]` (FP8
-/// codes of `qtype`, `U8`) with its 1-element `scale_invs[t]`.
+/// `ScalingTensor::decoded_amax` with NaN mapped to inf. `codes[t]` (codes
+/// of `qtype`: `U8` for FP8, `F16` for FP16) with its 1-element
+/// `scale_invs[t]`.
 ///
 /// # Errors
-/// [`Error::Unsupported`] for FP16, no tensor, or lists of different
-/// lengths.
+/// [`Error::Unsupported`] for no tensor or lists of different lengths;
+/// [`Error::DType`] for codes of another dtype.
 pub fn bucket_amax(codes: &[&Tensor], scale_invs: &[&Tensor], qtype: QType) -> Result<Tensor> {
-    check_lists(BucketAmax::NAME, codes, scale_invs, qtype)?;
+    check_lists(BucketAmax::NAME, codes, scale_invs)?;
     let mut inputs: Vec<&Tensor> = codes.to_vec();
     inputs.extend_from_slice(scale_invs);
     let [a] = <[Tensor; 1]>::try_from(launch(&BucketAmax { qtype }, &inputs)?)
@@ -261,13 +294,7 @@ pub fn bucket_amax(codes: &[&Tensor], scale_invs: &[&Tensor], qtype: QType) -> R
     Ok(a)
 }
 
-fn check_lists(
-    op: &'static str,
-    codes: &[&Tensor],
-    scale_invs: &[&Tensor],
-    qtype: QType,
-) -> Result<()> {
-    fp8(op, qtype)?;
+fn check_lists(op: &'static str, codes: &[&Tensor], scale_invs: &[&Tensor]) -> Result<()> {
     if codes.is_empty() || codes.len() != scale_invs.len() {
         return Err(Error::Unsupported {
             op,
@@ -306,23 +333,31 @@ pub fn bucket_scales(
     Ok((s, si))
 }
 
-/// Every tensor's value (`codes[t]` with `scale_invs[t]`, as in
-/// [`bucket_amax`]) re-cast with element `t` of `scale` to the same
-/// format, in one launch: the codes of `pieces` (each a range of its
-/// tensor, `start` within it) concatenated, or with `None` of every tensor
-/// whole, in order; bit for bit each `ScalingTensor::requantize_with`.
+/// Every tensor's value (`codes[t]` of `qtype` with `scale_invs[t]`, as in
+/// [`bucket_amax`]) re-cast with element `t` of `scale` to `to` (`None`:
+/// the same format; FP16 codes go to E4M3 only), in one launch: the codes
+/// of `pieces` (each a range of its tensor, `start` within it)
+/// concatenated, or with `None` of every tensor whole, in order; bit for
+/// bit each `ScalingTensor::requantize_with`.
 ///
 /// # Errors
-/// As [`bucket_amax`]; a piece outside its tensor.
+/// As [`bucket_amax`]; a piece outside its tensor; another pair of formats.
 pub fn bucket_requantize(
     codes: &[&Tensor],
     scale_invs: &[&Tensor],
     qtype: QType,
     scale: &Tensor,
     pieces: Option<&[Piece]>,
+    to: Option<QType>,
 ) -> Result<Tensor> {
     const OP: &str = BucketRequantize::NAME;
-    check_lists(OP, codes, scale_invs, qtype)?;
+    check_lists(OP, codes, scale_invs)?;
+    if !matches!((qtype, to), (_, None) | (QType::F16, Some(QType::E4M3))) && to != Some(qtype) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("{qtype} to {to:?}"),
+        });
+    }
     let pieces = match pieces {
         Some(p) => p.to_vec(),
         None => codes
@@ -348,8 +383,12 @@ pub fn bucket_requantize(
     let mut inputs: Vec<&Tensor> = codes.to_vec();
     inputs.extend_from_slice(scale_invs);
     inputs.push(scale);
-    let [c] = <[Tensor; 1]>::try_from(launch(&BucketRequantize { qtype, pieces }, &inputs)?)
-        .map_err(|_| arity(OP))?;
+    let op = BucketRequantize {
+        from: qtype,
+        to: to.unwrap_or(qtype),
+        pieces,
+    };
+    let [c] = <[Tensor; 1]>::try_from(launch(&op, &inputs)?).map_err(|_| arity(OP))?;
     Ok(c)
 }
 
@@ -429,5 +468,53 @@ pub fn bucket_quantize(
         pieces: pieces.to_vec(),
     };
     let [c] = <[Tensor; 1]>::try_from(launch(&op, &[values, scale])?).map_err(|_| arity(OP))?;
+    Ok(c)
+}
+
+/// src (U8, flat) -> the pieces' bytes (`start` within src), concatenated.
+pub(crate) struct BucketCopy {
+    pub pieces: Vec<Piece>,
+}
+
+impl Kernel for BucketCopy {
+    const NAME: &'static str = "bucket_copy";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(c, l)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let src = slice::<u8>(Self::NAME, c, l)?;
+        let mut out = Vec::new();
+        for p in &self.pieces {
+            out.extend_from_slice(
+                src.get(p.start..p.start + p.len)
+                    .ok_or_else(|| arity(Self::NAME))?,
+            );
+        }
+        let n = out.len();
+        Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_copy(&self.pieces, inputs)
+    }
+}
+
+/// The bytes of `pieces` of `src` (flat `U8`; `start` within it)
+/// concatenated, in one launch: ZeRO's gathered slices back into tensor
+/// order. A piece's `tensor` is not read.
+///
+/// # Errors
+/// [`Error::Unsupported`] for a piece outside `src`.
+pub fn bucket_copy(src: &Tensor, pieces: &[Piece]) -> Result<Tensor> {
+    const OP: &str = BucketCopy::NAME;
+    if pieces.iter().any(|p| p.start + p.len > src.elem_count()) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("pieces {pieces:?} of {} bytes", src.elem_count()),
+        });
+    }
+    let op = BucketCopy {
+        pieces: pieces.to_vec(),
+    };
+    let [c] = <[Tensor; 1]>::try_from(launch(&op, &[src])?).map_err(|_| arity(OP))?;
     Ok(c)
 }

@@ -66,9 +66,14 @@ pub(crate) fn bucket_scales(_: QType, _: ScaleRule, _: u32, _: Inputs<'_>) -> Ou
 
 pub(crate) fn bucket_requantize(
     _: QType,
+    _: QType,
     _: &[crate::numerics::bucket::Piece],
     _: Inputs<'_>,
 ) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_copy(_: &[crate::numerics::bucket::Piece], _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 

@@ -10,7 +10,7 @@ use amp_comm::{
     run_ranks, Communicator, Error, Fp8ReduceConfig, Grad, ReducedShard,
 };
 use amp_core::{CurrentScaling, QType, ScalingTensor};
-use candle_core::{Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
 use proptest::prelude::*;
 
 /// What must be bitwise equal of a reduce-scatter's shard.
@@ -78,6 +78,23 @@ fn check(world: usize, specs: &[Spec], cfg: &Fp8ReduceConfig, scaled: bool) -> V
         let c2 = counting.take().0;
         let gathered = fp8_all_gather_bucket(&counting, &shards, &shapes, cfg)?;
         let c3 = counting.take().0;
+        // ZeRO's FP16 master slices: a bucket at a time where the
+        // configured format is E4M3, bitwise the per-tensor gather of
+        // their F32 values either way
+        let masters = shards
+            .iter()
+            .map(|s| Ok(ScalingTensor::quantize(s, QType::F16, &CurrentScaling::default())?.0))
+            .collect::<Result<Vec<_>, Error>>()?;
+        let from_masters = fp8_all_gather_bucket(&counting, &masters, &shapes, cfg)?;
+        let per_master = masters
+            .iter()
+            .zip(&shapes)
+            .map(|(m, sh)| fp8_all_gather(&counting, &m.dequantize(DType::F32)?, sh.clone(), cfg))
+            .collect::<Result<Vec<_>, Error>>()?;
+        counting.take();
+        for (t, (a, b)) in from_masters.iter().zip(&per_master).enumerate() {
+            assert_eq!(print(a), print(b), "rank {} master {t}", comm.rank());
+        }
         Ok::<_, Error>(RankOut {
             scatter: (
                 single.iter().map(shard_print).collect(),

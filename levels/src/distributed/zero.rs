@@ -16,6 +16,7 @@ use crate::comm_stats::CommStats;
 use crate::error::{Error, Result};
 use amp_comm::{
     fp8_all_gather_bucket, fp8_reduce_scatter_bucket, shard_range, Communicator, Fp8ReduceConfig,
+    Grad as CommGrad,
 };
 use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use amp_optim::{Grad, LowBitAdamW};
@@ -110,6 +111,12 @@ pub(crate) fn reduce_scatter(
         .collect()
 }
 
+/// A sharded weight's master slice, for the gather.
+enum Master {
+    Scaled(ScalingTensor),
+    F32(Tensor),
+}
+
 /// Every shard's FP8 weight gathered from the ranks' updated master
 /// slices in `opt`, in buckets of at most `cap` elements
 /// ([`fp8_all_gather_bucket`]: one agreed scale per weight).
@@ -127,6 +134,8 @@ pub(crate) fn gather(
     let items: Vec<(usize, ())> = shards.iter().map(|s| (s.shape.elem_count(), ())).collect();
     for run in plan(&items, cap) {
         let bucket = &shards[run];
+        // The FP16 master slices as they are (their codes re-cast in one
+        // pass); any other master as F32.
         let mut masters = Vec::with_capacity(bucket.len());
         for s in bucket {
             let Some(p) = opt.params().iter().find(|p| p.name == s.name) else {
@@ -135,10 +144,17 @@ pub(crate) fn gather(
                     reason: "the optimizer lost this sharded parameter".into(),
                 });
             };
-            masters.push(p.slot.read()?.master_f32()?);
+            masters.push(match &*p.slot.read()? {
+                Weight::F16(t) => Master::Scaled(t.clone()),
+                other => Master::F32(other.master_f32()?),
+            });
         }
         let shapes: Vec<Shape> = bucket.iter().map(|s| s.shape.clone()).collect();
-        let full = fp8_all_gather_bucket(comm, &masters, &shapes, &cfg)?;
+        let grads = masters.iter().map(|m| match m {
+            Master::Scaled(t) => CommGrad::Scaled(t),
+            Master::F32(t) => CommGrad::Tensor(t),
+        });
+        let full = fp8_all_gather_bucket(comm, grads, &shapes, &cfg)?;
         for (s, f) in bucket.iter().zip(full) {
             s.layer.replace(Weight::Fp8Gathered(f.grad))?;
         }

@@ -118,31 +118,23 @@ pub(crate) fn bucket_amax(
     }
     let dev = inputs[0].0.device().clone();
     let stream = dev.cuda_stream();
-    let codes = inputs[..t]
-        .iter()
-        .map(|(c, l)| view::<u8>(OP, c, l))
-        .collect::<Result<Vec<_>>>()?;
-    let sinv = inputs[t..]
-        .iter()
-        .map(|(s, l)| view::<f32>(OP, s, l))
-        .collect::<Result<Vec<_>>>()?;
     let mut guards = Vec::new();
     let mut items = Vec::with_capacity(t);
-    for (i, (c, s)) in codes.iter().zip(&sinv).enumerate() {
-        let (cp, g1) = c.device_ptr(&stream);
-        let (sp, g2) = s.device_ptr(&stream);
-        guards.push(g1);
-        guards.push(g2);
+    for i in 0..t {
+        let (cp, len) = code_ptr(OP, qtype, inputs[i], &stream, &mut guards)?;
+        let (s, l) = inputs[t + i];
+        let (sp, g) = view::<f32>(OP, s, l)?.device_ptr(&stream);
+        guards.push(Box::new(g));
         items.push(Item {
             src: cp,
-            len: c.len(),
+            len,
             out_off: 0,
             aux: sp,
             t: i,
         });
     }
     let mut amax = dev.alloc_zeros::<f32>(t)?;
-    let name = format!("bucket_amax_{}", fmt_name(OP, qtype)?);
+    let name = format!("bucket_amax_{}", code_name(qtype));
     let f = func(&dev, &name)?;
     for (a, cfg) in launches(&dev, &items)? {
         let mut b = stream.launch_builder(&f);
@@ -208,7 +200,8 @@ pub(crate) fn bucket_scales(
 /// codes_0..T-1, scale_inv_0..T-1, scale [T] -> codes of the pieces
 /// (each a range of its tensor's codes), concatenated.
 pub(crate) fn bucket_requantize(
-    qtype: QType,
+    from: QType,
+    to: QType,
     pieces: &[Piece],
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
@@ -220,25 +213,28 @@ pub(crate) fn bucket_requantize(
     if t == 0 || rest.len() != 2 * t {
         return Err(arity(OP));
     }
+    let name = match (from, to) {
+        (QType::F16, QType::E4M3) => "bucket_requantize_f16_e4m3".to_string(),
+        (a, b) if a == b => format!("bucket_requantize_{}", fmt_name(OP, a)?),
+        _ => {
+            return Err(Error::Unsupported {
+                op: OP,
+                what: format!("{from} to {to}"),
+            })
+        }
+    };
+    let code_bytes = if from == QType::F16 { 2 } else { 1 };
     let dev = s.device().clone();
     let stream = dev.cuda_stream();
     let scale = view::<f32>(OP, s, ls)?;
-    let codes = rest[..t]
-        .iter()
-        .map(|(c, l)| view::<u8>(OP, c, l))
-        .collect::<Result<Vec<_>>>()?;
-    let sinv = rest[t..]
-        .iter()
-        .map(|(s, l)| view::<f32>(OP, s, l))
-        .collect::<Result<Vec<_>>>()?;
     let mut guards = Vec::new();
     let mut bases = Vec::with_capacity(t);
-    for (c, s) in codes.iter().zip(&sinv) {
-        let (cp, g1) = c.device_ptr(&stream);
-        let (sp, g2) = s.device_ptr(&stream);
-        guards.push(g1);
-        guards.push(g2);
-        bases.push((cp, sp, c.len()));
+    for i in 0..t {
+        let (cp, len) = code_ptr(OP, from, rest[i], &stream, &mut guards)?;
+        let (sv, sl) = rest[t + i];
+        let (sp, g) = view::<f32>(OP, sv, sl)?.device_ptr(&stream);
+        guards.push(Box::new(g));
+        bases.push((cp, sp, len));
     }
     let mut items = Vec::with_capacity(pieces.len());
     let mut total = 0;
@@ -248,7 +244,7 @@ pub(crate) fn bucket_requantize(
             return Err(arity(OP));
         }
         items.push(Item {
-            src: cp + p.start as u64,
+            src: cp + (p.start * code_bytes) as u64,
             len: p.len,
             out_off: total,
             aux: sp,
@@ -258,7 +254,6 @@ pub(crate) fn bucket_requantize(
     }
     // SAFETY: the items cover every element.
     let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };
-    let name = format!("bucket_requantize_{}", fmt_name(OP, qtype)?);
     let f = func(&dev, &name)?;
     for (a, cfg) in launches(&dev, &items)? {
         let mut b = stream.launch_builder(&f);
@@ -272,6 +267,83 @@ pub(crate) fn bucket_requantize(
         CudaStorage::wrap_cuda_slice(out, dev),
         Shape::from(total),
     )])
+}
+
+/// src (U8) -> the pieces' bytes, concatenated.
+pub(crate) fn bucket_copy(
+    pieces: &[Piece],
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_copy";
+    let [(x, lx)] = inputs else {
+        return Err(arity(OP));
+    };
+    let dev = x.device().clone();
+    let stream = dev.cuda_stream();
+    let src = view::<u8>(OP, x, lx)?;
+    let (base, guard) = src.device_ptr(&stream);
+    let mut items = Vec::with_capacity(pieces.len());
+    let mut total = 0;
+    for p in pieces {
+        if p.start + p.len > src.len() {
+            return Err(arity(OP));
+        }
+        items.push(Item {
+            src: base + p.start as u64,
+            len: p.len,
+            out_off: total,
+            aux: 0,
+            t: 0,
+        });
+        total += p.len;
+    }
+    // SAFETY: the pieces cover every element.
+    let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };
+    let f = func(&dev, "bucket_copy_u8")?;
+    for (a, cfg) in launches(&dev, &items)? {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a).arg(&mut out);
+        // SAFETY: every piece lies within `src` (live, `guard`), every
+        // output range within `out`.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guard);
+    Ok(vec![(
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from(total),
+    )])
+}
+
+/// The device address and length of a code storage (`U8` for FP8, `F16`
+/// for FP16), its guard kept in `guards`.
+fn code_ptr<'a>(
+    op: &'static str,
+    qtype: QType,
+    (c, l): (&'a CudaStorage, &Layout),
+    stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    guards: &mut Vec<Box<dyn std::any::Any + 'a>>,
+) -> Result<(u64, usize)> {
+    if qtype == QType::F16 {
+        let v = view::<half::f16>(op, c, l)?;
+        let len = v.len();
+        let (p, g) = v.device_ptr(stream);
+        guards.push(Box::new(g));
+        Ok((p, len))
+    } else {
+        let v = view::<u8>(op, c, l)?;
+        let len = v.len();
+        let (p, g) = v.device_ptr(stream);
+        guards.push(Box::new(g));
+        Ok((p, len))
+    }
+}
+
+fn code_name(qtype: QType) -> &'static str {
+    match qtype {
+        QType::E4M3 => "e4m3",
+        QType::E5M2 => "e5m2",
+        QType::F16 => "f16",
+    }
 }
 
 /// chunk_0..N-1, scale_inv [T] -> sums [sum of piece lengths], amax [T].
