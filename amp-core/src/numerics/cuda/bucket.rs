@@ -11,7 +11,7 @@ use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{Layout, Shape};
@@ -118,16 +118,24 @@ pub(crate) fn bucket_amax(
     }
     let dev = inputs[0].0.device().clone();
     let stream = dev.cuda_stream();
+    let codes = inputs[..t]
+        .iter()
+        .map(|x| CodeView::new(OP, qtype, *x))
+        .collect::<Result<Vec<_>>>()?;
+    let sinv = inputs[t..]
+        .iter()
+        .map(|(s, l)| view::<f32>(OP, s, l))
+        .collect::<Result<Vec<_>>>()?;
     let mut guards = Vec::new();
     let mut items = Vec::with_capacity(t);
-    for i in 0..t {
-        let (cp, len) = code_ptr(OP, qtype, inputs[i], &stream, &mut guards)?;
-        let (s, l) = inputs[t + i];
-        let (sp, g) = view::<f32>(OP, s, l)?.device_ptr(&stream);
-        guards.push(Box::new(g));
+    for (i, (c, s)) in codes.iter().zip(&sinv).enumerate() {
+        let (cp, g1) = c.ptr(&stream);
+        let (sp, g2) = s.device_ptr(&stream);
+        guards.push(g1);
+        guards.push(g2);
         items.push(Item {
             src: cp,
-            len,
+            len: c.len(),
             out_off: 0,
             aux: sp,
             t: i,
@@ -227,14 +235,22 @@ pub(crate) fn bucket_requantize(
     let dev = s.device().clone();
     let stream = dev.cuda_stream();
     let scale = view::<f32>(OP, s, ls)?;
+    let codes = rest[..t]
+        .iter()
+        .map(|x| CodeView::new(OP, from, *x))
+        .collect::<Result<Vec<_>>>()?;
+    let sinv = rest[t..]
+        .iter()
+        .map(|(s, l)| view::<f32>(OP, s, l))
+        .collect::<Result<Vec<_>>>()?;
     let mut guards = Vec::new();
     let mut bases = Vec::with_capacity(t);
-    for i in 0..t {
-        let (cp, len) = code_ptr(OP, from, rest[i], &stream, &mut guards)?;
-        let (sv, sl) = rest[t + i];
-        let (sp, g) = view::<f32>(OP, sv, sl)?.device_ptr(&stream);
-        guards.push(Box::new(g));
-        bases.push((cp, sp, len));
+    for (c, s) in codes.iter().zip(&sinv) {
+        let (cp, g1) = c.ptr(&stream);
+        let (sp, g2) = s.device_ptr(&stream);
+        guards.push(g1);
+        guards.push(g2);
+        bases.push((cp, sp, c.len()));
     }
     let mut items = Vec::with_capacity(pieces.len());
     let mut total = 0;
@@ -314,27 +330,37 @@ pub(crate) fn bucket_copy(
     )])
 }
 
-/// The device address and length of a code storage (`U8` for FP8, `F16`
-/// for FP16), its guard kept in `guards`.
-fn code_ptr<'a>(
-    op: &'static str,
-    qtype: QType,
-    (c, l): (&'a CudaStorage, &Layout),
-    stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-    guards: &mut Vec<Box<dyn std::any::Any + 'a>>,
-) -> Result<(u64, usize)> {
-    if qtype == QType::F16 {
-        let v = view::<half::f16>(op, c, l)?;
-        let len = v.len();
-        let (p, g) = v.device_ptr(stream);
-        guards.push(Box::new(g));
-        Ok((p, len))
-    } else {
-        let v = view::<u8>(op, c, l)?;
-        let len = v.len();
-        let (p, g) = v.device_ptr(stream);
-        guards.push(Box::new(g));
-        Ok((p, len))
+/// A code storage's view: `U8` for FP8, `F16` for FP16.
+enum CodeView<'a> {
+    U8(CudaView<'a, u8>),
+    F16(CudaView<'a, half::f16>),
+}
+
+impl CodeView<'_> {
+    fn new<'a>(
+        op: &'static str,
+        qtype: QType,
+        (c, l): (&'a CudaStorage, &Layout),
+    ) -> Result<CodeView<'a>> {
+        Ok(if qtype == QType::F16 {
+            CodeView::F16(view::<half::f16>(op, c, l)?)
+        } else {
+            CodeView::U8(view::<u8>(op, c, l)?)
+        })
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::U8(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+
+    fn ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+        match self {
+            Self::U8(v) => v.device_ptr(stream),
+            Self::F16(v) => v.device_ptr(stream),
+        }
     }
 }
 
