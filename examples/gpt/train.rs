@@ -228,7 +228,9 @@ pub fn train_rank(
         amp.load(path, &mut opt)
             .with_context(|| format!("resuming from {}", path.display()))?;
     }
-    let start = opt.inner().step_count();
+    // the batches consumed so far: applied and skipped steps alike, so a
+    // resumed run neither repeats a batch nor runs more than --steps
+    let start = opt.inner().step_count() + opt.inner().skipped_count();
     let end = cfg.stop_at.unwrap_or(cfg.steps).min(cfg.steps);
     if start >= end {
         bail!("the checkpoint is at step {start}: nothing left to do before step {end}");

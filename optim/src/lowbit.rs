@@ -80,6 +80,8 @@ pub struct LowBitAdamW {
     pub(crate) schedule: Box<dyn LrSchedule>,
     pub(crate) scaler: LossScaler,
     pub(crate) step: u64,
+    /// Steps skipped so far (a non-finite gradient).
+    pub(crate) skipped: u64,
     pub(crate) scratch: std::sync::Mutex<Vec<f32>>,
 }
 
@@ -139,6 +141,7 @@ impl LowBitAdamW {
             scaler: LossScaler::new(config.loss_scaling),
             config,
             step: 0,
+            skipped: 0,
             scratch: std::sync::Mutex::new(Vec::new()),
         })
     }
@@ -181,6 +184,18 @@ impl LowBitAdamW {
     /// Steps applied so far (skipped steps do not count).
     pub fn step_count(&self) -> u64 {
         self.step
+    }
+
+    /// Steps skipped so far (a non-finite gradient: nothing changed but
+    /// the loss scaler). Applied plus skipped steps count the batches a
+    /// training loop has consumed, which is where a resumed run goes on.
+    pub fn skipped_count(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Restores the skipped-step counter (checkpoints).
+    pub fn restore_skipped(&mut self, skipped: u64) {
+        self.skipped = skipped;
     }
 
     /// The loss scaler.

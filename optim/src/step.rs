@@ -143,6 +143,7 @@ impl LowBitAdamW {
         }
         if !sum_sq.is_finite() {
             self.scaler.update(true);
+            self.skipped += 1;
             return Ok(StepOutcome::Skipped);
         }
         let (grad_norm, grad_mul) =
@@ -213,6 +214,7 @@ impl LowBitAdamW {
         }
         updated?;
         self.scaler.update(true);
+        self.skipped += 1;
         Ok(StepOutcome::Skipped)
     }
 

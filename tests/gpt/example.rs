@@ -202,6 +202,31 @@ fn resume_continues_exactly() -> anyhow::Result<()> {
 }
 
 #[test]
+fn a_resumed_run_counts_skipped_steps_as_batches() -> anyhow::Result<()> {
+    // A rate that blows the weights up at the first step: every later
+    // step has a non-finite gradient and is skipped. Resumed after step 4
+    // (1 applied, 3 skipped), the run goes on at batch 5, not at batch 2:
+    // it repeats no batch and runs 6 steps, not 9.
+    let corpus = data::Corpus::bundled();
+    let ckpt = tmp("resume-skipped.safetensors");
+    let cfg = TrainConfig {
+        lr: 1e30,
+        warmup: 1,
+        max_grad_norm: None,
+        eval_every: 100,
+        ..quick(Level::O2, current(), 10)
+    };
+    let (whole, rest) = gpt_common::whole_and_resumed(&cfg, &corpus, 4, &ckpt)?;
+    let _ = std::fs::remove_file(&ckpt);
+    assert_eq!(whole.skipped_steps, 9, "the setting no longer skips");
+    assert_eq!(rest.steps_run, 6);
+    assert_eq!(rest.skipped_steps, 6);
+    let steps: Vec<u64> = rest.train_curve.iter().map(|p| p.0).collect();
+    assert_eq!(steps, (5..=10).collect::<Vec<_>>());
+    Ok(())
+}
+
+#[test]
 fn export_loads_as_a_plain_gpt() -> anyhow::Result<()> {
     let corpus = data::Corpus::bundled();
     for (level, dtype, tol) in [

@@ -22,6 +22,8 @@ pub(crate) struct Header {
     pub level: Level,
     /// The optimizer's step counter.
     pub step: u64,
+    /// Its skipped steps (0 in checkpoints from before it was saved).
+    pub skipped: u64,
     /// The loss scaler.
     pub scaler: LossScaler,
     /// Each parameter's own step counter, by name.
@@ -69,6 +71,14 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
             .parse()
             .map_err(|_| err(path, "metadata `step` is not a number"))?,
     )?;
+    let skipped: u64 = match meta.get("skipped") {
+        None => 0,
+        Some(v) => count(
+            "skipped",
+            v.parse()
+                .map_err(|_| err(path, "metadata `skipped` is not a number"))?,
+        )?,
+    };
     let scaler: LossScaler = serde_json::from_str(field("scaler")?)
         .map_err(|e| err(path, format!("metadata `scaler`: {e}")))?;
     check_scaler(&scaler).map_err(|reason| err(path, format!("metadata `scaler`: {reason}")))?;
@@ -87,6 +97,7 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
     let header = Header {
         level,
         step,
+        skipped,
         scaler,
         param_steps,
         layer_meta,

@@ -111,5 +111,6 @@ fn apply(ctx: &AmpContext, opt: &mut AmpOptimizer, staged: Staged) -> Result<()>
         layer.set_scaling_state(state)?;
     }
     opt.inner_mut().restore_counters(staged.step, staged.scaler);
+    opt.inner_mut().restore_skipped(staged.skipped);
     Ok(())
 }

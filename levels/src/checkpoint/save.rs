@@ -80,6 +80,10 @@ fn file_bytes(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer) -> Result<Vec<u
         ("version".to_string(), VERSION.to_string()),
         ("level".to_string(), ctx.level().to_string()),
         ("step".to_string(), opt.inner().step_count().to_string()),
+        (
+            "skipped".to_string(),
+            opt.inner().skipped_count().to_string(),
+        ),
         ("config".to_string(), json(ctx.config())?),
         ("adam".to_string(), json(&opt.inner().config().adam)?),
         ("scaler".to_string(), json(opt.inner().scaler())?),

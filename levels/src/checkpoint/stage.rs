@@ -28,6 +28,8 @@ pub(crate) struct Staged {
     pub layers: Vec<Option<LayerScaling>>,
     /// The optimizer's step counter.
     pub step: u64,
+    /// Its skipped steps.
+    pub skipped: u64,
     /// The loss scaler.
     pub scaler: LossScaler,
 }
@@ -175,6 +177,7 @@ pub(crate) fn staged(
         steps,
         layers,
         step: header.step,
+        skipped: header.skipped,
         scaler: header.scaler,
     })
 }
