@@ -379,3 +379,31 @@ fn missing_foreign_corrupt_and_mismatched_files_fail_every_rank() {
         assert!(e.contains(&name(1)), "rank {rank}: {e}");
     }
 }
+
+#[test]
+fn rank_files_of_two_saves_without_their_index_fail_every_rank() {
+    // Two 2-rank saves of the same run at the same step (so size, step
+    // and world agree), their indexes gone, rank 1's file swapped for the
+    // other save's: each rank's own file reads, and only the save id tells
+    // them apart.
+    let (a, b) = (tmp("mixed-a.safetensors"), tmp("mixed-b.safetensors"));
+    save_run(2, 2, &a);
+    save_run(2, 2, &b);
+    std::fs::remove_file(&a).unwrap();
+    std::fs::remove_file(&b).unwrap();
+    std::fs::copy(shard_path(&b, 1, 2), shard_path(&a, 1, 2)).unwrap();
+    for e in load_errors(&a, WIDTH, Some(2)) {
+        assert!(e.contains("different saves"), "{e}");
+    }
+    // the files of one save, without the index, still load at that size
+    let ok = on_ranks(Some(2), |comm| {
+        let (_, amp, mut opt) = build_in(WIDTH, Level::O3, comm);
+        amp.load(&b, &mut opt).is_ok()
+    });
+    assert_eq!(ok, [true, true]);
+    for p in [&a, &b] {
+        for r in 0..2 {
+            let _ = std::fs::remove_file(shard_path(p, r, 2));
+        }
+    }
+}

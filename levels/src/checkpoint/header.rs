@@ -24,6 +24,9 @@ pub(crate) struct Header {
     pub step: u64,
     /// Its skipped steps (0 in checkpoints from before it was saved).
     pub skipped: u64,
+    /// A sharded save's id, the same in all its rank files (none in a
+    /// whole checkpoint, or one from before it was saved).
+    pub save_id: Option<String>,
     /// The loss scaler.
     pub scaler: LossScaler,
     /// Each parameter's own step counter, by name.
@@ -98,6 +101,7 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
         level,
         step,
         skipped,
+        save_id: meta.get("save_id").map(String::from),
         scaler,
         param_steps,
         layer_meta,

@@ -17,6 +17,9 @@
 //! is an error naming it. The index is written last: a save interrupted
 //! after some rank files leaves the old index, whose sizes and checksums no
 //! longer match those files (an error, never a silent mix of two saves).
+//! Every rank file also carries its save's id (metadata `save_id`, one
+//! random id a save, rank 0's): rank files found without their index load
+//! only when all ranks read files of one save.
 
 use super::header::Metadata;
 use super::{err, write_atomic, Part, INDEX_FORMAT, VERSION};

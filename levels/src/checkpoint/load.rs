@@ -4,6 +4,7 @@
 //! converted, one of another sharding resharded ([`super::reshard`]).
 
 use super::agree::agree;
+use super::agree::exchange;
 use super::index::{shard_path, Index};
 use super::reshard::stage_assembled;
 use super::stage::{stage_file, Staged};
@@ -25,9 +26,13 @@ use std::path::Path;
 pub(crate) fn load(ctx: &AmpContext, path: &Path, opt: &mut AmpOptimizer) -> Result<()> {
     let staged = stage(ctx, path, opt);
     let staged = match distributed::group(opt) {
-        Some(group) => agree(group.comm(), path, staged, |r| {
-            format!("rank {r} could not load it, so nothing changed here")
-        })?,
+        Some(group) => {
+            let staged = agree(group.comm(), path, staged, |r| {
+                format!("rank {r} could not load it, so nothing changed here")
+            })?;
+            one_save(group.comm(), path, staged.save_id.as_deref())?;
+            staged
+        }
         None => staged?,
     };
     apply(ctx, opt, staged)?;
@@ -36,6 +41,39 @@ pub(crate) fn load(ctx: &AmpContext, path: &Path, opt: &mut AmpOptimizer) -> Res
         group.gather(opt.inner())?;
     }
     Ok(())
+}
+
+/// Fails on every rank unless all ranks read files of one save (the same
+/// sharded save's id, or none): rank files of two saves, found without
+/// their index, are never mixed.
+fn one_save(comm: &dyn amp_comm::Communicator, path: &Path, id: Option<&str>) -> Result<()> {
+    // [has an id, the id's 16 hex digits]
+    let mut mine = [0u8; 17];
+    if let Some(id) = id {
+        mine[0] = 1;
+        let b = id.as_bytes();
+        let n = b.len().min(16);
+        mine[1..=n].copy_from_slice(&b[..n]);
+    }
+    let all = exchange(comm, &mine)?;
+    match all.iter().position(|o| o != &all[0]) {
+        None => Ok(()),
+        Some(r) => {
+            let show = |o: &[u8]| match o.first() {
+                Some(1) => format!("save {}", String::from_utf8_lossy(&o[1..])),
+                _ => "no save id".to_string(),
+            };
+            Err(err(
+                path,
+                format!(
+                    "the ranks' files are of different saves (rank 0: {}, rank {r}: {}): \
+                     nothing was loaded; load the index of one save",
+                    show(&all[0]),
+                    show(&all[r])
+                ),
+            ))
+        }
+    }
 }
 
 /// Reads and checks what `path` holds for this rank; changes nothing.

@@ -41,11 +41,17 @@ pub(crate) fn save_whole(
     opt: &AmpOptimizer,
     fail_before_rename: bool,
 ) -> Result<()> {
-    write_atomic(path, &file_bytes(ctx, path, opt)?, fail_before_rename)
+    write_atomic(path, &file_bytes(ctx, path, opt, None)?, fail_before_rename)
 }
 
-/// The checkpoint file's bytes (`path` names it in errors).
-fn file_bytes(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer) -> Result<Vec<u8>> {
+/// The checkpoint file's bytes (`path` names it in errors); a rank file of
+/// a sharded save carries the save's id (metadata `save_id`).
+fn file_bytes(
+    ctx: &AmpContext,
+    path: &Path,
+    opt: &AmpOptimizer,
+    save_id: Option<&str>,
+) -> Result<Vec<u8>> {
     let mut out = BTreeMap::new();
     for p in opt.inner().params() {
         match &*p.slot.read()? {
@@ -100,6 +106,9 @@ fn file_bytes(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer) -> Result<Vec<u
             )?,
         ),
     ]);
+    if let Some(id) = save_id {
+        metadata.insert("save_id".to_string(), id.to_string());
+    }
     if !distributed::shards(opt).is_empty() {
         // which tensors are slices, and where they lie (resharding)
         metadata.insert("zero_slices".to_string(), json(&slices(opt))?);
@@ -133,9 +142,17 @@ fn save_sharded(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer, group: &Group
             .map(String::from)
             .ok_or_else(|| err(&file, "not a UTF-8 file name"))
     };
+    // One id for this save on every rank (rank 0's), so that a load can
+    // tell rank files of two saves apart even without the index.
+    let id = exchange(comm, &new_save_id().to_le_bytes())?
+        .first()
+        .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| err(path, "rank 0 sent no save id"))?;
+    let id = format!("{id:016x}");
     let written = name(rank).and_then(|file| {
         let target = path.with_file_name(&file);
-        let bytes = file_bytes(ctx, &target, opt)?;
+        let bytes = file_bytes(ctx, &target, opt, Some(&id))?;
         write_atomic(&target, &bytes, false)?;
         Ok(FileEntry {
             file,
@@ -247,4 +264,14 @@ mod erased {
             serde_json::to_string(self).map_err(|e| e.to_string())
         }
     }
+}
+
+/// A fresh save id: the clock, the process and a per-process random key
+/// hashed together (no two saves share one in practice).
+fn new_save_id() -> u64 {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    std::time::SystemTime::now().hash(&mut h);
+    std::process::id().hash(&mut h);
+    h.finish()
 }

@@ -30,6 +30,9 @@ pub(crate) struct Staged {
     pub step: u64,
     /// Its skipped steps.
     pub skipped: u64,
+    /// The save's id (a sharded save's rank file), for the ranks to check
+    /// that they loaded files of one save.
+    pub save_id: Option<String>,
     /// The loss scaler.
     pub scaler: LossScaler,
 }
@@ -178,6 +181,7 @@ pub(crate) fn staged(
         layers,
         step: header.step,
         skipped: header.skipped,
+        save_id: header.save_id,
         scaler: header.scaler,
     })
 }
