@@ -105,7 +105,7 @@ const OP: &str = "fp8_all_reduce_bucket";
 /// per-tensor share.
 ///
 /// # Errors
-/// [`Error::DType`] for a gradient that is not a float tensor or a
+/// [`Error::DType`](crate::Error::DType) for a gradient that is not a float tensor or a
 /// [`ScalingTensor`], and the communicator's errors.
 pub fn fp8_all_reduce_bucket<'a, C, G>(
     comm: &C,

@@ -442,7 +442,7 @@ pub fn bucket_decode_sum(
 
 /// Each piece of `values` (F32, flat) cast with element `piece.tensor` of
 /// `scale` to `qtype`, the codes concatenated, in one launch: bit for bit
-/// each [`ScalingTensor::quantize_with`].
+/// each [`ScalingTensor::quantize_with`](crate::ScalingTensor::quantize_with).
 ///
 /// # Errors
 /// [`Error::Unsupported`] for FP16 or a piece outside `values`.

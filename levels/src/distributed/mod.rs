@@ -222,7 +222,7 @@ pub(crate) fn shards(opt: &AmpOptimizer) -> &[Shard] {
 ///
 /// # Errors
 /// As [`initialize`](crate::context::initialize); the communicator's
-/// ([`Error::Comm`]), e.g. a rank that fails or never arrives.
+/// ([`Error::Comm`](crate::Error::Comm)), e.g. a rank that fails or never arrives.
 pub fn initialize_distributed(
     varmap: &candle_nn::VarMap,
     adam: AdamWConfig,
