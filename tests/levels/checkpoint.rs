@@ -61,6 +61,14 @@ fn corrupt_checkpoints_are_clear_errors_and_change_nothing() {
     let mut flipped = bytes.clone();
     flipped[10] ^= 0x40;
     cases.push(("flipped header byte".into(), flipped));
+    // a byte of the tensors' data: the header still parses, the values
+    // would load wrong without the checksum
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for at in [8 + header_len + 1, bytes.len() - 1] {
+        let mut flipped = bytes.clone();
+        flipped[at] ^= 0x01;
+        cases.push((format!("flipped data byte {at}"), flipped));
+    }
     cases.push((
         "not safetensors".into(),
         b"this is a text file, not a checkpoint".to_vec(),
@@ -76,6 +84,9 @@ fn corrupt_checkpoints_are_clear_errors_and_change_nothing() {
         std::fs::write(&p, &data).unwrap();
         let e = ctx.load(&p, &mut opt).unwrap_err();
         assert!(e.to_string().contains("checkpoint"), "{what}: {e}");
+        if what.starts_with("flipped data") {
+            assert!(e.to_string().contains("CRC-32"), "{what}: {e}");
+        }
         let after = tmp("after.safetensors");
         ctx.save(&after, &opt).unwrap();
         assert_eq!(

@@ -60,6 +60,20 @@ pub(crate) fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(SafeTenso
         return Err(err(path, "not a candle-amp checkpoint"));
     }
     meta.check_version()?;
+    if let Some(want) = meta.get("data_crc32") {
+        let mut tensors = st.tensors();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let got = data_crc32(tensors.iter().map(|(k, v)| (k.as_str(), v.data())));
+        if want != got.to_string() {
+            return Err(err(
+                path,
+                format!(
+                    "the tensors' CRC-32 is {got}, the file says {want}: the file is corrupt \
+                     (nothing was loaded)"
+                ),
+            ));
+        }
+    }
     let level = meta.level()?;
     let count = |what: &str, v: u64| -> Result<u64> {
         if v > MAX_COUNT {
@@ -223,4 +237,16 @@ fn check_scaler(s: &LossScaler) -> std::result::Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The CRC-32 (IEEE) of a checkpoint's tensors: each name's bytes, then
+/// its data, in name order (metadata `data_crc32`; files from before it
+/// was saved have none and are not checked).
+pub(crate) fn data_crc32<'a>(tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for (name, data) in tensors {
+        h.update(name.as_bytes());
+        h.update(data);
+    }
+    h.finalize()
 }

@@ -3,6 +3,7 @@
 //! checkpoint, or by every rank, with the index last, for a sharded one.
 
 use super::agree::{agree, exchange};
+use super::header::data_crc32;
 use super::header::{slices, zero_tag};
 use super::index::{shard_path, FileEntry, Index};
 use super::{err, not_a_param, write_atomic, FORMAT, ROLES, VERSION};
@@ -113,6 +114,12 @@ fn file_bytes(
         // which tensors are slices, and where they lie (resharding)
         metadata.insert("zero_slices".to_string(), json(&slices(opt))?);
     }
+    // a flipped byte anywhere in the tensors is a load error
+    let crc = data_crc32(
+        out.iter()
+            .map(|(k, (bytes, _, _))| (k.as_str(), bytes.as_slice())),
+    );
+    metadata.insert("data_crc32".to_string(), crc.to_string());
     let views = out
         .iter()
         .map(|(k, (bytes, dtype, shape))| {
