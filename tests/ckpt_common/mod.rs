@@ -160,3 +160,43 @@ pub fn with_metadata(src: &PathBuf, key: &str, value: &str) -> PathBuf {
     std::fs::write(&p, out).unwrap();
     p
 }
+
+/// A copy of checkpoint `src` with tensor `name`'s bytes changed by
+/// `edit`, its data checksum (metadata `data_crc32`) recomputed as a save
+/// computes it, so that only the values are wrong.
+pub fn with_tensor_bytes(src: &PathBuf, name: &str, edit: impl Fn(&mut [u8])) -> PathBuf {
+    let bytes = std::fs::read(src).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+    let mut meta = header.metadata().clone().unwrap();
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    owned.sort_by(|a, b| a.0.cmp(&b.0));
+    let t = owned
+        .iter_mut()
+        .find(|t| t.0 == name)
+        .expect("no such tensor");
+    edit(&mut t.3);
+    let mut h = crc32fast::Hasher::new();
+    for (n, _, _, data) in &owned {
+        h.update(n.as_bytes());
+        h.update(data);
+    }
+    meta.insert("data_crc32".to_string(), h.finalize().to_string());
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(n, d, s, data)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    let out = safetensors::tensor::serialize(views, Some(meta)).unwrap();
+    let p = tmp(&format!("edited-{}.safetensors", name.replace('.', "_")));
+    std::fs::write(&p, out).unwrap();
+    p
+}

@@ -6,7 +6,7 @@ use crate::common;
 
 use amp::levels::Level;
 use candle_core::{DType, Device, Tensor};
-use ckpt_common::{build, contents, tmp, train, with_metadata};
+use ckpt_common::{build, contents, tmp, train, with_metadata, with_tensor_bytes};
 use common::masters;
 use safetensors::SafeTensors;
 
@@ -207,4 +207,61 @@ fn a_save_removes_the_temporary_files_of_killed_saves() {
     );
     assert!(path.exists());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn values_that_cannot_be_trained_from_are_refused() {
+    // A file whose checksum matches (rewritten by another tool) with a NaN
+    // in an FP16 weight (O2's master), a NaN code in an FP8 first moment, a
+    // negative second moment: each a clear error, nothing loaded.
+    let (model, ctx, mut opt) = build(8, Level::O2);
+    train(&model, &ctx, &mut opt, 0..2);
+    let good = tmp("values-good.safetensors");
+    ctx.save(&good, &opt).unwrap();
+    let st_bytes = std::fs::read(&good).unwrap();
+    let st = SafeTensors::deserialize(&st_bytes).unwrap();
+    let find = |suffix: &str, dtype: safetensors::Dtype| -> String {
+        let mut names: Vec<String> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, v)| n.ends_with(suffix) && v.dtype() == dtype)
+            .map(|(n, _)| n)
+            .collect();
+        names.sort();
+        names
+            .first()
+            .cloned()
+            .unwrap_or_else(|| panic!("no {suffix} of {dtype:?}"))
+    };
+    let master = "proj.weight".to_string();
+    let m = find(".__exp_avg", safetensors::Dtype::F8_E4M3);
+    let v = find(".__exp_avg_sq", safetensors::Dtype::F16);
+    let cases: Vec<(String, std::path::PathBuf, &str)> = vec![
+        (
+            "NaN FP16 weight".into(),
+            with_tensor_bytes(&good, &master, |b| b[..2].copy_from_slice(&[0x00, 0x7e])),
+            "NaN or inf",
+        ),
+        (
+            "NaN first-moment code".into(),
+            with_tensor_bytes(&good, &m, |b| b[0] = 0x7f),
+            "NaN or inf",
+        ),
+        (
+            "negative second moment".into(),
+            with_tensor_bytes(&good, &v, |b| b[..2].copy_from_slice(&[0x00, 0xbc])),
+            "negative second moment",
+        ),
+    ];
+    let before = tmp("values-before.safetensors");
+    ctx.save(&before, &opt).unwrap();
+    for (what, path, want) in cases {
+        let e = ctx.load(&path, &mut opt).unwrap_err().to_string();
+        assert!(e.contains(want), "{what}: {e}");
+        let after = tmp("values-after.safetensors");
+        ctx.save(&after, &opt).unwrap();
+        assert_eq!(contents(&before), contents(&after), "{what}: state changed");
+        let _ = std::fs::remove_file(&path);
+    }
+    ctx.load(&good, &mut opt).unwrap();
 }

@@ -12,6 +12,7 @@ use crate::error::Result;
 use amp_core::nn::LayerScaling;
 use amp_core::{ScalingMeta, Weight};
 use amp_optim::{LossScaler, State};
+use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -161,6 +162,9 @@ pub(crate) fn staged(
     header: Header,
 ) -> Result<Staged> {
     let mut steps = Vec::with_capacity(weights.len());
+    for (p, (weight, m, v)) in opt.inner().params().iter().zip(&weights) {
+        check_values(path, &p.name, weight, m, v)?;
+    }
     for (p, (weight, _, _)) in opt.inner().params().iter().zip(&mut weights) {
         steps.push(
             *header
@@ -184,4 +188,43 @@ pub(crate) fn staged(
         save_id: header.save_id,
         scaler: header.scaler,
     })
+}
+
+/// Fails unless a parameter's values can be trained from: its value (the
+/// master where it has one) and first moment finite, its second moment
+/// finite and not negative. A file whose checksum matches can still hold
+/// such values (written by another tool, or saved from a run that had
+/// gone bad); loaded, they would turn the first step into NaN.
+fn check_values(path: &Path, name: &str, w: &Weight, m: &State, v: &State) -> Result<()> {
+    let finite = |what: String, t: &Tensor| -> Result<()> {
+        let amax = amp_core::amax(&t.flatten_all()?.to_dtype(DType::F32)?)?.to_vec1::<f32>()?;
+        if amax.iter().all(|a| a.is_finite()) {
+            Ok(())
+        } else {
+            Err(err(
+                path,
+                format!("`{what}` holds NaN or inf: nothing was loaded"),
+            ))
+        }
+    };
+    finite(name.to_string(), &w.master_f32()?)?;
+    if let Weight::Fp8 { weight, .. } = w {
+        finite(name.to_string(), &weight.dequantize(DType::F32)?)?;
+    }
+    let state = |s: &State| -> Result<Tensor> {
+        Ok(match s {
+            State::F32(t) => t.clone(),
+            State::Scaled(t) => t.dequantize(DType::F32)?,
+        })
+    };
+    finite(format!("{name}.__exp_avg"), &state(m)?)?;
+    let v = state(v)?;
+    finite(format!("{name}.__exp_avg_sq"), &v)?;
+    if v.elem_count() > 0 && v.flatten_all()?.min(0)?.to_vec0::<f32>()? < 0.0 {
+        return Err(err(
+            path,
+            format!("`{name}.__exp_avg_sq` holds a negative second moment: nothing was loaded"),
+        ));
+    }
+    Ok(())
 }
