@@ -238,7 +238,14 @@ impl Kernel for BucketDecodeSum {
         ])
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::bucket_decode_sum(self.qtype, self.average, &self.pieces, inputs)
+        let chunks = inputs.len().saturating_sub(1);
+        crate::numerics::cuda::bucket_decode_sum(
+            self.qtype,
+            self.average,
+            DecodeSum::inv_n(chunks),
+            &self.pieces,
+            inputs,
+        )
     }
 }
 

@@ -80,6 +80,7 @@ pub(crate) fn bucket_copy(_: &[crate::numerics::bucket::Piece], _: Inputs<'_>) -
 pub(crate) fn bucket_decode_sum(
     _: QType,
     _: bool,
+    _: f32,
     _: &[crate::numerics::bucket::Piece],
     _: Inputs<'_>,
 ) -> Outputs {
@@ -94,7 +95,7 @@ pub(crate) fn bucket_quantize(
     Err(Error::NotCompiled("cuda"))
 }
 
-pub(crate) fn decode_sum(_: QType, _: bool, _: Inputs<'_>) -> Outputs {
+pub(crate) fn decode_sum(_: QType, _: bool, _: f32, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 

@@ -76,7 +76,8 @@ impl Kernel for DecodeSum {
         Ok(vec![(CpuStorage::F32(sum), shape), one(amax)])
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::decode_sum(self.qtype, self.average, inputs)
+        let chunks = inputs.len().saturating_sub(1);
+        crate::numerics::cuda::decode_sum(self.qtype, self.average, Self::inv_n(chunks), inputs)
     }
 }
 

@@ -2,10 +2,10 @@
 //! `BUCKET_MAX` items a launch (`blockIdx.y`), described by value in a
 //! `BucketArgs`; more items take more launches into the same outputs.
 
+use super::decode_sum::SUM_MAX;
 use super::launch::{func, multiprocessors, view};
 use crate::error::{Error, Result};
 use crate::numerics::bucket::Piece;
-use crate::numerics::decode_sum::{DecodeSum, MAX_RANKS};
 use crate::numerics::kernel::arity;
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
@@ -376,6 +376,7 @@ fn code_name(qtype: QType) -> &'static str {
 pub(crate) fn bucket_decode_sum(
     qtype: QType,
     average: bool,
+    inv_n: f32,
     pieces: &[Piece],
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
@@ -383,7 +384,7 @@ pub(crate) fn bucket_decode_sum(
     let Some(((s, ls), chunks)) = inputs.split_last() else {
         return Err(arity(OP));
     };
-    if chunks.is_empty() || chunks.len() > MAX_RANKS {
+    if chunks.is_empty() || chunks.len() > SUM_MAX {
         return Err(arity(OP));
     }
     let dev = s.device().clone();
@@ -394,7 +395,7 @@ pub(crate) fn bucket_decode_sum(
         .iter()
         .map(|(c, l)| view::<u8>(OP, c, l))
         .collect::<Result<Vec<_>>>()?;
-    let mut ptrs = [0u64; MAX_RANKS];
+    let mut ptrs = [0u64; SUM_MAX];
     let mut guards = Vec::new();
     for (k, v) in views.iter().enumerate() {
         let (p, g) = v.device_ptr(&stream);
@@ -419,7 +420,6 @@ pub(crate) fn bucket_decode_sum(
     let name = format!("bucket_decode_sum_{}", fmt_name(OP, qtype)?);
     let ranks = chunks.len() as i32;
     let avg = i32::from(average && chunks.len() > 1);
-    let inv_n = DecodeSum::inv_n(chunks.len());
     let f = func(&dev, &name)?;
     for (a, cfg) in launches(&dev, &items)? {
         let mut b = stream.launch_builder(&f);

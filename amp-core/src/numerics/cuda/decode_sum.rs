@@ -3,20 +3,24 @@
 
 use super::launch::{func, grid, scalar, view};
 use crate::error::{Error, Result};
-use crate::numerics::decode_sum::{DecodeSum, MAX_RANKS};
-use crate::numerics::kernel::{arity, Kernel};
+use crate::numerics::kernel::arity;
 use crate::numerics::qtype::QType;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{Layout, Shape};
 
+/// Most chunks one launch sums (`SUM_MAX` in amp.cu).
+pub(crate) const SUM_MAX: usize = 64;
+
+/// chunks, scale_inv -> sum, amax; `inv_n` the averaging factor.
 pub(crate) fn decode_sum(
     qtype: QType,
     average: bool,
+    inv_n: f32,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
-    const OP: &str = DecodeSum::NAME;
+    const OP: &str = "decode_sum";
     let Some(((s, ls), chunks)) = inputs.split_last() else {
         return Err(arity(OP));
     };
@@ -30,7 +34,7 @@ pub(crate) fn decode_sum(
             })
         }
     };
-    if chunks.is_empty() || chunks.len() > MAX_RANKS {
+    if chunks.is_empty() || chunks.len() > SUM_MAX {
         return Err(arity(OP));
     }
     let dev = s.device().clone();
@@ -39,7 +43,7 @@ pub(crate) fn decode_sum(
     let n = shape.elem_count();
     let scale_inv = scalar(OP, s, ls)?;
     // `SumPtrs` in amp.cu
-    let mut ptrs = [0u64; MAX_RANKS];
+    let mut ptrs = [0u64; SUM_MAX];
     let mut views = Vec::with_capacity(chunks.len());
     for (c, l) in chunks {
         if l.shape().elem_count() != n {
@@ -64,7 +68,6 @@ pub(crate) fn decode_sum(
         let f = func(&dev, name)?;
         let ranks = chunks.len() as i32;
         let avg = i32::from(average && chunks.len() > 1);
-        let inv_n = DecodeSum::inv_n(chunks.len());
         let mut b = stream.launch_builder(&f);
         b.arg(&ptrs)
             .arg(&ranks)
