@@ -8,7 +8,7 @@
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Grad};
-use amp_core::{QType, ScalingMeta, ScalingTensor};
+use amp_core::{bucket_scales, QType, ScalingMeta, ScalingTensor};
 use candle_core::{DType, Shape, Tensor};
 
 /// One gradient of a bucket.
@@ -99,20 +99,31 @@ pub(crate) fn agreed_metas<C: Communicator + ?Sized>(
     let inf = Tensor::full(f32::INFINITY, local.shape(), local.device())?;
     let local = local.ne(&local)?.where_cond(&inf, &local)?;
     let global = comm.all_reduce_max_no_nan(&local)?;
-    let metas = (0..amaxes.len())
+    let (scale, scale_inv) = bucket_scales(&global, cfg.qtype, cfg.scale_rule, cfg.margin)?;
+    let metas = metas_of(cfg.qtype, &scale, &scale_inv, &global, amaxes.len())?;
+    Ok((metas, global))
+}
+
+/// Tensor `t`'s metadata, for `t` in `0..n`: element `t` of `scale`,
+/// `scale_inv` and `amax` (its agreed amax, as the per-tensor functions
+/// keep it), as views.
+pub(crate) fn metas_of(
+    qtype: QType,
+    scale: &Tensor,
+    scale_inv: &Tensor,
+    amax: &Tensor,
+    n: usize,
+) -> Result<Vec<ScalingMeta>> {
+    (0..n)
         .map(|t| {
-            let g = global.narrow(0, t, 1)?;
-            let m = ScalingMeta::for_current_amax(cfg.qtype, &g, cfg.scale_rule, cfg.margin)?;
-            // the agreed amax as the metadata's, as `fp8_all_reduce` keeps it
             Ok(ScalingMeta::from_parts(
-                cfg.qtype,
-                m.scale().clone(),
-                m.scale_inv().clone(),
-                g,
+                qtype,
+                scale.narrow(0, t, 1)?,
+                scale_inv.narrow(0, t, 1)?,
+                amax.narrow(0, t, 1)?,
             )?)
         })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((metas, global))
+        .collect()
 }
 
 /// Steps 1-2 of every bucketed collective: per input its agreed metadata

@@ -3,14 +3,16 @@
 //! four per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
 
-use crate::bucket_cast::{agreed_metas, cast_agreed, cat_nonempty, fused, inputs, rank_order_mean};
+use crate::bucket_cast::{
+    agreed_metas, cast_agreed, cat_nonempty, fused, inputs, metas_of, rank_order_mean,
+};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
 use crate::shard::shard_range;
 use amp_core::{
     bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales, Piece,
-    ScalingMeta, ScalingTensor,
+    ScalingTensor,
 };
 use candle_core::{DType, Tensor};
 
@@ -181,16 +183,7 @@ where
             } else {
                 bucket_quantize(&sums, &rscale, qtype, &in_sums)?
             };
-            let metas = (0..inputs.len())
-                .map(|t| {
-                    Ok(ScalingMeta::from_parts(
-                        qtype,
-                        rscale.narrow(0, t, 1)?,
-                        rscale_inv.narrow(0, t, 1)?,
-                        result_global.narrow(0, t, 1)?,
-                    )?)
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let metas = metas_of(qtype, &rscale, &rscale_inv, &result_global, inputs.len())?;
             (shard, global, metas, result_global)
         }
         None => {

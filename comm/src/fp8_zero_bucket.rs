@@ -14,7 +14,7 @@
 //! A bucket boundary never falls inside a tensor.
 
 use crate::bucket_cast::{
-    agreed_metas, cast_agreed, cat_nonempty, fused, inputs, rank_order_mean, Input,
+    agreed_metas, cast_agreed, cat_nonempty, fused, inputs, metas_of, rank_order_mean, Input,
 };
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
@@ -22,7 +22,7 @@ use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
 use crate::shard::{shard_len, shard_range};
 use amp_core::{
     bucket_amax, bucket_copy, bucket_decode_sum, bucket_requantize, bucket_scales, Piece, QType,
-    ScalingMeta, ScalingTensor,
+    ScalingTensor,
 };
 use candle_core::{DType, Shape, Tensor};
 
@@ -284,21 +284,16 @@ where
             .filter(|p| p.len > 0)
             .collect();
         let whole = bucket_copy(&gathered, &pieces)?;
+        let metas = metas_of(cfg.qtype, &scale, &scale_inv, &global, lens.len())?;
         let mut at = 0;
         return lens
             .iter()
             .zip(shapes)
-            .enumerate()
-            .map(|(t, (&l, shape))| {
+            .zip(metas)
+            .map(|((&l, shape), meta)| {
                 let codes = whole.narrow(0, at, l)?.reshape(shape.clone())?;
                 at += l;
-                let amax = global.narrow(0, t, 1)?;
-                let meta = ScalingMeta::from_parts(
-                    cfg.qtype,
-                    scale.narrow(0, t, 1)?,
-                    scale_inv.narrow(0, t, 1)?,
-                    amax.clone(),
-                )?;
+                let amax = meta.amax()?;
                 Ok(Fp8Reduced {
                     grad: ScalingTensor::from_parts(codes, meta)?,
                     amax,

@@ -265,16 +265,41 @@ fn configs() -> [Fp8ReduceConfig; 3] {
     ]
 }
 
+/// Tensors of odd shapes and far-apart magnitudes, some smaller than a
+/// world of 4.
+pub(crate) fn odd_specs() -> [Spec; 5] {
+    [
+        Spec::new(&[7], 0),
+        Spec::new(&[1], 5),
+        Spec::new(&[3, 5], -12),
+        Spec::new(&[13], 9),
+        Spec::new(&[2, 3, 3], -30),
+    ]
+}
+
+/// A random inf or NaN (`bad`: which tensor, rank, element, NaN) planted in
+/// `specs` where it lands inside the world and the tensor; each tensor's
+/// expected finiteness after the reduction.
+pub(crate) fn plant(
+    specs: &mut [Spec],
+    world: usize,
+    bad: Option<(prop::sample::Index, usize, usize, bool)>,
+) -> Vec<bool> {
+    let mut want = vec![true; specs.len()];
+    if let Some((t, rank, i, nan)) = bad {
+        let t = t.index(specs.len());
+        if rank < world && i < specs[t].len() {
+            specs[t].bad = Some((rank, i, if nan { f32::NAN } else { f32::INFINITY }));
+            want[t] = false;
+        }
+    }
+    want
+}
+
 #[test]
 fn odd_sizes_and_scales_match_the_per_tensor_reduction() {
     for world in 1..=4 {
-        let specs = [
-            Spec::new(&[7], 0),
-            Spec::new(&[1], 5),
-            Spec::new(&[3, 5], -12),
-            Spec::new(&[13], 9),
-            Spec::new(&[2, 3, 3], -30),
-        ];
+        let specs = odd_specs();
         for cfg in configs() {
             assert_eq!(check(world, &specs, &cfg), [true; 5]);
         }
@@ -337,13 +362,7 @@ fn scaled_gradients_a_bucket_at_a_time_match_per_tensor() {
     // The layers' FP8 gradients take the fused path (one launch a step for
     // the whole bucket): bitwise the per-tensor reduction too.
     for world in 1..=4 {
-        let specs = [
-            Spec::new(&[7], 0),
-            Spec::new(&[1], 5),
-            Spec::new(&[3, 5], -12),
-            Spec::new(&[13], 9),
-            Spec::new(&[2, 3, 3], -30),
-        ];
+        let specs = odd_specs();
         for cfg in &configs() {
             assert_eq!(check_with(world, &specs, cfg, true), [true; 5]);
         }
@@ -415,14 +434,7 @@ proptest! {
         bad in prop::option::of((any::<prop::sample::Index>(), 0usize..4, 0usize..40, any::<bool>())),
         cfg in 0usize..3,
     ) {
-        let mut want = vec![true; specs.len()];
-        if let Some((t, rank, i, nan)) = bad {
-            let t = t.index(specs.len());
-            if rank < world && i < specs[t].len() {
-                specs[t].bad = Some((rank, i, if nan { f32::NAN } else { f32::INFINITY }));
-                want[t] = false;
-            }
-        }
+        let want = plant(&mut specs, world, bad);
         let got = check(world, &specs, &configs()[cfg]);
         prop_assert_eq!(got, want);
         // scaled: the fused path; its E4M3/E5M2 cast may saturate an inf

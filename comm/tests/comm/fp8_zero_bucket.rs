@@ -4,7 +4,7 @@
 //! `fp8_all_gather_bucket` bitwise `fp8_all_gather` (codes, scales,
 //! amaxes), in two collectives a bucket instead of two a tensor.
 
-use crate::fp8_bucket::{print, spec_strategy, Counting, Print, Spec};
+use crate::fp8_bucket::{odd_specs, plant, print, spec_strategy, Counting, Print, Spec};
 use amp_comm::{
     fp8_all_gather, fp8_all_gather_bucket, fp8_reduce_scatter, fp8_reduce_scatter_bucket,
     run_ranks, Communicator, Error, Fp8ReduceConfig, Grad, ReducedShard,
@@ -144,13 +144,7 @@ fn configs() -> [Fp8ReduceConfig; 2] {
 #[test]
 fn odd_sizes_and_tensors_smaller_than_the_world_match_per_tensor() {
     for world in 1..=4 {
-        let specs = [
-            Spec::new(&[7], 0),
-            Spec::new(&[1], 5),
-            Spec::new(&[3, 5], -12),
-            Spec::new(&[2], 9),
-            Spec::new(&[2, 3, 3], -30),
-        ];
+        let specs = odd_specs();
         for cfg in &configs() {
             for scaled in [false, true] {
                 assert_eq!(check(world, &specs, cfg, scaled), [true; 5]);
@@ -194,14 +188,7 @@ proptest! {
         cfg in 0usize..2,
         scaled in any::<bool>(),
     ) {
-        let mut want = vec![true; specs.len()];
-        if let Some((t, rank, i, nan)) = bad {
-            let t = t.index(specs.len());
-            if rank < world && i < specs[t].len() {
-                specs[t].bad = Some((rank, i, if nan { f32::NAN } else { f32::INFINITY }));
-                want[t] = false;
-            }
-        }
+        let want = plant(&mut specs, world, bad);
         let got = check(world, &specs, &configs()[cfg], scaled);
         // (the E5M2 cast of a scaled gradient may saturate an inf)
         if !scaled {
