@@ -428,6 +428,24 @@ struct BucketArgs {
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;                                  \
     const size_t stride = (size_t)gridDim.x * blockDim.x;
 
+// Each item's elements: a scalar head until the input is 16-byte aligned,
+// units of VEC elements through 16-byte loads and stores (when the output
+// is aligned there too), a scalar tail; all scalar when the two cannot be
+// aligned together. `in_b`/`out_b`: bytes an element (out 0: no output).
+struct Split {
+    size_t head, units;
+};
+__device__ __forceinline__ Split split16(unsigned long long in, int in_b, unsigned long long out, int out_b,
+                                         size_t n) {
+    const Split scalar = {n, 0};
+    if ((in & 15) % in_b) return scalar;
+    const size_t head = ((16 - (in & 15)) & 15) / in_b;
+    if (head >= n || ((out + head * out_b) & 15)) return scalar;
+    return {head, (n - head) / VEC};
+}
+// u over an item's vector units, grid-stride.
+#define UNITS(sp, u) for (size_t u = tid; u < (sp).units; u += stride)
+
 // amax[t] = max |decode(q) * scale_inv| with NaN counted as inf (bits, the
 // clamp commutes with the max). src: codes; aux: the scale_inv's address.
 template <int FMT>
@@ -437,12 +455,22 @@ __device__ void bucket_amax_impl(BucketArgs a, uint32_t* amax_out) {
     const C* q = reinterpret_cast<const C*>(a.src[item]);
     const float s = *reinterpret_cast<const float*>(a.aux[item]);
     uint32_t amax = 0;
-    for (size_t i = tid; i < n; i += stride) amax = max(amax, abs_bits(Fmt<FMT>::decode(q[i]) * s));
+    const Split sp = split16(a.src[item], sizeof(C), 0, 0, n);
+    UNITS(sp, u) {
+        Codes16<FMT> in;
+        load_codes<FMT>(q + sp.head, u, in);
+        const C* cs = reinterpret_cast<const C*>(in.w);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) amax = max(amax, abs_bits(Fmt<FMT>::decode(cs[j]) * s));
+    }
+    const size_t tail = sp.head + sp.units * VEC;
+    for (size_t i = tid; i < sp.head; i += stride) amax = max(amax, abs_bits(Fmt<FMT>::decode(q[i]) * s));
+    for (size_t i = tail + tid; i < n; i += stride) amax = max(amax, abs_bits(Fmt<FMT>::decode(q[i]) * s));
     block_flush(min(amax, 0x7F800000u), 0, 0, amax_out + a.t[item], nullptr);
 }
 
 // out[off..] = encode(decode(q) * scale_inv * scale[t]), as requantize.
-// src: codes; aux: the scale_inv's address.
+// src: codes; aux: the scale_inv's address. TO is an FP8 format.
 template <int FROM, int TO>
 __device__ void bucket_requantize_impl(BucketArgs a, const float* __restrict__ scale,
                                        typename Fmt<TO>::code_t* __restrict__ out) {
@@ -453,7 +481,37 @@ __device__ void bucket_requantize_impl(BucketArgs a, const float* __restrict__ s
     const float sc = scale[a.t[item]];
     typename Fmt<TO>::code_t* o = out + a.out_off[item];
     uint32_t amax = 0, sat = 0, flush = 0;
-    for (size_t i = tid; i < n; i += stride) o[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * si, sc, amax, sat, flush);
+    const Split sp = split16(a.src[item], sizeof(C), (unsigned long long)o, 1, n);
+    UNITS(sp, u) {
+        Codes16<FROM> in;
+        load_codes<FROM>(q + sp.head, u, in);
+        const C* cs = reinterpret_cast<const C*>(in.w);
+        float f[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; j++) f[j] = Fmt<FROM>::decode(cs[j]) * si;
+        uint4 w;
+        w.x = quantize4<TO>(f, sc, amax, sat, flush);
+        w.y = quantize4<TO>(f + 4, sc, amax, sat, flush);
+        w.z = quantize4<TO>(f + 8, sc, amax, sat, flush);
+        w.w = quantize4<TO>(f + 12, sc, amax, sat, flush);
+        __stcs(reinterpret_cast<uint4*>(o + sp.head) + u, w);
+    }
+    const size_t tail = sp.head + sp.units * VEC;
+    for (size_t i = tid; i < sp.head; i += stride) o[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * si, sc, amax, sat, flush);
+    for (size_t i = tail + tid; i < n; i += stride) o[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * si, sc, amax, sat, flush);
+}
+
+// The rank-order sum of element i of the ranks' chunks, each decoded with
+// s, times inv_n plus 0 with `average` (as decode_sum).
+template <int FMT>
+__device__ __forceinline__ float rank_sum(const SumPtrs& ptrs, int ranks, size_t at, float s, int average,
+                                          float inv_n) {
+    typedef typename Fmt<FMT>::code_t C;
+    float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[at]), s);
+    for (int k = 1; k < ranks; k++)
+        y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[at]), s));
+    if (average) y = __fadd_rn(__fmul_rn(y, inv_n), 0.0f);
+    return y;
 }
 
 // out[off..] = the rank-order sum of `ranks` chunks' codes at aux.., each
@@ -468,11 +526,43 @@ __device__ void bucket_decode_sum_impl(BucketArgs a, SumPtrs ptrs, int ranks, co
     const size_t at = (size_t)a.aux[item];
     float* o = out + a.out_off[item];
     uint32_t amax = 0;
-    for (size_t i = tid; i < n; i += stride) {
-        float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[at + i]), s);
-        for (int k = 1; k < ranks; k++)
-            y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[at + i]), s));
-        if (average) y = __fadd_rn(__fmul_rn(y, inv_n), 0.0f);
+    // Vector units only where every rank's chunk aligns with the first.
+    Split sp = split16(ptrs.p[0] + at, 1, (unsigned long long)o, 4, n);
+    for (int k = 1; k < ranks; k++)
+        if ((ptrs.p[k] - ptrs.p[0]) & 15) sp = {n, 0};
+    UNITS(sp, u) {
+        const size_t base = at + sp.head + u * VEC;
+        float y[VEC];
+        {
+            const uint4 w = __ldcs(reinterpret_cast<const uint4*>(ptrs.p[0] + base));
+            const C* cs = reinterpret_cast<const C*>(&w);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) y[j] = __fmul_rn(Fmt<FMT>::decode(cs[j]), s);
+        }
+        for (int k = 1; k < ranks; k++) {
+            const uint4 w = __ldcs(reinterpret_cast<const uint4*>(ptrs.p[k] + base));
+            const C* cs = reinterpret_cast<const C*>(&w);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) y[j] = __fadd_rn(y[j], __fmul_rn(Fmt<FMT>::decode(cs[j]), s));
+        }
+        if (average) {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) y[j] = __fadd_rn(__fmul_rn(y[j], inv_n), 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; j++) amax = max(amax, abs_bits(y[j]));
+        float4* dst = reinterpret_cast<float4*>(o + sp.head + u * VEC);
+#pragma unroll
+        for (int j = 0; j < VEC / 4; j++) __stcs(dst + j, make_float4(y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]));
+    }
+    const size_t tail = sp.head + sp.units * VEC;
+    for (size_t i = tid; i < sp.head; i += stride) {
+        const float y = rank_sum<FMT>(ptrs, ranks, at + i, s, average, inv_n);
+        o[i] = y;
+        amax = max(amax, abs_bits(y));
+    }
+    for (size_t i = tail + tid; i < n; i += stride) {
+        const float y = rank_sum<FMT>(ptrs, ranks, at + i, s, average, inv_n);
         o[i] = y;
         amax = max(amax, abs_bits(y));
     }
@@ -488,7 +578,28 @@ __device__ void bucket_quantize_impl(BucketArgs a, const float* __restrict__ sca
     const float sc = scale[a.t[item]];
     typename Fmt<TO>::code_t* o = out + a.out_off[item];
     uint32_t amax = 0, sat = 0, flush = 0;
-    for (size_t i = tid; i < n; i += stride) o[i] = quantize_one<TO>(x[i], sc, amax, sat, flush);
+    const Split sp = split16(a.src[item], 4, (unsigned long long)o, 1, n);
+    UNITS(sp, u) {
+        float f[VEC];
+        const float4* src = reinterpret_cast<const float4*>(x + sp.head + u * VEC);
+#pragma unroll
+        for (int j = 0; j < VEC / 4; j++) {
+            const float4 v = __ldcs(src + j);
+            f[4 * j] = v.x;
+            f[4 * j + 1] = v.y;
+            f[4 * j + 2] = v.z;
+            f[4 * j + 3] = v.w;
+        }
+        uint4 w;
+        w.x = quantize4<TO>(f, sc, amax, sat, flush);
+        w.y = quantize4<TO>(f + 4, sc, amax, sat, flush);
+        w.z = quantize4<TO>(f + 8, sc, amax, sat, flush);
+        w.w = quantize4<TO>(f + 12, sc, amax, sat, flush);
+        __stcs(reinterpret_cast<uint4*>(o + sp.head) + u, w);
+    }
+    const size_t tail = sp.head + sp.units * VEC;
+    for (size_t i = tid; i < sp.head; i += stride) o[i] = quantize_one<TO>(x[i], sc, amax, sat, flush);
+    for (size_t i = tail + tid; i < n; i += stride) o[i] = quantize_one<TO>(x[i], sc, amax, sat, flush);
 }
 
 #define BUCKET_FMT(FN, FMT)                                                                            \
@@ -519,6 +630,14 @@ extern "C" __global__ void bucket_scales(const float* amax, float* scale, float*
     const float s = compute_scale(rule, amax[i], 1.0f, max, margin);
     scale[i] = s;
     scale_inv[i] = 1.0f / s;
+}
+
+// out[i] = max(a[i], b[i]) for two amax vectors without NaN (the CPU's
+// `if b > a { b } else { a }`).
+extern "C" __global__ void bucket_max(const float* a, const float* b, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = b[i] > a[i] ? b[i] : a[i];
 }
 
 // FP16 masters (ZeRO's slices) to the FP8 copy's codes: their amax, their

@@ -53,8 +53,8 @@ mod scaling;
 pub use error::{Error, Result};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
 pub use numerics::bucket::{
-    bucket_amax, bucket_copy, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales,
-    Piece,
+    bucket_amax, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize,
+    bucket_scales, Piece,
 };
 pub use numerics::cast::F16_NAN_BITS;
 pub use numerics::cast::{amax, CastStats};
@@ -74,6 +74,7 @@ pub use numerics::recipe::{
 };
 pub use numerics::scalars::{gather_scalars, read_scalars};
 pub use numerics::scale::ScaleRule;
+pub use numerics::stream::{defer_side_work, SideStream};
 pub use numerics::{config, kernel};
 pub use scaling::meta::ScalingMeta;
 pub use scaling::sink::{with_sink_listener, GradSink};

@@ -1,6 +1,7 @@
 //! The [`Communicator`] trait: collectives over candle tensors.
 
 use crate::error::Result;
+use amp_core::SideStream;
 use candle_core::{Device, Tensor};
 
 /// How a reduction combines the ranks' values.
@@ -166,4 +167,16 @@ pub trait Communicator {
 
     /// Sets the [`bytes_sent`](Self::bytes_sent) counter to zero.
     fn reset_bytes_sent(&self);
+
+    /// The stream this backend's collectives run on, when it is not
+    /// candle's ([`SideStream`]; the NCCL backend's). Each collective
+    /// called on its own is fenced on both sides, so its result can be used
+    /// at once; the bucketed FP8 reductions run their kernels and
+    /// collectives inside [`SideStream::run`], which inside
+    /// [`amp_core::defer_side_work`] leaves candle's stream free to go on
+    /// (see [`SideStream`] for what the caller then owes). `None` (the
+    /// default): everything runs where candle's ops run.
+    fn side_stream(&self) -> Option<&SideStream> {
+        None
+    }
 }

@@ -11,8 +11,8 @@ use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
 use crate::shard::shard_range;
 use amp_core::{
-    bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales, Piece,
-    ScalingTensor,
+    bucket_amax, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
+    Piece, ScalingTensor,
 };
 use candle_core::{DType, Tensor};
 
@@ -154,90 +154,101 @@ where
             .collect::<candle_core::Result<Vec<_>>>()?;
         comm.all_to_all(&chunks)
     };
-    let (shard, input_global, result_metas, result_global) = match fused(&inputs, cfg, n) {
-        Some((scaled, qtype)) => {
-            // Every step a bucket at a time (one launch each).
-            let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
-            let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
-            let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
-            let global = comm.all_reduce_max_no_nan(&amax)?;
-            let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
-            let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, None, None)?;
-            let received = exchange(&codes)?;
-            let (sums, result_amax) =
-                bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &pieces)?;
-            let result_global = comm.all_reduce_max_no_nan(&result_amax)?;
-            let (rscale, rscale_inv) =
-                bucket_scales(&result_global, qtype, cfg.scale_rule, cfg.margin)?;
-            let mut at = 0;
-            let in_sums: Vec<Piece> = pieces
-                .iter()
-                .map(|p| {
-                    let q = Piece { start: at, ..*p };
-                    at += p.len;
-                    q
-                })
-                .collect();
-            let shard = if pieces.is_empty() {
-                codes.narrow(0, mine.start, 0)?
-            } else {
-                bucket_quantize(&sums, &rscale, qtype, &in_sums)?
-            };
-            let metas = metas_of(qtype, &rscale, &rscale_inv, &result_global, inputs.len())?;
-            (shard, global, metas, result_global)
-        }
-        None => {
-            // Steps 1-2: one agreement of the input amaxes, per-tensor casts.
-            let (metas, codes, input_global) = cast_agreed(comm, &inputs, cfg)?;
-            let codes = cat_nonempty(&codes, &codes[0])?;
-            let received = exchange(&codes)?;
-            // Steps 4-5: the rank-order means of this rank's pieces, one
-            // agreement of their amaxes (0 where this rank holds none of a
-            // tensor: the amax of the empty chunk `fp8_all_reduce` takes).
-            let zero = Tensor::zeros(1, DType::F32, comm.device())?;
-            let mut result_amaxes = vec![zero; inputs.len()];
-            let mut sums = Vec::with_capacity(pieces.len());
-            for p in &pieces {
-                let parts = received
+    let fast = fused(&inputs, cfg, n);
+    // The fused path launches only the bucket kernels and the collectives,
+    // so it may run on the communicator's own stream.
+    let side = comm.side_stream().filter(|_| fast.is_some());
+    let body = || -> Result<Vec<Fp8Reduced>> {
+        let (shard, input_global, result_metas, result_global) = match fast {
+            Some((scaled, qtype)) => {
+                // Every step a bucket at a time (one launch each).
+                let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
+                let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
+                let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
+                let global = comm.all_reduce_max_no_nan(&amax)?;
+                let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
+                let codes =
+                    bucket_requantize(&codes_in, &sinv_in, qtype, &scale, None, None, None)?;
+                let received = exchange(&codes)?;
+                let (sums, result_amax) =
+                    bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &pieces)?;
+                let result_global = comm.all_reduce_max_no_nan(&result_amax)?;
+                let (rscale, rscale_inv) =
+                    bucket_scales(&result_global, qtype, cfg.scale_rule, cfg.margin)?;
+                let mut at = 0;
+                let in_sums: Vec<Piece> = pieces
                     .iter()
-                    .map(|c| c.narrow(0, p.start, p.len))
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                let (sum, amax) = rank_order_mean(&parts, &metas[p.tensor], cfg.average)?;
-                sums.push(sum);
-                result_amaxes[p.tensor] = amax;
+                    .map(|p| {
+                        let q = Piece { start: at, ..*p };
+                        at += p.len;
+                        q
+                    })
+                    .collect();
+                let shard = if pieces.is_empty() {
+                    codes.narrow(0, mine.start, 0)?
+                } else {
+                    bucket_quantize(&sums, &rscale, qtype, &in_sums)?
+                };
+                let metas = metas_of(qtype, &rscale, &rscale_inv, &result_global, inputs.len())?;
+                (shard, global, metas, result_global)
             }
-            let (result_metas, result_global) = agreed_metas(comm, &result_amaxes, cfg)?;
-            let out_codes = pieces
-                .iter()
-                .zip(&sums)
-                .map(|(p, s)| {
-                    Ok(ScalingTensor::quantize_with(s, &result_metas[p.tensor])?
-                        .0
-                        .data()
-                        .clone())
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let shard = cat_nonempty(&out_codes, &codes)?;
-            (shard, input_global, result_metas, result_global)
-        }
-    };
+            None => {
+                // Steps 1-2: one agreement of the input amaxes, per-tensor casts.
+                let (metas, codes, input_global) = cast_agreed(comm, &inputs, cfg)?;
+                let codes = cat_nonempty(&codes, &codes[0])?;
+                let received = exchange(&codes)?;
+                // Steps 4-5: the rank-order means of this rank's pieces, one
+                // agreement of their amaxes (0 where this rank holds none of a
+                // tensor: the amax of the empty chunk `fp8_all_reduce` takes).
+                let zero = Tensor::zeros(1, DType::F32, comm.device())?;
+                let mut result_amaxes = vec![zero; inputs.len()];
+                let mut sums = Vec::with_capacity(pieces.len());
+                for p in &pieces {
+                    let parts = received
+                        .iter()
+                        .map(|c| c.narrow(0, p.start, p.len))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    let (sum, amax) = rank_order_mean(&parts, &metas[p.tensor], cfg.average)?;
+                    sums.push(sum);
+                    result_amaxes[p.tensor] = amax;
+                }
+                let (result_metas, result_global) = agreed_metas(comm, &result_amaxes, cfg)?;
+                let out_codes = pieces
+                    .iter()
+                    .zip(&sums)
+                    .map(|(p, s)| {
+                        Ok(ScalingTensor::quantize_with(s, &result_metas[p.tensor])?
+                            .0
+                            .data()
+                            .clone())
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let shard = cat_nonempty(&out_codes, &codes)?;
+                (shard, input_global, result_metas, result_global)
+            }
+        };
 
-    // Step 6: one all-gather of the bucket, cut back into tensors; each
-    // tensor's amax the larger of its two agreed ones (one op for all).
-    let gathered = comm.all_gather_shards(&shard, total)?;
-    let amaxes = input_global.maximum(&result_global)?;
-    spans
-        .into_iter()
-        .zip(shapes)
-        .zip(result_metas)
-        .enumerate()
-        .map(|(t, ((span, shape), result_meta))| {
-            let codes = gathered.narrow(0, span.start, span.len())?.reshape(shape)?;
-            let amax = amaxes.narrow(0, t, 1)?;
-            Ok(Fp8Reduced {
-                grad: ScalingTensor::from_parts(codes, result_meta)?,
-                amax,
+        // Step 6: one all-gather of the bucket, cut back into tensors; each
+        // tensor's amax the larger of its two agreed ones (one op for all).
+        let gathered = comm.all_gather_shards(&shard, total)?;
+        let amaxes = bucket_max(&input_global, &result_global)?;
+        spans
+            .into_iter()
+            .zip(shapes)
+            .zip(result_metas)
+            .enumerate()
+            .map(|(t, ((span, shape), result_meta))| {
+                let codes = gathered.narrow(0, span.start, span.len())?.reshape(shape)?;
+                let amax = amaxes.narrow(0, t, 1)?;
+                Ok(Fp8Reduced {
+                    grad: ScalingTensor::from_parts(codes, result_meta)?,
+                    amax,
+                })
             })
-        })
-        .collect()
+            .collect()
+    };
+    match side {
+        Some(side) => side.run(body),
+        None => body(),
+    }
 }

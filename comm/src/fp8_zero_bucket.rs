@@ -70,7 +70,12 @@ where
     let (n, rank) = (comm.world_size(), comm.rank());
     let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
     if let Some((scaled, qtype)) = fused(&inputs, cfg, n) {
-        return reduce_scatter_fused(comm, &scaled, qtype, &shapes, cfg);
+        // Bucket kernels and collectives only: on the communicator's stream.
+        let body = || reduce_scatter_fused(comm, &scaled, qtype, &shapes, cfg);
+        return match comm.side_stream() {
+            Some(side) => side.run(body),
+            None => body(),
+        };
     }
     let (metas, codes, _) = cast_agreed(comm, &inputs, cfg)?;
     let chunks = (0..n)
@@ -136,7 +141,15 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
         })
         .filter(|p| p.len > 0)
         .collect();
-    let codes = bucket_requantize(&codes_in, &sinv_in, qtype, &scale, Some(&pieces), None)?;
+    let codes = bucket_requantize(
+        &codes_in,
+        &sinv_in,
+        qtype,
+        &scale,
+        Some(&pieces),
+        None,
+        None,
+    )?;
     let mut at = 0;
     let chunks = (0..n)
         .map(|j| {
@@ -242,6 +255,14 @@ where
     }
     let widest = chunk_offsets(&lens, 0, n).1;
     let offsets: Vec<Vec<usize>> = (0..n).map(|r| chunk_offsets(&lens, r, n).0).collect();
+    if let Some((scaled, from)) = gather_fused(&shards, cfg) {
+        // Bucket kernels and collectives only: on the communicator's stream.
+        let body = || gather_fused_body(comm, &scaled, from, &lens, shapes, cfg);
+        return match comm.side_stream() {
+            Some(side) => side.run(body),
+            None => body(),
+        };
+    }
     let pad = |chunk: Tensor| -> Result<Tensor> {
         Ok(if chunk.elem_count() < widest {
             let pad = Tensor::zeros(widest - chunk.elem_count(), DType::U8, comm.device())?;
@@ -250,57 +271,6 @@ where
             chunk
         })
     };
-    if let Some((scaled, from)) = gather_fused(&shards, cfg) {
-        let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
-        let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
-        let amax = bucket_amax(&codes_in, &sinv_in, from)?;
-        let global = comm.all_reduce_max_no_nan(&amax)?;
-        let (scale, scale_inv) = bucket_scales(&global, cfg.qtype, cfg.scale_rule, cfg.margin)?;
-        let mine = chunk_offsets(&lens, rank, n).1;
-        let chunk = if mine == 0 {
-            Tensor::zeros(widest, DType::U8, comm.device())?
-        } else {
-            pad(bucket_requantize(
-                &codes_in,
-                &sinv_in,
-                from,
-                &scale,
-                None,
-                Some(cfg.qtype),
-            )?)?
-        };
-        let gathered = comm.all_gather(&chunk)?.flatten_all()?;
-        let pieces: Vec<Piece> = lens
-            .iter()
-            .enumerate()
-            .flat_map(|(t, &l)| {
-                let offsets = &offsets;
-                (0..n).map(move |r| Piece {
-                    tensor: t,
-                    start: r * widest + offsets[r][t],
-                    len: shard_len(l, r, n),
-                })
-            })
-            .filter(|p| p.len > 0)
-            .collect();
-        let whole = bucket_copy(&gathered, &pieces)?;
-        let metas = metas_of(cfg.qtype, &scale, &scale_inv, &global, lens.len())?;
-        let mut at = 0;
-        return lens
-            .iter()
-            .zip(shapes)
-            .zip(metas)
-            .map(|((&l, shape), meta)| {
-                let codes = whole.narrow(0, at, l)?.reshape(shape.clone())?;
-                at += l;
-                let amax = meta.amax()?;
-                Ok(Fp8Reduced {
-                    grad: ScalingTensor::from_parts(codes, meta)?,
-                    amax,
-                })
-            })
-            .collect();
-    }
     // The amax of an empty slice is 0, as `fp8_all_gather` takes it.
     let zero = Tensor::zeros(1, DType::F32, comm.device())?;
     let amaxes = shards
@@ -339,6 +309,67 @@ where
             let amax = meta.amax()?;
             Ok(Fp8Reduced {
                 grad: ScalingTensor::from_parts(whole, meta)?,
+                amax,
+            })
+        })
+        .collect()
+}
+
+/// The gather a bucket at a time (see [`gather_fused`]): bucket kernels
+/// and collectives only, so it may run on the communicator's stream.
+fn gather_fused_body<C: Communicator + ?Sized>(
+    comm: &C,
+    scaled: &[&ScalingTensor],
+    from: QType,
+    lens: &[usize],
+    shapes: &[Shape],
+    cfg: &Fp8ReduceConfig,
+) -> Result<Vec<Fp8Reduced>> {
+    let n = comm.world_size();
+    let widest = chunk_offsets(lens, 0, n).1;
+    let offsets: Vec<Vec<usize>> = (0..n).map(|r| chunk_offsets(lens, r, n).0).collect();
+    let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
+    let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
+    let amax = bucket_amax(&codes_in, &sinv_in, from)?;
+    let global = comm.all_reduce_max_no_nan(&amax)?;
+    let (scale, scale_inv) = bucket_scales(&global, cfg.qtype, cfg.scale_rule, cfg.margin)?;
+    // This rank's slices re-cast and padded with zeros to the widest chunk
+    // (all zeros where it holds none).
+    let chunk = bucket_requantize(
+        &codes_in,
+        &sinv_in,
+        from,
+        &scale,
+        None,
+        Some(cfg.qtype),
+        Some(widest),
+    )?;
+    let gathered = comm.all_gather(&chunk)?.flatten_all()?;
+    let pieces: Vec<Piece> = lens
+        .iter()
+        .enumerate()
+        .flat_map(|(t, &l)| {
+            let offsets = &offsets;
+            (0..n).map(move |r| Piece {
+                tensor: t,
+                start: r * widest + offsets[r][t],
+                len: shard_len(l, r, n),
+            })
+        })
+        .filter(|p| p.len > 0)
+        .collect();
+    let whole = bucket_copy(&gathered, &pieces)?;
+    let metas = metas_of(cfg.qtype, &scale, &scale_inv, &global, lens.len())?;
+    let mut at = 0;
+    lens.iter()
+        .zip(shapes)
+        .zip(metas)
+        .map(|((&l, shape), meta)| {
+            let codes = whole.narrow(0, at, l)?.reshape(shape.clone())?;
+            at += l;
+            let amax = meta.amax()?;
+            Ok(Fp8Reduced {
+                grad: ScalingTensor::from_parts(codes, meta)?,
                 amax,
             })
         })

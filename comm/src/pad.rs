@@ -1,7 +1,7 @@
-//! Uneven chunks as NCCL's even ones: NCCL's reduce-scatter and all-gather
-//! move `N` chunks of one length, [`shard_range`](crate::shard_range) cuts
-//! `len` elements into chunks whose lengths differ by one. Padding each
-//! chunk to `ceil(len / N)` and trimming after maps one onto the other.
+//! Uneven chunks as NCCL's even ones: NCCL's reduce-scatter moves `N`
+//! chunks of one length, [`shard_range`](crate::shard_range) cuts `len`
+//! elements into chunks whose lengths differ by one. Padding each chunk to
+//! `ceil(len / N)` maps one onto the other.
 //! Plain tensor ops, so they run (and are tested) on the CPU too.
 // Only the NCCL backend calls these; the CPU build keeps them for its tests.
 #![cfg_attr(not(feature = "nccl"), allow(dead_code))]
@@ -30,40 +30,14 @@ pub(crate) fn pad_rows(flat: &Tensor, world: usize) -> Result<Tensor> {
     Tensor::cat(&[&head, &tail], 0)
 }
 
-/// The inverse of [`pad_rows`]: `[world, padded_len(len, world)]` rows back
-/// to the `len` elements in chunk order (1-D).
-pub(crate) fn trim_rows(rows: &Tensor, len: usize, world: usize) -> Result<Tensor> {
-    let (base, rem) = (len / world, len % world);
-    if rem == 0 {
-        return rows.flatten_all();
-    }
-    let head = rows.narrow(0, 0, rem)?.flatten_all()?;
-    let tail = rows
-        .narrow(0, rem, world - rem)?
-        .narrow(1, 0, base)?
-        .flatten_all()?;
-    Tensor::cat(&[&head, &tail], 0)
-}
-
-/// A shard (`s_r <= padded_len` elements) zero-padded to `padded_len`.
-pub(crate) fn pad_shard(shard: &Tensor, padded: usize) -> Result<Tensor> {
-    let flat = shard.flatten_all()?;
-    let n = flat.elem_count();
-    if n == padded {
-        Ok(flat)
-    } else {
-        flat.pad_with_zeros(0, 0, padded - n)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::shard::shard_range;
-    use candle_core::{DType, Device};
+    use candle_core::Device;
 
     #[test]
-    fn rows_hold_the_shards_and_trim_restores_them() {
+    fn rows_hold_the_shards() {
         for world in 1..=5 {
             for len in [0, 1, 2, 4, 7, 10, 13] {
                 let flat = Tensor::arange(1u32, len as u32 + 1, &Device::Cpu).unwrap();
@@ -77,27 +51,7 @@ mod tests {
                     assert_eq!(&row[..r.len()], &want[..]);
                     assert!(row[r.len()..].iter().all(|&x| x == 0));
                 }
-                let back = trim_rows(&rows, len, world).unwrap();
-                assert_eq!(
-                    back.to_vec1::<u32>().unwrap(),
-                    flat.to_vec1::<u32>().unwrap()
-                );
             }
         }
-    }
-
-    #[test]
-    fn shards_pad_to_the_chunk_length() {
-        let s = Tensor::new(&[1u8, 2], &Device::Cpu).unwrap();
-        assert_eq!(
-            pad_shard(&s, 3).unwrap().to_vec1::<u8>().unwrap(),
-            [1, 2, 0]
-        );
-        assert_eq!(pad_shard(&s, 2).unwrap().to_vec1::<u8>().unwrap(), [1, 2]);
-        let empty = Tensor::zeros(0, DType::F32, &Device::Cpu).unwrap();
-        assert_eq!(
-            pad_shard(&empty, 1).unwrap().to_vec1::<f32>().unwrap(),
-            [0.0]
-        );
     }
 }

@@ -178,7 +178,7 @@ pub fn train_rank(
         amp::keep_freed_memory(&cfg.device)?;
         amp::reset_pool_peaks(&cfg.device)?;
         // One host thread drives the device: one rank, or one rank of an
-        // NCCL group (a process per GPU, NCCL on candle's stream). Ranks
+        // NCCL group (a process per GPU; NCCL on a fenced side stream). Ranks
         // run as threads (--world-size) share it, each with its own
         // per-thread stream, and keep cudarc's events.
         if !cfg.event_tracking && cfg.world_size <= 1 {

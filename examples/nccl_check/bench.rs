@@ -14,20 +14,49 @@ use std::time::Instant;
 
 /// Median seconds of `iters` calls of `f`, with the device synchronised
 /// around each (after 3 warm-ups).
-fn time(device: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+fn time(device: &Device, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    Ok(time_both(device, iters, f)?.0)
+}
+
+/// As [`time`], with the median host time to enqueue the call (before the
+/// synchronize): where it is close to the whole, the host is the limit.
+fn time_both(
+    device: &Device,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
     for _ in 0..3 {
         f()?;
     }
     device.synchronize()?;
     let mut t = Vec::with_capacity(iters);
+    let mut host = Vec::with_capacity(iters);
     for _ in 0..iters {
         let start = Instant::now();
         f()?;
+        host.push(start.elapsed().as_secs_f64());
         device.synchronize()?;
         t.push(start.elapsed().as_secs_f64());
     }
     t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    host.sort_by(f64::total_cmp);
+    Ok((t[t.len() / 2], host[host.len() / 2]))
+}
+
+/// Device milliseconds of one call of `f`, from events around `reps`
+/// calls enqueued back to back (the host runs ahead; after 2 warm-ups).
+fn device_ms(device: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    device.synchronize()?;
+    let a = amp::StreamMark::now(device)?;
+    for _ in 0..reps {
+        f()?;
+    }
+    let b = amp::StreamMark::now(device)?;
+    device.synchronize()?;
+    Ok(a.ms_until(&b)? / reps as f64)
 }
 
 pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
@@ -37,6 +66,10 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
     // Freed blocks stay pooled, as in the GPT example (and PyTorch's caching
     // allocator): without it every timed call maps its outputs anew.
     amp::keep_freed_memory(dev)?;
+    // As in the GPT example: no per-buffer events (candle's stream and the
+    // communicator's fenced side stream are the only streams).
+    // SAFETY: one host thread; the side stream fences its own work.
+    unsafe { amp::skip_event_tracking(dev)? };
     let g = Tensor::randn(0f32, 1e-2, len, dev)?;
     let line = |path: &str, secs: f64, bytes: u64| {
         let gb = len as f64 * 4.0 / 1e9;
@@ -148,7 +181,7 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
         Ok(())
     };
     comm.barrier()?;
-    let bucket_s = time(dev, args.iters, bucketed)?;
+    let (bucket_s, bucket_host_s) = time_both(dev, args.iters, bucketed)?;
     comm.reset_bytes_sent();
     bucketed()?;
     line(
@@ -161,8 +194,190 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
         comm.bytes_sent(),
     );
     println!(
-        "[rank {rank}/{n}] BENCH ratios: time fp8 bucketed/f32 {:.3}",
-        bucket_s / f32_s
+        "[rank {rank}/{n}] BENCH ratios: time fp8 bucketed/f32 {:.3}; host enqueue {:.3} ms of it",
+        bucket_s / f32_s,
+        bucket_host_s * 1e3
     );
+    kernels(comm, &grads, args.iters)?;
+    host_profile(comm, &grads[..1], args.iters)?;
+    Ok(())
+}
+
+/// Host microseconds of each step of one fused bucket reduction of `grads`
+/// (as `fp8_all_reduce_bucket` runs them on the communicator's stream),
+/// averaged over `reps` reductions enqueued without a synchronize between.
+fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
+    use amp::{
+        bucket_amax, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize,
+        bucket_scales,
+    };
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let q = QType::E5M2;
+    let side = comm
+        .side_stream()
+        .ok_or_else(|| anyhow::anyhow!("no side stream"))?;
+    let mut spent = [0f64; 12];
+    let names = [
+        "fence in",
+        "bucket_amax",
+        "amax all-reduce",
+        "bucket_scales",
+        "bucket_requantize",
+        "all_to_all",
+        "bucket_decode_sum",
+        "result all-reduce",
+        "scales+quantize",
+        "all_gather_shards",
+        "bucket_max+metas",
+        "fence out",
+    ];
+    comm.barrier()?;
+    for _ in 0..reps {
+        let mut k = 0;
+        let mut t = Instant::now();
+        let mut lap = |spent: &mut [f64; 12], k: &mut usize| {
+            spent[*k] += t.elapsed().as_secs_f64() * 1e6;
+            *k += 1;
+            t = Instant::now();
+        };
+        side.wait_for_compute()?;
+        lap(&mut spent, &mut k);
+        side.run(|| -> Result<()> {
+            let codes: Vec<&Tensor> = grads.iter().map(|g| g.data()).collect();
+            let sinvs: Vec<&Tensor> = grads.iter().map(|g| g.meta().scale_inv()).collect();
+            let total: usize = codes.iter().map(|c| c.elem_count()).sum();
+            let amax = bucket_amax(&codes, &sinvs, q)?;
+            lap(&mut spent, &mut k);
+            let global = comm.all_reduce_max_no_nan(&amax)?;
+            lap(&mut spent, &mut k);
+            let (scale, scale_inv) = bucket_scales(&global, q, amp::ScaleRule::PowerOfTwo, 0)?;
+            lap(&mut spent, &mut k);
+            let flat = bucket_requantize(&codes, &sinvs, q, &scale, None, None, None)?;
+            lap(&mut spent, &mut k);
+            let chunks = (0..n)
+                .map(|j| {
+                    let r = shard_range(total, j, n);
+                    Ok(flat.narrow(0, r.start, r.len())?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let got = comm.all_to_all(&chunks)?;
+            lap(&mut spent, &mut k);
+            let mine = shard_range(total, rank, n);
+            let pieces = [amp::Piece {
+                tensor: 0,
+                start: 0,
+                len: mine.len(),
+            }];
+            let (sums, ramax) = bucket_decode_sum(&got, &scale_inv, q, true, &pieces)?;
+            lap(&mut spent, &mut k);
+            let rglobal = comm.all_reduce_max_no_nan(&ramax)?;
+            lap(&mut spent, &mut k);
+            let (rscale, _) = bucket_scales(&rglobal, q, amp::ScaleRule::PowerOfTwo, 0)?;
+            let shard = bucket_quantize(&sums, &rscale, q, &pieces)?;
+            lap(&mut spent, &mut k);
+            let all = comm.all_gather_shards(&shard, total)?;
+            lap(&mut spent, &mut k);
+            let m = bucket_max(&global, &rglobal)?;
+            let _ = (all.narrow(0, 0, 1)?, m.narrow(0, 0, 1)?);
+            lap(&mut spent, &mut k);
+            Ok(())
+        })?;
+        lap(&mut spent, &mut k);
+    }
+    comm.device().synchronize()?;
+    let line: Vec<String> = names
+        .iter()
+        .zip(spent)
+        .map(|(n, us)| format!("{n} {:.1}", us / reps as f64))
+        .collect();
+    println!(
+        "[rank {rank}/{n}] BENCH host us per step of a one-tensor bucket: {}",
+        line.join(", ")
+    );
+    Ok(())
+}
+
+/// Device time of each bucket kernel alone over all of `grads` as one
+/// bucket (no communication), beside the bytes it must move.
+fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
+    use amp::{bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales};
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let dev = comm.device();
+    let q = QType::E5M2;
+    let codes: Vec<&Tensor> = grads.iter().map(|g| g.data()).collect();
+    let sinvs: Vec<&Tensor> = grads.iter().map(|g| g.meta().scale_inv()).collect();
+    let elems: usize = codes.iter().map(|c| c.elem_count()).sum();
+    let amax = bucket_amax(&codes, &sinvs, q)?;
+    let (scale, scale_inv) = bucket_scales(&amax, q, amp::ScaleRule::PowerOfTwo, 0)?;
+    let flat = bucket_requantize(&codes, &sinvs, q, &scale, None, None, None)?;
+    // decode-and-sum of this rank's chunk from 2 ranks' codes
+    let chunk = elems / 2;
+    let parts = [flat.narrow(0, 0, chunk)?, flat.narrow(0, chunk, chunk)?];
+    let mut pieces = Vec::new();
+    let mut at = 0;
+    for (t, c) in codes.iter().enumerate() {
+        let len = c.elem_count().min(chunk.saturating_sub(at));
+        if len > 0 {
+            pieces.push(amp::Piece {
+                tensor: t,
+                start: at,
+                len,
+            });
+        }
+        at += len;
+    }
+    let (sums, _) = bucket_decode_sum(&parts, &scale_inv, q, true, &pieces)?;
+    let mut at = 0;
+    let qpieces: Vec<amp::Piece> = pieces
+        .iter()
+        .map(|p| {
+            let r = amp::Piece { start: at, ..*p };
+            at += p.len;
+            r
+        })
+        .collect();
+    let gb = |bytes: f64, ms: f64| bytes / ms / 1e6;
+    let e = elems as f64;
+    let lines: [(&str, f64, Box<dyn FnMut() -> Result<()>>); 4] = [
+        (
+            "bucket_amax",
+            e,
+            Box::new(|| {
+                bucket_amax(&codes, &sinvs, q)?;
+                Ok(())
+            }),
+        ),
+        (
+            "bucket_requantize",
+            2.0 * e,
+            Box::new(|| {
+                bucket_requantize(&codes, &sinvs, q, &scale, None, None, None)?;
+                Ok(())
+            }),
+        ),
+        (
+            "bucket_decode_sum (2 ranks, half the elements)",
+            (2.0 * 0.5 + 4.0 * 0.5) * e,
+            Box::new(|| {
+                bucket_decode_sum(&parts, &scale_inv, q, true, &pieces)?;
+                Ok(())
+            }),
+        ),
+        (
+            "bucket_quantize (half the elements)",
+            (4.0 * 0.5 + 0.5) * e,
+            Box::new(|| {
+                bucket_quantize(&sums, &scale, q, &qpieces)?;
+                Ok(())
+            }),
+        ),
+    ];
+    for (name, bytes, mut f) in lines {
+        let ms = device_ms(dev, reps, &mut f)?;
+        println!(
+            "[rank {rank}/{n}] BENCH kernel {name}: {ms:.3} ms for {elems} elements, {:.0} GB/s of its bytes",
+            gb(bytes, ms)
+        );
+    }
     Ok(())
 }

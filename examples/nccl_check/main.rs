@@ -315,9 +315,24 @@ fn bucket_check(ck: &mut Checker) -> Result<()> {
             .collect()
     };
     type Out = (Vec<Vec<u8>>, Vec<Vec<f32>>, Vec<Vec<u32>>);
-    let run = |comm: &dyn Communicator, grads: &[ScalingTensor]| -> Result<Out> {
-        let all = fp8_all_reduce_bucket(comm, grads, &cfg)?;
-        let shards = fp8_reduce_scatter_bucket(comm, grads, &cfg)?;
+    // `defer`: as the levels run them during the backward, on the
+    // communicator's stream with candle's waiting only at the end.
+    let run = |comm: &dyn Communicator, grads: &[ScalingTensor], defer: bool| -> Result<Out> {
+        let reduce = || -> amp::comm::Result<_> {
+            Ok((
+                fp8_all_reduce_bucket(comm, grads, &cfg)?,
+                fp8_reduce_scatter_bucket(comm, grads, &cfg)?,
+            ))
+        };
+        let (all, shards) = if defer {
+            let out = amp::defer_side_work(reduce)?;
+            if let Some(side) = comm.side_stream() {
+                side.compute_wait()?;
+            }
+            out
+        } else {
+            reduce()?
+        };
         let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
         Ok((
             all.iter()
@@ -339,7 +354,9 @@ fn bucket_check(ck: &mut Checker) -> Result<()> {
         ))
     };
     let name = "fp8 buckets (all-reduce, reduce-scatter) vs in-process";
-    let got = run(ck.comm, &scaled(rank, ck.comm.device())?);
+    let grads = scaled(rank, ck.comm.device())?;
+    let got = run(ck.comm, &grads, false);
+    let deferred = run(ck.comm, &grads, true);
     let reference = run_ranks(n, |c| {
         run(
             &c,
@@ -347,6 +364,7 @@ fn bucket_check(ck: &mut Checker) -> Result<()> {
                 op: "bucket_check",
                 what: format!("{e:#}"),
             })?,
+            false,
         )
         .map_err(|e| amp::comm::Error::InvalidArgument {
             op: "bucket_check",
@@ -354,6 +372,10 @@ fn bucket_check(ck: &mut Checker) -> Result<()> {
         })
     })?;
     ck.report(name, got.map(|g| g == reference[rank]));
+    ck.report(
+        "fp8 buckets deferred on the communicator's stream vs in-process",
+        deferred.map(|g| g == reference[rank]),
+    );
     Ok(())
 }
 

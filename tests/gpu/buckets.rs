@@ -1,12 +1,13 @@
 //! The bucketed FP8 reduction's kernels (`amp::bucket_*`, `amp::decode_sum`)
 //! on the device against their CPU bodies, bit for bit: several tensors of
 //! odd lengths (one with a NaN code, one empty), both FP8 formats, pieces
-//! at odd offsets, 1 to 5 ranks' chunks, with and without averaging.
+//! at odd offsets, 1 to 5 ranks' chunks, with and without averaging; a
+//! requantize also on a [`SideStream`].
 
 use crate::util::{same, Rng};
 use amp::{
-    bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales, decode_sum,
-    CurrentScaling, Piece, QType, ScaleRule, ScalingTensor,
+    bucket_amax, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
+    decode_sum, CurrentScaling, Piece, QType, ScaleRule, ScalingTensor, SideStream,
 };
 use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
@@ -47,6 +48,8 @@ fn scaled(
 fn bucket_kernels(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(0xB0C4E7);
+    // None off CUDA.
+    let side = SideStream::new(dev)?;
     for qtype in [QType::E4M3, QType::E5M2] {
         let lens = [1001usize, 7, 0, 65_537, 3];
         let mut cpu = Vec::new();
@@ -94,14 +97,22 @@ fn bucket_kernels(dev: &Device) -> Result<()> {
                     len: 7,
                 },
             ];
+            let (mc, mg) = (bucket_max(&sc, &sic)?, bucket_max(&sg, &sig)?);
+            ok &= same(&format!("{what} {rule:?} bucket_max"), &mg, &mc)?;
             for p in [None, Some(&pieces[..])] {
-                let rc = bucket_requantize(&refs(&cc), &refs(&cs), qtype, &sc, p, None)?;
-                let rg = bucket_requantize(&refs(&gc), &refs(&gs), qtype, &sg, p, None)?;
-                ok &= same(
-                    &format!("{what} {rule:?} bucket_requantize {}", p.is_some()),
-                    &rg,
-                    &rc,
-                )?;
+                for pad in [None, Some(50_000)] {
+                    let rc = bucket_requantize(&refs(&cc), &refs(&cs), qtype, &sc, p, None, pad)?;
+                    let rg = bucket_requantize(&refs(&gc), &refs(&gs), qtype, &sg, p, None, pad)?;
+                    let w = format!("{what} {rule:?} bucket_requantize {} {pad:?}", p.is_some());
+                    ok &= same(&w, &rg, &rc)?;
+                    // The same launch on a side stream, fenced both ways.
+                    if let Some(side) = &side {
+                        let rs = side.run(|| {
+                            bucket_requantize(&refs(&gc), &refs(&gs), qtype, &sg, p, None, pad)
+                        })?;
+                        ok &= same(&format!("{w} on a side stream"), &rs, &rc)?;
+                    }
+                }
             }
             // chunks: N ranks' codes of one length, pieces at odd offsets
             for ranks in 1..=5usize {

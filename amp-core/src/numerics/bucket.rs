@@ -148,6 +148,8 @@ pub(crate) struct BucketRequantize {
     pub from: QType,
     pub to: QType,
     pub pieces: Vec<Piece>,
+    /// Zeros after the codes up to this length, if it is longer.
+    pub pad_to: usize,
 }
 
 impl Kernel for BucketRequantize {
@@ -177,11 +179,20 @@ impl Kernel for BucketRequantize {
             };
             out.extend_from_slice(c);
         }
+        if out.len() < self.pad_to {
+            out.resize(self.pad_to, 0);
+        }
         let n = out.len();
         Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::bucket_requantize(self.from, self.to, &self.pieces, inputs)
+        crate::numerics::cuda::bucket_requantize(
+            self.from,
+            self.to,
+            &self.pieces,
+            self.pad_to,
+            inputs,
+        )
     }
 }
 
@@ -345,7 +356,8 @@ pub fn bucket_scales(
 /// the same format; FP16 codes go to E4M3 only), in one launch: the codes
 /// of `pieces` (each a range of its tensor, `start` within it)
 /// concatenated, or with `None` of every tensor whole, in order; bit for
-/// bit each `ScalingTensor::requantize_with`.
+/// bit each `ScalingTensor::requantize_with`; with `pad_to`, zeros after
+/// the codes up to that length (for a collective's even chunks).
 ///
 /// # Errors
 /// As [`bucket_amax`]; a piece outside its tensor; another pair of formats.
@@ -356,6 +368,7 @@ pub fn bucket_requantize(
     scale: &Tensor,
     pieces: Option<&[Piece]>,
     to: Option<QType>,
+    pad_to: Option<usize>,
 ) -> Result<Tensor> {
     const OP: &str = BucketRequantize::NAME;
     check_lists(OP, codes, scale_invs)?;
@@ -394,6 +407,7 @@ pub fn bucket_requantize(
         from: qtype,
         to: to.unwrap_or(qtype),
         pieces,
+        pad_to: pad_to.unwrap_or(0),
     };
     let [c] = <[Tensor; 1]>::try_from(launch(&op, &inputs)?).map_err(|_| arity(OP))?;
     Ok(c)
@@ -523,5 +537,52 @@ pub fn bucket_copy(src: &Tensor, pieces: &[Piece]) -> Result<Tensor> {
         pieces: pieces.to_vec(),
     };
     let [c] = <[Tensor; 1]>::try_from(launch(&op, &[src])?).map_err(|_| arity(OP))?;
+    Ok(c)
+}
+
+/// a [T], b [T] (F32) -> their elementwise maximum (neither holds NaN:
+/// agreed amaxes count NaN as inf).
+pub(crate) struct BucketMax;
+
+impl Kernel for BucketMax {
+    const NAME: &'static str = "bucket_max";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(a, la), (b, lb)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let (a, b) = (
+            slice::<f32>(Self::NAME, a, la)?,
+            slice::<f32>(Self::NAME, b, lb)?,
+        );
+        if a.len() != b.len() {
+            return Err(arity(Self::NAME));
+        }
+        let out: Vec<f32> = a
+            .iter()
+            .zip(b)
+            .map(|(&x, &y)| if y > x { y } else { x })
+            .collect();
+        Ok(vec![(CpuStorage::F32(out), la.shape().clone())])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_max(inputs)
+    }
+}
+
+/// The elementwise maximum of two amax vectors (F32, one element a tensor,
+/// no NaN), in one launch that follows a [`SideStream`](crate::SideStream)
+/// (where `Tensor::maximum` would run on candle's stream).
+///
+/// # Errors
+/// [`Error::Unsupported`] for vectors of different lengths; candle's.
+pub fn bucket_max(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.elem_count() != b.elem_count() {
+        return Err(Error::Unsupported {
+            op: BucketMax::NAME,
+            what: format!("{} and {} amaxes", a.elem_count(), b.elem_count()),
+        });
+    }
+    let [c] = <[Tensor; 1]>::try_from(launch(&BucketMax, &[a, b])?)
+        .map_err(|_| arity(BucketMax::NAME))?;
     Ok(c)
 }

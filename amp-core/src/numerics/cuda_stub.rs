@@ -68,8 +68,13 @@ pub(crate) fn bucket_requantize(
     _: QType,
     _: QType,
     _: &[crate::numerics::bucket::Piece],
+    _: usize,
     _: Inputs<'_>,
 ) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_max(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 

@@ -27,4 +27,5 @@ pub(crate) mod recipe;
 pub(crate) mod requantize;
 pub(crate) mod scalars;
 pub(crate) mod scale;
+pub(crate) mod stream;
 pub(crate) mod transpose;

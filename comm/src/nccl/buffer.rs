@@ -7,7 +7,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Shape, Storage, Tensor};
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
+use std::sync::Arc;
 
 const DTYPES: &str = "U8, U32, I16, I32, I64, F16, BF16, F32, F64 or F8E4M3";
 
@@ -110,17 +111,19 @@ pub(super) struct Output {
     n: usize,
 }
 
-fn alloc<T: DeviceRepr>(device: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+fn alloc<T: DeviceRepr>(device: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
     // SAFETY: uninitialised memory; every `Output` is completely written by
     // the collective it is passed to before it becomes a tensor. One element
     // at least: the driver refuses empty allocations.
-    Ok(unsafe { device.alloc::<T>(n.max(1)) }?)
+    unsafe { device.alloc::<T>(n.max(1)) }.map_err(|e| Error::Candle(candle_core::Error::wrap(e)))
 }
 
 impl Output {
+    /// Allocated on `device`, the stream the collective runs on: the
+    /// buffer is freed there too, after that stream's work.
     pub(super) fn new(
         op: &'static str,
-        device: &CudaDevice,
+        device: &Arc<CudaStream>,
         dtype: DType,
         n: usize,
     ) -> Result<Self> {

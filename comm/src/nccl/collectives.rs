@@ -5,10 +5,13 @@ use super::buffer::{self, Output};
 use super::{nccl_err, NcclComm};
 use crate::communicator::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use crate::pad::{pad_rows, pad_shard, padded_len, trim_rows};
-use crate::shard::shard_len;
+use crate::pad::{pad_rows, padded_len};
+use crate::shard::{shard_len, shard_range};
 use candle_core::{DType, Device, Tensor};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, CudaView, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use cudarc::nccl::{group_end, group_start, ReduceOp as NcclOp};
+use std::sync::Arc;
 
 fn nccl_op(op: ReduceOp) -> NcclOp {
     match op {
@@ -35,19 +38,21 @@ impl NcclComm {
         let flat = flat.contiguous()?;
         let n = flat.elem_count();
         let out_len = if scatter { n / self.world_size() } else { n };
-        let mut out = Output::new(op, &self.cuda, DType::F32, out_len)?;
+        let mut out = Output::new(op, self.side.cuda_stream(), DType::F32, out_len)?;
         if out_len > 0 {
-            self.enter()?;
             let (storage, layout) = flat.storage_and_layout();
             let send = buffer::f32s(op, &storage, layout, n)?;
             let mut recv = out.f32s(op)?;
             let red = nccl_op(red);
-            if scatter {
-                self.comm.reduce_scatter(&send, &mut recv, &red)
-            } else {
-                self.comm.all_reduce(&send, &mut recv, &red)
-            }
-            .map_err(nccl_err(op))?;
+            self.fenced(|| {
+                if scatter {
+                    self.comm.reduce_scatter(&send, &mut recv, &red)
+                } else {
+                    self.comm.all_reduce(&send, &mut recv, &red)
+                }
+                .map_err(nccl_err(op))?;
+                Ok(())
+            })?;
         }
         Ok(out.into_tensor(&self.cuda, out_len))
     }
@@ -80,17 +85,111 @@ impl NcclComm {
         let x = x.contiguous()?;
         let len = x.elem_count();
         let total = self.world_size() * len;
-        let mut out = Output::new(op, &self.cuda, x.dtype(), total)?;
+        let mut out = Output::new(op, self.side.cuda_stream(), x.dtype(), total)?;
         if len > 0 {
-            self.enter()?;
             let (storage, layout) = x.storage_and_layout();
             let send = buffer::bytes(op, &storage, layout, len)?;
             let mut recv = out.bytes(op)?;
-            self.comm
-                .all_gather(&send, &mut recv)
-                .map_err(nccl_err(op))?;
+            self.fenced(|| {
+                self.comm
+                    .all_gather(&send, &mut recv)
+                    .map_err(nccl_err(op))?;
+                Ok(())
+            })?;
         }
         Ok(out.into_tensor(&self.cuda, total))
+    }
+
+    /// Uneven chunks gathered with grouped sends and receives straight
+    /// into their places in the result, this rank's own chunk copied there
+    /// on the same stream: no padding, no candle op (so it may run inside
+    /// a [`SideStream::run`](amp_core::SideStream::run)).
+    fn gather_uneven(&self, op: &'static str, shard: &Tensor, len: usize) -> Result<Tensor> {
+        let (n, rank) = (self.world_size(), self.rank());
+        let shard = shard.flatten_all()?.contiguous()?;
+        let b = shard.dtype().size_in_bytes();
+        let stream = self.side.cuda_stream();
+        let mut out = Output::new(op, stream, shard.dtype(), len)?;
+        let (storage, layout) = shard.storage_and_layout();
+        let own = shard_range(len, rank, n);
+        let mine = buffer::bytes(op, &storage, layout, own.len())?;
+        let peer = |j: usize| i32::try_from(j).map_err(|_| Self::invalid(op, format!("rank {j}")));
+        let sends = (0..n)
+            .filter(|&j| j != rank && !own.is_empty())
+            .map(|j| Ok((peer(j)?, mine.slice(..))))
+            .collect::<Result<Vec<_>>>()?;
+        let mut whole = out.bytes(op)?;
+        let (base, guard) = whole.device_ptr_mut(stream);
+        // Each rank's byte range of the result, in rank order.
+        let mut recvs = Vec::with_capacity(n);
+        let mut own_part = None;
+        for j in 0..n {
+            let r = shard_range(len, j, n);
+            let part = Part {
+                ptr: base + (r.start * b) as u64,
+                len: r.len() * b,
+                stream: stream.clone(),
+            };
+            if j == rank {
+                own_part = Some(part);
+            } else if !r.is_empty() {
+                recvs.push((peer(j)?, part));
+            }
+        }
+        self.fenced(|| self.send_recv(op, &sends, &mut recvs, own_part.map(|p| (&mine, p))))?;
+        drop(guard);
+        Ok(out.into_tensor(&self.cuda, len))
+    }
+
+    /// One NCCL group of `sends` and `recvs` (and a device copy of `own`'s
+    /// bytes into its place, before the group), on the communicator's
+    /// stream; the caller fences.
+    fn send_recv(
+        &self,
+        op: &'static str,
+        sends: &[(i32, CudaView<'_, u8>)],
+        recvs: &mut [(i32, impl DevicePtrMut<u8>)],
+        own: Option<(&CudaView<'_, u8>, Part)>,
+    ) -> Result<()> {
+        self.enter()?;
+        if let Some((src, mut dst)) = own {
+            if src.len() > 0 {
+                self.side
+                    .cuda_stream()
+                    .memcpy_dtod(src, &mut dst)
+                    .map_err(|e| Error::Candle(candle_core::Error::wrap(e)))?;
+            }
+        }
+        group_start().map_err(nccl_err(op))?;
+        let mut enqueued = Ok(());
+        for (j, view) in sends {
+            enqueued = enqueued.and_then(|()| self.comm.send(view, *j));
+        }
+        for (j, view) in recvs.iter_mut() {
+            enqueued = enqueued.and_then(|()| self.comm.recv(view, *j).map(|_| ()));
+        }
+        // The group is closed whatever happened inside it.
+        let ended = group_end();
+        enqueued.map_err(nccl_err(op))?;
+        ended.map_err(nccl_err(op))?;
+        Ok(())
+    }
+
+    /// Runs the NCCL calls of `f` on the communicator's stream: the stream
+    /// first waits for candle's, and candle's waits for it after, unless
+    /// inside the stream's [`run`](amp_core::SideStream::run) (whose fences
+    /// are its own).
+    fn fenced<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let inside = self.side.is_current();
+        if !inside {
+            self.side.wait_for_compute()?;
+        }
+        self.enter()?;
+        let out = f()?;
+        if !inside {
+            self.side.compute_wait()?;
+        }
+        Ok(out)
     }
 
     fn invalid(op: &'static str, what: String) -> Error {
@@ -174,11 +273,12 @@ impl Communicator for NcclComm {
                 ),
             ));
         }
-        let c = padded_len(len, n);
-        let rows = self
-            .gather_raw(OP, &pad_shard(shard, c)?)?
-            .reshape((n, c))?;
-        let out = trim_rows(&rows, len, n)?;
+        let out = if len % n == 0 {
+            // Even chunks: NCCL's all-gather straight into the result.
+            self.gather_raw(OP, shard)?
+        } else {
+            self.gather_uneven(OP, shard, len)?
+        };
         self.count((n - 1) * nbytes(shard));
         Ok(out)
     }
@@ -195,15 +295,17 @@ impl Communicator for NcclComm {
             })?;
         let x = x.contiguous()?;
         let len = x.elem_count();
-        let mut out = Output::new(OP, &self.cuda, x.dtype(), len)?;
+        let mut out = Output::new(OP, self.side.cuda_stream(), x.dtype(), len)?;
         if len > 0 {
-            self.enter()?;
             let (storage, layout) = x.storage_and_layout();
             let send = buffer::bytes(OP, &storage, layout, len)?;
             let mut recv = out.bytes(OP)?;
-            self.comm
-                .broadcast(Some(&send), &mut recv, root_i32)
-                .map_err(nccl_err(OP))?;
+            self.fenced(|| {
+                self.comm
+                    .broadcast(Some(&send), &mut recv, root_i32)
+                    .map_err(nccl_err(OP))?;
+                Ok(())
+            })?;
         }
         if self.rank() == root {
             self.count((n - 1) * nbytes(&x));
@@ -234,7 +336,8 @@ impl Communicator for NcclComm {
         let mut outs = (0..n)
             .map(|j| match j == rank || own.elem_count() == 0 {
                 true => Ok(None),
-                false => Output::new(OP, &self.cuda, own.dtype(), own.elem_count()).map(Some),
+                false => Output::new(OP, self.side.cuda_stream(), own.dtype(), own.elem_count())
+                    .map(Some),
             })
             .collect::<Result<Vec<_>>>()?;
         {
@@ -254,19 +357,7 @@ impl Communicator for NcclComm {
                     recvs.push((peer(j)?, out.bytes(OP)?));
                 }
             }
-            self.enter()?;
-            group_start().map_err(nccl_err(OP))?;
-            let mut enqueued = Ok(());
-            for (j, view) in &sends {
-                enqueued = enqueued.and_then(|()| self.comm.send(view, *j));
-            }
-            for (j, view) in &mut recvs {
-                enqueued = enqueued.and_then(|()| self.comm.recv(view, *j).map(|_| ()));
-            }
-            // The group is closed whatever happened inside it.
-            let ended = group_end();
-            enqueued.map_err(nccl_err(OP))?;
-            ended.map_err(nccl_err(OP))?;
+            self.fenced(|| self.send_recv(OP, &sends, &mut recvs, None))?;
         }
         let sent: usize = (0..n)
             .filter(|&j| j != rank)
@@ -283,6 +374,10 @@ impl Communicator for NcclComm {
                 None => own.clone(),
             })
             .collect())
+    }
+
+    fn side_stream(&self) -> Option<&amp_core::SideStream> {
+        Some(&self.side)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -303,5 +398,30 @@ impl Communicator for NcclComm {
 
     fn reset_bytes_sent(&self) {
         self.bytes.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A byte range of a buffer the caller keeps alive, as NCCL's receive
+/// buffer (several disjoint ranges of one output at once, which cudarc's
+/// views cannot lend together).
+struct Part {
+    ptr: CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceSlice<u8> for Part {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl DevicePtrMut<u8> for Part {
+    fn device_ptr_mut<'a>(&'a mut self, _: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        // No events: the communicator's stream is fenced by the caller.
+        (self.ptr, SyncOnDrop::Record(None))
     }
 }

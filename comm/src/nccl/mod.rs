@@ -6,17 +6,24 @@
 //! others over TCP ([`rendezvous`]), then every rank joins the NCCL
 //! communicator.
 //!
-//! Every collective is enqueued on the candle device's stream, so it is
-//! ordered after the kernels that produced its inputs and before those
-//! that read its output: no host synchronisation, except in
-//! [`barrier`](Communicator::barrier), which must wait by definition.
+//! Every collective is enqueued on the communicator's own stream (a
+//! [`SideStream`] beside candle's, [`Communicator::side_stream`]), fenced
+//! with events: that stream first waits for the kernels enqueued on
+//! candle's stream (which made the inputs), and candle's stream then
+//! waits for the collective before the kernels that read its output. No
+//! host synchronisation, except in [`barrier`](Communicator::barrier),
+//! which must wait by definition. Inside [`SideStream::run`] the fences
+//! are the run's: the bucketed FP8 reductions run their kernels and
+//! collectives there, and under [`amp_core::defer_side_work`] overlap
+//! candle's later kernels (docs/ARCHITECTURE.md, "Overlap with the
+//! backward"). Outputs are allocated on the communicator's stream.
 //! The data-moving collectives (gathers, broadcast, all-to-all) send the
 //! tensors' bytes (any dtype; FP8 codes travel as `U8`); the reductions
 //! take F32.
 //!
 //! Uneven chunks ([`shard_range`](crate::shard_range)) are padded to
-//! `ceil(L / N)` for NCCL's even reduce-scatter and all-gather, and
-//! trimmed after; [`bytes_sent`](Communicator::bytes_sent) counts the
+//! `ceil(L / N)` for NCCL's even reduce-scatter and trimmed after; an
+//! uneven `all_gather_shards` is grouped sends and receives into place; [`bytes_sent`](Communicator::bytes_sent) counts the
 //! trait's logical bytes, not the padding.
 //!
 //! **Max and NaN.** NCCL's max drops NaN (it is `fmax`-like), while the
@@ -40,6 +47,7 @@ mod collectives;
 use crate::error::{Error, Result};
 use crate::launch::{LaunchEnv, RendezvousConfig};
 use crate::rendezvous::{rendezvous, UNIQUE_ID_BYTES};
+use amp_core::SideStream;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 use cudarc::nccl::{result::NcclError, Comm, Id};
@@ -48,7 +56,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 const BACKEND: &str = "nccl";
 
 /// One rank of an NCCL group: this process, its GPU, and the NCCL
-/// communicator on the candle device's stream.
+/// communicator on its own stream beside candle's.
 ///
 /// Make tensors on [`device`](crate::Communicator::device) (the same
 /// `Device` value: candle tells CUDA devices apart by the instance).
@@ -69,6 +77,8 @@ pub struct NcclComm {
     comm: Comm,
     device: Device,
     cuda: CudaDevice,
+    /// The stream NCCL runs on ([`Communicator::side_stream`]).
+    side: SideStream,
     bytes: AtomicU64,
 }
 
@@ -142,22 +152,28 @@ impl NcclComm {
                 })
             }
         };
-        let stream = cuda.cuda_stream();
-        stream
+        cuda.cuda_stream()
             .context()
             .bind_to_thread()
             .map_err(candle_core::Error::wrap)?;
+        let side = SideStream::new(&device)?.ok_or(Error::UnsupportedDevice {
+            op: OP,
+            backend: BACKEND,
+            device: device.location(),
+        })?;
         let id = rendezvous(rendezvous_at, rank, world_size, || {
             let id = Id::new().map_err(nccl_err(OP))?;
             Ok(id.internal().map(|c| c as u8))
         })?;
         let id: [u8; UNIQUE_ID_BYTES] = id;
+        let stream = side.cuda_stream().clone();
         let comm = Comm::from_rank(stream, rank, world_size, Id::uninit(id.map(|b| b as _)))
             .map_err(nccl_err(OP))?;
         Ok(Self {
             comm,
             device,
             cuda,
+            side,
             bytes: AtomicU64::new(0),
         })
     }

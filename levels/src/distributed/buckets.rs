@@ -73,8 +73,8 @@ pub(crate) fn average(
     for run in plan(&items, cap) {
         let bucket = &sharded[run];
         let grads: Vec<(&ScalingTensor, &Shard)> = bucket.iter().map(|(_, t, s)| (t, *s)).collect();
-        for ((name, _, _), g) in bucket.iter().zip(zero::reduce_scatter(comm, &grads)?) {
-            out.insert(name.clone(), g);
+        for ((name, _, _), r) in bucket.iter().zip(zero::reduce_scatter(comm, &grads)?) {
+            out.insert(name.clone(), zero::slice_grad(r)?);
         }
         stats.buckets += 1;
     }

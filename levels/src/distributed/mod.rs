@@ -38,7 +38,7 @@ use amp_comm::Communicator;
 use amp_core::{with_sink_listener, GradSink, WeightSlot};
 use amp_optim::{AdamWConfig, Grads, LowBitAdamW};
 use candle_core::Tensor;
-use overlap::{Schedule, Step};
+use overlap::{Late, Schedule, Step};
 use std::cell::RefCell;
 use std::sync::Arc;
 use zero::Shard;
@@ -55,7 +55,7 @@ pub(crate) struct Group {
     schedule: RefCell<Schedule>,
     overlap: bool,
     /// What the last backward reduced already, for [`DataParallel::average`].
-    early: RefCell<Option<(Grads, CommStats)>>,
+    early: RefCell<Option<(Grads, CommStats, Late)>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -153,12 +153,18 @@ impl DataParallel for Group {
             },
             &mut *backward,
         )?;
-        *self.early.borrow_mut() = Some((step.reduced, step.stats));
+        *self.early.borrow_mut() = Some((step.reduced, step.stats, step.late));
         Ok((grads, step.taken))
     }
 
     fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads> {
-        let (mut out, early) = self.early.take().unwrap_or_default();
+        let (mut out, early, late) = self.early.take().unwrap_or_default();
+        // The buckets of the backward may still run on the communicator's
+        // stream: candle's waits for them here, then their inputs may go.
+        if let Some(side) = self.comm.side_stream() {
+            side.compute_wait()?;
+        }
+        late.finish();
         stats.buckets += early.buckets;
         stats.overlapped += early.buckets;
         stats.wire_bytes += early.wire_bytes;

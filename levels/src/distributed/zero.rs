@@ -16,7 +16,7 @@ use crate::comm_stats::CommStats;
 use crate::error::{Error, Result};
 use amp_comm::{
     fp8_all_gather_bucket, fp8_reduce_scatter_bucket, shard_range, Communicator, Fp8ReduceConfig,
-    Grad as CommGrad,
+    Grad as CommGrad, ReducedShard,
 };
 use amp_core::{CurrentScaling, QType, ScalingTensor, Weight, WeightSlot};
 use amp_optim::{Grad, LowBitAdamW};
@@ -81,16 +81,16 @@ fn master_slice(
 }
 
 /// This rank's slice of each gradient of a bucket, averaged over the
-/// ranks in FP8 ([`fp8_reduce_scatter_bucket`]), as F32: NaN everywhere
-/// when a gradient's agreed amax is inf (a rank's gradient was not
-/// finite), so that the step is skipped on every rank.
+/// ranks in FP8 ([`fp8_reduce_scatter_bucket`]), as the reduction leaves
+/// it (on the communicator's stream; [`slice_grad`] makes the optimizer's
+/// gradient of it).
 ///
 /// # Errors
 /// The communicator's.
 pub(crate) fn reduce_scatter(
     comm: &dyn Communicator,
     bucket: &[(&ScalingTensor, &Shard)],
-) -> Result<Vec<Grad>> {
+) -> Result<Vec<ReducedShard>> {
     let Some((first, _)) = bucket.first() else {
         return Ok(Vec::new());
     };
@@ -99,16 +99,20 @@ pub(crate) fn reduce_scatter(
         ..Default::default()
     };
     let reduced = fp8_reduce_scatter_bucket(comm, bucket.iter().map(|(g, _)| *g), &cfg)?;
-    reduced
-        .into_iter()
-        .zip(bucket)
-        .map(|(r, (_, shard))| {
-            debug_assert_eq!(r.range, shard.range);
-            // amax * 0 is 0, or NaN when the agreed amax is inf: no host read
-            let poison = r.amax.affine(0.0, 0.0)?;
-            Ok(Grad::F32(r.shard.broadcast_add(&poison)?))
-        })
-        .collect()
+    for (r, (_, shard)) in reduced.iter().zip(bucket) {
+        debug_assert_eq!(r.range, shard.range);
+    }
+    Ok(reduced)
+}
+
+/// The optimizer's gradient of one reduced slice: its F32 values, NaN
+/// everywhere when the agreed amax is inf (a rank's gradient was not
+/// finite), so that the step is skipped on every rank. Candle ops: only
+/// once candle's stream has waited for the reduction's.
+pub(crate) fn slice_grad(r: ReducedShard) -> Result<Grad> {
+    // amax * 0 is 0, or NaN when the agreed amax is inf: no host read
+    let poison = r.amax.affine(0.0, 0.0)?;
+    Ok(Grad::F32(r.shard.broadcast_add(&poison)?))
 }
 
 /// A sharded weight's master slice, for the gather.

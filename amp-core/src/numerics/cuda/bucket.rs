@@ -9,6 +9,7 @@ use crate::numerics::bucket::Piece;
 use crate::numerics::kernel::arity;
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
+use crate::numerics::stream::cuda::current_stream;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
@@ -117,7 +118,7 @@ pub(crate) fn bucket_amax(
         return Err(arity(OP));
     }
     let dev = inputs[0].0.device().clone();
-    let stream = dev.cuda_stream();
+    let stream = current_stream(&dev);
     let codes = inputs[..t]
         .iter()
         .map(|x| CodeView::new(OP, qtype, *x))
@@ -141,7 +142,7 @@ pub(crate) fn bucket_amax(
             t: i,
         });
     }
-    let mut amax = dev.alloc_zeros::<f32>(t)?;
+    let mut amax = stream.alloc_zeros::<f32>(t).w()?;
     let name = format!("bucket_amax_{}", code_name(qtype));
     let f = func(&dev, &name)?;
     for (a, cfg) in launches(&dev, &items)? {
@@ -168,9 +169,10 @@ pub(crate) fn bucket_scales(
     let dev = a.device().clone();
     let n = la.shape().elem_count();
     let amax = view::<f32>(OP, a, la)?;
+    let stream = current_stream(&dev);
     // SAFETY: the kernel writes every element.
-    let mut scale = unsafe { dev.alloc::<f32>(n)? };
-    let mut inv = unsafe { dev.alloc::<f32>(n)? };
+    let mut scale = unsafe { stream.alloc::<f32>(n) }.w()?;
+    let mut inv = unsafe { stream.alloc::<f32>(n) }.w()?;
     if n > 0 {
         let rule: i32 = match rule {
             ScaleRule::Te => 0,
@@ -178,7 +180,6 @@ pub(crate) fn bucket_scales(
         };
         let (count, max) = (n as i32, qtype.max());
         let f = func(&dev, "bucket_scales")?;
-        let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&f);
         b.arg(&amax)
             .arg(&mut scale)
@@ -211,6 +212,7 @@ pub(crate) fn bucket_requantize(
     from: QType,
     to: QType,
     pieces: &[Piece],
+    pad_to: usize,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     const OP: &str = "bucket_requantize";
@@ -233,7 +235,7 @@ pub(crate) fn bucket_requantize(
     };
     let code_bytes = if from == QType::F16 { 2 } else { 1 };
     let dev = s.device().clone();
-    let stream = dev.cuda_stream();
+    let stream = current_stream(&dev);
     let scale = view::<f32>(OP, s, ls)?;
     let codes = rest[..t]
         .iter()
@@ -268,8 +270,12 @@ pub(crate) fn bucket_requantize(
         });
         total += p.len;
     }
-    // SAFETY: the items cover every element.
-    let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };
+    let len = total.max(pad_to);
+    // SAFETY: the items cover every element up to `total`, zeros the rest.
+    let mut out = unsafe { stream.alloc::<u8>(len.max(1)) }.w()?;
+    if len > total {
+        stream.memset_zeros(&mut out.slice_mut(total..len)).w()?;
+    }
     let f = func(&dev, &name)?;
     for (a, cfg) in launches(&dev, &items)? {
         let mut b = stream.launch_builder(&f);
@@ -281,8 +287,36 @@ pub(crate) fn bucket_requantize(
     drop(guards);
     Ok(vec![(
         CudaStorage::wrap_cuda_slice(out, dev),
-        Shape::from(total),
+        Shape::from(len),
     )])
+}
+
+/// a [T], b [T] -> max(a, b) [T].
+pub(crate) fn bucket_max(inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_max";
+    let [(a, la), (b, lb)] = inputs else {
+        return Err(arity(OP));
+    };
+    let dev = a.device().clone();
+    let stream = current_stream(&dev);
+    let n = la.shape().elem_count();
+    let (va, vb) = (view::<f32>(OP, a, la)?, view::<f32>(OP, b, lb)?);
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { stream.alloc::<f32>(n.max(1)) }.w()?;
+    if n > 0 {
+        let count = n as i32;
+        let f = func(&dev, "bucket_max")?;
+        let mut bl = stream.launch_builder(&f);
+        bl.arg(&va).arg(&vb).arg(&mut out).arg(&count);
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(THREADS), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: n elements in each input and the output.
+        unsafe { bl.launch(cfg) }.w()?;
+    }
+    Ok(vec![wrap_f32(out, &dev, n)])
 }
 
 /// src (U8) -> the pieces' bytes, concatenated.
@@ -295,7 +329,7 @@ pub(crate) fn bucket_copy(
         return Err(arity(OP));
     };
     let dev = x.device().clone();
-    let stream = dev.cuda_stream();
+    let stream = current_stream(&dev);
     let src = view::<u8>(OP, x, lx)?;
     let (base, guard) = src.device_ptr(&stream);
     let mut items = Vec::with_capacity(pieces.len());
@@ -314,7 +348,7 @@ pub(crate) fn bucket_copy(
         total += p.len;
     }
     // SAFETY: the pieces cover every element.
-    let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };
+    let mut out = unsafe { stream.alloc::<u8>(total.max(1)) }.w()?;
     let f = func(&dev, "bucket_copy_u8")?;
     for (a, cfg) in launches(&dev, &items)? {
         let mut b = stream.launch_builder(&f);
@@ -388,7 +422,7 @@ pub(crate) fn bucket_decode_sum(
         return Err(arity(OP));
     }
     let dev = s.device().clone();
-    let stream = dev.cuda_stream();
+    let stream = current_stream(&dev);
     let tensors = ls.shape().elem_count();
     let scale_inv = view::<f32>(OP, s, ls)?;
     let views = chunks
@@ -415,8 +449,8 @@ pub(crate) fn bucket_decode_sum(
         total += p.len;
     }
     // SAFETY: the pieces cover every element.
-    let mut out = unsafe { dev.alloc::<f32>(total.max(1))? };
-    let mut amax = dev.alloc_zeros::<f32>(tensors.max(1))?;
+    let mut out = unsafe { stream.alloc::<f32>(total.max(1)) }.w()?;
+    let mut amax = stream.alloc_zeros::<f32>(tensors.max(1)).w()?;
     let name = format!("bucket_decode_sum_{}", fmt_name(OP, qtype)?);
     let ranks = chunks.len() as i32;
     let avg = i32::from(average && chunks.len() > 1);
@@ -453,7 +487,7 @@ pub(crate) fn bucket_quantize(
         return Err(arity(OP));
     };
     let dev = x.device().clone();
-    let stream = dev.cuda_stream();
+    let stream = current_stream(&dev);
     let values = view::<f32>(OP, x, lx)?;
     let scale = view::<f32>(OP, s, ls)?;
     let (base, guard) = values.device_ptr(&stream);
@@ -471,7 +505,7 @@ pub(crate) fn bucket_quantize(
         total += p.len;
     }
     // SAFETY: the pieces cover every element.
-    let mut out = unsafe { dev.alloc::<u8>(total.max(1))? };
+    let mut out = unsafe { stream.alloc::<u8>(total.max(1)) }.w()?;
     let name = format!("bucket_quantize_{}", fmt_name(OP, qtype)?);
     let f = func(&dev, &name)?;
     for (a, cfg) in launches(&dev, &items)? {

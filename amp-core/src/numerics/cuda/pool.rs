@@ -60,21 +60,22 @@ pub fn keep_freed_memory(device: &Device) -> Result<()> {
 }
 
 /// Stops cudarc from creating (and later destroying) two CUDA events with
-/// every allocation on `device`'s context. They exist to order a buffer's
-/// uses across streams; candle's device (`Device::new_cuda`) runs every
-/// op on one stream (the per-thread default stream, which cudarc does not
-/// count as a second stream), and so do candle-amp's kernels, cuBLASLt and
-/// NCCL collectives, so the events are never waited on, yet cost four
-/// driver calls per allocation on the host (a few thousand allocations per
-/// GPT step). Returns whether tracking was on; a context that already runs
-/// several streams is left as it is (`Ok(false)`).
+/// every allocation on `device`'s context, and from recording and waiting
+/// on them at every use. They exist to order a buffer's uses across
+/// streams; candle's device (`Device::new_cuda`) runs every op on one
+/// stream (the per-thread default stream, which cudarc does not count as a
+/// second stream), and so do candle-amp's kernels and cuBLASLt; NCCL's
+/// collectives and the bucketed reductions run on a
+/// [`SideStream`](crate::SideStream), which fences with its own events. So
+/// the per-buffer events only cost driver calls on the host (a few
+/// thousand allocations per GPT step). Returns whether tracking was on.
 ///
 /// # Safety
-/// Buffers allocated afterwards carry no events: nothing may use them on
-/// another stream of this context (one created later by
-/// `CudaContext::new_stream`, or by another library) without its own
-/// synchronization, and no other host thread may use this device (each
-/// host thread gets its own per-thread stream).
+/// Nothing may use a buffer on another stream of this context (one
+/// created by `CudaContext::new_stream`, or by another library) without
+/// its own synchronization: a [`SideStream`](crate::SideStream) used as
+/// its docs say is synchronized. No other host thread may use this device
+/// (each host thread gets its own per-thread stream).
 ///
 /// # Errors
 /// [`Error::UnsupportedDevice`] off CUDA.
@@ -86,10 +87,10 @@ pub unsafe fn skip_event_tracking(device: &Device) -> Result<bool> {
         });
     };
     let ctx = dev.cuda_stream().context().clone();
-    if ctx.is_in_multi_stream_mode() || !ctx.is_event_tracking() {
+    if !ctx.is_event_tracking() {
         return Ok(false);
     }
-    // SAFETY: one stream in this context now; the caller vouches for later.
+    // SAFETY: the caller vouches for every other stream's synchronization.
     unsafe { ctx.disable_event_tracking() };
     Ok(true)
 }
