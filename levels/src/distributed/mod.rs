@@ -164,7 +164,7 @@ impl DataParallel for Group {
         if let Some(side) = self.comm.side_stream() {
             side.compute_wait()?;
         }
-        late.finish();
+        late.finish(&mut out)?;
         stats.buckets += early.buckets;
         stats.overlapped += early.buckets;
         stats.wire_bytes += early.wire_bytes;

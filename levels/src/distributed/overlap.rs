@@ -22,7 +22,7 @@ use super::zero::{self, Shard};
 use crate::comm_stats::CommStats;
 use crate::context::GradBytes;
 use crate::error::{Error, Result};
-use amp_comm::{fp8_all_reduce_bucket, Communicator, Fp8ReduceConfig};
+use amp_comm::{fp8_all_reduce_bucket, Communicator, Fp8ReduceConfig, ReducedShard};
 use amp_core::{defer_side_work, GradSink, QType, ScalingTensor};
 use amp_optim::{Grad, Grads};
 use std::collections::HashMap;
@@ -110,16 +110,22 @@ pub(crate) struct Step<'a> {
 /// What the buckets reduced during the backward leave for after candle's
 /// stream has waited for the communicator's ([`SideStream`](amp_core::SideStream)):
 /// their inputs, which must live until then (freeing one hands its memory
-/// back to candle's stream while the reduction may still read it).
+/// back to candle's stream while the reduction may still read it), and
+/// ZeRO's slices, whose last step is a candle op.
 #[derive(Default)]
 pub(crate) struct Late {
     inputs: Vec<ScalingTensor>,
+    slices: Vec<(String, ReducedShard)>,
 }
 
 impl Late {
-    /// After the wait: the inputs may go.
-    pub(crate) fn finish(self) {
+    /// After the wait: the inputs freed, the slices' gradients into `out`.
+    pub(crate) fn finish(self, out: &mut Grads) -> Result<()> {
         drop(self.inputs);
+        for (name, r) in self.slices {
+            out.insert(name, zero::slice_grad(r)?);
+        }
+        Ok(())
     }
 }
 
@@ -233,14 +239,10 @@ impl<'a> Step<'a> {
                     Ok((t, shard))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            // Not deferred: each slice's last step is a candle op, so
-            // candle's stream waits for this bucket here (deferring them
-            // all to after the backward measured slower at 350M O3).
-            for ((name, _), r) in grads
-                .iter()
-                .zip(zero::reduce_scatter(self.comm, &with_shards)?)
-            {
-                self.reduced.insert(name.clone(), zero::slice_grad(r)?);
+            // Each slice's last step is a candle op: after the wait.
+            let out = defer_side_work(|| zero::reduce_scatter(self.comm, &with_shards))?;
+            for ((name, _), r) in grads.iter().zip(out) {
+                self.late.slices.push((name.clone(), r));
             }
         } else {
             let cfg = Fp8ReduceConfig {
