@@ -99,6 +99,12 @@ struct Args {
     /// Write a checkpoint (safetensors, every scale) at the end.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// With --save: also write the checkpoint every N steps, replacing the
+    /// last (a single-file save is atomic), so a crash loses at most N
+    /// steps. SIGINT or SIGTERM always finishes the current step, saves
+    /// (with --save) and exits non-zero.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    save_every: Option<u64>,
     /// Start from a checkpoint (of any level).
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -287,6 +293,7 @@ fn main() -> Result<()> {
         high_precision: args.high_precision.clone(),
         device: device(&args.device),
         save: args.save.clone(),
+        save_every: args.save_every,
         resume: args.resume.clone(),
         export: args.export.clone().map(|p| {
             let dtype = match args.export_dtype {
@@ -313,7 +320,11 @@ fn main() -> Result<()> {
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {
         usage("--save, --resume and --export take one run: leave them out of --compare");
     }
+    if args.save_every.is_some() && args.save.is_none() {
+        usage("--save-every needs --save (the checkpoint to write)");
+    }
     check_outputs(&args, levels.len() > 1);
+    train::stop_on_signals()?;
     // Started by torchrun (or a loop setting its variables): one rank of an
     // NCCL group, on the GPU LOCAL_RANK names.
     let group = launch::from_env().transpose()?;

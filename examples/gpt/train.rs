@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -65,6 +66,8 @@ pub struct TrainConfig {
     pub device: Device,
     /// Write a checkpoint here at the end.
     pub save: Option<PathBuf>,
+    /// Also write it every this many steps (replacing the last).
+    pub save_every: Option<u64>,
     /// Start from this checkpoint.
     pub resume: Option<PathBuf>,
     /// Export the trained weights here.
@@ -111,6 +114,7 @@ impl Default for TrainConfig {
             eval_batches: 8,
             device: Device::Cpu,
             save: None,
+            save_every: None,
             resume: None,
             export: None,
             sample: 0,
@@ -239,6 +243,7 @@ pub fn train_rank(
     let sent_before = comm.as_ref().map_or(0, |c| c.bytes_sent());
     let (mut train_curve, mut val_curve) = (Vec::new(), Vec::new());
     let (mut skipped, mut train_secs) = (0u64, 0.0f64);
+    let mut stopped = None;
     let mut step_secs: Vec<f64> = Vec::new();
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     let mut backward_peak = None;
@@ -329,8 +334,30 @@ pub fn train_rank(
         let tps = step_secs.len() as f64 * (cfg.batch * cfg.seq) as f64 / train_secs.max(1e-9);
         bar.set_message(format!("loss {value:.3}  {tps:.0} tok/s"));
         bar.inc(1);
+        if let (Some(every), Some(path)) = (cfg.save_every, &cfg.save) {
+            if done % every == 0 && done < end {
+                amp.save(path, &opt)
+                    .with_context(|| format!("saving {} after step {done}", path.display()))?;
+            }
+        }
+        if stop_requested(comm.as_deref())? {
+            stopped = Some(done);
+            break;
+        }
     }
     bar.finish_and_clear();
+    if let Some(done) = stopped {
+        // every rank saw the signal at the same step (stop_requested)
+        let saved = match &cfg.save {
+            Some(path) => {
+                amp.save(path, &opt)
+                    .with_context(|| format!("saving {} after step {done}", path.display()))?;
+                format!("; step {done} saved to {} (--resume it)", path.display())
+            }
+            None => "; nothing saved (no --save)".into(),
+        };
+        bail!("stopped by a signal after step {done} of {end}{saved}");
+    }
     let wire = comm.as_ref().map_or(0, |c| c.bytes_sent()) - sent_before;
     let report = amp.memory_report(&opt)?;
     // every rank calls: rank 0 writes the replicated state, and at O3 with
@@ -453,4 +480,39 @@ fn evaluate(
         }
         Ok(sum / cfg.eval_batches.max(1) as f32)
     })
+}
+
+/// Set by SIGINT or SIGTERM ([`stop_on_signals`]): the training loop
+/// finishes its step, saves (with --save) and stops.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Installs the handler for SIGINT and SIGTERM (and SIGHUP): the first
+/// asks the loop to stop after its step; a second ends the process at
+/// once (exit code 130).
+///
+/// # Errors
+/// When a handler is installed already.
+pub fn stop_on_signals() -> Result<()> {
+    ctrlc::set_handler(|| {
+        if STOP.swap(true, Ordering::SeqCst) {
+            eprintln!("second signal: exiting without saving");
+            std::process::exit(130);
+        }
+        eprintln!("signal: stopping after this step");
+    })
+    .context("installing the SIGINT/SIGTERM handler")
+}
+
+/// Whether to stop now: this process got a signal, or with a group any
+/// rank did (one all-reduce a step, so that every rank stops after the
+/// same step and the collectives stay matched).
+fn stop_requested(comm: Option<&dyn Communicator>) -> Result<bool> {
+    let local = STOP.load(Ordering::SeqCst);
+    match comm {
+        Some(c) if c.world_size() > 1 => {
+            let flag = Tensor::new(&[f32::from(u8::from(local))], c.device())?;
+            Ok(c.all_reduce_max(&flag)?.to_vec1::<f32>()?[0] > 0.0)
+        }
+        _ => Ok(local),
+    }
 }

@@ -410,6 +410,91 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--save-every` writes the checkpoint while the run goes on, and SIGTERM
+/// finishes the step, saves and exits non-zero, naming the step; the
+/// checkpoint resumes from there.
+#[cfg(unix)]
+#[test]
+fn a_signal_saves_and_stops_and_save_every_saves_on_the_way() -> anyhow::Result<()> {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let Some(bin) = example_bin() else {
+        eprintln!("skipped: target/*/examples/gpt not built");
+        return Ok(());
+    };
+    let dir = tmp("signal");
+    std::fs::create_dir_all(&dir)?;
+    let ckpt = dir.join("run.safetensors");
+    let _ = std::fs::remove_file(&ckpt);
+    let common = [
+        "--level",
+        "O2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--threads",
+        "1",
+    ];
+    let mut child = Command::new(&bin)
+        .args(common)
+        .args([
+            "--steps",
+            "100000",
+            "--eval-every",
+            "1000000",
+            "--save-every",
+            "3",
+        ])
+        .arg("--save")
+        .arg(&ckpt)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !ckpt.exists() {
+        if Instant::now() > deadline || child.try_wait()?.is_some() {
+            let _ = child.kill();
+            anyhow::bail!("no checkpoint from --save-every 3 while the run went on");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // the shell's kill: no extra crate, no procps needed
+    let sent = Command::new("sh")
+        .args(["-c", &format!("kill -TERM {}", child.id())])
+        .status()?;
+    assert!(sent.success());
+    let out = child.wait_with_output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let said = err
+        .split("stopped by a signal after step ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no stop message: {err}"));
+    let step: u64 = said.split_whitespace().next().unwrap_or("").parse()?;
+    assert!(step >= 3 && err.contains("saved to"), "{err}");
+    // the checkpoint holds that step: one more step resumes from it
+    let out = Command::new(&bin)
+        .args(common)
+        .args(["--steps", &(step + 1).to_string(), "--json"])
+        .arg("--resume")
+        .arg(&ckpt)
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+    assert_eq!(json["steps_run"], 1);
+    // --save-every without --save is refused up front
+    let out = Command::new(&bin).args(["--save-every", "2"]).output()?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--save"));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 #[test]
 fn cli_refuses_bad_output_paths_before_training() -> anyhow::Result<()> {
     let Some(bin) = example_bin() else {
