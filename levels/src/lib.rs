@@ -28,7 +28,7 @@ mod level;
 mod report;
 
 pub use checkpoint::export::ExportDType;
-pub use checkpoint::index::shard_path;
+pub use checkpoint::index::{shard_files, shard_path};
 pub use comm_stats::CommStats;
 pub use config::{matches, AmpConfig, Compute, DEFAULT_BUCKET_MB, MAX_BUCKET_MB};
 pub use context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};

@@ -125,10 +125,15 @@ fn a_zero_sharded_run_resumes_exactly_reshards_and_exports_whole_weights() -> an
         ..quick(Level::O3, current(), 2)
     };
     let (whole, rest) = gpt_common::whole_and_resumed(&cfg, &corpus, 3, &ckpt)?;
-    // one file per rank, each with its slices
-    for r in 0..2 {
-        assert!(amp::levels::shard_path(&ckpt, r, 2).exists(), "rank {r}");
-    }
+    // one file per rank, each with its slices, and no other rank file
+    let files = amp::levels::shard_files(&ckpt)?;
+    assert_eq!(files.len(), 2);
+    assert!(files.iter().all(|f| f.exists()), "{files:?}");
+    let rank_files = std::fs::read_dir(&dir)?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("ckpt.rank"))
+        .count();
+    assert_eq!(rank_files, 2, "{files:?}");
     assert_eq!(rest.train_curve, whole.train_curve[3..]);
     let tensors = candle_core::safetensors::load(&export, &Device::Cpu)?;
     assert_eq!(tensors["h.0.mlp.c_fc.weight"].dims(), [512, 128]);

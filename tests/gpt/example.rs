@@ -495,6 +495,95 @@ fn a_signal_saves_and_stops_and_save_every_saves_on_the_way() -> anyhow::Result<
     Ok(())
 }
 
+/// A sharded O3 run (two ranks) saving every step, killed with SIGKILL at
+/// 20 random moments (during a save, between its rank files and its
+/// index, or while training): the checkpoint on disk always loads and
+/// goes on from the step its index names.
+#[cfg(unix)]
+#[test]
+fn a_sharded_save_killed_at_any_point_leaves_a_loadable_checkpoint() -> anyhow::Result<()> {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let Some(bin) = example_bin() else {
+        eprintln!("skipped: target/*/examples/gpt not built");
+        return Ok(());
+    };
+    let dir = tmp("killed-saves");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let ckpt = dir.join("run.safetensors");
+    let common = [
+        "--level",
+        "O3",
+        "--world-size",
+        "2",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--threads",
+        "1",
+    ];
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    for round in 0..20 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let mut child = Command::new(&bin)
+            .args(common)
+            .args([
+                "--steps",
+                "100000",
+                "--eval-every",
+                "1000000",
+                "--save-every",
+                "1",
+            ])
+            .arg(if round == 0 { "--save" } else { "--resume" })
+            .arg(&ckpt)
+            .args(if round == 0 {
+                vec![]
+            } else {
+                vec!["--save".into(), ckpt.clone()]
+            })
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        // the first save of a fresh run, then a random moment (0-63 ms:
+        // a save of this model takes a few ms, a step about as long)
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while !ckpt.exists() {
+            anyhow::ensure!(Instant::now() < deadline, "no checkpoint in round {round}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(seed % 64));
+        child.kill()?;
+        child.wait()?;
+        // what is on disk loads: one more step from the index's step
+        let meta = std::fs::read(&ckpt)?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&meta)?;
+        let step: u64 = header
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("step"))
+            .ok_or_else(|| anyhow::anyhow!("round {round}: no step in the index"))?
+            .parse()?;
+        let out = Command::new(&bin)
+            .args(common)
+            .args(["--steps", &(step + 1).to_string(), "--json"])
+            .arg("--resume")
+            .arg(&ckpt)
+            .output()?;
+        assert!(
+            out.status.success(),
+            "round {round}, step {step}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 #[test]
 fn cli_refuses_bad_output_paths_before_training() -> anyhow::Result<()> {
     let Some(bin) = example_bin() else {

@@ -10,7 +10,7 @@ use crate::ckpt_common;
 use crate::common;
 
 use amp::comm::{run_ranks_each, run_ranks_with, shard_range, Communicator, InProcessConfig};
-use amp::levels::{shard_path, AmpOptimizer, Level};
+use amp::levels::{shard_files, AmpOptimizer, Level};
 use amp::optim::{ParamState, State};
 use amp::{CurrentScaling, QType, ScalingTensor, Weight};
 use candle_core::{DType, Device, Tensor};
@@ -224,7 +224,10 @@ fn the_same_world_size_resumes_bit_exactly() {
         amp.save(&again, &opt).unwrap();
     });
     for r in 0..2 {
-        let (a, b) = (shard_path(&path, r, 2), shard_path(&again, r, 2));
+        let (a, b) = (
+            shard_files(&path).unwrap()[r].clone(),
+            shard_files(&again).unwrap()[r].clone(),
+        );
         // (the metadata's order in the file is a HashMap's; each save has
         // an id of its own, the same in all its rank files)
         let without_id = |p| {
@@ -275,8 +278,10 @@ fn missing_foreign_corrupt_and_mismatched_files_fail_every_rank() {
     save_run(3, 3, &path);
     save_run(3, 2, &other3);
     save_run(2, 2, &other2);
-    let file = |p: &Path, r, n| shard_path(p, r, n);
-    let name = |r: usize| format!("bad.rank{r}-of-3.safetensors");
+    // the rank files as each save's index names them (the name carries
+    // the save's id)
+    let file = |p: &Path, r: usize, _n: usize| shard_files(p).unwrap()[r].clone();
+    let name = |r: usize| format!("bad.rank{r}-of-3.");
     let good: Vec<Vec<u8>> = (0..3)
         .map(|r| std::fs::read(file(&path, r, 3)).unwrap())
         .collect();
@@ -399,9 +404,10 @@ fn rank_files_of_two_saves_without_their_index_fail_every_rank() {
     let (a, b) = (tmp("mixed-a.safetensors"), tmp("mixed-b.safetensors"));
     save_run(2, 2, &a);
     save_run(2, 2, &b);
+    let (fa, fb) = (shard_files(&a).unwrap(), shard_files(&b).unwrap());
     std::fs::remove_file(&a).unwrap();
     std::fs::remove_file(&b).unwrap();
-    std::fs::copy(shard_path(&b, 1, 2), shard_path(&a, 1, 2)).unwrap();
+    std::fs::copy(&fb[1], &fa[1]).unwrap();
     for e in load_errors(&a, WIDTH, Some(2)) {
         assert!(e.contains("different saves"), "{e}");
     }
@@ -411,9 +417,53 @@ fn rank_files_of_two_saves_without_their_index_fail_every_rank() {
         amp.load(&b, &mut opt).is_ok()
     });
     assert_eq!(ok, [true, true]);
-    for p in [&a, &b] {
-        for r in 0..2 {
-            let _ = std::fs::remove_file(shard_path(p, r, 2));
-        }
+    for f in fa.iter().chain(&fb) {
+        let _ = std::fs::remove_file(f);
     }
+}
+
+#[test]
+fn a_save_replaces_the_previous_files_only_once_its_index_is_written() {
+    let path = tmp("generations.safetensors");
+    let dir = path.parent().unwrap().to_path_buf();
+    let rank_files = || {
+        let mut v: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("generations.rank"))
+            .collect();
+        v.sort();
+        v
+    };
+    save_run(2, 2, &path);
+    let first = shard_files(&path).unwrap();
+    // what a killed save of another generation leaves: a rank file of its
+    // own name and a temporary file of a process that no longer runs
+    let orphan = dir.join("generations.rank0-of-2.00000000deadbeef.safetensors");
+    let temp = dir.join("generations.rank1-of-2.00000000deadbeef.tmp.4294967290.0");
+    std::fs::write(&orphan, b"partial").unwrap();
+    std::fs::write(&temp, b"partial").unwrap();
+    // while they are there, the checkpoint still loads through its index
+    let ok = on_ranks(Some(2), |comm| {
+        let (_, amp, mut opt) = build_in(WIDTH, Level::O3, comm);
+        amp.load(&path, &mut opt).is_ok()
+    });
+    assert_eq!(ok, [true, true]);
+    save_run(2, 3, &path);
+    let second = shard_files(&path).unwrap();
+    // new names (the save's id), the old files and the orphans gone
+    assert!(
+        first.iter().all(|f| !second.contains(f)),
+        "{first:?} {second:?}"
+    );
+    let names: Vec<String> = second
+        .iter()
+        .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(rank_files(), names);
+    for f in second {
+        let _ = std::fs::remove_file(f);
+    }
+    let _ = std::fs::remove_file(&path);
 }

@@ -13,11 +13,15 @@ impl AmpContext {
     ///
     /// In a data-parallel group every rank calls it: the replicas are
     /// identical, so rank 0 writes `path` and the others write nothing.
-    /// At O3 with ZeRO each rank writes its own slice to
-    /// [`shard_path`](super::index::shard_path)`(path, rank, world)`, and once all
-    /// are written rank 0 writes a small index at `path` itself: the world
-    /// size, the step and each rank file's name, size and CRC-32
-    /// ([`load`](Self::load) reads it back at any world size and level).
+    /// At O3 with ZeRO each rank writes its own slice to a file of this
+    /// save (`ckpt.rank<r>-of-<N>.<save id>.safetensors`;
+    /// [`shard_files`](super::index::shard_files) lists them), and once all
+    /// are written rank 0 writes a small index at `path` itself (one atomic
+    /// rename): the world size, the step and each rank file's name, size
+    /// and CRC-32 ([`load`](Self::load) reads it back at any world size and
+    /// level). Only then are the files of the checkpoint it replaced
+    /// removed, so a save that fails or is killed at any point leaves the
+    /// previous checkpoint loadable.
     ///
     /// # Errors
     /// [`Error::Checkpoint`](crate::error::Error::Checkpoint) on I/O errors, on

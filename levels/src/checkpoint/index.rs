@@ -1,8 +1,13 @@
 //! The index of a ZeRO-sharded checkpoint and the names of its rank files.
 //!
-//! Each rank `r` of a sharded O3 run of `N` ranks writes its file
-//! [`shard_path`]`(path, r, N)`; once every rank has
-//! written its file, rank 0 writes the index at `path` itself. The index is
+//! Each rank `r` of a sharded O3 run of `N` ranks writes its file under a
+//! name of this save ([`generation_path`]: `ckpt.rank<r>-of-<N>.<id>.safetensors`,
+//! the save's id in it); once every rank has written its file, rank 0
+//! writes the index at `path` itself (one atomic rename), and only then
+//! are the files of the checkpoint it replaced removed
+//! ([`remove_superseded`]): a save that fails or is killed at any point
+//! leaves the previous checkpoint whole. Saves before this scheme used
+//! [`shard_path`] names, which a load without an index still reads. The index is
 //! a safetensors file without tensors; its metadata holds
 //!
 //! - `format`: `candle-amp-checkpoint-index`, `version`: `1`;
@@ -14,10 +19,7 @@
 //!
 //! A load checks every rank file it reads against its entry, so a missing,
 //! truncated, corrupt or foreign file (of another save, step or world size)
-//! is an error naming it. The index is written last: a save interrupted
-//! after some rank files leaves the old index, whose sizes and checksums no
-//! longer match those files (an error, never a silent mix of two saves).
-//! Every rank file also carries its save's id (metadata `save_id`, one
+//! is an error naming it. Every rank file also carries its save's id (metadata `save_id`, one
 //! random id a save, rank 0's): rank files found without their index load
 //! only when all ranks read files of one save.
 
@@ -29,10 +31,11 @@ use safetensors::tensor::{SafeTensors, TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// The file a rank of a ZeRO-sharded run writes for checkpoint `path`:
-/// `ckpt.safetensors` becomes `ckpt.rank0-of-4.safetensors` (`path` itself
-/// is then the index that lists the rank files, with their sizes and
-/// CRC-32s; load `path`, at any world size).
+/// The name a rank's file of a ZeRO-sharded checkpoint at `path` had
+/// before saves wrote each generation under its own names
+/// (`ckpt.safetensors` -> `ckpt.rank0-of-4.safetensors`): a load of
+/// `path` without an index reads this rank's file there. A save now
+/// writes [`generation_path`] names, which [`shard_files`] lists.
 pub fn shard_path(path: impl AsRef<Path>, rank: usize, world: usize) -> PathBuf {
     let path = path.as_ref();
     let stem = path
@@ -46,6 +49,177 @@ pub fn shard_path(path: impl AsRef<Path>, rank: usize, world: usize) -> PathBuf 
 }
 
 /// One rank's file, as the index records it.
+/// Rank `rank`'s file of save `id` (16 hex digits) of a `world`-rank
+/// checkpoint at `path`: `ckpt.safetensors` -> `ckpt.rank1-of-4.<id>.safetensors`.
+/// Each save writes new names, so the files of the checkpoint it replaces
+/// stay whole until the new index has replaced the old one.
+pub(crate) fn generation_path(path: &Path, rank: usize, world: usize, id: &str) -> PathBuf {
+    let plain = shard_path(path, rank, world);
+    let name = match path.extension() {
+        Some(ext) => {
+            let stem = plain.file_stem().map(|s| s.to_string_lossy().into_owned());
+            format!(
+                "{}.{id}.{}",
+                stem.unwrap_or_default(),
+                ext.to_string_lossy()
+            )
+        }
+        None => format!(
+            "{}.{id}",
+            plain
+                .file_name()
+                .map(|s| s.to_string_lossy())
+                .unwrap_or_default()
+        ),
+    };
+    path.with_file_name(name)
+}
+
+/// The rank files of the sharded checkpoint whose index is at `path`, in
+/// rank order, as its index names them.
+///
+/// # Errors
+/// [`Error::Checkpoint`](crate::error::Error::Checkpoint) when `path`
+/// cannot be read or is not the index of a sharded checkpoint.
+pub fn shard_files(path: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|e| err(path, e.to_string()))?;
+    let index = Index::parse(path, &bytes)?
+        .ok_or_else(|| err(path, "not the index of a sharded checkpoint"))?;
+    Ok(index
+        .files
+        .iter()
+        .map(|f| path.with_file_name(&f.file))
+        .collect())
+}
+
+/// Without an index at `path`: this rank's file of a `world`-rank save,
+/// found by its name (a generation's, or the [`shard_path`] of saves
+/// before generations). `None` when there is none.
+///
+/// # Errors
+/// [`Error::Checkpoint`](crate::error::Error::Checkpoint) when several
+/// saves' files are there for this rank (only an index tells which one).
+pub(crate) fn find_rank_file(path: &Path, rank: usize, world: usize) -> Result<Option<PathBuf>> {
+    let legacy = shard_path(path, rank, world);
+    let plain = legacy.file_name().map(|s| s.to_string_lossy().into_owned());
+    let prefix = format!(
+        "{}.",
+        legacy
+            .with_extension("")
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    );
+    let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let is_id = |s: &str| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let mut found = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let generation = match (name.strip_prefix(&prefix), &ext) {
+                (Some(rest), Some(e)) => rest.strip_suffix(&format!(".{e}")).is_some_and(&is_id),
+                (Some(rest), None) => is_id(rest),
+                (None, _) => false,
+            };
+            if generation || Some(&name) == plain.as_ref() {
+                found.push(entry.path());
+            }
+        }
+    }
+    found.sort();
+    match found.len() {
+        0 => Ok(None),
+        1 => Ok(found.pop()),
+        _ => Err(err(
+            path,
+            format!(
+                "no index, and {} saves' files for rank {rank} of {world} ({}): \
+                 only an index tells which one to load",
+                found.len(),
+                found
+                    .iter()
+                    .filter_map(|f| f.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )),
+    }
+}
+
+/// After `index` has been written at `path`: removes the rank files of the
+/// saves it replaced (`<stem>.rank<r>-of-<N>[.<id>]<.ext>` not in the
+/// index) and the temporary files killed saves of them left (`.tmp.<pid>.<n>`,
+/// of this process or of one that no longer runs). Best effort: a file
+/// that cannot be removed stays, and is tried again by the next save.
+pub(crate) fn remove_superseded(path: &Path, index: &Index) {
+    let Some(stem) = path
+        .with_extension("")
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+    else {
+        return;
+    };
+    let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let keep: Vec<&str> = index.files.iter().map(|f| f.file.as_str()).collect();
+    let me = std::process::id();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        if keep.contains(&name) {
+            continue;
+        }
+        let Some(rest) = name.strip_prefix(&format!("{stem}.rank")) else {
+            continue;
+        };
+        // `<r>-of-<N>` then the rest, split on dots
+        let mut parts = rest.split('.');
+        let ranks = parts.next().unwrap_or_default();
+        let Some((r, n)) = ranks.split_once("-of-") else {
+            continue;
+        };
+        if r.parse::<usize>().is_err() || n.parse::<usize>().is_err() {
+            continue;
+        }
+        let tail: Vec<&str> = parts.collect();
+        let is_id = |s: &str| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit());
+        let is_ext = |s: &str| ext.as_deref() == Some(s);
+        let remove = match tail.as_slice() {
+            // a rank file: legacy name or a generation's
+            [] => ext.is_none(),
+            [e] if is_ext(e) => true,
+            [id] if ext.is_none() && is_id(id) => true,
+            [id, e] if is_id(id) && is_ext(e) => true,
+            // a temporary file of a killed save
+            [.., "tmp", pid, seq] if seq.parse::<u64>().is_ok() => match pid.parse::<u32>() {
+                Ok(pid) => {
+                    pid == me
+                        || (cfg!(target_os = "linux")
+                            && !Path::new(&format!("/proc/{pid}")).exists())
+                }
+                Err(_) => false,
+            },
+            _ => false,
+        };
+        if remove {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct FileEntry {

@@ -5,7 +5,7 @@
 
 use super::agree::agree;
 use super::agree::exchange;
-use super::index::{shard_path, Index};
+use super::index::{find_rank_file, Index};
 use super::reshard::stage_assembled;
 use super::stage::{stage_file, Staged};
 use super::{err, Part};
@@ -83,12 +83,13 @@ fn stage(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer) -> Result<Staged> {
     let bytes = match std::fs::read(path) {
         Ok(bytes) => bytes,
         Err(e) if sharded && e.kind() == std::io::ErrorKind::NotFound => {
-            // saved without an index (before there was one): this
-            // rank's own file, at the same world size only
-            let own = shard_path(path, rank, world);
-            return match std::fs::read(&own) {
-                Ok(bytes) => stage_file(ctx, &own, &bytes, opt),
-                Err(_) => Err(err(
+            // no index (lost, or a save before there was one): this
+            // rank's own file, found by name, at the same world size only
+            return match find_rank_file(path, rank, world)?
+                .and_then(|own| std::fs::read(&own).ok().map(|b| (own, b)))
+            {
+                Some((own, bytes)) => stage_file(ctx, &own, &bytes, opt),
+                None => Err(err(
                     path,
                     format!(
                         "{e}: neither a checkpoint nor the index of a sharded one \

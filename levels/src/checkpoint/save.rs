@@ -5,7 +5,7 @@
 use super::agree::{agree, exchange};
 use super::header::data_crc32;
 use super::header::{slices, zero_tag};
-use super::index::{shard_path, FileEntry, Index};
+use super::index::{generation_path, remove_superseded, FileEntry, Index};
 use super::{err, not_a_param, write_atomic, FORMAT, ROLES, VERSION};
 use crate::context::{AmpContext, AmpOptimizer};
 use crate::distributed::{self, Group};
@@ -133,8 +133,9 @@ fn file_bytes(
     safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| err(path, e.to_string()))
 }
 
-/// The collective save of a sharded run: each rank writes its file, the
-/// ranks exchange sizes and checksums, rank 0 writes the index.
+/// The collective save of a sharded run: each rank writes its file under
+/// this save's names, the ranks exchange sizes and checksums, rank 0
+/// writes the index (atomically), then removes the replaced save's files.
 ///
 /// # Errors
 /// [`crate::error::Error::Checkpoint`] on every rank when any rank's file or the
@@ -142,13 +143,6 @@ fn file_bytes(
 fn save_sharded(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer, group: &Group) -> Result<()> {
     let comm = group.comm();
     let (rank, world) = (comm.rank(), comm.world_size());
-    let name = |r: usize| -> Result<String> {
-        let file = shard_path(path, r, world);
-        file.file_name()
-            .and_then(|n| n.to_str())
-            .map(String::from)
-            .ok_or_else(|| err(&file, "not a UTF-8 file name"))
-    };
     // One id for this save on every rank (rank 0's), so that a load can
     // tell rank files of two saves apart even without the index.
     let id = exchange(comm, &new_save_id().to_le_bytes())?
@@ -157,6 +151,15 @@ fn save_sharded(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer, group: &Group
         .map(u64::from_le_bytes)
         .ok_or_else(|| err(path, "rank 0 sent no save id"))?;
     let id = format!("{id:016x}");
+    // This save's own names: the checkpoint it replaces stays whole until
+    // the new index is in place.
+    let name = |r: usize| -> Result<String> {
+        let file = generation_path(path, r, world, &id);
+        file.file_name()
+            .and_then(|n| n.to_str())
+            .map(String::from)
+            .ok_or_else(|| err(&file, "not a UTF-8 file name"))
+    };
     let written = name(rank).and_then(|file| {
         let target = path.with_file_name(&file);
         let bytes = file_bytes(ctx, &target, opt, Some(&id))?;
@@ -197,7 +200,12 @@ fn save_sharded(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer, group: &Group
     let wrote = if rank == 0 { index.write(path) } else { Ok(()) };
     agree(comm, path, wrote, |r| {
         format!("rank {r} could not write the index")
-    })
+    })?;
+    // The new checkpoint is complete: the replaced one's files may go.
+    if rank == 0 {
+        remove_superseded(path, &index);
+    }
+    Ok(())
 }
 
 /// Raw little-endian bytes, dtype and shape of one stored tensor.
