@@ -62,7 +62,7 @@ pub use numerics::clock::StreamMark;
 #[cfg(feature = "cuda")]
 pub use numerics::cuda::launch::multiprocessors;
 pub use numerics::cuda::{
-    keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
+    device_memory, keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
     skip_event_tracking,
 };
 pub use numerics::decode_sum::decode_sum;

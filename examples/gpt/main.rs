@@ -9,6 +9,7 @@
 //! torchrun --no-python --nproc-per-node 2 target/release/examples/gpt --device cuda --level O2
 //! ```
 
+mod budget;
 mod data;
 mod launch;
 mod model;
@@ -136,9 +137,14 @@ struct Args {
     #[arg(long)]
     no_flash: bool,
     /// On CUDA, keep cudarc's two CUDA events per allocation (off by
-    /// default: everything runs on one stream; for A/B runs).
+    /// default: candle's stream and NCCL's fenced stream never wait on
+    /// them; for A/B runs).
     #[arg(long)]
     event_tracking: bool,
+    /// Start even when the memory estimate exceeds what the device has
+    /// free (the estimate is on the high side).
+    #[arg(long)]
+    no_memory_check: bool,
     /// Run each of these levels in turn on the same data and seed.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<Level>,
@@ -334,6 +340,13 @@ fn main() -> Result<()> {
         );
     }
     let rank = group.as_ref().map_or(0, |c| c.rank());
+    if !args.no_memory_check {
+        let device = group.as_ref().map_or(&base.device, |c| c.device());
+        let world = group
+            .as_ref()
+            .map_or(args.world_size as usize, |c| c.world_size());
+        check_memory(&args, &levels, device, world);
+    }
     let mut runs = Vec::new();
     for &level in &levels {
         let mut cfg = TrainConfig {
@@ -412,6 +425,70 @@ fn check_trained(s: &train::Summary) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Refuses, before any work, a run whose memory estimate
+/// ([`budget::estimate`], the most demanding of `levels`) exceeds what
+/// `device` has free; `--no-memory-check` skips this.
+fn check_memory(args: &Args, levels: &[Level], device: &Device, world: usize) {
+    let Some(free) = budget::available(device) else {
+        return;
+    };
+    let Ok(g) = model::GptConfig::named(&args.size, args.vocab as usize, args.seq as usize) else {
+        return;
+    };
+    // ranks as threads share this process (and its device); ranks of an
+    // NCCL group have a device each
+    let in_process = args.world_size as usize;
+    let batch = args.batch as usize / world.max(1);
+    let act_bytes = match args.activations {
+        ExportArg::F32 => 4,
+        ExportArg::Bf16 => 2,
+    };
+    let flash = device.is_cuda() && !args.no_flash && g.n_embd == 64 * g.n_head;
+    let worst = levels
+        .iter()
+        .map(|&l| {
+            let e = budget::estimate(
+                &g,
+                l,
+                batch,
+                args.seq as usize,
+                in_process,
+                world,
+                act_bytes,
+                flash,
+            );
+            (l, e)
+        })
+        .max_by(|a, b| a.1.total().total_cmp(&b.1.total()));
+    if let Some((level, e)) = worst {
+        if e.total() > free {
+            usage(format!(
+                "--size {} --batch {} --seq {} at {level} needs about {} (weights and optimizer \
+                 state {}, activations {}, logits {}), and {} has {} free: lower --batch or \
+                 --seq, or pass --no-memory-check to try anyway",
+                args.size,
+                args.batch,
+                args.seq,
+                budget::gib(e.total()),
+                budget::gib(e.persistent),
+                budget::gib(e.activations),
+                budget::gib(e.logits),
+                device_label(device),
+                budget::gib(free),
+            ));
+        }
+    }
+}
+
+/// "the CPU" or "cuda:N", for messages.
+fn device_label(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "the CPU".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    }
 }
 
 /// The output paths, checked before any training: the export never

@@ -378,6 +378,12 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
         (vec!["--bogus"], "bogus"),
         // more threads than cores used to run ~150x slower without a word
         (vec!["--threads", "100000"], "cores"),
+        // a size that cannot fit used to allocate for tens of seconds and abort
+        (vec!["--batch", "10000000"], "--no-memory-check"),
+        (
+            vec!["--batch", "10000000", "--level", "O3", "--world-size", "2"],
+            "free",
+        ),
     ] {
         let out = std::process::Command::new(&bin).args(&args).output()?;
         let err = String::from_utf8_lossy(&out.stderr);

@@ -4,6 +4,9 @@
 // The example's own modules, compiled into this test: the code under test
 // is the code users run. Parts only the CLI uses are dead here.
 #[allow(dead_code)]
+#[path = "../../examples/gpt/budget.rs"]
+mod budget;
+#[allow(dead_code)]
 #[path = "../../examples/gpt/data.rs"]
 mod data;
 #[path = "../gpt_common/mod.rs"]

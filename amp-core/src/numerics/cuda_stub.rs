@@ -152,6 +152,15 @@ pub unsafe fn skip_event_tracking(_: &Device) -> Result<bool> {
     Err(Error::NotCompiled("cuda"))
 }
 
+/// Free and total bytes of a CUDA device (built without `cuda`: always
+/// [`Error::NotCompiled`]).
+///
+/// # Errors
+/// Always, in this build.
+pub fn device_memory(_: &Device) -> Result<(u64, u64)> {
+    Err(Error::NotCompiled("cuda"))
+}
+
 /// Peak bytes of the CUDA memory pool (built without `cuda`: always
 /// [`Error::NotCompiled`]).
 ///

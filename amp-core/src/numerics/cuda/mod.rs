@@ -65,7 +65,7 @@ pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use decode_sum::decode_sum;
 pub(crate) use meta::{flag_scale_inv, record_amax, scale_update};
 pub use pool::{
-    keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
+    device_memory, keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
     skip_event_tracking,
 };
 pub(crate) use scalars::gather_scalars;

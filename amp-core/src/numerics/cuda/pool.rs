@@ -116,6 +116,24 @@ pub(crate) fn set_threshold(dev: &CudaDevice, mut bytes: u64) -> Result<()> {
     Ok(())
 }
 
+/// `(free, total)` bytes of the CUDA device's memory, as the driver
+/// reports them now (`cuMemGetInfo`): what a run may still allocate,
+/// before it starts.
+///
+/// # Errors
+/// [`Error::UnsupportedDevice`] off CUDA; driver errors.
+pub fn device_memory(device: &Device) -> Result<(u64, u64)> {
+    let Device::Cuda(dev) = device else {
+        return Err(Error::UnsupportedDevice {
+            op: "device_memory",
+            device: device.location(),
+        });
+    };
+    dev.cuda_stream().context().bind_to_thread().w()?;
+    let (free, total) = driver::result::mem_get_info().w()?;
+    Ok((free as u64, total as u64))
+}
+
 /// High-water marks of the device's default memory pool (the one cudarc's
 /// stream-ordered allocations, and so every candle tensor, come from):
 /// `(used, reserved)` bytes since the pool was created or since the last

@@ -1,0 +1,110 @@
+//! The memory a run will need, estimated before it starts, against what
+//! the device has free: a configuration that cannot fit is refused up
+//! front with both numbers (it used to allocate for tens of seconds and
+//! then abort), unless `--no-memory-check`.
+//!
+//! The estimate is deliberately on the high side, so that it never
+//! refuses a run that fits: per rank, the level's persistent bytes (its
+//! bytes per Linear parameter, 16 for every other parameter: F32 weight,
+//! gradient and two moments), the activations the backward keeps (34
+//! bytes per token, width and layer at 16-bit activations, twice that at
+//! F32, as Korthikanti et al. count them, plus `5 a s^2` per layer and
+//! sequence for the attention probabilities where flash attention does
+//! not run), and the logits with their softmax and gradient in F32. At
+//! 350M O2 (8 x 1024, BF16, flash) it says 14.7 GB where the pool's peak
+//! was 10.8 GB.
+
+use crate::model::GptConfig;
+use amp::levels::Level;
+use candle_core::Device;
+
+/// Bytes a run needs, by part, for all the ranks this process holds.
+#[derive(Debug, Clone, Copy)]
+pub struct Estimate {
+    /// Weights, gradients and optimizer state.
+    pub persistent: f64,
+    /// What the forward keeps for the backward.
+    pub activations: f64,
+    /// The logits, their softmax and their gradient (F32).
+    pub logits: f64,
+}
+
+impl Estimate {
+    /// The sum.
+    pub fn total(&self) -> f64 {
+        self.persistent + self.activations + self.logits
+    }
+}
+
+/// What a run of `g` at `level` needs: `batch` sequences of `seq` tokens
+/// per rank, `ranks` ranks in this process (threads of `--world-size`),
+/// ZeRO over `shards` ranks at O3, activations of `act_bytes` bytes,
+/// attention through flash attention or materialized.
+#[allow(clippy::too_many_arguments)]
+pub fn estimate(
+    g: &GptConfig,
+    level: Level,
+    batch: usize,
+    seq: usize,
+    ranks: usize,
+    shards: usize,
+    act_bytes: usize,
+    flash: bool,
+) -> Estimate {
+    let (l, d, h) = (g.n_layer as f64, g.n_embd as f64, g.n_head as f64);
+    let (b, s) = (batch as f64, seq as f64);
+    let linear = l * 12.0 * d * d;
+    let other = (g.params() as f64 - linear).max(0.0);
+    let persistent = linear * level.predicted_bytes_per_linear_param(shards.max(1)) + other * 16.0;
+    let per_token = 17.0 * act_bytes as f64;
+    let mut activations = l * b * s * d * per_token;
+    if !flash {
+        activations += l * 2.5 * act_bytes as f64 * h * s * s * b;
+    }
+    let logits = b * s * g.vocab as f64 * 4.0 * 3.0;
+    let n = ranks.max(1) as f64;
+    Estimate {
+        persistent: n * persistent,
+        activations: n * activations,
+        logits: n * logits,
+    }
+}
+
+/// Free bytes where the run will allocate: the CUDA device's free memory,
+/// or on the CPU the memory Linux reports available; `None` where that
+/// cannot be told.
+pub fn available(device: &Device) -> Option<f64> {
+    match device {
+        Device::Cuda(_) => amp::device_memory(device).ok().map(|(free, _)| free as f64),
+        Device::Cpu => {
+            let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024.0)
+        }
+        _ => None,
+    }
+}
+
+/// Bytes as GiB, for messages.
+pub fn gib(bytes: f64) -> String {
+    format!("{:.1} GiB", bytes / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_estimate_covers_a_measured_peak_without_doubling_it() {
+        // 350M O2, 8 x 1024, BF16 activations, flash: the pool's peak on
+        // an H200 was 10.8 GB (BENCHMARKS.md)
+        let g = GptConfig::named("350m", 50304, 1024).unwrap();
+        let e = estimate(&g, Level::O2, 8, 1024, 1, 1, 2, true);
+        assert!(e.total() > 10.8e9 && e.total() < 2.0 * 10.8e9, "{e:?}");
+        // ranks as threads multiply it; materialized attention adds to it
+        let two = estimate(&g, Level::O2, 8, 1024, 2, 1, 2, true);
+        assert!((two.total() - 2.0 * e.total()).abs() < 1.0);
+        assert!(estimate(&g, Level::O2, 8, 1024, 1, 1, 2, false).total() > e.total());
+    }
+}
