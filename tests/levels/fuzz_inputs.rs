@@ -1,5 +1,6 @@
-//! Bounded fuzzing in CI: mutated checkpoints and arbitrary config text must
-//! give errors, never panics. (The cargo-fuzz targets in `fuzz/` run the same
+//! Bounded fuzzing in CI: mutated checkpoints, mutated indexes of sharded
+//! ones and arbitrary config and recipe text must give errors, never
+//! panics. (The cargo-fuzz targets in `fuzz/` run the same
 //! entry points unbounded.)
 
 use crate::common;
@@ -65,8 +66,82 @@ fn model() -> (
     (ctx, opt, layer)
 }
 
+/// A valid 2-rank sharded checkpoint of the same model (the two ranks as
+/// threads): the index's path and bytes; its rank files stay beside it.
+fn sharded() -> &'static (std::path::PathBuf, Vec<u8>) {
+    static INDEX: OnceLock<(std::path::PathBuf, Vec<u8>)> = OnceLock::new();
+    INDEX.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!(
+            "amp-fuzz-sharded-{}.safetensors",
+            std::process::id()
+        ));
+        amp::comm::run_ranks(2, |comm| {
+            let varmap = VarMap::new();
+            let _layer = nn::linear(
+                4,
+                3,
+                VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).pp("l"),
+            )
+            .unwrap();
+            let (ctx, opt) = amp::levels::initialize_distributed(
+                &varmap,
+                AdamWConfig::default(),
+                AmpConfig::level(Level::O3),
+                std::sync::Arc::new(comm),
+            )
+            .unwrap();
+            ctx.save(&path, &opt).unwrap();
+            Ok::<(), amp::comm::Error>(())
+        })
+        .unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        (path, bytes)
+    })
+}
+
+#[test]
+fn the_unmutated_inputs_load() {
+    // the mutations below start from checkpoints that load
+    let (ctx, mut opt, _layer) = model();
+    let path = std::env::temp_dir().join(format!("amp-fuzz-ok-{}.safetensors", std::process::id()));
+    std::fs::write(&path, checkpoint()).unwrap();
+    ctx.load(&path, &mut opt).unwrap();
+    let (ctx, mut opt, _layer) = model();
+    ctx.load(&sharded().0, &mut opt).unwrap();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn mutated_sharded_indexes_never_panic(
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        files in ".{0,120}",
+        replace_files in any::<bool>(),
+    ) {
+        let (path, good) = sharded();
+        let mut bytes = good.clone();
+        for (at, byte) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = byte;
+        }
+        if replace_files {
+            // the index's own metadata with an arbitrary file list
+            let (_, h) = safetensors::SafeTensors::read_metadata(good).unwrap();
+            let mut meta = h.metadata().clone().unwrap_or_default();
+            meta.insert("files".into(), files);
+            bytes = safetensors::tensor::serialize(
+                std::iter::empty::<(String, safetensors::tensor::TensorView<'_>)>(),
+                Some(meta),
+            )
+            .unwrap();
+        }
+        // beside the rank files, which the index names
+        let case = path.with_file_name(format!("amp-fuzz-index-case-{}.safetensors", std::process::id()));
+        std::fs::write(&case, &bytes).unwrap();
+        let (ctx, mut opt, _layer) = model();
+        let _ = ctx.load(&case, &mut opt); // Ok or Err, never a panic
+    }
 
     #[test]
     fn mutated_checkpoints_never_panic(
@@ -93,7 +168,9 @@ proptest! {
         let _ = AmpConfig::from_json(&text);
         let _ = AmpConfig::from_toml(&text);
         let _ = DelayedScaling::from_json(&text);
+        let _ = DelayedScaling::from_toml(&text);
         let _ = CurrentScaling::from_toml(&text);
+        let _ = CurrentScaling::from_json(&text);
     }
 
     #[test]
