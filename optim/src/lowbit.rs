@@ -208,9 +208,10 @@ impl LowBitAdamW {
         &self.config
     }
 
-    /// The learning rate of the next step.
+    /// The learning rate of the next step: the schedule at the next batch
+    /// (applied and skipped steps so far, plus one).
     pub fn learning_rate(&self) -> f64 {
-        self.schedule.lr(self.step + 1)
+        self.schedule.lr(self.step + self.skipped + 1)
     }
 
     /// Restores the step counter and loss scaler (checkpoints).

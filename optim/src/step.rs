@@ -254,7 +254,10 @@ impl LowBitAdamW {
         ones: &mut Ones,
     ) -> Result<()> {
         self.step += 1;
-        let lr = self.schedule.lr(self.step);
+        // the schedule counts batches (applied and skipped steps, as a
+        // PyTorch scheduler stepped every iteration); Adam's `t` (each
+        // parameter's `step`) counts applied steps only
+        let lr = self.schedule.lr(self.step + self.skipped);
         let mut batch = Vec::new();
         for (i, (p, &batched)) in self.params.iter_mut().zip(plan).enumerate() {
             let Some(g) = grads.get(&p.name) else {

@@ -223,6 +223,41 @@ fn a_step_with_inf_or_nan_changes_no_byte_and_backs_the_scaler_off() {
 }
 
 #[test]
+fn the_schedule_counts_batches_and_adam_counts_applied_steps() {
+    let init = t(randn(12, 31), &[3, 4]);
+    let sched = WarmupCosine {
+        peak: 1e-2,
+        min: 1e-3,
+        warmup: 10,
+        total: 100,
+    };
+    let cfg = LowBitAdamWConfig {
+        loss_scaling: LossScaling::dynamic(),
+        ..Default::default()
+    };
+    let mut opt = LowBitAdamW::new(vec![("w".to_string(), slot("F32", &init))], cfg)
+        .unwrap()
+        .with_schedule(sched.clone());
+    let grads = |v: f32| {
+        let mut g = Grads::new();
+        let x = (t(randn(12, 32), &[3, 4]) * f64::from(v)).unwrap();
+        g.insert("w", Grad::F32(x));
+        g
+    };
+    assert_eq!(opt.learning_rate(), sched.lr(1));
+    assert!(matches!(
+        opt.step(&grads(1.0)).unwrap(),
+        StepOutcome::Applied { .. }
+    ));
+    assert_eq!(opt.step(&grads(f32::NAN)).unwrap(), StepOutcome::Skipped);
+    // two batches consumed, one step applied: the schedule is at the third
+    // batch, Adam's t at 1
+    assert_eq!((opt.step_count(), opt.skipped_count()), (1, 1));
+    assert_eq!(opt.learning_rate(), sched.lr(3));
+    assert_eq!(opt.params()[0].step, 1);
+}
+
+#[test]
 fn every_weight_storage_trains_like_f32() {
     // y = x · W*ᵀ + noise, fit W from zero-mean init.
     let (n_in, n_out, rows) = (16, 8, 128);
