@@ -237,7 +237,7 @@ fn the_schedule_counts_batches_and_adam_counts_applied_steps() {
     };
     let mut opt = LowBitAdamW::new(vec![("w".to_string(), slot("F32", &init))], cfg)
         .unwrap()
-        .with_schedule(sched.clone());
+        .with_schedule(sched);
     let grads = |v: f32| {
         let mut g = Grads::new();
         let x = (t(randn(12, 32), &[3, 4]) * f64::from(v)).unwrap();
