@@ -378,14 +378,29 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
         (vec!["--bogus"], "bogus"),
         // more threads than cores used to run ~150x slower without a word
         (vec!["--threads", "100000"], "cores"),
-        // a size that cannot fit used to allocate for tens of seconds and abort
+    ] {
+        let out = std::process::Command::new(&bin).args(&args).output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    // a size that cannot fit used to allocate for tens of seconds and
+    // abort; run under a 4 GiB address-space limit, so that if the check
+    // ever lets it through the child fails fast instead of filling the
+    // machine
+    #[cfg(unix)]
+    for (args, says) in [
         (vec!["--batch", "10000000"], "--no-memory-check"),
         (
             vec!["--batch", "10000000", "--level", "O3", "--world-size", "2"],
             "free",
         ),
     ] {
-        let out = std::process::Command::new(&bin).args(&args).output()?;
+        let out = std::process::Command::new("sh")
+            .args(["-c", "ulimit -v 4194304 && exec \"$0\" \"$@\""])
+            .arg(&bin)
+            .args(&args)
+            .output()?;
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
