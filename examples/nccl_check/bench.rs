@@ -297,6 +297,9 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
     Ok(())
 }
 
+/// A call to time.
+type Timed<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
+
 /// Device time of each bucket kernel alone over all of `grads` as one
 /// bucket (no communication), beside the bytes it must move.
 fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
@@ -338,7 +341,7 @@ fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> 
         .collect();
     let gb = |bytes: f64, ms: f64| bytes / ms / 1e6;
     let e = elems as f64;
-    let lines: [(&str, f64, Box<dyn FnMut() -> Result<()>>); 4] = [
+    let lines: [(&str, f64, Timed); 4] = [
         (
             "bucket_amax",
             e,

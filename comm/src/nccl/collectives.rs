@@ -153,7 +153,7 @@ impl NcclComm {
     ) -> Result<()> {
         self.enter()?;
         if let Some((src, mut dst)) = own {
-            if src.len() > 0 {
+            if !src.is_empty() {
                 self.side
                     .cuda_stream()
                     .memcpy_dtod(src, &mut dst)
