@@ -35,7 +35,8 @@ use std::path::{Path, PathBuf};
 /// before saves wrote each generation under its own names
 /// (`ckpt.safetensors` -> `ckpt.rank0-of-4.safetensors`): a load of
 /// `path` without an index reads this rank's file there. A save now
-/// writes [`generation_path`] names, which [`shard_files`] lists.
+/// writes names of the save (`ckpt.rank0-of-4.<save id>.safetensors`),
+/// which [`shard_files`] lists.
 pub fn shard_path(path: impl AsRef<Path>, rank: usize, world: usize) -> PathBuf {
     let path = path.as_ref();
     let stem = path
