@@ -443,6 +443,19 @@ __device__ __forceinline__ Split split16(unsigned long long in, int in_b, unsign
     if (head >= n || ((out + head * out_b) & 15)) return scalar;
     return {head, (n - head) / VEC};
 }
+// VEC floats to VEC FP8 codes of TO as one 16-byte word (quantize4 four
+// times: amax and counts as quantize_one).
+template <int TO>
+__device__ __forceinline__ uint4 quantize16(const float* f, float sc, uint32_t& amax, uint32_t& sat,
+                                            uint32_t& flush) {
+    uint4 w;
+    w.x = quantize4<TO>(f, sc, amax, sat, flush);
+    w.y = quantize4<TO>(f + 4, sc, amax, sat, flush);
+    w.z = quantize4<TO>(f + 8, sc, amax, sat, flush);
+    w.w = quantize4<TO>(f + 12, sc, amax, sat, flush);
+    return w;
+}
+
 // u over an item's vector units, grid-stride.
 #define UNITS(sp, u) for (size_t u = tid; u < (sp).units; u += stride)
 
@@ -489,12 +502,7 @@ __device__ void bucket_requantize_impl(BucketArgs a, const float* __restrict__ s
         float f[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; j++) f[j] = Fmt<FROM>::decode(cs[j]) * si;
-        uint4 w;
-        w.x = quantize4<TO>(f, sc, amax, sat, flush);
-        w.y = quantize4<TO>(f + 4, sc, amax, sat, flush);
-        w.z = quantize4<TO>(f + 8, sc, amax, sat, flush);
-        w.w = quantize4<TO>(f + 12, sc, amax, sat, flush);
-        __stcs(reinterpret_cast<uint4*>(o + sp.head) + u, w);
+        __stcs(reinterpret_cast<uint4*>(o + sp.head) + u, quantize16<TO>(f, sc, amax, sat, flush));
     }
     const size_t tail = sp.head + sp.units * VEC;
     for (size_t i = tid; i < sp.head; i += stride) o[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * si, sc, amax, sat, flush);
@@ -590,12 +598,7 @@ __device__ void bucket_quantize_impl(BucketArgs a, const float* __restrict__ sca
             f[4 * j + 2] = v.z;
             f[4 * j + 3] = v.w;
         }
-        uint4 w;
-        w.x = quantize4<TO>(f, sc, amax, sat, flush);
-        w.y = quantize4<TO>(f + 4, sc, amax, sat, flush);
-        w.z = quantize4<TO>(f + 8, sc, amax, sat, flush);
-        w.w = quantize4<TO>(f + 12, sc, amax, sat, flush);
-        __stcs(reinterpret_cast<uint4*>(o + sp.head) + u, w);
+        __stcs(reinterpret_cast<uint4*>(o + sp.head) + u, quantize16<TO>(f, sc, amax, sat, flush));
     }
     const size_t tail = sp.head + sp.units * VEC;
     for (size_t i = tid; i < sp.head; i += stride) o[i] = quantize_one<TO>(x[i], sc, amax, sat, flush);

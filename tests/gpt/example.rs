@@ -347,6 +347,42 @@ fn compare_outputs() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Resumes `ckpt` (at `step`) with `args` for one more step; its JSON
+/// summary. Fails, naming `what`, unless the run succeeds.
+fn one_more_step(
+    bin: &std::path::Path,
+    args: &[&str],
+    ckpt: &std::path::Path,
+    step: u64,
+    what: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .args(["--steps", &(step + 1).to_string(), "--json"])
+        .arg("--resume")
+        .arg(ckpt)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{what} step {step}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_str(String::from_utf8(out.stdout)?.trim())?)
+}
+
+/// The example binary and a fresh, empty directory `name` for a test that
+/// runs it as a child; `None` (skipped, said on stderr) without the binary.
+fn bin_and_dir(name: &str) -> anyhow::Result<Option<(std::path::PathBuf, std::path::PathBuf)>> {
+    let Some(bin) = example_bin() else {
+        eprintln!("skipped: target/*/examples/gpt not built");
+        return Ok(None);
+    };
+    let dir = tmp(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    Ok(Some((bin, dir)))
+}
+
 /// The example binary cargo built beside this test.
 fn example_bin() -> Option<std::path::PathBuf> {
     let exe = std::env::current_exe().ok()?;
@@ -439,12 +475,9 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
 fn a_signal_saves_and_stops_and_save_every_saves_on_the_way() -> anyhow::Result<()> {
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
-    let Some(bin) = example_bin() else {
-        eprintln!("skipped: target/*/examples/gpt not built");
+    let Some((bin, dir)) = bin_and_dir("signal")? else {
         return Ok(());
     };
-    let dir = tmp("signal");
-    std::fs::create_dir_all(&dir)?;
     let ckpt = dir.join("run.safetensors");
     let _ = std::fs::remove_file(&ckpt);
     let common = [
@@ -495,18 +528,7 @@ fn a_signal_saves_and_stops_and_save_every_saves_on_the_way() -> anyhow::Result<
     let step: u64 = said.split_whitespace().next().unwrap_or("").parse()?;
     assert!(step >= 3 && err.contains("saved to"), "{err}");
     // the checkpoint holds that step: one more step resumes from it
-    let out = Command::new(&bin)
-        .args(common)
-        .args(["--steps", &(step + 1).to_string(), "--json"])
-        .arg("--resume")
-        .arg(&ckpt)
-        .output()?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+    let json = one_more_step(&bin, &common, &ckpt, step, "")?;
     assert_eq!(json["steps_run"], 1);
     // --save-every without --save is refused up front
     let out = Command::new(&bin).args(["--save-every", "2"]).output()?;
@@ -525,13 +547,9 @@ fn a_signal_saves_and_stops_and_save_every_saves_on_the_way() -> anyhow::Result<
 fn a_sharded_save_killed_at_any_point_leaves_a_loadable_checkpoint() -> anyhow::Result<()> {
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
-    let Some(bin) = example_bin() else {
-        eprintln!("skipped: target/*/examples/gpt not built");
+    let Some((bin, dir)) = bin_and_dir("killed-saves")? else {
         return Ok(());
     };
-    let dir = tmp("killed-saves");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
     let ckpt = dir.join("run.safetensors");
     let common = [
         "--level",
@@ -589,17 +607,7 @@ fn a_sharded_save_killed_at_any_point_leaves_a_loadable_checkpoint() -> anyhow::
             .and_then(|m| m.get("step"))
             .ok_or_else(|| anyhow::anyhow!("round {round}: no step in the index"))?
             .parse()?;
-        let out = Command::new(&bin)
-            .args(common)
-            .args(["--steps", &(step + 1).to_string(), "--json"])
-            .arg("--resume")
-            .arg(&ckpt)
-            .output()?;
-        assert!(
-            out.status.success(),
-            "round {round}, step {step}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        one_more_step(&bin, &common, &ckpt, step, &format!("round {round}"))?;
     }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
