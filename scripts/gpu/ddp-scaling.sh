@@ -18,7 +18,9 @@
 # CARRY (default .carry/nccl) holds gpt.gz, nccl_check.gz (and gpt_old.gz)
 # built with `--features nccl`. NVLink SHARP (multicast) stays off.
 # Env: STEPS (25), SKIP (5), COMPILE (0), BENCH (1: section 1), LAUNCH (1),
-# VARIANTS (none), EXTRA (more gpt arguments, for every run of ours).
+# VARIANTS (none), EXTRA (more gpt arguments, for every run of ours),
+# NPROC (2: the GPUs of sections 1, 2 and 4, 8 sequences a rank; section
+# 3 always uses 2).
 #
 #   bash scripts/gpu/ddp-scaling.sh .carry/nccl "350m 1.3b"
 set -uo pipefail
@@ -28,14 +30,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 source "$(dirname "$0")/lib.sh"
 unpack gpt gpt_old nccl_check; need gpt nccl_check
 facts
-STEPS=${STEPS:-25}; SKIP=${SKIP:-5}
+STEPS=${STEPS:-25}; SKIP=${SKIP:-5}; N=${NPROC:-2}
 if [ "${BENCH:-1}" = 1 ]; then
 echo "== 1. 256 MiB: ours (nccl_check --bench), then PyTorch's NCCL all-reduce"
-timeout 150 $TORCHRUN --no-python --nproc-per-node 2 --master-port 29500 "$BIN/nccl_check" --bench \
+timeout 150 $TORCHRUN --no-python --nproc-per-node "$N" --master-port 29500 "$BIN/nccl_check" --bench \
   > "$OUT/nccl_bench.log" 2>&1; echo "rc=$?"
 echo "checks: $(grep -c ' PASS ' "$OUT/nccl_bench.log") PASS, $(grep -c ' FAIL ' "$OUT/nccl_bench.log") FAIL"
 grep -E "BENCH|FAIL" "$OUT/nccl_bench.log" | grep "rank 0" | head -12
-timeout 90 $TORCHRUN --nproc-per-node 2 --master-port 29510 "$HERE/torch_allreduce.py" --mib 256 \
+timeout 90 $TORCHRUN --nproc-per-node "$N" --master-port 29510 "$HERE/torch_allreduce.py" --mib 256 \
   2>&1 | tee "$OUT/torch_allreduce.log" | grep '^{'
 fi
 show() { grep '^{' "$1" | head -1 | python3 -c "
@@ -78,22 +80,22 @@ for size in $SIZES; do
   echo "== 2. $size, 8 x 1024 a rank"
   for lv in O2 O3; do
     ours "${size}_${lv}_x1" 1 gpt 8 "$lv"
-    ours "${size}_${lv}_x2" 2 gpt 16 "$lv"
+    ours "${size}_${lv}_x$N" "$N" gpt $((8 * N)) "$lv"
   done
   for v in ${VARIANTS:-}; do
     lv=${v%%:*}; vargs=${v#*:}
     # shellcheck disable=SC2086 # the variant's arguments, split on commas
-    ours "${size}_${lv}_x2_$(echo "$vargs" | tr -c 'a-z0-9\n' '_')" 2 gpt 16 "$lv" ${vargs//,/ }
+    ours "${size}_${lv}_x${N}_$(echo "$vargs" | tr -c 'a-z0-9\n' '_')" "$N" gpt $((8 * N)) "$lv" ${vargs//,/ }
   done
   if [ -x "$BIN/gpt_old" ]; then
     ours "${size}_O2_x1_old" 1 gpt_old 8 O2
-    ours "${size}_O2_x2_old" 2 gpt_old 16 O2
+    ours "${size}_O2_x${N}_old" "$N" gpt_old $((8 * N)) O2
   fi
   torch "${size}_torch_x1" 1 --modes bf16
-  torch "${size}_torch_ddp_x2" 2
+  torch "${size}_torch_ddp_x$N" "$N"
   if [ "${COMPILE:-0}" = 1 ]; then
     torch "${size}_torch_compile_x1" 1 --modes bf16-compile
-    torch "${size}_torch_ddp_compile_x2" 2 --compile
+    torch "${size}_torch_ddp_compile_x$N" "$N" --compile
   fi
 done
 [ "${LAUNCH:-1}" = 1 ] || exit 0
