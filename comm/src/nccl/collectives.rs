@@ -44,7 +44,7 @@ impl NcclComm {
             let send = buffer::f32s(op, &storage, layout, n)?;
             let mut recv = out.f32s(op)?;
             let red = nccl_op(red);
-            self.fenced(|| {
+            self.fenced(op, || {
                 if scatter {
                     self.comm.reduce_scatter(&send, &mut recv, &red)
                 } else {
@@ -90,7 +90,7 @@ impl NcclComm {
             let (storage, layout) = x.storage_and_layout();
             let send = buffer::bytes(op, &storage, layout, len)?;
             let mut recv = out.bytes(op)?;
-            self.fenced(|| {
+            self.fenced(op, || {
                 self.comm
                     .all_gather(&send, &mut recv)
                     .map_err(nccl_err(op))?;
@@ -136,7 +136,9 @@ impl NcclComm {
                 recvs.push((peer(j)?, part));
             }
         }
-        self.fenced(|| self.send_recv(op, &sends, &mut recvs, own_part.map(|p| (&mine, p))))?;
+        self.fenced(op, || {
+            self.send_recv(op, &sends, &mut recvs, own_part.map(|p| (&mine, p)))
+        })?;
         drop(guard);
         Ok(out.into_tensor(&self.cuda, len))
     }
@@ -179,13 +181,18 @@ impl NcclComm {
     /// first waits for candle's, and candle's waits for it after, unless
     /// inside the stream's [`run`](amp_core::SideStream::run) (whose fences
     /// are its own).
-    fn fenced<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    /// The watchdog ([`super::watchdog`]) then marks `op` as the latest
+    /// collective.
+    fn fenced<R>(&self, op: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let inside = self.side.is_current();
         if !inside {
             self.side.wait_for_compute()?;
         }
         self.enter()?;
         let out = f()?;
+        if let Some(w) = &self.watchdog {
+            w.mark(op, self.side.cuda_stream())?;
+        }
         if !inside {
             self.side.compute_wait()?;
         }
@@ -300,7 +307,7 @@ impl Communicator for NcclComm {
             let (storage, layout) = x.storage_and_layout();
             let send = buffer::bytes(OP, &storage, layout, len)?;
             let mut recv = out.bytes(OP)?;
-            self.fenced(|| {
+            self.fenced(OP, || {
                 self.comm
                     .broadcast(Some(&send), &mut recv, root_i32)
                     .map_err(nccl_err(OP))?;
@@ -357,7 +364,7 @@ impl Communicator for NcclComm {
                     recvs.push((peer(j)?, out.bytes(OP)?));
                 }
             }
-            self.fenced(|| self.send_recv(OP, &sends, &mut recvs, None))?;
+            self.fenced(OP, || self.send_recv(OP, &sends, &mut recvs, None))?;
         }
         let sent: usize = (0..n)
             .filter(|&j| j != rank)

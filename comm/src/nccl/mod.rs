@@ -36,13 +36,17 @@
 //! every rank still receives the same result.
 //!
 //! **Timeouts.** The rendezvous is bounded ([`RendezvousConfig::timeout`]);
-//! NCCL's own collectives have no timeout: a rank that dies after set-up
-//! leaves the others waiting inside NCCL, as in PyTorch without its
-//! watchdog. `torchrun` ends the whole group when one process exits with
-//! an error, which is the usual way out.
+//! NCCL's own collectives have none. With `AMP_NCCL_TIMEOUT_S` set, each
+//! communicator runs a watchdog of its own ([`watchdog`]): a collective
+//! that has not completed that many seconds after it was enqueued ends
+//! the process with an error naming it, as PyTorch's watchdog does,
+//! instead of a hang when another rank has died (opt-in until it has been
+//! seen firing on GPUs). `torchrun` ends the whole group when one process
+//! exits with an error, which is the usual way out.
 
 mod buffer;
 mod collectives;
+mod watchdog;
 
 use crate::error::{Error, Result};
 use crate::launch::{LaunchEnv, RendezvousConfig};
@@ -79,6 +83,8 @@ pub struct NcclComm {
     cuda: CudaDevice,
     /// The stream NCCL runs on ([`Communicator::side_stream`]).
     side: SideStream,
+    /// Ends the process when a collective never completes ([`watchdog`]).
+    watchdog: Option<watchdog::Watchdog>,
     bytes: AtomicU64,
 }
 
@@ -169,11 +175,21 @@ impl NcclComm {
         let stream = side.cuda_stream().clone();
         let comm = Comm::from_rank(stream, rank, world_size, Id::uninit(id.map(|b| b as _)))
             .map_err(nccl_err(OP))?;
+        let watchdog = match watchdog::timeout_from_env(OP)? {
+            Some(timeout) => Some(watchdog::Watchdog::start(
+                side.cuda_stream().context(),
+                rank,
+                world_size,
+                timeout,
+            )?),
+            None => None,
+        };
         Ok(Self {
             comm,
             device,
             cuda,
             side,
+            watchdog,
             bytes: AtomicU64::new(0),
         })
     }
