@@ -212,15 +212,21 @@ pub fn train_rank(
         Some(c) => initialize_distributed(&varmap, adam, amp_cfg, c.clone())?,
         None => initialize(&varmap, adam, amp_cfg)?,
     };
-    let mean = |x: f32| -> Result<f32> {
+    // The mean of a value over the ranks, and whether any rank got a stop
+    // signal (SIGINT/SIGTERM): one all-reduce of both, so that every rank
+    // stops after the same step without a collective of its own.
+    let mean_and_stop = |x: f32| -> Result<(f32, bool)> {
+        let stop = STOP.load(Ordering::SeqCst);
         Ok(match &comm {
             Some(c) => {
-                let t = Tensor::new(&[x], &cfg.device)?;
-                c.all_reduce_sum(&t)?.to_vec1::<f32>()?[0] / world as f32
+                let t = Tensor::new(&[x, f32::from(u8::from(stop))], &cfg.device)?;
+                let v = c.all_reduce_sum(&t)?.to_vec1::<f32>()?;
+                (v[0] / world as f32, v[1] > 0.0)
             }
-            None => x,
+            None => (x, stop),
         })
     };
+    let mean = |x: f32| -> Result<f32> { Ok(mean_and_stop(x)?.0) };
     let rows = cfg.batch / world;
     opt.inner_mut().set_schedule(WarmupCosine {
         peak: cfg.lr,
@@ -311,7 +317,7 @@ pub fn train_rank(
         if step == start {
             backward_peak = opt.last_backward_peak();
         }
-        let value = mean(local)?;
+        let (value, stop) = mean_and_stop(local)?;
         if step >= start + cfg.timing_skip {
             if let Some(c) = opt.last_comm() {
                 comm_exposed_ms.push(c.exposed_ms()?);
@@ -340,14 +346,14 @@ pub fn train_rank(
                     .with_context(|| format!("saving {} after step {done}", path.display()))?;
             }
         }
-        if stop_requested(comm.as_deref())? {
+        if stop {
             stopped = Some(done);
             break;
         }
     }
     bar.finish_and_clear();
     if let Some(done) = stopped {
-        // every rank saw the signal at the same step (stop_requested)
+        // every rank saw the signal at the same step (mean_and_stop)
         let saved = match &cfg.save {
             Some(path) => {
                 amp.save(path, &opt)
@@ -501,18 +507,4 @@ pub fn stop_on_signals() -> Result<()> {
         eprintln!("signal: stopping after this step");
     })
     .context("installing the SIGINT/SIGTERM handler")
-}
-
-/// Whether to stop now: this process got a signal, or with a group any
-/// rank did (one all-reduce a step, so that every rank stops after the
-/// same step and the collectives stay matched).
-fn stop_requested(comm: Option<&dyn Communicator>) -> Result<bool> {
-    let local = STOP.load(Ordering::SeqCst);
-    match comm {
-        Some(c) if c.world_size() > 1 => {
-            let flag = Tensor::new(&[f32::from(u8::from(local))], c.device())?;
-            Ok(c.all_reduce_max(&flag)?.to_vec1::<f32>()?[0] > 0.0)
-        }
-        _ => Ok(local),
-    }
 }

@@ -94,6 +94,71 @@ pub fn shard_files(path: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
         .collect())
 }
 
+/// What a file beside checkpoint `path` is to its sharded saves, by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RankName {
+    /// Rank `rank`'s file of a `world`-rank save: a generation's
+    /// (`<stem>.rank<r>-of-<N>.<id><.ext>`) or a [`shard_path`] name.
+    File { rank: usize, world: usize },
+    /// A temporary file of a killed save of one (`...tmp.<pid>.<n>`).
+    Temp { pid: u32 },
+}
+
+/// Every file of the directory of `path` whose name is a [`RankName`] of
+/// it, with what it is. Unreadable directories and names yield nothing.
+fn rank_names(path: &Path) -> Vec<(PathBuf, String, RankName)> {
+    let Some(stem) = path
+        .with_extension("")
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+    else {
+        return Vec::new();
+    };
+    let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let prefix = format!("{stem}.rank");
+    let is_id = |s: &str| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let is_ext = |s: &str| ext.as_deref() == Some(s);
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        // `<r>-of-<N>`, then the rest split on dots
+        let mut parts = rest.split('.');
+        let Some((r, n)) = parts.next().and_then(|p| p.split_once("-of-")) else {
+            continue;
+        };
+        let (Ok(rank), Ok(world)) = (r.parse::<usize>(), n.parse::<usize>()) else {
+            continue;
+        };
+        let tail: Vec<&str> = parts.collect();
+        let kind = match tail.as_slice() {
+            [] if ext.is_none() => Some(RankName::File { rank, world }),
+            [e] if is_ext(e) => Some(RankName::File { rank, world }),
+            [id] if ext.is_none() && is_id(id) => Some(RankName::File { rank, world }),
+            [id, e] if is_id(id) && is_ext(e) => Some(RankName::File { rank, world }),
+            [.., "tmp", pid, seq] if seq.parse::<u64>().is_ok() => {
+                pid.parse().ok().map(|pid| RankName::Temp { pid })
+            }
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            out.push((entry.path(), name, kind));
+        }
+    }
+    out
+}
+
 /// Without an index at `path`: this rank's file of a `world`-rank save,
 /// found by its name (a generation's, or the [`shard_path`] of saves
 /// before generations). `None` when there is none.
@@ -102,40 +167,15 @@ pub fn shard_files(path: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
 /// [`Error::Checkpoint`](crate::error::Error::Checkpoint) when several
 /// saves' files are there for this rank (only an index tells which one).
 pub(crate) fn find_rank_file(path: &Path, rank: usize, world: usize) -> Result<Option<PathBuf>> {
-    let legacy = shard_path(path, rank, world);
-    let plain = legacy.file_name().map(|s| s.to_string_lossy().into_owned());
-    let prefix = format!(
-        "{}.",
-        legacy
-            .with_extension("")
-            .file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default()
-    );
-    let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let is_id = |s: &str| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit());
-    let mut found = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let generation = match (name.strip_prefix(&prefix), &ext) {
-                (Some(rest), Some(e)) => rest.strip_suffix(&format!(".{e}")).is_some_and(&is_id),
-                (Some(rest), None) => is_id(rest),
-                (None, _) => false,
-            };
-            if generation || Some(&name) == plain.as_ref() {
-                found.push(entry.path());
-            }
-        }
-    }
+    let mut found: Vec<(PathBuf, String)> = rank_names(path)
+        .into_iter()
+        .filter(|(_, _, kind)| *kind == RankName::File { rank, world })
+        .map(|(file, name, _)| (file, name))
+        .collect();
     found.sort();
     match found.len() {
         0 => Ok(None),
-        1 => Ok(found.pop()),
+        1 => Ok(found.pop().map(|(file, _)| file)),
         _ => Err(err(
             path,
             format!(
@@ -144,7 +184,7 @@ pub(crate) fn find_rank_file(path: &Path, rank: usize, world: usize) -> Result<O
                 found.len(),
                 found
                     .iter()
-                    .filter_map(|f| f.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .map(|(_, name)| name.as_str())
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
@@ -158,65 +198,17 @@ pub(crate) fn find_rank_file(path: &Path, rank: usize, world: usize) -> Result<O
 /// of this process or of one that no longer runs). Best effort: a file
 /// that cannot be removed stays, and is tried again by the next save.
 pub(crate) fn remove_superseded(path: &Path, index: &Index) {
-    let Some(stem) = path
-        .with_extension("")
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-    else {
-        return;
-    };
-    let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    let keep: Vec<&str> = index.files.iter().map(|f| f.file.as_str()).collect();
     let me = std::process::id();
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else {
-            continue;
-        };
-        if keep.contains(&name) {
-            continue;
-        }
-        let Some(rest) = name.strip_prefix(&format!("{stem}.rank")) else {
-            continue;
-        };
-        // `<r>-of-<N>` then the rest, split on dots
-        let mut parts = rest.split('.');
-        let ranks = parts.next().unwrap_or_default();
-        let Some((r, n)) = ranks.split_once("-of-") else {
-            continue;
-        };
-        if r.parse::<usize>().is_err() || n.parse::<usize>().is_err() {
-            continue;
-        }
-        let tail: Vec<&str> = parts.collect();
-        let is_id = |s: &str| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit());
-        let is_ext = |s: &str| ext.as_deref() == Some(s);
-        let remove = match tail.as_slice() {
-            // a rank file: legacy name or a generation's
-            [] => ext.is_none(),
-            [e] if is_ext(e) => true,
-            [id] if ext.is_none() && is_id(id) => true,
-            [id, e] if is_id(id) && is_ext(e) => true,
-            // a temporary file of a killed save
-            [.., "tmp", pid, seq] if seq.parse::<u64>().is_ok() => match pid.parse::<u32>() {
-                Ok(pid) => {
-                    pid == me
-                        || (cfg!(target_os = "linux")
-                            && !Path::new(&format!("/proc/{pid}")).exists())
-                }
-                Err(_) => false,
-            },
-            _ => false,
+    for (file, name, kind) in rank_names(path) {
+        let remove = match kind {
+            RankName::File { .. } => !index.files.iter().any(|f| f.file == name),
+            RankName::Temp { pid } => {
+                pid == me
+                    || (cfg!(target_os = "linux") && !Path::new(&format!("/proc/{pid}")).exists())
+            }
         };
         if remove {
-            let _ = std::fs::remove_file(entry.path());
+            let _ = std::fs::remove_file(file);
         }
     }
 }
