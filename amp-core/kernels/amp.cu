@@ -653,9 +653,15 @@ extern "C" __global__ void __launch_bounds__(256) bucket_requantize_f16_e4m3(Buc
                                                                               uint8_t* out) {
     bucket_requantize_impl<2, 0>(a, scale, out);
 }
+// Each item's bytes to out + out_off: 16 a store where the two line up.
 extern "C" __global__ void __launch_bounds__(256) bucket_copy_u8(BucketArgs a, uint8_t* out) {
     BUCKET_LOOP(a)
     const uint8_t* s = reinterpret_cast<const uint8_t*>(a.src[item]);
     uint8_t* o = out + a.out_off[item];
-    for (size_t i = tid; i < n; i += stride) o[i] = s[i];
+    const Split sp = split16(a.src[item], 1, reinterpret_cast<unsigned long long>(o), 1, n);
+    const uint4* sv = reinterpret_cast<const uint4*>(s + sp.head);
+    uint4* ov = reinterpret_cast<uint4*>(o + sp.head);
+    UNITS(sp, u) ov[u] = sv[u];
+    for (size_t i = tid; i < sp.head; i += stride) o[i] = s[i];
+    for (size_t i = sp.head + sp.units * VEC + tid; i < n; i += stride) o[i] = s[i];
 }

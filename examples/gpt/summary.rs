@@ -98,6 +98,10 @@ pub struct Summary {
     /// events on the device's stream; CPU: wall time), ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm_exposed_ms: Option<f64>,
+    /// Of `comm_exposed_ms`, at O3 with more than one rank: the median
+    /// time of the FP8 weight gathers after the step, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_gather_ms: Option<f64>,
     /// With data parallelism: the median number of buckets a timed step
     /// reduced (and at O3 gathered).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -254,6 +254,7 @@ pub fn train_rank(
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
     let mut backward_peak = None;
     let (mut comm_exposed_ms, mut buckets, mut overlapped) = (Vec::new(), Vec::new(), Vec::new());
+    let mut comm_gather_ms = Vec::new();
     // AMP_STEP_CLOCK: each step's start (`Instant`, the monotonic clock) on
     // stderr, to cut a host profile to the steps (scripts/gpu/perf-gpt.sh)
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
@@ -321,6 +322,7 @@ pub fn train_rank(
         if step >= start + cfg.timing_skip {
             if let Some(c) = opt.last_comm() {
                 comm_exposed_ms.push(c.exposed_ms()?);
+                comm_gather_ms.extend(c.gather_ms()?);
                 buckets.push(c.buckets as f64);
                 overlapped.push(c.overlapped as f64);
             }
@@ -433,6 +435,7 @@ pub fn train_rank(
             && amp::nn::flash_attention_enabled(),
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         comm_exposed_ms: (!comm_exposed_ms.is_empty()).then(|| median_max(&comm_exposed_ms).0),
+        comm_gather_ms: (!comm_gather_ms.is_empty()).then(|| median_max(&comm_gather_ms).0),
         buckets_per_step: (!buckets.is_empty()).then(|| median_max(&buckets).0),
         overlapped_buckets_per_step: (!overlapped.is_empty()).then(|| median_max(&overlapped).0),
         wall_s: t0.elapsed().as_secs_f64(),

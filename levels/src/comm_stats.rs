@@ -20,12 +20,33 @@ pub struct CommStats {
     /// the thread) did nothing but communicate: from the end of the
     /// backward to the gradients' arrival, and at O3 the weight gathers.
     spans: Vec<(StreamMark, StreamMark)>,
+    /// Of those, the span of O3's weight gathers after the step.
+    gather: Option<(StreamMark, StreamMark)>,
 }
 
 impl CommStats {
     /// Adds a span that only communicated.
     pub(crate) fn push_span(&mut self, from: StreamMark, to: StreamMark) {
         self.spans.push((from, to));
+    }
+
+    /// Adds the span of O3's weight gathers after the step (only
+    /// communicated).
+    pub(crate) fn push_gather_span(&mut self, from: StreamMark, to: StreamMark) {
+        self.gather = Some((from, to));
+    }
+
+    /// Of [`exposed_ms`](Self::exposed_ms), the milliseconds of O3's weight
+    /// gathers after the step (`None` without them).
+    ///
+    /// # Errors
+    /// The driver's, on CUDA.
+    pub fn gather_ms(&self) -> Result<Option<f64>> {
+        Ok(self
+            .gather
+            .as_ref()
+            .map(|(a, b)| a.ms_until(b))
+            .transpose()?)
     }
 
     /// Milliseconds the step waited for communication (the spans summed;
@@ -39,6 +60,6 @@ impl CommStats {
         for (a, b) in &self.spans {
             ms += a.ms_until(b)?;
         }
-        Ok(ms)
+        Ok(ms + self.gather_ms()?.unwrap_or(0.0))
     }
 }

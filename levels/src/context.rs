@@ -63,8 +63,9 @@ pub(crate) trait DataParallel: std::fmt::Debug {
     /// Whether the optimizer holds only this rank's slice of `name`.
     fn holds_slice(&self, name: &str) -> bool;
 
-    /// The squared gradient norm over all ranks, from this rank's part.
-    fn total_sq(&self, part_sq: f64) -> amp_optim::Result<f64>;
+    /// The squared gradient norm over all ranks, from this rank's part
+    /// (one F32 on the device; the sum likewise, without a host read).
+    fn total_sq(&self, part_sq: &Tensor) -> amp_optim::Result<Tensor>;
 
     /// After an applied step: what the ranks share again (the FP8 copies
     /// of the sliced weights).
@@ -295,7 +296,7 @@ impl AmpOptimizer {
             stats.push_span(a, b);
         }
         let holds_slice = |name: &str| group.holds_slice(name);
-        let mut total_sq = |part_sq| group.total_sq(part_sq);
+        let mut total_sq = |part_sq: &Tensor| group.total_sq(part_sq);
         let outcome = self
             .opt
             .step_partitioned(&grads, &holds_slice, &mut total_sq)?;
@@ -303,7 +304,7 @@ impl AmpOptimizer {
             let start = mark()?;
             group.after_step(&self.opt, &mut stats)?;
             if let (Some(a), Some(b)) = (start, mark()?) {
-                stats.push_span(a, b);
+                stats.push_gather_span(a, b);
             }
         }
         self.last_comm = Some(stats);

@@ -33,16 +33,20 @@ impl LowBitAdamW {
     /// [`Error::GradShape`] or [`Error::UnknownParam`], checked for every
     /// gradient before anything changes.
     pub fn step(&mut self, grads: &Grads) -> Result<StepOutcome> {
-        self.step_partitioned(grads, &|_| false, &mut |s| Ok(s))
+        self.step_partitioned(grads, &|_| false, &mut |s| Ok(s.clone()))
     }
 
     /// [`step`](Self::step) where some parameters are partitioned across
     /// data-parallel ranks (ZeRO: each rank holds and updates its slice):
     /// the squared gradient norm of the parameters for which
-    /// `partitioned(name)` holds is summed over the ranks by `reduce`, which
-    /// every rank calls exactly once per step where any parameter is
-    /// partitioned (never otherwise; ranks must agree on `partitioned`), so
-    /// that all ranks clip by the same global norm and skip the same steps.
+    /// `partitioned(name)` holds is summed over the ranks by `reduce` (it
+    /// takes this rank's part as one F32 on the parameters' device and
+    /// returns the sum over the ranks, likewise), which every rank calls
+    /// exactly once per step where any parameter is partitioned (never
+    /// otherwise; ranks must agree on `partitioned`), so that all ranks
+    /// clip by the same global norm and skip the same steps. On a GPU the
+    /// part never leaves the device: the host does not wait for the
+    /// backward before it enqueues the updates.
     ///
     /// # Errors
     /// As [`step`](Self::step); `reduce`'s.
@@ -50,7 +54,7 @@ impl LowBitAdamW {
         &mut self,
         grads: &Grads,
         partitioned: &dyn Fn(&str) -> bool,
-        reduce: &mut dyn FnMut(f64) -> Result<f64>,
+        reduce: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
     ) -> Result<StepOutcome> {
         // Pass 1: shapes, finiteness and the global norm, decoding each
         // gradient on the fly.
@@ -66,10 +70,10 @@ impl LowBitAdamW {
         let mut on_device = !self.params.is_empty();
         for p in &self.params {
             let w = p.slot.read()?;
-            on_device &= !partitioned(&p.name)
-                && w.device().is_cuda()
-                && (updates_in_place(&w) || !matches!(*w, Weight::F32(_)));
+            on_device &=
+                w.device().is_cuda() && (updates_in_place(&w) || !matches!(*w, Weight::F32(_)));
         }
+        let any_partitioned = self.params.iter().any(|p| partitioned(&p.name));
         // Per parameter: its sum of squares and, for a scaled gradient, the
         // amax of its source, left on the device; on the GPU path a kernel
         // reads them (`step_on_device`), otherwise one host read of all
@@ -124,8 +128,13 @@ impl LowBitAdamW {
         }
         // (without a gradient there is nothing to wait for: the host path)
         if on_device && !sums.is_empty() {
-            return self.step_on_device(grads, &plan, &sums, &amaxes, ones);
+            let reduce = any_partitioned.then_some(reduce);
+            return self.step_on_device(grads, &plan, &sums, &amaxes, ones, reduce);
         }
+        let device = match self.params.first() {
+            Some(p) => p.slot.read()?.device().clone(),
+            None => candle_core::Device::Cpu,
+        };
         let (mut sum_sq, mut part_sq) = (0f64, 0f64);
         let values = read_all(&sums, &amaxes)?;
         let (totals, amax) = values.split_at(sums.len());
@@ -138,8 +147,12 @@ impl LowBitAdamW {
                 *if *part { &mut part_sq } else { &mut sum_sq } = f64::INFINITY;
             }
         }
-        if self.params.iter().any(|p| partitioned(&p.name)) {
-            sum_sq += reduce(part_sq)?;
+        if any_partitioned {
+            let part = Tensor::new(&[part_sq as f32], &device)?;
+            let total = reduce(&part)?.flatten_all()?.to_vec1::<f32>()?;
+            sum_sq += *total
+                .first()
+                .ok_or_else(|| kernel_error("partitioned norm"))? as f64;
         }
         if !sum_sq.is_finite() {
             self.scaler.update(true);
@@ -148,23 +161,21 @@ impl LowBitAdamW {
         }
         let (grad_norm, grad_mul) =
             clip_math(sum_sq, 1.0 / self.scaler.scale, self.config.max_grad_norm);
-        let device = match self.params.first() {
-            Some(p) => p.slot.read()?.device().clone(),
-            None => candle_core::Device::Cpu,
-        };
         let grad_mul = Tensor::new(&[grad_mul], &device)?;
         self.update_all(grads, &plan, &grad_mul, &mut ones)?;
         self.scaler.update(false);
         Ok(StepOutcome::Applied { grad_norm })
     }
 
-    /// The rest of a step on a GPU without partitioned parameters: the
-    /// norm, skip decision and multiplier by a kernel (`ClipCoef`), the
-    /// updates enqueued behind it, and then one read of the outcome, so the
-    /// host does not wait for the sums before it enqueues the updates. A
-    /// skipped step's kernels return at once; the states they would have
-    /// replaced are kept until the read and put back (an F32 weight, updated
-    /// in place, was never written).
+    /// The rest of a step on a GPU: the norm, skip decision and multiplier
+    /// by a kernel (`ClipCoef`), the updates enqueued behind it, and then
+    /// one read of the outcome, so the host does not wait for the sums
+    /// before it enqueues the updates. A skipped step's kernels return at
+    /// once; the states they would have replaced are kept until the read
+    /// and put back (an F32 weight, updated in place, was never written).
+    /// With partitioned parameters (`reduce`), their part of the norm is
+    /// summed over the ranks on the device and added last, as the host
+    /// path adds it.
     fn step_on_device(
         &mut self,
         grads: &Grads,
@@ -172,11 +183,21 @@ impl LowBitAdamW {
         sums: &[(bool, Tensor)],
         amaxes: &[(bool, Tensor)],
         mut ones: Ones,
+        reduce: Option<&mut dyn FnMut(&Tensor) -> Result<Tensor>>,
     ) -> Result<StepOutcome> {
-        let all: Vec<&Tensor> = sums.iter().chain(amaxes).map(|(_, t)| t).collect();
+        let mut own_sums: Vec<&Tensor> = sums.iter().filter(|(p, _)| !p).map(|(_, t)| t).collect();
+        let own_amaxes = amaxes.iter().filter(|(p, _)| !p).map(|(_, t)| t);
+        let part_total;
+        if let Some(reduce) = reduce {
+            let part = self.partitioned_sum(sums, amaxes)?;
+            part_total = reduce(&part)?.flatten_all()?.to_dtype(DType::F64)?;
+            own_sums.push(&part_total);
+        }
+        let n_sums = own_sums.len();
+        let all: Vec<&Tensor> = own_sums.into_iter().chain(own_amaxes).collect();
         let vals = amp_core::gather_scalars(&all)?;
         let clip = ClipCoef {
-            n_sums: sums.len(),
+            n_sums,
             inv_scale: 1.0 / self.scaler.scale,
             max_norm: self.config.max_grad_norm,
         };
@@ -216,6 +237,41 @@ impl LowBitAdamW {
         self.scaler.update(true);
         self.skipped += 1;
         Ok(StepOutcome::Skipped)
+    }
+
+    /// This rank's part of the squared norm of the partitioned parameters
+    /// (`true` in `sums` and `amaxes`) as one F32 on their device, inf
+    /// where an amax of theirs is not finite: the sums added in parameter
+    /// order in F64, as the host path adds them, by the clipping kernel.
+    fn partitioned_sum(
+        &self,
+        sums: &[(bool, Tensor)],
+        amaxes: &[(bool, Tensor)],
+    ) -> Result<Tensor> {
+        let part = |v: &[(bool, Tensor)]| -> Vec<Tensor> {
+            v.iter()
+                .filter(|(p, _)| *p)
+                .map(|(_, t)| t.clone())
+                .collect()
+        };
+        let (part_sums, part_amaxes) = (part(sums), part(amaxes));
+        if part_sums.is_empty() && part_amaxes.is_empty() {
+            let device = match self.params.first() {
+                Some(p) => p.slot.read()?.device().clone(),
+                None => candle_core::Device::Cpu,
+            };
+            return Ok(Tensor::zeros(1, DType::F32, &device)?);
+        }
+        let all: Vec<&Tensor> = part_sums.iter().chain(&part_amaxes).collect();
+        let vals = amp_core::gather_scalars(&all)?;
+        let clip = ClipCoef {
+            n_sums: part_sums.len(),
+            inv_scale: 1.0,
+            max_norm: None,
+        };
+        let [outcome, _] = <[Tensor; 2]>::try_from(launch(&clip, &[&vals])?)
+            .map_err(|_| kernel_error("partitioned norm"))?;
+        Ok(outcome.narrow(0, 0, 1)?.to_dtype(DType::F32)?)
     }
 
     /// Which parameters take the launches over many tensors (`batched`),

@@ -8,8 +8,9 @@
 #   2. per size (default 350m): GPT O2 and O3 (fp8-current, BF16
 #      activations) with 8 sequences x 1024 per rank on 1 GPU and on 2
 #      (weak scaling, --batch 16), and gpt_old (a build to compare with,
-#      when CARRY holds one) at O2; torch_gpt.py on 1 GPU and torch_ddp.py
-#      on 2, eager (and with COMPILE=1, compiled);
+#      when CARRY holds one) at OLD_LEVELS (default O2); torch_gpt.py
+#      on 1 GPU and torch_ddp.py on 2, eager (and with COMPILE=1,
+#      compiled);
 #   3. strong scaling (--batch 8 on 2 GPUs), the shell-loop launch, and a
 #      two-node launch simulated on one host (torchrun --nnodes 2, one GPU
 #      each), at O2 (unless LAUNCH=0);
@@ -19,6 +20,7 @@
 # built with `--features nccl`. NVLink SHARP (multicast) stays off.
 # Env: STEPS (25), SKIP (5), COMPILE (0), BENCH (1: section 1), LAUNCH (1),
 # VARIANTS (none), EXTRA (more gpt arguments, for every run of ours),
+# OLD_LEVELS (O2),
 # NPROC (2: the GPUs of sections 1, 2 and 4, 8 sequences a rank; section
 # 3 always uses 2).
 #
@@ -46,7 +48,7 @@ for l in sys.stdin:
     j = json.loads(l)
     print('$2', 'tok/s(median) %.0f' % j['tokens_per_s_median'], 'step %.1f ms' % j['step_ms_median'],
           'peak %.2f GiB' % (j.get('peak_device_bytes', 0) / 2**30), 'world', j.get('world_size'),
-          'val %.4f' % j['val_loss'], 'exposed', j.get('comm_exposed_ms'), 'buckets', j.get('buckets_per_step'),
+          'val %.4f' % j['val_loss'], 'exposed', j.get('comm_exposed_ms'), 'gather', j.get('comm_gather_ms'), 'buckets', j.get('buckets_per_step'),
           'early', j.get('overlapped_buckets_per_step'),
           'wire/step %.0f' % j.get('wire_bytes_per_step', 0))"; }
 port=29600
@@ -88,8 +90,10 @@ for size in $SIZES; do
     ours "${size}_${lv}_x${N}_$(echo "$vargs" | tr -c 'a-z0-9\n' '_')" "$N" gpt $((8 * N)) "$lv" ${vargs//,/ }
   done
   if [ -x "$BIN/gpt_old" ]; then
-    ours "${size}_O2_x1_old" 1 gpt_old 8 O2
-    ours "${size}_O2_x${N}_old" "$N" gpt_old $((8 * N)) O2
+    for lv in ${OLD_LEVELS:-O2}; do
+      ours "${size}_${lv}_x1_old" 1 gpt_old 8 "$lv"
+      ours "${size}_${lv}_x${N}_old" "$N" gpt_old $((8 * N)) "$lv"
+    done
   fi
   torch "${size}_torch_x1" 1 --modes bf16
   torch "${size}_torch_ddp_x$N" "$N"

@@ -6,11 +6,12 @@
 
 use crate::util::{same, Rng};
 use amp::{
-    bucket_amax, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
-    decode_sum, CurrentScaling, Piece, QType, ScaleRule, ScalingTensor, SideStream,
+    bucket_amax, bucket_concat, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize,
+    bucket_requantize, bucket_scales, decode_sum, CurrentScaling, Piece, QType, ScaleRule,
+    ScalingTensor, SideStream,
 };
 use anyhow::{ensure, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 fn refs(v: &[Tensor]) -> Vec<&Tensor> {
     v.iter().collect()
@@ -170,5 +171,71 @@ fn bucket_kernels(dev: &Device) -> Result<()> {
         }
     }
     ensure!(ok, "the bucket kernels differ from the CPU");
+    Ok(())
+}
+
+test_device!(bucket_copies, bucket_copies_cpu, bucket_copies_cuda);
+
+/// `bucket_concat` (every dtype it takes, parts at odd offsets into a
+/// larger tensor, so that few line up for 16-byte copies, more than one
+/// launch of parts) against `Tensor::cat`, and `bucket_copy`'s pieces at
+/// odd offsets against the bytes cut on the host.
+fn bucket_copies(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let mut rng = Rng(0xC0_9135);
+    let base = Tensor::from_vec(rng.values(300_017, 3.0), 300_017, &Device::Cpu)?;
+    let cuts = (0..70usize).map(|i| {
+        (
+            i * 4_111 + i % 7,
+            (i * i * 37) % 3_001 + usize::from(i == 3) * 100_000,
+        )
+    });
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::U8] {
+        let host = match dtype {
+            DType::U8 => base.abs()?.affine(60.0, 0.0)?.to_dtype(DType::U8)?,
+            _ => base.to_dtype(dtype)?,
+        };
+        let on_dev = host.to_device(dev)?;
+        let parts_c: Vec<Tensor> = cuts
+            .clone()
+            .map(|(s, l)| host.narrow(0, s, l))
+            .collect::<candle_core::Result<_>>()?;
+        let parts_d: Vec<Tensor> = cuts
+            .clone()
+            .map(|(s, l)| on_dev.narrow(0, s, l))
+            .collect::<candle_core::Result<_>>()?;
+        let want = Tensor::cat(&parts_c, 0)?;
+        let got = bucket_concat(&refs(&parts_d))?;
+        ok &= same(&format!("bucket_concat {dtype:?}"), &got, &want)?;
+        // a 2-D part is taken flat
+        let two = on_dev.narrow(0, 5, 12)?.reshape((3, 4))?;
+        let got = bucket_concat(&[&two, &parts_d[1]])?;
+        let want = Tensor::cat(&[&host.narrow(0, 5, 12)?, &parts_c[1]], 0)?;
+        ok &= same(&format!("bucket_concat {dtype:?} 2-D"), &got, &want)?;
+    }
+    ensure!(
+        bucket_concat(&[]).is_err()
+            && bucket_concat(&[&base, &base.to_dtype(DType::BF16)?]).is_err(),
+        "bucket_concat took no parts or mixed dtypes"
+    );
+    let bytes = base.abs()?.affine(60.0, 0.0)?.to_dtype(DType::U8)?;
+    let pieces: Vec<Piece> = cuts
+        .clone()
+        .enumerate()
+        .map(|(t, (start, len))| Piece {
+            tensor: t,
+            start,
+            len,
+        })
+        .collect();
+    let want = Tensor::cat(
+        &cuts
+            .map(|(s, l)| bytes.narrow(0, s, l))
+            .collect::<candle_core::Result<Vec<_>>>()?,
+        0,
+    )?;
+    let got = bucket_copy(&bytes.to_device(dev)?, &pieces)?;
+    ok &= same("bucket_copy", &got, &want)?;
+    ensure!(ok, "the bucket copies differ from the CPU's");
     Ok(())
 }

@@ -18,7 +18,7 @@ use crate::numerics::qtype::QType;
 use crate::numerics::requantize::{DecodedAmax, Requantize};
 use crate::numerics::scale::ScaleRule;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Tensor};
 
 /// One piece of a bucket: the tensor it belongs to, where it starts in the
 /// input it is read from, and its length.
@@ -537,6 +537,85 @@ pub fn bucket_copy(src: &Tensor, pieces: &[Piece]) -> Result<Tensor> {
         pieces: pieces.to_vec(),
     };
     let [c] = <[Tensor; 1]>::try_from(launch(&op, &[src])?).map_err(|_| arity(OP))?;
+    Ok(c)
+}
+
+/// inputs (one dtype) -> their elements concatenated.
+pub(crate) struct BucketConcat;
+
+fn concat_cpu<T: candle_core::WithDType>(
+    inputs: &[(&CpuStorage, &Layout)],
+) -> Result<(CpuStorage, Shape)> {
+    let mut out: Vec<T> = Vec::new();
+    for (c, l) in inputs {
+        out.extend_from_slice(slice::<T>(BucketConcat::NAME, c, l)?);
+    }
+    let n = out.len();
+    Ok((T::to_cpu_storage_owned(out), Shape::from(n)))
+}
+
+impl Kernel for BucketConcat {
+    const NAME: &'static str = "bucket_concat";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let Some((first, _)) = inputs.first() else {
+            return Err(arity(Self::NAME));
+        };
+        Ok(vec![match first.dtype() {
+            DType::F32 => concat_cpu::<f32>(inputs)?,
+            DType::BF16 => concat_cpu::<half::bf16>(inputs)?,
+            DType::F16 => concat_cpu::<half::f16>(inputs)?,
+            DType::U8 => concat_cpu::<u8>(inputs)?,
+            got => {
+                return Err(Error::DType {
+                    op: Self::NAME,
+                    expected: "F32, BF16, F16 or U8",
+                    got,
+                })
+            }
+        }])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_concat(inputs)
+    }
+}
+
+/// The elements of `parts` (one dtype: F32, BF16, F16 or U8; any shapes)
+/// flat and concatenated, in one launch per 64 parts on CUDA where
+/// `Tensor::cat` launches one copy per part: a bucket of a few hundred
+/// small F32 gradients (norms, biases) packed for one all-reduce.
+///
+/// # Errors
+/// [`Error::Unsupported`] for no parts or parts of different dtypes or
+/// devices; [`Error::DType`] for another dtype.
+pub fn bucket_concat(parts: &[&Tensor]) -> Result<Tensor> {
+    const OP: &str = BucketConcat::NAME;
+    let Some(first) = parts.first() else {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: "no tensors".into(),
+        });
+    };
+    if let Some(odd) = parts
+        .iter()
+        .find(|p| p.dtype() != first.dtype() || !p.device().same_device(first.device()))
+    {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!(
+                "{:?} on {:?} beside {:?} on {:?}",
+                odd.dtype(),
+                odd.device().location(),
+                first.dtype(),
+                first.device().location()
+            ),
+        });
+    }
+    let flat = parts
+        .iter()
+        .map(|p| p.flatten_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let refs: Vec<&Tensor> = flat.iter().collect();
+    let [c] = <[Tensor; 1]>::try_from(launch(&BucketConcat, &refs)?).map_err(|_| arity(OP))?;
     Ok(c)
 }
 

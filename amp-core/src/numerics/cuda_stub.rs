@@ -78,6 +78,10 @@ pub(crate) fn bucket_max(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn bucket_concat(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn bucket_copy(_: &[crate::numerics::bucket::Piece], _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

@@ -181,17 +181,20 @@ impl NcclComm {
     /// first waits for candle's, and candle's waits for it after, unless
     /// inside the stream's [`run`](amp_core::SideStream::run) (whose fences
     /// are its own).
-    /// The watchdog ([`super::watchdog`]) then marks `op` as the latest
-    /// collective.
+    /// The watchdog ([`super::watchdog`]) times `op` from the start of its
+    /// enqueue.
     fn fenced<R>(&self, op: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let inside = self.side.is_current();
         if !inside {
             self.side.wait_for_compute()?;
         }
         self.enter()?;
+        if let Some(w) = &self.watchdog {
+            w.begin(op)?;
+        }
         let out = f()?;
         if let Some(w) = &self.watchdog {
-            w.mark(op, self.side.cuda_stream())?;
+            w.enqueued(op)?;
         }
         if !inside {
             self.side.compute_wait()?;

@@ -36,13 +36,12 @@
 //! every rank still receives the same result.
 //!
 //! **Timeouts.** The rendezvous is bounded ([`RendezvousConfig::timeout`]);
-//! NCCL's own collectives have none. With `AMP_NCCL_TIMEOUT_S` set, each
-//! communicator runs a watchdog of its own ([`watchdog`]): a collective
-//! that has not completed that many seconds after it was enqueued ends
-//! the process with an error naming it, as PyTorch's watchdog does,
-//! instead of a hang when another rank has died (opt-in until it has been
-//! seen firing on GPUs). `torchrun` ends the whole group when one process
-//! exits with an error, which is the usual way out.
+//! NCCL's own collectives have none. Each communicator runs a watchdog of
+//! its own ([`watchdog`]): a collective that has not completed 600 s
+//! (`AMP_NCCL_TIMEOUT_S`; 0 turns it off) after its enqueue began ends the
+//! process with an error naming it, as PyTorch's watchdog does, instead of
+//! a hang when another rank has died. `torchrun` ends the whole group when
+//! one process exits with an error, which is the usual way out.
 
 mod buffer;
 mod collectives;
@@ -177,7 +176,7 @@ impl NcclComm {
             .map_err(nccl_err(OP))?;
         let watchdog = match watchdog::timeout_from_env(OP)? {
             Some(timeout) => Some(watchdog::Watchdog::start(
-                side.cuda_stream().context(),
+                side.cuda_stream(),
                 rank,
                 world_size,
                 timeout,

@@ -22,18 +22,20 @@ use super::zero::{self, Shard};
 use crate::comm_stats::CommStats;
 use crate::error::{Error, Result};
 use amp_comm::{fp8_all_reduce_bucket, Communicator, Fp8ReduceConfig};
-use amp_core::{QType, ScalingTensor};
+use amp_core::{bucket_concat, QType, ScalingTensor};
 use amp_optim::{Grad, Grads};
 use candle_core::Tensor;
 
 /// The mean of every rank's gradients, FP8 ones reduced in FP8, bucketed
-/// (see the module docs); of a sharded weight, only this rank's slice.
+/// (see the module docs); of a sharded weight, only this rank's slice
+/// (its agreed amax pushed to `agreed`, for [`zero::poison`]).
 pub(crate) fn average(
     comm: &dyn Communicator,
     grads: Grads,
     shards: &[Shard],
     cap: usize,
     stats: &mut CommStats,
+    agreed: &mut Vec<Tensor>,
 ) -> Result<Grads> {
     let mut names: Vec<String> = grads.0.keys().cloned().collect();
     names.sort_unstable_by(|a, b| b.cmp(a));
@@ -74,7 +76,7 @@ pub(crate) fn average(
         let bucket = &sharded[run];
         let grads: Vec<(&ScalingTensor, &Shard)> = bucket.iter().map(|(_, t, s)| (t, *s)).collect();
         for ((name, _, _), r) in bucket.iter().zip(zero::reduce_scatter(comm, &grads)?) {
-            out.insert(name.clone(), zero::slice_grad(r)?);
+            out.insert(name.clone(), zero::slice_grad(r, agreed));
         }
         stats.buckets += 1;
     }
@@ -90,16 +92,13 @@ pub(crate) fn average(
 }
 
 /// The mean of F32 gradients over the ranks, with one all-reduce of their
-/// concatenation.
+/// concatenation (packed in one launch: a GPT's few hundred norm and bias
+/// gradients would otherwise cost a copy launch each, after the backward).
 fn all_reduce_mean(comm: &dyn Communicator, bucket: &[(String, Tensor)]) -> Result<Vec<Tensor>> {
     let n = comm.world_size();
-    let flat: Vec<Tensor> = bucket
-        .iter()
-        .map(|(_, t)| t.flatten_all())
-        .collect::<candle_core::Result<_>>()?;
-    let joined = match flat.as_slice() {
-        [one] => one.clone(),
-        _ => Tensor::cat(&flat, 0)?,
+    let joined = match bucket {
+        [(_, one)] => one.flatten_all()?,
+        _ => bucket_concat(&bucket.iter().map(|(_, t)| t).collect::<Vec<_>>())?,
     };
     let mean = (comm.all_reduce_sum(&joined)? / n as f64)?;
     let mut offset = 0;

@@ -56,6 +56,8 @@ pub(crate) struct Group {
     overlap: bool,
     /// What the last backward reduced already, for [`DataParallel::average`].
     early: RefCell<Option<(Grads, CommStats, Late)>>,
+    /// The agreed amaxes of this step's sharded gradients, for the norm.
+    agreed: RefCell<Vec<Tensor>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -93,7 +95,8 @@ impl Group {
 
     fn gather_counted(&self, opt: &LowBitAdamW, stats: &mut CommStats) -> Result<()> {
         let before = self.comm.bytes_sent();
-        zero::gather(self.comm(), opt, &self.shards, self.cap, stats)?;
+        let cap = self.cap.saturating_mul(zero::GATHER_CAP_FACTOR);
+        zero::gather(self.comm(), opt, &self.shards, cap, stats)?;
         stats.wire_bytes += self.comm.bytes_sent().saturating_sub(before);
         Ok(())
     }
@@ -164,12 +167,21 @@ impl DataParallel for Group {
         if let Some(side) = self.comm.side_stream() {
             side.compute_wait()?;
         }
-        late.finish(&mut out)?;
+        let mut agreed = Vec::new();
+        late.finish(&mut out, &mut agreed);
         stats.buckets += early.buckets;
         stats.overlapped += early.buckets;
         stats.wire_bytes += early.wire_bytes;
         let before = self.comm.bytes_sent();
-        let rest = buckets::average(self.comm(), grads, &self.shards, self.cap, stats)?;
+        let rest = buckets::average(
+            self.comm(),
+            grads,
+            &self.shards,
+            self.cap,
+            stats,
+            &mut agreed,
+        )?;
+        *self.agreed.borrow_mut() = agreed;
         stats.wire_bytes += self.comm.bytes_sent().saturating_sub(before);
         out.0.extend(rest.0);
         Ok(out)
@@ -179,19 +191,17 @@ impl DataParallel for Group {
         self.shards.iter().any(|s| s.name == name)
     }
 
-    fn total_sq(&self, part_sq: f64) -> amp_optim::Result<f64> {
+    fn total_sq(&self, part_sq: &Tensor) -> amp_optim::Result<Tensor> {
         if self.shards.is_empty() {
-            return Ok(part_sq);
+            return Ok(part_sq.clone());
         }
-        let comm = self.comm();
-        let t = Tensor::new(&[part_sq as f32], comm.device())?;
-        let sum = comm
-            .all_reduce_sum(&t)
-            .map_err(|e| amp_optim::Error::Config {
-                field: "data parallelism",
-                reason: e.to_string(),
-            })?;
-        Ok(sum.to_vec1::<f32>()?[0] as f64)
+        let err = |e: crate::Error| amp_optim::Error::Config {
+            field: "data parallelism",
+            reason: e.to_string(),
+        };
+        let agreed = self.agreed.take();
+        let part = zero::poison(part_sq, &agreed).map_err(err)?;
+        self.comm().all_reduce_sum(&part).map_err(|e| err(e.into()))
     }
 
     fn after_step(&self, opt: &LowBitAdamW, stats: &mut CommStats) -> Result<()> {
@@ -243,6 +253,7 @@ pub fn initialize_distributed(
         schedule: RefCell::new(Schedule::Unknown),
         overlap: config.overlap_backward,
         early: RefCell::new(None),
+        agreed: RefCell::new(Vec::new()),
     };
     initialize_with(varmap, adam, config, Some(Box::new(group)))
 }

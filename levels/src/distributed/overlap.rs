@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use amp_comm::{fp8_all_reduce_bucket, Communicator, Fp8ReduceConfig, ReducedShard};
 use amp_core::{defer_side_work, GradSink, QType, ScalingTensor};
 use amp_optim::{Grad, Grads};
+use candle_core::Tensor;
 use std::collections::HashMap;
 
 /// One planned bucket: its gradients' names with how often each arrives.
@@ -111,7 +112,7 @@ pub(crate) struct Step<'a> {
 /// stream has waited for the communicator's ([`SideStream`](amp_core::SideStream)):
 /// their inputs, which must live until then (freeing one hands its memory
 /// back to candle's stream while the reduction may still read it), and
-/// ZeRO's slices, whose last step is a candle op.
+/// ZeRO's slices, which the optimizer reads on candle's stream.
 #[derive(Default)]
 pub(crate) struct Late {
     inputs: Vec<ScalingTensor>,
@@ -119,13 +120,13 @@ pub(crate) struct Late {
 }
 
 impl Late {
-    /// After the wait: the inputs freed, the slices' gradients into `out`.
-    pub(crate) fn finish(self, out: &mut Grads) -> Result<()> {
+    /// After the wait: the inputs freed, the slices' gradients into `out`
+    /// (their agreed amaxes into `agreed`).
+    pub(crate) fn finish(self, out: &mut Grads, agreed: &mut Vec<Tensor>) {
         drop(self.inputs);
         for (name, r) in self.slices {
-            out.insert(name, zero::slice_grad(r)?);
+            out.insert(name, zero::slice_grad(r, agreed));
         }
-        Ok(())
     }
 }
 
@@ -239,7 +240,7 @@ impl<'a> Step<'a> {
                     Ok((t, shard))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            // Each slice's last step is a candle op: after the wait.
+            // The optimizer reads the slices on candle's stream: after the wait.
             let out = defer_side_work(|| zero::reduce_scatter(self.comm, &with_shards))?;
             for ((name, _), r) in grads.iter().zip(out) {
                 self.late.slices.push((name.clone(), r));

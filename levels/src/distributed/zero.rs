@@ -105,14 +105,36 @@ pub(crate) fn reduce_scatter(
     Ok(reduced)
 }
 
-/// The optimizer's gradient of one reduced slice: its F32 values, NaN
-/// everywhere when the agreed amax is inf (a rank's gradient was not
-/// finite), so that the step is skipped on every rank. Candle ops: only
-/// once candle's stream has waited for the reduction's.
-pub(crate) fn slice_grad(r: ReducedShard) -> Result<Grad> {
-    // amax * 0 is 0, or NaN when the agreed amax is inf: no host read
-    let poison = r.amax.affine(0.0, 0.0)?;
-    Ok(Grad::F32(r.shard.broadcast_add(&poison)?))
+/// The optimizer's gradient of one reduced slice (its F32 values), with
+/// the agreed amax to push to `agreed`: inf when a rank's gradient was not
+/// finite, which [`poison`] turns into a non-finite squared norm on every
+/// rank, so that every rank skips the step (a slice may hold no element of
+/// the non-finite values). Candle ops: only once candle's stream has
+/// waited for the reduction's.
+pub(crate) fn slice_grad(r: ReducedShard, agreed: &mut Vec<Tensor>) -> Grad {
+    agreed.push(r.amax);
+    Grad::F32(r.shard)
+}
+
+/// `part_sq` (this rank's part of the squared norm, one F32) plus 0, or
+/// NaN when an `agreed` amax is inf (a rank's gradient was not finite): a
+/// few launches a step where adding the 0-or-NaN to every slice would
+/// cost two per weight and a pass over the gradients.
+///
+/// # Errors
+/// Candle's.
+pub(crate) fn poison(part_sq: &Tensor, agreed: &[Tensor]) -> Result<Tensor> {
+    if agreed.is_empty() {
+        return Ok(part_sq.clone());
+    }
+    let refs: Vec<&Tensor> = agreed.iter().collect();
+    // agreed amaxes hold no NaN (counted as inf) and are at least 0: the
+    // F64 sum is finite unless one is inf
+    let zero_or_nan = amp_core::gather_scalars(&refs)?
+        .sum_all()?
+        .affine(0.0, 0.0)?
+        .to_dtype(candle_core::DType::F32)?;
+    Ok(part_sq.flatten_all()?.broadcast_add(&zero_or_nan)?)
 }
 
 /// A sharded weight's master slice, for the gather.
@@ -120,6 +142,15 @@ enum Master {
     Scaled(ScalingTensor),
     F32(Tensor),
 }
+
+/// How many times a gradient bucket's elements a gather bucket holds.
+/// The gathers follow the step's outcome read, with nothing to overlap:
+/// each bucket's host time (a few dozen driver calls) is the device's idle
+/// time, so they are few and large. A gather bucket holds its codes twice
+/// for a moment (gathered, then copied into tensor order) beside the
+/// weights it replaces: at the default cap (100 MiB of F32, 25 MiB of
+/// FP8 codes a gradient bucket) up to 400 MiB of codes.
+pub(crate) const GATHER_CAP_FACTOR: usize = 16;
 
 /// Every shard's FP8 weight gathered from the ranks' updated master
 /// slices in `opt`, in buckets of at most `cap` elements
@@ -176,4 +207,24 @@ pub(crate) fn gather_master(
 ) -> Result<Tensor> {
     let full = comm.all_gather_shards(slice, shard.shape.elem_count())?;
     Ok(full.reshape(shard.shape.clone())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn an_infinite_agreed_amax_poisons_the_norm_and_nothing_else_does() -> Result<()> {
+        let dev = Device::Cpu;
+        let part = Tensor::new(&[6.25f32], &dev)?;
+        let amax = |v: f32| Tensor::new(&[v], &dev);
+        let finite = [amax(0.0)?, amax(3.0e38)?, amax(1.5)?];
+        let kept = poison(&part, &finite)?.to_vec1::<f32>()?;
+        assert_eq!(kept, [6.25]);
+        assert_eq!(poison(&part, &[])?.to_vec1::<f32>()?, [6.25]);
+        let bad = [amax(1.0)?, amax(f32::INFINITY)?];
+        assert!(poison(&part, &bad)?.to_vec1::<f32>()?[0].is_nan());
+        Ok(())
+    }
 }

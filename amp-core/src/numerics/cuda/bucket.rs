@@ -364,6 +364,71 @@ pub(crate) fn bucket_copy(
     )])
 }
 
+/// inputs (one dtype, each contiguous) -> their elements concatenated,
+/// `bucket_copy_u8` over their bytes.
+pub(crate) fn bucket_concat(
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    use candle_core::DType;
+    let Some((first, _)) = inputs.first() else {
+        return Err(arity("bucket_concat"));
+    };
+    match first.dtype() {
+        DType::F32 => concat_typed::<f32>(inputs),
+        DType::BF16 => concat_typed::<half::bf16>(inputs),
+        DType::F16 => concat_typed::<half::f16>(inputs),
+        DType::U8 => concat_typed::<u8>(inputs),
+        got => Err(Error::DType {
+            op: "bucket_concat",
+            expected: "F32, BF16, F16 or U8",
+            got,
+        }),
+    }
+}
+
+fn concat_typed<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_concat";
+    let dev = inputs[0].0.device().clone();
+    let stream = current_stream(&dev);
+    let size = std::mem::size_of::<T>();
+    let views = inputs
+        .iter()
+        .map(|(s, l)| view::<T>(OP, s, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut guards = Vec::with_capacity(views.len());
+    let mut items = Vec::with_capacity(views.len());
+    let mut total = 0;
+    for v in &views {
+        let (ptr, guard) = v.device_ptr(&stream);
+        guards.push(guard);
+        items.push(Item {
+            src: ptr,
+            len: v.len() * size,
+            out_off: total * size,
+            aux: 0,
+            t: 0,
+        });
+        total += v.len();
+    }
+    // SAFETY: the items cover every element.
+    let mut out = unsafe { stream.alloc::<T>(total.max(1)) }.w()?;
+    let f = func(&dev, "bucket_copy_u8")?;
+    for (a, cfg) in launches(&dev, &items)? {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a).arg(&mut out);
+        // SAFETY: every item lies within its input (live, `guards`), the
+        // outputs' byte ranges within `out`.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guards);
+    Ok(vec![(
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from(total),
+    )])
+}
+
 /// A code storage's view: `U8` for FP8, `F16` for FP16.
 enum CodeView<'a> {
     U8(CudaView<'a, u8>),

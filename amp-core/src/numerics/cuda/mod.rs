@@ -58,8 +58,8 @@ mod scalars;
 pub(crate) mod transpose;
 
 pub(crate) use bucket::{
-    bucket_amax, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize,
-    bucket_scales,
+    bucket_amax, bucket_concat, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize,
+    bucket_requantize, bucket_scales,
 };
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use decode_sum::decode_sum;
