@@ -72,3 +72,4 @@ pub use loss_scaler::{LossScaler, LossScaling};
 pub use lowbit::{LowBitAdamW, LowBitAdamWConfig, ParamState, StepOutcome};
 pub use schedule::{Constant, LrSchedule, WarmupCosine};
 pub use state::{State, StateFormat};
+pub use step::ReduceNorm;

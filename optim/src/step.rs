@@ -22,6 +22,10 @@ use amp_core::kernel::launch;
 use amp_core::Weight;
 use candle_core::{DType, Tensor};
 
+/// Sums this rank's part of the squared norm (one F32 on the device) over
+/// the data-parallel ranks ([`LowBitAdamW::step_partitioned`]).
+pub type ReduceNorm<'a> = dyn FnMut(&Tensor) -> Result<Tensor> + 'a;
+
 impl LowBitAdamW {
     /// One step. Gradients are taken as scaled by the loss scaler's current
     /// scale. If any holds inf or NaN, nothing changes (weights, moments,
@@ -54,7 +58,7 @@ impl LowBitAdamW {
         &mut self,
         grads: &Grads,
         partitioned: &dyn Fn(&str) -> bool,
-        reduce: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+        reduce: &mut ReduceNorm<'_>,
     ) -> Result<StepOutcome> {
         // Pass 1: shapes, finiteness and the global norm, decoding each
         // gradient on the fly.
@@ -183,7 +187,7 @@ impl LowBitAdamW {
         sums: &[(bool, Tensor)],
         amaxes: &[(bool, Tensor)],
         mut ones: Ones,
-        reduce: Option<&mut dyn FnMut(&Tensor) -> Result<Tensor>>,
+        reduce: Option<&mut ReduceNorm<'_>>,
     ) -> Result<StepOutcome> {
         let mut own_sums: Vec<&Tensor> = sums.iter().filter(|(p, _)| !p).map(|(_, t)| t).collect();
         let own_amaxes = amaxes.iter().filter(|(p, _)| !p).map(|(_, t)| t);

@@ -20,7 +20,8 @@
 # built with `--features nccl`. NVLink SHARP (multicast) stays off.
 # Env: STEPS (25), SKIP (5), COMPILE (0), BENCH (1: section 1), LAUNCH (1),
 # VARIANTS (none), EXTRA (more gpt arguments, for every run of ours),
-# OLD_LEVELS (O2),
+# LEVELS (O2 O3: ours in section 2; empty: none), OLD_LEVELS (O2), TORCH (1: PyTorch's
+# runs of section 2),
 # NPROC (2: the GPUs of sections 1, 2 and 4, 8 sequences a rank; section
 # 3 always uses 2).
 #
@@ -80,7 +81,7 @@ torch() { # torch LABEL NPROC [args...]
 }
 for size in $SIZES; do
   echo "== 2. $size, 8 x 1024 a rank"
-  for lv in O2 O3; do
+  for lv in ${LEVELS-O2 O3}; do
     ours "${size}_${lv}_x1" 1 gpt 8 "$lv"
     ours "${size}_${lv}_x$N" "$N" gpt $((8 * N)) "$lv"
   done
@@ -95,6 +96,7 @@ for size in $SIZES; do
       ours "${size}_${lv}_x${N}_old" "$N" gpt_old $((8 * N)) "$lv"
     done
   fi
+  [ "${TORCH:-1}" = 1 ] || continue
   torch "${size}_torch_x1" 1 --modes bf16
   torch "${size}_torch_ddp_x$N" "$N"
   if [ "${COMPILE:-0}" = 1 ]; then

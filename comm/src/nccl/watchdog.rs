@@ -12,9 +12,9 @@
 //! group, and every other rank's own watchdog fires in any case).
 //!
 //! A collective costs the caller two uncontended lock operations and no
-//! driver call (an event recorded after each cost about 1 ms a step on a
-//! 350M GPT with 15 buckets); the watchdog queries the stream only once a
-//! collective is older than the timeout. The lock is never held across a
+//! driver call (a 350M GPT step on two GPUs took 63.1 ms with and without
+//! the watchdog); the watchdog queries the stream only once a collective
+//! is older than the timeout. The lock is never held across a
 //! driver or NCCL call, so a main thread blocked in one cannot block the
 //! watchdog.
 //!
