@@ -11,6 +11,7 @@
 
 mod budget;
 mod data;
+mod hf;
 mod launch;
 mod model;
 mod report;
@@ -88,10 +89,13 @@ struct Args {
     /// Linear weights kept in high precision (name patterns, `*` wildcard).
     #[arg(long, value_delimiter = ',')]
     high_precision: Vec<String>,
-    /// Model vocabulary (tokens are bytes; more only to match GPU benchmark shapes).
+    /// Model vocabulary: above the data's largest token (256 for text,
+    /// which is tokenized by bytes; e.g. 50304 for GPT-2 token shards).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(256..))]
     vocab: u64,
-    /// Train on this text file instead of the bundled corpus.
+    /// Train on this instead of the bundled corpus: a text file, or token
+    /// shards (llm.c's or nanoGPT's `.bin`), one file or a quoted glob such
+    /// as 'fineweb10B/fineweb_*.bin'; shards named `_val_` validate.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Device: cpu, cuda or cuda:N.
@@ -109,7 +113,14 @@ struct Args {
     /// Start from a checkpoint (of any level).
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Export the trained model as plain safetensors (GPT-2 tensor names).
+    /// Start from a Hugging Face GPT-2 checkpoint: a directory of
+    /// `model.safetensors` and `config.json` (its shape replaces --size;
+    /// --vocab may pad its vocabulary).
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Export the trained model as a Hugging Face GPT-2 directory
+    /// (`model.safetensors` in GPT-2's names and layouts, `config.json`),
+    /// which `transformers` loads.
     #[arg(long)]
     export: Option<PathBuf>,
     /// Dtype of the export.
@@ -257,8 +268,11 @@ fn main() -> Result<()> {
     if !(args.lr.is_finite() && args.lr > 0.0) {
         usage(format!("--lr {}: must be finite and positive", args.lr));
     }
-    if let Err(e) = model::GptConfig::named(&args.size, args.vocab as usize, args.seq as usize) {
-        usage(format!("--size: {e}"));
+    if args.init_from.is_none() {
+        if let Err(e) = model::GptConfig::named(&args.size, args.vocab as usize, args.seq as usize)
+        {
+            usage(format!("--size: {e}"));
+        }
     }
     let corpus = match &args.data {
         Some(path) => {
@@ -266,7 +280,30 @@ fn main() -> Result<()> {
         }
         None => data::Corpus::bundled(),
     };
-    let val_len = corpus.tokens(data::Split::Val).len() as u64;
+    let gcfg = match (TrainConfig {
+        size: args.size.clone(),
+        vocab: args.vocab as usize,
+        seq: args.seq as usize,
+        init_from: args.init_from.clone(),
+        ..Default::default()
+    })
+    .model()
+    {
+        Ok((g, _)) => g,
+        Err(e) => usage(format!("--init-from: {e:#}")),
+    };
+    if corpus.max_token() as usize >= gcfg.vocab {
+        usage(format!(
+            "--data holds token {}: the model's vocabulary ({}, --vocab) must exceed it \
+             (GPT-2 shards: --vocab 50304)",
+            corpus.max_token(),
+            gcfg.vocab
+        ));
+    }
+    if args.sample > 0 && !corpus.is_text() {
+        usage("--sample decodes bytes: with token shards there is no tokenizer to decode with");
+    }
+    let val_len = corpus.len(data::Split::Val) as u64;
     if args.seq + 1 >= val_len {
         usage(format!(
             "--seq {}: the validation split has only {val_len} tokens",
@@ -301,6 +338,7 @@ fn main() -> Result<()> {
         save: args.save.clone(),
         save_every: args.save_every,
         resume: args.resume.clone(),
+        init_from: args.init_from.clone(),
         export: args.export.clone().map(|p| {
             let dtype = match args.export_dtype {
                 ExportArg::F32 => ExportDType::F32,
@@ -434,7 +472,14 @@ fn check_memory(args: &Args, levels: &[Level], device: &Device, world: usize) {
     let Some(free) = budget::available(device) else {
         return;
     };
-    let Ok(g) = model::GptConfig::named(&args.size, args.vocab as usize, args.seq as usize) else {
+    let probe = TrainConfig {
+        size: args.size.clone(),
+        vocab: args.vocab as usize,
+        seq: args.seq as usize,
+        init_from: args.init_from.clone(),
+        ..Default::default()
+    };
+    let Ok((g, _)) = probe.model() else {
         return;
     };
     // ranks as threads share this process (and its device); ranks of an
@@ -505,6 +550,14 @@ fn check_outputs(args: &Args, compare: bool) {
                     export.display()
                 ));
             }
+        }
+    }
+    if let Some(export) = &args.export {
+        if export.exists() && !export.is_dir() {
+            usage(format!(
+                "--export {}: a file; the export is a directory (model.safetensors, config.json)",
+                export.display()
+            ));
         }
     }
     for (flag, path) in [("--save", &args.save), ("--export", &args.export)] {

@@ -96,7 +96,8 @@ pub struct Gpt {
     act: DType,
 }
 
-const LN_EPS: f64 = 1e-5;
+/// LayerNorm's epsilon (GPT-2's).
+pub const LN_EPS: f64 = 1e-5;
 
 impl Gpt {
     /// Builds the layers through `vb` (their weights are initialised by

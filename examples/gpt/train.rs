@@ -3,6 +3,7 @@
 //! the CLI and the end-to-end test call.
 
 use crate::data::{Corpus, Split};
+use crate::hf::{self, HfConfig};
 use crate::model::{build, Gpt, GptConfig};
 use crate::sample::generate;
 pub use crate::summary::{compute_name, device_name, Summary};
@@ -70,7 +71,10 @@ pub struct TrainConfig {
     pub save_every: Option<u64>,
     /// Start from this checkpoint.
     pub resume: Option<PathBuf>,
-    /// Export the trained weights here.
+    /// Start from this Hugging Face GPT-2 directory (`model.safetensors`,
+    /// `config.json`; its shape replaces `size`, `vocab` pads its vocabulary).
+    pub init_from: Option<PathBuf>,
+    /// Export the trained weights as a Hugging Face GPT-2 directory here.
     pub export: Option<(PathBuf, ExportDType)>,
     /// Characters to generate at the end.
     pub sample: usize,
@@ -116,6 +120,7 @@ impl Default for TrainConfig {
             save: None,
             save_every: None,
             resume: None,
+            init_from: None,
             export: None,
             sample: 0,
             prompt: "And God said".into(),
@@ -128,6 +133,31 @@ impl Default for TrainConfig {
             activations: DType::F32,
             event_tracking: false,
         }
+    }
+}
+
+impl TrainConfig {
+    /// The model's shape: the named size, or the `init_from` checkpoint's
+    /// (with its configuration).
+    ///
+    /// # Errors
+    /// An unknown size; an unreadable or unsupported checkpoint config.
+    pub fn model(&self) -> Result<(GptConfig, Option<HfConfig>)> {
+        Ok(match &self.init_from {
+            Some(dir) => {
+                let hf = hf::read_config(dir)?;
+                if self.seq > hf.n_positions {
+                    bail!(
+                        "--seq {}: {} has {} positions",
+                        self.seq,
+                        dir.display(),
+                        hf.n_positions
+                    );
+                }
+                (hf::model_config(&hf, self.vocab), Some(hf))
+            }
+            None => (GptConfig::named(&self.size, self.vocab, self.seq)?, None),
+        })
     }
 }
 
@@ -162,7 +192,7 @@ pub fn train_rank(
     comm: Option<Arc<dyn Communicator>>,
 ) -> Result<Summary> {
     let t0 = Instant::now();
-    let gcfg = GptConfig::named(&cfg.size, cfg.vocab, cfg.seq)?;
+    let (gcfg, hf_cfg) = cfg.model()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
     if cfg.batch == 0 || cfg.seq < 2 || cfg.steps == 0 || cfg.batch % world != 0 {
         bail!(
@@ -192,6 +222,10 @@ pub fn train_rank(
         }
     }
     let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
+    if let (Some(dir), Some(hf_cfg)) = (&cfg.init_from, &hf_cfg) {
+        hf::load_into(dir, hf_cfg, &gcfg, &varmap)
+            .with_context(|| format!("--init-from {}", dir.display()))?;
+    }
     let model = model.with_activations(cfg.activations)?;
     let amp_cfg = AmpConfig {
         level: cfg.level,
@@ -374,9 +408,27 @@ pub fn train_rank(
         amp.save(path, &opt)
             .with_context(|| format!("saving {}", path.display()))?;
     }
-    if let Some((path, dtype)) = &cfg.export {
-        amp.export(path, &opt, *dtype)
-            .with_context(|| format!("exporting {}", path.display()))?;
+    if let Some((dir, dtype)) = &cfg.export {
+        // the masters in F32 (gathered from the ranks under ZeRO), then
+        // rank 0 rewrites them in Hugging Face's names and layouts
+        let plain = dir.join(".amp-export.safetensors");
+        if rank == 0 {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("--export {}: cannot create it", dir.display()))?;
+        }
+        amp.export(&plain, &opt, ExportDType::F32)
+            .with_context(|| format!("exporting {}", dir.display()))?;
+        if rank == 0 {
+            let weights = candle_core::safetensors::load(&plain, &Device::Cpu)?;
+            std::fs::remove_file(&plain)?;
+            let vocab_out = hf_cfg.as_ref().map_or(gcfg.vocab, |h| h.vocab_size);
+            let dt = match dtype {
+                ExportDType::F32 => DType::F32,
+                ExportDType::BF16 => DType::BF16,
+            };
+            hf::write_dir(dir, weights, &gcfg, vocab_out, dt)
+                .with_context(|| format!("exporting {}", dir.display()))?;
+        }
     }
     let sample = if cfg.sample > 0 && rank == 0 {
         Some(amp.evaluate(|| generate(&model, &cfg.prompt, cfg.sample, cfg.seed, &cfg.device))?)

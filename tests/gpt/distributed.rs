@@ -119,7 +119,7 @@ fn a_zero_sharded_run_resumes_exactly_reshards_and_exports_whole_weights() -> an
     let dir = std::env::temp_dir().join(format!("amp-zero-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let ckpt = dir.join("ckpt.safetensors");
-    let export = dir.join("export.safetensors");
+    let export = dir.join("export");
     let cfg = TrainConfig {
         export: Some((export.clone(), amp::levels::ExportDType::F32)),
         ..quick(Level::O3, current(), 2)
@@ -135,8 +135,12 @@ fn a_zero_sharded_run_resumes_exactly_reshards_and_exports_whole_weights() -> an
         .count();
     assert_eq!(rank_files, 2, "{files:?}");
     assert_eq!(rest.train_curve, whole.train_curve[3..]);
-    let tensors = candle_core::safetensors::load(&export, &Device::Cpu)?;
-    assert_eq!(tensors["h.0.mlp.c_fc.weight"].dims(), [512, 128]);
+    // whole weights in GPT-2's layout (Conv1D: [in, out]) from the slices
+    let tensors = candle_core::safetensors::load(export.join("model.safetensors"), &Device::Cpu)?;
+    assert_eq!(
+        tensors["transformer.h.0.mlp.c_fc.weight"].dims(),
+        [128, 512]
+    );
     // at another world size or level: resharded (one re-encoding of the
     // masters and moments), the curve goes on as the whole run's (measured:
     // 1.2e-4 at O3 on 4 ranks, 8e-5 at O2 in one process)

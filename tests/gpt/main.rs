@@ -7,10 +7,13 @@
 #[path = "../../examples/gpt/budget.rs"]
 mod budget;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/data.rs"]
+#[path = "../../examples/gpt/data/mod.rs"]
 mod data;
 #[path = "../gpt_common/mod.rs"]
 mod gpt_common;
+#[allow(dead_code)]
+#[path = "../../examples/gpt/hf.rs"]
+mod hf;
 #[allow(dead_code)]
 #[path = "../../examples/gpt/model.rs"]
 mod model;
@@ -29,3 +32,6 @@ mod train;
 
 mod distributed;
 mod example;
+mod hf_checkpoints;
+mod hf_reference;
+mod shards;

@@ -1,0 +1,254 @@
+//! Hugging Face GPT-2 checkpoints in and out, checked by values against an
+//! independent forward ([`crate::hf_reference`]): a synthetic checkpoint in
+//! GPT-2's layouts loads (the model's logits equal the reference's), trains,
+//! and exports in the same names, shapes and dtypes; an export of a model
+//! trained here computes the loss the run reported; bad checkpoints are
+//! errors that name the problem.
+
+use crate::data;
+use crate::hf;
+use crate::hf_reference::Reference;
+use crate::model;
+use crate::train::{train, TrainConfig};
+use amp::levels::{Compute, ExportDType, Level};
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+fn dir(name: &str) -> Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("amp-hf-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+/// A GPT-2-layout checkpoint of random values (2 blocks, width 32, 2
+/// heads, 64 positions, vocabulary 300, tied, with the mask buffers and no
+/// `transformer.` prefix, as the original GPT-2 files are).
+fn synthetic(dir: &Path, activation: &str) -> Result<HashMap<String, Tensor>> {
+    let (d, v, p, l) = (32usize, 300usize, 64usize, 2usize);
+    let mut seed = 1u64;
+    let mut rnd = |shape: &[usize], scale: f32| -> Result<Tensor> {
+        seed += 1;
+        let n: usize = shape.iter().product();
+        let vals: Vec<f32> = (0..n)
+            .map(|i| {
+                let x = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    ^ seed.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+            })
+            .collect();
+        Ok(Tensor::from_vec(vals, shape, &Device::Cpu)?)
+    };
+    let mut t = HashMap::new();
+    t.insert("wte.weight".to_string(), rnd(&[v, d], 0.2)?);
+    t.insert("wpe.weight".to_string(), rnd(&[p, d], 0.1)?);
+    for i in 0..l {
+        for ln in ["ln_1", "ln_2"] {
+            t.insert(format!("h.{i}.{ln}.weight"), (rnd(&[d], 0.2)? + 1.0)?);
+            t.insert(format!("h.{i}.{ln}.bias"), rnd(&[d], 0.1)?);
+        }
+        // Conv1D: [in, out]; c_proj square, so a transpose keeps its shape
+        for (name, i_n, o_n) in [
+            ("attn.c_attn", d, 3 * d),
+            ("attn.c_proj", d, d),
+            ("mlp.c_fc", d, 4 * d),
+            ("mlp.c_proj", 4 * d, d),
+        ] {
+            t.insert(format!("h.{i}.{name}.weight"), rnd(&[i_n, o_n], 0.3)?);
+            t.insert(format!("h.{i}.{name}.bias"), rnd(&[o_n], 0.05)?);
+        }
+        t.insert(
+            format!("h.{i}.attn.bias"),
+            Tensor::ones((1, 1, p, p), DType::F32, &Device::Cpu)?,
+        );
+    }
+    t.insert("ln_f.weight".to_string(), (rnd(&[d], 0.2)? + 1.0)?);
+    t.insert("ln_f.bias".to_string(), rnd(&[d], 0.1)?);
+    candle_core::safetensors::save(&t, dir.join("model.safetensors"))?;
+    let cfg = serde_json::json!({
+        "model_type": "gpt2", "vocab_size": v, "n_positions": p, "n_embd": d, "n_layer": l,
+        "n_head": 2, "activation_function": activation, "layer_norm_epsilon": 1e-5,
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string())?;
+    Ok(t)
+}
+
+fn tokens() -> Result<Tensor> {
+    let v: Vec<u32> = (0..2 * 20).map(|i| (i * 37 + 5) % 300).collect();
+    Ok(Tensor::from_vec(v, (2, 20), &Device::Cpu)?)
+}
+
+#[test]
+fn a_gpt2_checkpoint_loads_with_its_values() -> Result<()> {
+    let d = dir("load")?;
+    synthetic(&d, "gelu_new")?;
+    let cfg = hf::read_config(&d)?;
+    // the vocabulary padded, as --vocab 320 does
+    let gcfg = hf::model_config(&cfg, 320);
+    assert_eq!((gcfg.vocab, gcfg.ctx, gcfg.n_layer), (320, 64, 2));
+    let (gpt, varmap) = model::build(gcfg, 3, &Device::Cpu)?;
+    hf::load_into(&d, &cfg, &gcfg, &varmap)?;
+    let x = tokens()?;
+    let ours = gpt.forward(&x)?.narrow(2, 0, 300)?;
+    let want = Reference::load(&d)?.logits(&x)?;
+    let diff = (ours - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(
+        diff <= 1e-4 * scale.max(1.0),
+        "logits differ by {diff} (of {scale})"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_loaded_checkpoint_trains_and_exports_in_its_own_layout() -> Result<()> {
+    let d = dir("roundtrip")?;
+    let input = synthetic(&d, "gelu_new")?;
+    let out = d.join("export");
+    let corpus = data::Corpus::bundled(); // bytes: below the 300 tokens
+    let cfg = TrainConfig {
+        level: Level::O2,
+        compute: Compute::Native,
+        init_from: Some(d.clone()),
+        vocab: 320,
+        steps: 2,
+        batch: 4,
+        seq: 32,
+        warmup: 1,
+        eval_every: 2,
+        eval_batches: 1,
+        export: Some((out.clone(), ExportDType::F32)),
+        ..Default::default()
+    };
+    train(&cfg, &corpus)?;
+    let exported = candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu)?;
+    for (name, t) in &input {
+        if name.ends_with(".attn.bias") {
+            continue; // a buffer, not a weight
+        }
+        let e = exported
+            .get(&format!("transformer.{name}"))
+            .ok_or_else(|| anyhow::anyhow!("the export has no {name}"))?;
+        assert_eq!(e.dims(), t.dims(), "{name}");
+        assert_eq!(e.dtype(), t.dtype(), "{name}");
+    }
+    // untied now, trimmed back to the checkpoint's vocabulary
+    assert_eq!(exported["lm_head.weight"].dims(), [300, 32]);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
+    assert_eq!(config["vocab_size"], 300);
+    assert_eq!(config["n_positions"], 64);
+    assert_eq!(config["tie_word_embeddings"], false);
+    assert!(!out.join(".amp-export.safetensors").exists());
+    Ok(())
+}
+
+#[test]
+fn an_export_computes_the_loss_the_run_reported() -> Result<()> {
+    let corpus = data::Corpus::bundled();
+    for (level, dtype, tol) in [
+        (Level::O0, ExportDType::F32, 1e-4),
+        (Level::O2, ExportDType::BF16, 0.05),
+    ] {
+        let out = dir(&format!("export-{level}"))?;
+        let cfg = TrainConfig {
+            level,
+            compute: Compute::Native,
+            steps: 5,
+            batch: 8,
+            seq: 32,
+            warmup: 5,
+            eval_every: 10,
+            eval_batches: 2,
+            export: Some((out.clone(), dtype)),
+            ..Default::default()
+        };
+        let s = train(&cfg, &corpus)?;
+        let tensors = candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu)?;
+        let want = if dtype == ExportDType::F32 {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        for t in tensors.values() {
+            assert_eq!(t.dtype(), want);
+        }
+        // GPT-2's Conv1D layout: [in, out]
+        assert_eq!(
+            tensors["transformer.h.3.attn.c_attn.weight"].dims(),
+            [128, 384]
+        );
+        assert_eq!(
+            tensors["transformer.h.0.mlp.c_proj.weight"].dims(),
+            [512, 128]
+        );
+        let r = Reference::load(&out)?;
+        let mut sum = 0.0;
+        for i in 0..cfg.eval_batches as u64 {
+            let (x, y) = corpus.batch(
+                data::Split::Val,
+                i,
+                cfg.seed,
+                cfg.batch,
+                cfg.seq,
+                &Device::Cpu,
+            )?;
+            sum += r.loss(&x, &y)?;
+        }
+        let loss = sum / cfg.eval_batches as f32;
+        assert!(
+            (loss - s.val_loss).abs() <= tol * s.val_loss,
+            "{level}: {loss} vs {}",
+            s.val_loss
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_checkpoints_are_errors_that_say_what() -> Result<()> {
+    let d = dir("bad")?;
+    let err = |d: &Path| -> String {
+        let run = || -> Result<()> {
+            let cfg = hf::read_config(d)?;
+            let g = hf::model_config(&cfg, 256);
+            let (_, vm) = model::build(g, 0, &Device::Cpu)?;
+            hf::load_into(d, &cfg, &g, &vm)
+        };
+        match run() {
+            Ok(()) => "(no error)".into(),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+    // an activation this model does not compute
+    synthetic(&d, "gelu")?;
+    assert!(err(&d).contains("activation_function"), "{}", err(&d));
+    // a Conv1D weight stored the other way round
+    let mut t = synthetic(&d, "gelu_new")?;
+    let w = t["h.1.mlp.c_fc.weight"].t()?.contiguous()?;
+    t.insert("h.1.mlp.c_fc.weight".into(), w);
+    candle_core::safetensors::save(&t, d.join("model.safetensors"))?;
+    let e = err(&d);
+    assert!(
+        e.contains("h.1.mlp.c_fc.weight") && e.contains("transposed"),
+        "{e}"
+    );
+    // a missing tensor, and one this model does not know
+    let mut t = synthetic(&d, "gelu_new")?;
+    t.remove("h.0.ln_2.bias");
+    candle_core::safetensors::save(&t, d.join("model.safetensors"))?;
+    assert!(err(&d).contains("h.0.ln_2.bias"), "{}", err(&d));
+    let mut t = synthetic(&d, "gelu_new")?;
+    t.insert(
+        "h.0.adapter.weight".into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu)?,
+    );
+    candle_core::safetensors::save(&t, d.join("model.safetensors"))?;
+    assert!(err(&d).contains("h.0.adapter.weight"), "{}", err(&d));
+    // no config
+    std::fs::remove_file(d.join("config.json"))?;
+    assert!(err(&d).contains("config.json"), "{}", err(&d));
+    Ok(())
+}
