@@ -405,6 +405,29 @@ pub(crate) fn initialize_with(
     let (_, world) = group.as_ref().map_or((0, 1), |g| g.rank_and_world());
     amp_core::config::Validate::validate(&config)?;
     adam.validate()?;
+    if config.level != Level::O0 {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?;
+        // (an initialized map has lost its converted weights: `claim` says so)
+        let fresh = !data.contains_key(INITIALIZED_MARK);
+        let any_linear = data
+            .values()
+            .any(|v| registered_linear(v.as_tensor().id()).is_some());
+        drop(data);
+        if fresh && !any_linear {
+            return Err(Error::Config {
+                field: "level".into(),
+                reason: format!(
+                    "{} converts the weights of `amp::nn` Linear layers, and this model has none \
+                     (built with `candle_nn::linear`?): build its Linear layers with \
+                     `amp::nn::linear` (same arguments), or use O0",
+                    config.level
+                ),
+            });
+        }
+    }
     claim(varmap)?;
     let policy = config.level.policy();
     let sink = GradSink::new();

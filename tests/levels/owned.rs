@@ -71,3 +71,30 @@ fn backward_step_owned_steps_as_backward_step() {
         assert_eq!(run(true), run(false), "{level:?}");
     }
 }
+
+/// O1-O3 on a model with no `amp::nn` Linear (built with candle's own
+/// layers) is an error that says how to fix it, not a silent F32 run; O0
+/// takes it.
+#[test]
+fn a_level_on_a_model_without_amp_linears_is_an_error() {
+    for level in Level::ALL {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let _plain = candle_nn::linear(8, 8, vb.pp("fc")).unwrap();
+        let out = initialize(&varmap, AdamWConfig::default(), level_config(level));
+        match (level, out) {
+            (Level::O0, r) => assert!(r.is_ok(), "O0 refused a plain model"),
+            (_, Ok(_)) => panic!("{level} took a model without amp::nn Linear layers"),
+            (_, Err(e)) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("amp::nn::linear") && msg.contains("O0"),
+                    "{msg}"
+                );
+                // nothing was claimed: the fixed call goes through
+                let fixed = initialize(&varmap, AdamWConfig::default(), level_config(Level::O0));
+                assert!(fixed.is_ok(), "{level}: the varmap stayed claimed");
+            }
+        }
+    }
+}
