@@ -30,6 +30,18 @@ pub enum Compute {
 }
 
 impl Compute {
+    /// The compute path a level means unless told otherwise: native at O0,
+    /// FP8 with current scaling at O1-O3 (MS-AMP's levels always run FP8
+    /// GEMMs).
+    pub fn for_level(level: Level) -> Self {
+        match level {
+            Level::O0 => Self::Native,
+            _ => Self::Fp8Current {
+                recipe: CurrentScaling::default(),
+            },
+        }
+    }
+
     /// The `amp::nn` mode to run forward passes in.
     pub fn mode(&self) -> ComputeMode {
         match self {
@@ -54,10 +66,13 @@ impl Compute {
 /// "#)?;
 /// assert_eq!(c.level, Level::O2);
 /// assert!(c.is_high_precision("head.weight"));
+/// // without a compute path, a level's own: FP8 GEMMs at O1-O3
+/// let c = AmpConfig::from_toml(r#"level = "O1""#)?;
+/// assert_eq!(c.compute, amp_levels::Compute::for_level(Level::O1));
 /// # Ok::<(), amp_core::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(from = "AmpConfigFields")]
 pub struct AmpConfig {
     /// The optimization level.
     pub level: Level,
@@ -101,6 +116,52 @@ impl Default for AmpConfig {
     }
 }
 
+/// What a serialized [`AmpConfig`] holds: its fields, the compute path
+/// optional (absent: [`Compute::for_level`] of the level given).
+#[derive(Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct AmpConfigFields {
+    level: Level,
+    compute: Option<Compute>,
+    loss_scaling: LossScaling,
+    max_grad_norm: Option<f64>,
+    high_precision: Vec<String>,
+    f32_moments: Vec<String>,
+    bucket_mb: f64,
+    overlap_backward: bool,
+}
+
+impl Default for AmpConfigFields {
+    fn default() -> Self {
+        let d = AmpConfig::default();
+        Self {
+            level: d.level,
+            compute: None,
+            loss_scaling: d.loss_scaling,
+            max_grad_norm: d.max_grad_norm,
+            high_precision: d.high_precision,
+            f32_moments: d.f32_moments,
+            bucket_mb: d.bucket_mb,
+            overlap_backward: d.overlap_backward,
+        }
+    }
+}
+
+impl From<AmpConfigFields> for AmpConfig {
+    fn from(f: AmpConfigFields) -> Self {
+        Self {
+            compute: f.compute.unwrap_or_else(|| Compute::for_level(f.level)),
+            level: f.level,
+            loss_scaling: f.loss_scaling,
+            max_grad_norm: f.max_grad_norm,
+            high_precision: f.high_precision,
+            f32_moments: f.f32_moments,
+            bucket_mb: f.bucket_mb,
+            overlap_backward: f.overlap_backward,
+        }
+    }
+}
+
 /// [`AmpConfig::bucket_mb`]'s default (PyTorch DDP's is 25).
 pub const DEFAULT_BUCKET_MB: f64 = 100.0;
 
@@ -128,10 +189,13 @@ pub fn matches(pattern: &str, name: &str) -> bool {
 }
 
 impl AmpConfig {
-    /// The defaults at `level`.
+    /// The defaults at `level`, with its compute path
+    /// ([`Compute::for_level`]: FP8 GEMMs at O1-O3; native stays one
+    /// explicit `compute: Compute::Native` away).
     pub fn level(level: Level) -> Self {
         Self {
             level,
+            compute: Compute::for_level(level),
             ..Default::default()
         }
     }
@@ -256,5 +320,39 @@ mod tests {
             AmpConfig::from_json(r#"{"level": "O3", "compute": {"mode": "fp8_current"}}"#).unwrap();
         assert_eq!(c.level, Level::O3);
         assert_eq!(AmpConfig::from_json(&c.to_json().unwrap()).unwrap(), c);
+    }
+
+    #[test]
+    fn a_level_brings_its_compute_path_unless_one_is_given() {
+        let fp8 = Compute::Fp8Current {
+            recipe: CurrentScaling::default(),
+        };
+        for level in Level::ALL {
+            let want = if level == Level::O0 {
+                Compute::Native
+            } else {
+                fp8.clone()
+            };
+            assert_eq!(AmpConfig::level(level).compute, want, "{level}");
+            let json = format!(r#"{{"level": "{level}"}}"#);
+            assert_eq!(
+                AmpConfig::from_json(&json).unwrap().compute,
+                want,
+                "{level}"
+            );
+            let toml = format!(r#"level = "{level}""#);
+            assert_eq!(
+                AmpConfig::from_toml(&toml).unwrap().compute,
+                want,
+                "{level}"
+            );
+            // native stays one explicit setting away
+            let json = format!(r#"{{"level": "{level}", "compute": {{"mode": "native"}}}}"#);
+            assert_eq!(
+                AmpConfig::from_json(&json).unwrap().compute,
+                Compute::Native
+            );
+        }
+        assert_eq!(AmpConfig::default().compute, Compute::Native);
     }
 }
