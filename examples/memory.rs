@@ -60,12 +60,15 @@ fn main() -> Result<()> {
                 ..Default::default()
             },
         )?;
-        // One step on one sequence of 8 tokens: gradients and saved inputs exist.
+        // One step on one sequence of 8 tokens: gradients and saved inputs
+        // exist (the loss kept alive, so that the report shows the
+        // activations it holds: `amp.step` would free them first).
         let tokens = Tensor::arange(0u32, 9, &dev)?.unsqueeze(0)?;
         let loss = {
             let _fp8 = amp.autocast();
             model.loss(&tokens.narrow(1, 0, 8)?, &tokens.narrow(1, 1, 8)?)?
         };
+        #[allow(deprecated)]
         opt.backward_step(&loss)?;
         let mut r = amp.memory_report(&opt)?;
         if let Some(base) = &o0 {

@@ -32,8 +32,17 @@ pub use amp_core::*;
 
 pub use amp_levels::{
     initialize, initialize_distributed, AmpConfig, AmpContext, AmpOptimizer, Compute, Level,
-    MemoryReport,
+    MemoryReport, Stepped,
 };
+
+/// The facade's error: what [`initialize`] and the steps return, and what
+/// every member's error converts into (the numerics' [`CoreError`], the
+/// optimizer's, the communicator's, candle's), so that
+/// `fn main() -> amp::Result<()>` takes them all with `?`.
+pub use amp_levels::{Error, Result};
+
+/// The numerics core's own error (`amp-core`), inside [`Error::Core`].
+pub use amp_core::Error as CoreError;
 
 /// Optimization levels: the policy table, config, report (`amp-levels`).
 pub mod levels {

@@ -328,25 +328,25 @@ pub fn train_rank(
             x.narrow(0, (micro - 1) * m_rows, m_rows)?,
             y.narrow(0, (micro - 1) * m_rows, m_rows)?,
         );
-        let loss = {
-            let _fp8 = amp.autocast();
+        // the forward inside the FP8 scope, then backward and step; a
+        // synchronize splits the step into forward and backward + update
+        let mut forward_secs = 0.0;
+        let stepped = amp.step(&mut opt, || -> Result<Tensor> {
             let loss = model.loss(&x, &y)?;
-            if micro > 1 {
+            let loss = if micro > 1 {
                 (loss / micro as f64)?
             } else {
                 loss
+            };
+            cfg.device.synchronize()?;
+            forward_secs = t.elapsed().as_secs_f64();
+            if step == start && cfg.device.is_cuda() {
+                forward_peak = Some(amp::pool_peaks(&cfg.device)?.0);
             }
-        };
-        // a synchronize splits the step into forward and backward + update
-        cfg.device.synchronize()?;
-        let forward_secs = t.elapsed().as_secs_f64();
-        if step == start && cfg.device.is_cuda() {
-            forward_peak = Some(amp::pool_peaks(&cfg.device)?.0);
-        }
-        // the loss's value first: backward_step_owned drops the loss, and
-        // with it the forward's saved tensors, before the optimizer step
-        local += loss.to_scalar::<f32>()?;
-        if let StepOutcome::Skipped = opt.backward_step_owned(loss)? {
+            Ok(loss)
+        })?;
+        local += stepped.loss.to_scalar::<f32>()?;
+        if let StepOutcome::Skipped = stepped.outcome {
             skipped += 1;
         }
         if step == start {

@@ -256,7 +256,7 @@ fn fp8_check(ck: &mut Checker) -> Result<()> {
             Ok(r) => r,
             // amp-core's casts have no CUDA bodies in this build (its `cuda`
             // feature): say so instead of failing.
-            Err(amp::comm::Error::Core(e @ amp::Error::UnsupportedDevice { .. })) => {
+            Err(amp::comm::Error::Core(e @ amp::CoreError::UnsupportedDevice { .. })) => {
                 println!("[rank {rank}/{n}] SKIP {name}: {e} (amp-core built without CUDA casts)");
                 continue;
             }

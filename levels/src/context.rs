@@ -109,6 +109,48 @@ impl AmpContext {
         fp8_autocast(true, self.config.compute.mode())
     }
 
+    /// One training step that cannot forget the FP8 scope: `loss` (the
+    /// forward) runs inside [`autocast`](Self::autocast); then the
+    /// backward, the reduction over the ranks of a data-parallel group and
+    /// the optimizer step, with the loss and the activations its graph
+    /// holds dropped before the step (as PyTorch frees them during
+    /// `backward()`). Returns the step's outcome and the loss's value (a
+    /// tensor without the graph; reading it waits for the device).
+    ///
+    /// ```
+    /// use amp_levels::{initialize, AmpConfig, Level};
+    /// use candle_core::{DType, Device, Module, Tensor};
+    /// let varmap = candle_nn::VarMap::new();
+    /// let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    /// let fc = amp_core::nn::linear(8, 8, vb.pp("fc"))?;
+    /// let (amp, mut opt) = initialize(&varmap, Default::default(), AmpConfig::level(Level::O2))?;
+    /// let x = Tensor::ones((4, 8), DType::F32, &Device::Cpu)?;
+    /// let step = amp.step(&mut opt, || -> amp_levels::Result<Tensor> {
+    ///     Ok(fc.forward(&x)?.sqr()?.mean_all()?)
+    /// })?;
+    /// assert!(step.loss.to_scalar::<f32>()? > 0.0);
+    /// # Ok::<(), amp_levels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// `loss`'s, and [`AmpOptimizer::backward_step_owned`]'s (converted).
+    pub fn step<E: From<Error>>(
+        &self,
+        opt: &mut AmpOptimizer,
+        loss: impl FnOnce() -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Stepped, E> {
+        let loss = {
+            let _fp8 = self.autocast();
+            loss()?
+        };
+        let value = loss.detach();
+        let outcome = opt.step_owned(loss)?;
+        Ok(Stepped {
+            outcome,
+            loss: value,
+        })
+    }
+
     /// Whether a parameter name belongs to a Linear weight handled by the level.
     pub fn is_linear(&self, name: &str) -> bool {
         self.linear_names.iter().any(|n| n == name)
@@ -188,6 +230,15 @@ pub struct AmpOptimizer {
     pending: Option<Grads>,
 }
 
+/// What [`AmpContext::step`] returns.
+#[derive(Debug, Clone)]
+pub struct Stepped {
+    /// Applied or skipped (a non-finite gradient on any rank).
+    pub outcome: StepOutcome,
+    /// The loss's value, without its graph.
+    pub loss: Tensor,
+}
+
 impl AmpOptimizer {
     /// Scales the loss, runs backward, gathers the F32 gradients of `Var`
     /// parameters and the FP8 gradients of the sink, averages them over the
@@ -195,6 +246,10 @@ impl AmpOptimizer {
     ///
     /// # Errors
     /// The optimizer's, candle's.
+    #[deprecated(
+        note = "use `AmpContext::step`, which opens the FP8 scope and frees the \
+                         activations before the step"
+    )]
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<StepOutcome> {
         let grads = self.backward_grads(loss, true)?;
         self.step_grads(grads)
@@ -209,7 +264,14 @@ impl AmpOptimizer {
     ///
     /// # Errors
     /// As [`backward_step`](Self::backward_step).
+    #[deprecated(note = "use `AmpContext::step`, which opens the FP8 scope too")]
     pub fn backward_step_owned(&mut self, loss: Tensor) -> Result<StepOutcome> {
+        self.step_owned(loss)
+    }
+
+    /// [`backward_step_owned`](Self::backward_step_owned)'s body, for
+    /// [`AmpContext::step`].
+    pub(crate) fn step_owned(&mut self, loss: Tensor) -> Result<StepOutcome> {
         let grads = self.backward_grads(&loss, true)?;
         drop(loss);
         self.step_grads(grads)

@@ -31,7 +31,7 @@ pub use checkpoint::export::ExportDType;
 pub use checkpoint::index::{shard_files, shard_path};
 pub use comm_stats::CommStats;
 pub use config::{matches, AmpConfig, Compute, DEFAULT_BUCKET_MB, MAX_BUCKET_MB};
-pub use context::{initialize, AmpContext, AmpOptimizer, INITIALIZED_MARK};
+pub use context::{initialize, AmpContext, AmpOptimizer, Stepped, INITIALIZED_MARK};
 pub use distributed::initialize_distributed;
 pub use error::{Error, Result};
 pub use level::{state_bytes, GradStorage, Level, Policy, WeightStorage};

@@ -5,7 +5,7 @@
 
 use crate::common;
 
-use amp::{CurrentScaling, Error, QType, ScalingMeta, ScalingTensor};
+use amp::{CoreError as Error, CurrentScaling, QType, ScalingMeta, ScalingTensor};
 use candle_core::{DType, Device, Tensor};
 use common::randt;
 

@@ -2,8 +2,8 @@
 //! errors that name the field.
 
 use amp::{
-    AmaxComputeAlgo, CurrentScaling, DelayedScaling, Error, Format, OverrideLinearPrecision,
-    ScaleRule, MAX_AMAX_HISTORY_LEN,
+    AmaxComputeAlgo, CoreError as Error, CurrentScaling, DelayedScaling, Format,
+    OverrideLinearPrecision, ScaleRule, MAX_AMAX_HISTORY_LEN,
 };
 
 fn field_of(e: &Error) -> &str {

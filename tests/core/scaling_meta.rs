@@ -1,7 +1,7 @@
 //! ScalingMeta: the amax history ring and both compute algorithms step by
 //! step against hand-worked values; the guards for zero, inf and NaN amax.
 
-use amp::{AmaxComputeAlgo, DelayedScaling, Error, QType, ScaleRule, ScalingMeta};
+use amp::{AmaxComputeAlgo, CoreError as Error, DelayedScaling, QType, ScaleRule, ScalingMeta};
 use candle_core::{Device, Tensor};
 
 fn amax(v: f32) -> Tensor {

@@ -3,7 +3,9 @@
 
 use crate::common;
 
-use amp::{fp8_gemm, CurrentScaling, Error, QType, ScaleRule, ScalingMeta, ScalingTensor};
+use amp::{
+    fp8_gemm, CoreError as Error, CurrentScaling, QType, ScaleRule, ScalingMeta, ScalingTensor,
+};
 use candle_core::{DType, Device, Tensor};
 use common::{f64s, randn, randt, rel_err, t};
 

@@ -25,14 +25,16 @@ fn level_config(level: Level) -> AmpConfig {
     cfg
 }
 
-/// `backward_step_owned` (the loss dropped before the optimizer step) steps
-/// exactly as `backward_step`: the same outcome and the same weights after
-/// three steps, at every level.
+/// `backward_step_owned` (the loss dropped before the optimizer step) and
+/// `AmpContext::step` (the forward in the FP8 scope too) step exactly as
+/// `backward_step`: the same outcome and the same weights after three
+/// steps, at every level.
 #[test]
 fn backward_step_owned_steps_as_backward_step() {
     let d = 16;
     for level in Level::ALL {
-        let run = |owned: bool| -> Vec<(String, Vec<f32>)> {
+        // 0: backward_step, 1: backward_step_owned, 2: AmpContext::step
+        let run = |how: u8| -> Vec<(String, Vec<f32>)> {
             let varmap = VarMap::new();
             let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
             let fc1 = nn::linear(d, 2 * d, vb.pp("fc1")).unwrap();
@@ -50,25 +52,31 @@ fn backward_step_owned_steps_as_backward_step() {
                 initialize(&varmap, AdamWConfig::default(), level_config(level)).unwrap();
             for step in 0..3u64 {
                 let x = t(randn(4 * d, 10 + step), &[4, d]);
-                let loss = {
-                    let _fp8 = amp.autocast();
-                    fc2.forward(&fc1.forward(&x).unwrap().relu().unwrap())
-                        .unwrap()
-                        .sqr()
-                        .unwrap()
-                        .mean_all()
-                        .unwrap()
+                let forward = || -> amp::Result<candle_core::Tensor> {
+                    Ok(fc2.forward(&fc1.forward(&x)?.relu()?)?.sqr()?.mean_all()?)
                 };
-                let outcome = if owned {
-                    opt.backward_step_owned(loss).unwrap()
+                let outcome = if how == 2 {
+                    let s = amp.step(&mut opt, forward).unwrap();
+                    assert!(s.loss.to_scalar::<f32>().unwrap() > 0.0);
+                    s.outcome
                 } else {
-                    opt.backward_step(&loss).unwrap()
+                    let loss = {
+                        let _fp8 = amp.autocast();
+                        forward().unwrap()
+                    };
+                    if how == 1 {
+                        opt.backward_step_owned(loss).unwrap()
+                    } else {
+                        opt.backward_step(&loss).unwrap()
+                    }
                 };
                 assert!(matches!(outcome, StepOutcome::Applied { .. }), "{level:?}");
             }
             masters(&opt)
         };
-        assert_eq!(run(true), run(false), "{level:?}");
+        let base = run(0);
+        assert_eq!(run(1), base, "{level:?}");
+        assert_eq!(run(2), base, "{level:?} AmpContext::step");
     }
 }
 

@@ -23,11 +23,10 @@ fn an_interrupted_save_leaves_the_old_checkpoint_intact() {
         initialize(&varmap, AdamWConfig::default(), AmpConfig::level(Level::O3)).unwrap();
     let step = |opt: &mut AmpOptimizer| {
         let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu).unwrap();
-        let loss = {
-            let _s = amp.autocast();
-            layer.forward(&x).unwrap().sqr().unwrap().sum_all().unwrap()
-        };
-        opt.backward_step(&loss).unwrap();
+        amp.step(opt, || -> crate::Result<Tensor> {
+            Ok(layer.forward(&x)?.sqr()?.sum_all()?)
+        })
+        .unwrap();
     };
     step(&mut opt);
     let dir = std::env::temp_dir().join(format!("amp-interrupt-{}", std::process::id()));

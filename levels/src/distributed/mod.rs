@@ -232,7 +232,7 @@ pub(crate) fn shards(opt: &AmpOptimizer) -> &[Shard] {
 /// generator cannot be seeded, so replicas built apart start apart), then
 /// converted as the level says (at O3 with ZeRO: this rank's slice of each
 /// Linear weight's master and moments);
-/// [`AmpOptimizer::backward_step`] averages the gradients over the ranks
+/// [`AmpContext::step`] averages the gradients over the ranks
 /// before it steps. Each rank calls this with its own model, built by the
 /// same code.
 ///
