@@ -260,7 +260,10 @@ pub fn write_dir(
         out.insert(key, v.to_dtype(dtype)?);
     }
     let st = dir.join("model.safetensors");
-    write_safetensors(&st, &out)?;
+    let mut out: Vec<(String, Tensor)> = out.into_iter().collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    amp::levels::write_tensors(&st, &out)
+        .with_context(|| format!("{}: cannot write", st.display()))?;
     let config = serde_json::json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -284,40 +287,4 @@ pub fn write_dir(
     let cj = dir.join("config.json");
     std::fs::write(&cj, serde_json::to_string_pretty(&config)? + "\n")
         .with_context(|| format!("{}: cannot write", cj.display()))
-}
-
-/// `tensors` (F32 or BF16) as safetensors with the metadata `transformers`
-/// looks for (`format: pt`).
-fn write_safetensors(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
-    use safetensors::tensor::{Dtype, TensorView};
-    let mut data = Vec::with_capacity(tensors.len());
-    for (k, t) in tensors {
-        let flat = t.flatten_all()?;
-        let (bytes, dt): (Vec<u8>, Dtype) = match t.dtype() {
-            DType::BF16 => (
-                flat.to_vec1::<half::bf16>()?
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect(),
-                Dtype::BF16,
-            ),
-            _ => (
-                flat.to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect(),
-                Dtype::F32,
-            ),
-        };
-        data.push((k.clone(), bytes, dt, t.dims().to_vec()));
-    }
-    data.sort_by(|a, b| a.0.cmp(&b.0));
-    let views = data
-        .iter()
-        .map(|(k, b, d, s)| Ok((k.clone(), TensorView::new(*d, s.clone(), b)?)))
-        .collect::<Result<Vec<_>>>()?;
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::tensor::serialize(views, Some(metadata))?;
-    std::fs::write(path, bytes).with_context(|| format!("{}: cannot write", path.display()))
 }

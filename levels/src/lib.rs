@@ -27,7 +27,7 @@ mod error;
 mod level;
 mod report;
 
-pub use checkpoint::export::ExportDType;
+pub use checkpoint::export::{write_tensors, ExportDType};
 pub use checkpoint::index::{shard_files, shard_path};
 pub use comm_stats::CommStats;
 pub use config::{matches, AmpConfig, Compute, DEFAULT_BUCKET_MB, MAX_BUCKET_MB};

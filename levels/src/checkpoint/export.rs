@@ -2,12 +2,14 @@
 //! the weights alone, in F32 or BF16, from the masters (gathered from the
 //! ranks where ZeRO slices them), written by rank 0.
 
+use super::save::raw;
 use super::{err, write_atomic};
 use crate::context::AmpOptimizer;
 use crate::distributed::{self, zero};
 use crate::error::Result;
 use candle_core::DType;
-use safetensors::tensor::{Dtype, TensorView};
+use candle_core::Tensor;
+use safetensors::tensor::TensorView;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -29,7 +31,7 @@ pub enum ExportDType {
 pub(crate) fn export(path: &Path, opt: &AmpOptimizer, dtype: ExportDType) -> Result<()> {
     let (rank, _) = opt.rank_and_world();
     let group = distributed::group(opt);
-    let mut out = BTreeMap::new();
+    let mut out = Vec::new();
     for p in opt.inner().params() {
         let mut v = p.slot.read()?.master_f32()?;
         let shard = group.and_then(|g| Some((g, g.shards().iter().find(|s| s.name == p.name)?)));
@@ -39,29 +41,31 @@ pub(crate) fn export(path: &Path, opt: &AmpOptimizer, dtype: ExportDType) -> Res
         if rank != 0 {
             continue;
         }
-        let (bytes, dt) = match dtype {
-            ExportDType::F32 => (
-                v.flatten_all()?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect::<Vec<u8>>(),
-                Dtype::F32,
-            ),
-            ExportDType::BF16 => (
-                v.flatten_all()?
-                    .to_dtype(DType::BF16)?
-                    .to_vec1::<half::bf16>()?
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect(),
-                Dtype::BF16,
-            ),
+        let v = match dtype {
+            ExportDType::F32 => v,
+            ExportDType::BF16 => v.to_dtype(DType::BF16)?,
         };
-        out.insert(p.name.clone(), (bytes, dt, v.dims().to_vec()));
+        out.push((p.name.clone(), v));
     }
     if rank != 0 {
         return Ok(());
+    }
+    write_tensors(path, &out)
+}
+
+/// `tensors` as one safetensors file at `path`, written atomically
+/// (temporary file, fsync, rename), with the metadata `transformers`
+/// looks for (`format: pt`): F32, BF16 and F16 as they are, any other
+/// dtype as F32. For exports in other layouts (the GPT example's Hugging
+/// Face directory).
+///
+/// # Errors
+/// [`crate::error::Error::Checkpoint`] on I/O errors; candle's.
+pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let mut out = BTreeMap::new();
+    for (name, t) in tensors {
+        let (bytes, dt, _) = raw(t, None)?;
+        out.insert(name.clone(), (bytes, dt, t.dims().to_vec()));
     }
     let views = out
         .iter()

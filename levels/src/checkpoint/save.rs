@@ -209,13 +209,22 @@ fn save_sharded(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer, group: &Group
 }
 
 /// Raw little-endian bytes, dtype and shape of one stored tensor.
-type Raw = (Vec<u8>, Dtype, Vec<usize>);
+pub(crate) type Raw = (Vec<u8>, Dtype, Vec<usize>);
 
-fn raw(t: &Tensor, qtype: Option<QType>) -> Result<Raw> {
+/// The little-endian bytes of `t` as safetensors stores them: FP8 codes
+/// (U8 with `qtype`), F16 and BF16 as they are, anything else as F32.
+pub(crate) fn raw(t: &Tensor, qtype: Option<QType>) -> Result<Raw> {
     let t = t.flatten_all()?;
     let (bytes, dtype) = match (t.dtype(), qtype) {
         (DType::U8, Some(QType::E4M3)) => (t.to_vec1::<u8>()?, Dtype::F8_E4M3),
         (DType::U8, Some(QType::E5M2)) => (t.to_vec1::<u8>()?, Dtype::F8_E5M2),
+        (DType::BF16, _) => (
+            t.to_vec1::<half::bf16>()?
+                .iter()
+                .flat_map(|v| v.to_bits().to_le_bytes())
+                .collect(),
+            Dtype::BF16,
+        ),
         (DType::F16, _) => (
             t.to_vec1::<half::f16>()?
                 .iter()

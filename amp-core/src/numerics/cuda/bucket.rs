@@ -347,19 +347,36 @@ pub(crate) fn bucket_copy(
         });
         total += p.len;
     }
-    // SAFETY: the pieces cover every element.
-    let mut out = unsafe { stream.alloc::<u8>(total.max(1)) }.w()?;
-    let f = func(&dev, "bucket_copy_u8")?;
-    for (a, cfg) in launches(&dev, &items)? {
+    // SAFETY: every piece lies within `src`, live while `guard` is.
+    let out = unsafe { copy_bytes::<u8>(&dev, &stream, &items, total) };
+    drop(guard);
+    out
+}
+
+/// `total` elements of `T` from the bytes the items describe
+/// (`bucket_copy_u8`), as one storage.
+///
+/// # Safety
+/// Every item's `src .. src + len` bytes are readable device memory of
+/// this device, live until the copy has run, and the items' output byte
+/// ranges cover `total` elements of `T` without overlap.
+unsafe fn copy_bytes<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    stream: &std::sync::Arc<CudaStream>,
+    items: &[Item],
+    total: usize,
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    // SAFETY: the items cover every element (the caller's promise).
+    let mut out = unsafe { stream.alloc::<T>(total.max(1)) }.w()?;
+    let f = func(dev, "bucket_copy_u8")?;
+    for (a, cfg) in launches(dev, items)? {
         let mut b = stream.launch_builder(&f);
         b.arg(&a).arg(&mut out);
-        // SAFETY: every piece lies within `src` (live, `guard`), every
-        // output range within `out`.
+        // SAFETY: the caller's promise on the inputs; outputs within `out`.
         unsafe { b.launch(cfg) }.w()?;
     }
-    drop(guard);
     Ok(vec![(
-        CudaStorage::wrap_cuda_slice(out, dev),
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
         Shape::from(total),
     )])
 }
@@ -412,21 +429,11 @@ fn concat_typed<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
         });
         total += v.len();
     }
-    // SAFETY: the items cover every element.
-    let mut out = unsafe { stream.alloc::<T>(total.max(1)) }.w()?;
-    let f = func(&dev, "bucket_copy_u8")?;
-    for (a, cfg) in launches(&dev, &items)? {
-        let mut b = stream.launch_builder(&f);
-        b.arg(&a).arg(&mut out);
-        // SAFETY: every item lies within its input (live, `guards`), the
-        // outputs' byte ranges within `out`.
-        unsafe { b.launch(cfg) }.w()?;
-    }
+    // SAFETY: every item lies within its input, live while `guards` are;
+    // the outputs are the inputs' elements side by side.
+    let out = unsafe { copy_bytes::<T>(&dev, &stream, &items, total) };
     drop(guards);
-    Ok(vec![(
-        CudaStorage::wrap_cuda_slice(out, dev),
-        Shape::from(total),
-    )])
+    out
 }
 
 /// A code storage's view: `U8` for FP8, `F16` for FP16.
