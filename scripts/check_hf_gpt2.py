@@ -33,7 +33,9 @@ out = subprocess.run([bin_, "--init-from", str(work / "hf-in"), "--export", str(
                      capture_output=True, text=True)
 if out.returncode != 0:
     sys.exit(f"the example failed: {out.stderr}")
-print("example:", json.loads(out.stdout.strip().splitlines()[-1])["val_loss"])
+summary = json.loads(out.stdout.strip().splitlines()[-1])
+assert summary["size"].startswith("hf:"), summary["size"]
+print("example:", summary["size"], summary["val_loss"])
 back = GPT2LMHeadModel.from_pretrained(work / "hf-out").eval()
 tokens = torch.randint(0, 300, (2, 40))
 with torch.no_grad():

@@ -322,7 +322,11 @@ fn main() -> Result<()> {
         args.compare.clone()
     };
     let base = TrainConfig {
-        size: args.size.clone(),
+        // the summary's size: the checkpoint's directory when it sets the shape
+        size: match &args.init_from {
+            Some(dir) => format!("hf:{}", dir.display()),
+            None => args.size.clone(),
+        },
         vocab: args.vocab as usize,
         steps: args.steps,
         stop_at: args.stop_at,
