@@ -645,3 +645,31 @@ fn cli_run_that_trained_nothing_is_an_error() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The README's first code block, `examples/quickstart.rs`, runs: its loss
+/// falls (it exits non-zero otherwise) and it prints O2's memory report
+/// beside O0's.
+#[test]
+fn the_quickstart_runs() -> anyhow::Result<()> {
+    let Some(gpt) = example_bin() else {
+        eprintln!("skipped: target/*/examples not built");
+        return Ok(());
+    };
+    let bin = gpt.with_file_name("quickstart");
+    if !bin.exists() {
+        eprintln!("skipped: {} not built", bin.display());
+        return Ok(());
+    }
+    let out = std::process::Command::new(&bin).output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("memory at O2") && stdout.contains("vs O0"),
+        "{stdout}"
+    );
+    Ok(())
+}
