@@ -228,23 +228,23 @@ pub fn load_into(dir: &Path, hf: &HfConfig, cfg: &GptConfig, varmap: &VarMap) ->
     Ok(())
 }
 
-/// Writes `weights` (this model's names and layouts, F32, from
-/// `AmpContext::export`) as a Hugging Face GPT-2 directory `dir`:
-/// `model.safetensors` in `dtype` and `config.json`, the vocabulary trimmed
-/// to `vocab_out`.
+/// Writes `weights` (this model's names and layouts, F32 or BF16, from
+/// `AmpContext::export_weights`) as a Hugging Face GPT-2 directory `dir`:
+/// `model.safetensors` in their dtype and `config.json`, the vocabulary
+/// trimmed to `vocab_out`.
 ///
 /// # Errors
-/// A missing weight; the file system's.
+/// The file system's; candle's.
 pub fn write_dir(
     dir: &Path,
-    weights: HashMap<String, Tensor>,
+    weights: Vec<(String, Tensor)>,
     cfg: &GptConfig,
     vocab_out: usize,
-    dtype: DType,
 ) -> Result<()> {
+    let dtype = weights.first().map_or(DType::F32, |(_, t)| t.dtype());
     std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     let vocab_out = vocab_out.min(cfg.vocab);
-    let mut out: HashMap<String, Tensor> = HashMap::new();
+    let mut out: Vec<(String, Tensor)> = Vec::with_capacity(weights.len());
     for (k, v) in weights {
         let v = if conv1d(&k) { v.t()?.contiguous()? } else { v };
         let v = if k == "wte.weight" || k == "lm_head.weight" {
@@ -257,11 +257,9 @@ pub fn write_dir(
         } else {
             format!("transformer.{k}")
         };
-        out.insert(key, v.to_dtype(dtype)?);
+        out.push((key, v));
     }
     let st = dir.join("model.safetensors");
-    let mut out: Vec<(String, Tensor)> = out.into_iter().collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
     amp::levels::write_tensors(&st, &out)
         .with_context(|| format!("{}: cannot write", st.display()))?;
     let config = serde_json::json!({

@@ -387,7 +387,7 @@ fn main() -> Result<()> {
         let world = group
             .as_ref()
             .map_or(args.world_size as usize, |c| c.world_size());
-        check_memory(&args, &levels, device, world);
+        check_memory(&args, &gcfg, &levels, device, world);
     }
     let mut runs = Vec::new();
     for &level in &levels {
@@ -472,18 +472,14 @@ fn check_trained(s: &train::Summary) -> Result<()> {
 /// Refuses, before any work, a run whose memory estimate
 /// ([`budget::estimate`], the most demanding of `levels`) exceeds what
 /// `device` has free; `--no-memory-check` skips this.
-fn check_memory(args: &Args, levels: &[Level], device: &Device, world: usize) {
+fn check_memory(
+    args: &Args,
+    g: &model::GptConfig,
+    levels: &[Level],
+    device: &Device,
+    world: usize,
+) {
     let Some(free) = budget::available(device) else {
-        return;
-    };
-    let probe = TrainConfig {
-        size: args.size.clone(),
-        vocab: args.vocab as usize,
-        seq: args.seq as usize,
-        init_from: args.init_from.clone(),
-        ..Default::default()
-    };
-    let Ok((g, _)) = probe.model() else {
         return;
     };
     // ranks as threads share this process (and its device); ranks of an
@@ -499,7 +495,7 @@ fn check_memory(args: &Args, levels: &[Level], device: &Device, world: usize) {
         .iter()
         .map(|&l| {
             let e = budget::estimate(
-                &g,
+                g,
                 l,
                 batch,
                 args.seq as usize,

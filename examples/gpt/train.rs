@@ -409,24 +409,14 @@ pub fn train_rank(
             .with_context(|| format!("saving {}", path.display()))?;
     }
     if let Some((dir, dtype)) = &cfg.export {
-        // the masters in F32 (gathered from the ranks under ZeRO), then
-        // rank 0 rewrites them in Hugging Face's names and layouts
-        let plain = dir.join(".amp-export.safetensors");
-        if rank == 0 {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("--export {}: cannot create it", dir.display()))?;
-        }
-        amp.export(&plain, &opt, ExportDType::F32)
+        // the masters (gathered from the ranks under ZeRO), then rank 0
+        // writes them in Hugging Face's names and layouts
+        let weights = amp
+            .export_weights(&opt, *dtype)
             .with_context(|| format!("exporting {}", dir.display()))?;
-        if rank == 0 {
-            let weights = candle_core::safetensors::load(&plain, &Device::Cpu)?;
-            std::fs::remove_file(&plain)?;
+        if let Some(weights) = weights {
             let vocab_out = hf_cfg.as_ref().map_or(gcfg.vocab, |h| h.vocab_size);
-            let dt = match dtype {
-                ExportDType::F32 => DType::F32,
-                ExportDType::BF16 => DType::BF16,
-            };
-            hf::write_dir(dir, weights, &gcfg, vocab_out, dt)
+            hf::write_dir(dir, weights, &gcfg, vocab_out)
                 .with_context(|| format!("exporting {}", dir.display()))?;
         }
     }

@@ -135,10 +135,7 @@ impl LowBitAdamW {
             let reduce = any_partitioned.then_some(reduce);
             return self.step_on_device(grads, &plan, &sums, &amaxes, ones, reduce);
         }
-        let device = match self.params.first() {
-            Some(p) => p.slot.read()?.device().clone(),
-            None => candle_core::Device::Cpu,
-        };
+        let device = self.device()?;
         let (mut sum_sq, mut part_sq) = (0f64, 0f64);
         let values = read_all(&sums, &amaxes)?;
         let (totals, amax) = values.split_at(sums.len());
@@ -243,6 +240,14 @@ impl LowBitAdamW {
         Ok(StepOutcome::Skipped)
     }
 
+    /// The parameters' device (the CPU without parameters).
+    fn device(&self) -> Result<candle_core::Device> {
+        Ok(match self.params.first() {
+            Some(p) => p.slot.read()?.device().clone(),
+            None => candle_core::Device::Cpu,
+        })
+    }
+
     /// This rank's part of the squared norm of the partitioned parameters
     /// (`true` in `sums` and `amaxes`) as one F32 on their device, inf
     /// where an amax of theirs is not finite: the sums added in parameter
@@ -260,11 +265,7 @@ impl LowBitAdamW {
         };
         let (part_sums, part_amaxes) = (part(sums), part(amaxes));
         if part_sums.is_empty() && part_amaxes.is_empty() {
-            let device = match self.params.first() {
-                Some(p) => p.slot.read()?.device().clone(),
-                None => candle_core::Device::Cpu,
-            };
-            return Ok(Tensor::zeros(1, DType::F32, &device)?);
+            return Ok(Tensor::zeros(1, DType::F32, &self.device()?)?);
         }
         let all: Vec<&Tensor> = part_sums.iter().chain(&part_amaxes).collect();
         let vals = amp_core::gather_scalars(&all)?;

@@ -75,7 +75,6 @@ pub struct Corpus {
     train: Vec<Piece>,
     val: Vec<Piece>,
     max_token: u32,
-    text: bool,
 }
 
 impl Corpus {
@@ -137,7 +136,6 @@ impl Corpus {
             train: vec![piece(0, cut)],
             val: vec![piece(cut, tokens.len() - cut)],
             max_token: tokens.iter().copied().max().unwrap_or(0),
-            text: true,
         }
     }
 
@@ -188,7 +186,6 @@ impl Corpus {
             train,
             val,
             max_token,
-            text: false,
         })
     }
 
@@ -211,7 +208,7 @@ impl Corpus {
 
     /// Whether the data is text tokenized by bytes (so that tokens decode).
     pub fn is_text(&self) -> bool {
-        self.text
+        matches!(self.train.first().map(|p| &p.source), Some(Source::Text(_)))
     }
 
     /// Batch `index` of `split`: inputs and next-token targets, both

@@ -74,4 +74,19 @@ impl AmpContext {
     ) -> Result<()> {
         export::export(path.as_ref(), opt, dtype)
     }
+
+    /// What [`export`](Self::export) writes, as tensors: the weights under
+    /// their names in `dtype`, from the masters. In a data-parallel group
+    /// every rank calls it (ZeRO slices are gathered) and rank 0 gets them;
+    /// the others get `None`. For exports in other layouts.
+    ///
+    /// # Errors
+    /// The communicator's; candle's.
+    pub fn export_weights(
+        &self,
+        opt: &AmpOptimizer,
+        dtype: ExportDType,
+    ) -> Result<Option<Vec<(String, candle_core::Tensor)>>> {
+        export::weights(opt, dtype)
+    }
 }

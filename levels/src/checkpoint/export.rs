@@ -29,6 +29,22 @@ pub enum ExportDType {
 /// # Errors
 /// [`crate::error::Error::Checkpoint`] on I/O errors.
 pub(crate) fn export(path: &Path, opt: &AmpOptimizer, dtype: ExportDType) -> Result<()> {
+    match weights(opt, dtype)? {
+        Some(w) => write_tensors(path, &w),
+        None => Ok(()),
+    }
+}
+
+/// `opt`'s weights under their names in `dtype`, from the masters
+/// (gathered from the ranks where ZeRO slices them): every rank of a group
+/// calls it, rank 0 gets them (`None` elsewhere).
+///
+/// # Errors
+/// The communicator's; candle's.
+pub(crate) fn weights(
+    opt: &AmpOptimizer,
+    dtype: ExportDType,
+) -> Result<Option<Vec<(String, Tensor)>>> {
     let (rank, _) = opt.rank_and_world();
     let group = distributed::group(opt);
     let mut out = Vec::new();
@@ -47,10 +63,7 @@ pub(crate) fn export(path: &Path, opt: &AmpOptimizer, dtype: ExportDType) -> Res
         };
         out.push((p.name.clone(), v));
     }
-    if rank != 0 {
-        return Ok(());
-    }
-    write_tensors(path, &out)
+    Ok((rank == 0).then_some(out))
 }
 
 /// `tensors` as one safetensors file at `path`, written atomically
