@@ -522,20 +522,32 @@ __device__ __forceinline__ float rank_sum(const SumPtrs& ptrs, int ranks, size_t
     return y;
 }
 
-// out[off..] = the rank-order sum of `ranks` chunks' codes at aux.., each
-// decoded with scale_inv[t], times inv_n plus 0 with `average` (as
-// decode_sum); amax[t] of it, NaN counted as inf.
-template <int FMT>
+// The rank-order sum of `ranks` chunks' codes at aux.., each decoded with
+// scale_inv[t], times inv_n plus 0 with `average` (as decode_sum), and by
+// MODE what becomes of it: DS_SUMS stores it at out[off..] (F32) and takes
+// amax[t] of it, NaN counted as inf; DS_AMAX only takes amax[t]; DS_CODES
+// stores encode(sum * scale[t]) at codes[off..] (as quantize of the stored
+// sum: the same F32 value, so the same code) and takes no amax.
+#define DS_SUMS 0
+#define DS_AMAX 1
+#define DS_CODES 2
+template <int FMT, int MODE>
 __device__ void bucket_decode_sum_impl(BucketArgs a, SumPtrs ptrs, int ranks, const float* __restrict__ scale_inv,
-                                       int average, float inv_n, float* __restrict__ out, uint32_t* amax_out) {
+                                       int average, float inv_n, float* __restrict__ out,
+                                       const float* __restrict__ scale, uint8_t* __restrict__ codes,
+                                       uint32_t* amax_out) {
     typedef typename Fmt<FMT>::code_t C;
     BUCKET_LOOP(a)
     const float s = scale_inv[a.t[item]];
     const size_t at = (size_t)a.aux[item];
-    float* o = out + a.out_off[item];
-    uint32_t amax = 0;
+    float* o = MODE == DS_SUMS ? out + a.out_off[item] : nullptr;
+    uint8_t* oc = MODE == DS_CODES ? codes + a.out_off[item] : nullptr;
+    const float sc = MODE == DS_CODES ? scale[a.t[item]] : 1.0f;
+    uint32_t amax = 0, qamax = 0, sat = 0, flush = 0;
     // Vector units only where every rank's chunk aligns with the first.
-    Split sp = split16(ptrs.p[0] + at, 1, (unsigned long long)o, 4, n);
+    Split sp = MODE == DS_SUMS   ? split16(ptrs.p[0] + at, 1, (unsigned long long)o, 4, n)
+               : MODE == DS_CODES ? split16(ptrs.p[0] + at, 1, (unsigned long long)oc, 1, n)
+                                  : split16(ptrs.p[0] + at, 1, 0, 0, n);
     for (int k = 1; k < ranks; k++)
         if ((ptrs.p[k] - ptrs.p[0]) & 15) sp = {n, 0};
     UNITS(sp, u) {
@@ -557,24 +569,33 @@ __device__ void bucket_decode_sum_impl(BucketArgs a, SumPtrs ptrs, int ranks, co
 #pragma unroll
             for (int j = 0; j < VEC; j++) y[j] = __fadd_rn(__fmul_rn(y[j], inv_n), 0.0f);
         }
+        if (MODE == DS_CODES) {
+            __stcs(reinterpret_cast<uint4*>(oc + sp.head) + u, quantize16<FMT>(y, sc, qamax, sat, flush));
+        } else {
 #pragma unroll
-        for (int j = 0; j < VEC; j++) amax = max(amax, abs_bits(y[j]));
-        float4* dst = reinterpret_cast<float4*>(o + sp.head + u * VEC);
+            for (int j = 0; j < VEC; j++) amax = max(amax, abs_bits(y[j]));
+        }
+        if (MODE == DS_SUMS) {
+            float4* dst = reinterpret_cast<float4*>(o + sp.head + u * VEC);
 #pragma unroll
-        for (int j = 0; j < VEC / 4; j++) __stcs(dst + j, make_float4(y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]));
+            for (int j = 0; j < VEC / 4; j++)
+                __stcs(dst + j, make_float4(y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]));
+        }
     }
     const size_t tail = sp.head + sp.units * VEC;
-    for (size_t i = tid; i < sp.head; i += stride) {
-        const float y = rank_sum<FMT>(ptrs, ranks, at + i, s, average, inv_n);
-        o[i] = y;
-        amax = max(amax, abs_bits(y));
+    for (size_t r = 0; r < 2; r++) {
+        const size_t lo = r == 0 ? 0 : tail, hi = r == 0 ? sp.head : n;
+        for (size_t i = lo + tid; i < hi; i += stride) {
+            const float y = rank_sum<FMT>(ptrs, ranks, at + i, s, average, inv_n);
+            if (MODE == DS_SUMS) o[i] = y;
+            if (MODE == DS_CODES) {
+                oc[i] = quantize_one<FMT>(y, sc, qamax, sat, flush);
+            } else {
+                amax = max(amax, abs_bits(y));
+            }
+        }
     }
-    for (size_t i = tail + tid; i < n; i += stride) {
-        const float y = rank_sum<FMT>(ptrs, ranks, at + i, s, average, inv_n);
-        o[i] = y;
-        amax = max(amax, abs_bits(y));
-    }
-    block_flush(min(amax, 0x7F800000u), 0, 0, amax_out + a.t[item], nullptr);
+    if (MODE != DS_CODES) block_flush(min(amax, 0x7F800000u), 0, 0, amax_out + a.t[item], nullptr);
 }
 
 // out[off..] = encode(x * scale[t]), as quantize. src: F32 values.
@@ -615,7 +636,19 @@ __device__ void bucket_quantize_impl(BucketArgs a, const float* __restrict__ sca
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bucket_decode_sum_##FN(BucketArgs a, SumPtrs ptrs, \
             int ranks, const float* scale_inv, int average, float inv_n, float* out, uint32_t* amax) { \
-        bucket_decode_sum_impl<FMT>(a, ptrs, ranks, scale_inv, average, inv_n, out, amax);             \
+        bucket_decode_sum_impl<FMT, DS_SUMS>(a, ptrs, ranks, scale_inv, average, inv_n, out, nullptr,  \
+                                             nullptr, amax);                                           \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bucket_decode_amax_##FN(BucketArgs a, SumPtrs ptrs, \
+            int ranks, const float* scale_inv, int average, float inv_n, uint32_t* amax) {             \
+        bucket_decode_sum_impl<FMT, DS_AMAX>(a, ptrs, ranks, scale_inv, average, inv_n, nullptr,       \
+                                             nullptr, nullptr, amax);                                  \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bucket_decode_quantize_##FN(BucketArgs a,        \
+            SumPtrs ptrs, int ranks, const float* scale_inv, int average, float inv_n,                 \
+            const float* scale, uint8_t* out) {                                                        \
+        bucket_decode_sum_impl<FMT, DS_CODES>(a, ptrs, ranks, scale_inv, average, inv_n, nullptr,      \
+                                              scale, out, nullptr);                                    \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bucket_quantize_##FN(BucketArgs a,               \
             const float* scale, uint8_t* out) {                                                        \

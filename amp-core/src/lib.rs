@@ -53,8 +53,9 @@ mod scaling;
 pub use error::{Error, Result};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
 pub use numerics::bucket::{
-    bucket_amax, bucket_concat, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize,
-    bucket_requantize, bucket_scales, Piece,
+    bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
+    bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
+    Piece,
 };
 pub use numerics::cast::F16_NAN_BITS;
 pub use numerics::cast::{amax, CastStats};

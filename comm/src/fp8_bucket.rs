@@ -11,8 +11,8 @@ use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
 use crate::shard::shard_range;
 use amp_core::{
-    bucket_amax, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
-    Piece, ScalingTensor,
+    bucket_amax, bucket_decode_amax, bucket_decode_sum_quantize, bucket_max, bucket_requantize,
+    bucket_scales, Piece, ScalingTensor,
 };
 use candle_core::{DType, Tensor};
 
@@ -170,24 +170,24 @@ where
                 let codes =
                     bucket_requantize(&codes_in, &sinv_in, qtype, &scale, None, None, None)?;
                 let received = exchange(&codes)?;
-                let (sums, result_amax) =
-                    bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &pieces)?;
+                // Steps 4-5 in two passes over the received codes, the
+                // sums made twice (the same F32 values) and never stored.
+                let result_amax =
+                    bucket_decode_amax(&received, &scale_inv, qtype, cfg.average, &pieces)?;
                 let result_global = comm.all_reduce_max_no_nan(&result_amax)?;
                 let (rscale, rscale_inv) =
                     bucket_scales(&result_global, qtype, cfg.scale_rule, cfg.margin)?;
-                let mut at = 0;
-                let in_sums: Vec<Piece> = pieces
-                    .iter()
-                    .map(|p| {
-                        let q = Piece { start: at, ..*p };
-                        at += p.len;
-                        q
-                    })
-                    .collect();
                 let shard = if pieces.is_empty() {
                     codes.narrow(0, mine.start, 0)?
                 } else {
-                    bucket_quantize(&sums, &rscale, qtype, &in_sums)?
+                    bucket_decode_sum_quantize(
+                        &received,
+                        &scale_inv,
+                        qtype,
+                        cfg.average,
+                        &pieces,
+                        &rscale,
+                    )?
                 };
                 let metas = metas_of(qtype, &rscale, &rscale_inv, &result_global, inputs.len())?;
                 (shard, global, metas, result_global)

@@ -118,6 +118,37 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
     comm.reset_bytes_sent();
     wire()?;
     line("fp8 path, communication only", wire_s, comm.bytes_sent());
+    // ... and each collective of it alone: where the wire's time goes.
+    let parts: [(&str, Timed); 3] = [
+        (
+            "  of it: U8 all_to_all",
+            Box::new(|| {
+                comm.all_to_all(&chunks)?;
+                Ok(())
+            }),
+        ),
+        (
+            "  of it: U8 all_gather_shards",
+            Box::new(|| {
+                comm.all_gather_shards(&codes.narrow(0, own.start, own.len())?, len)?;
+                Ok(())
+            }),
+        ),
+        (
+            "  of it: one-element all_reduce_max",
+            Box::new(|| {
+                comm.all_reduce_max(&amax)?;
+                Ok(())
+            }),
+        ),
+    ];
+    for (name, mut f) in parts {
+        comm.barrier()?;
+        let s = time(dev, args.iters, &mut f)?;
+        comm.reset_bytes_sent();
+        f()?;
+        line(name, s, comm.bytes_sent());
+    }
 
     let cfg = Fp8ReduceConfig::default();
     comm.barrier()?;
@@ -303,7 +334,10 @@ type Timed<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
 /// Device time of each bucket kernel alone over all of `grads` as one
 /// bucket (no communication), beside the bytes it must move.
 fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
-    use amp::{bucket_amax, bucket_decode_sum, bucket_quantize, bucket_requantize, bucket_scales};
+    use amp::{
+        bucket_amax, bucket_decode_amax, bucket_decode_sum, bucket_decode_sum_quantize,
+        bucket_quantize, bucket_requantize, bucket_scales,
+    };
     let (rank, n) = (comm.rank(), comm.world_size());
     let dev = comm.device();
     let q = QType::E5M2;
@@ -341,7 +375,7 @@ fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> 
         .collect();
     let gb = |bytes: f64, ms: f64| bytes / ms / 1e6;
     let e = elems as f64;
-    let lines: [(&str, f64, Timed); 4] = [
+    let lines: [(&str, f64, Timed); 6] = [
         (
             "bucket_amax",
             e,
@@ -371,6 +405,22 @@ fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> 
             (4.0 * 0.5 + 0.5) * e,
             Box::new(|| {
                 bucket_quantize(&sums, &scale, q, &qpieces)?;
+                Ok(())
+            }),
+        ),
+        (
+            "bucket_decode_amax (2 ranks, half the elements)",
+            e,
+            Box::new(|| {
+                bucket_decode_amax(&parts, &scale_inv, q, true, &pieces)?;
+                Ok(())
+            }),
+        ),
+        (
+            "bucket_decode_sum_quantize (2 ranks, half the elements)",
+            (1.0 + 0.5) * e,
+            Box::new(|| {
+                bucket_decode_sum_quantize(&parts, &scale_inv, q, true, &pieces, &scale)?;
                 Ok(())
             }),
         ),

@@ -43,15 +43,6 @@ grep -E "BENCH|FAIL" "$OUT/nccl_bench.log" | grep "rank 0" | head -12
 timeout 90 $TORCHRUN --nproc-per-node "$N" --master-port 29510 "$HERE/torch_allreduce.py" --mib 256 \
   2>&1 | tee "$OUT/torch_allreduce.log" | grep '^{'
 fi
-show() { grep '^{' "$1" | head -1 | python3 -c "
-import json, sys
-for l in sys.stdin:
-    j = json.loads(l)
-    print('$2', 'tok/s(median) %.0f' % j['tokens_per_s_median'], 'step %.1f ms' % j['step_ms_median'],
-          'peak %.2f GiB' % (j.get('peak_device_bytes', 0) / 2**30), 'world', j.get('world_size'),
-          'val %.4f' % j['val_loss'], 'exposed', j.get('comm_exposed_ms'), 'gather', j.get('comm_gather_ms'), 'buckets', j.get('buckets_per_step'),
-          'early', j.get('overlapped_buckets_per_step'),
-          'wire/step %.0f' % j.get('wire_bytes_per_step', 0))"; }
 port=29600
 ours() { # ours LABEL NPROC BIN BATCH LEVEL [gpt args...]
   local label=$1 nproc=$2 bin=$3 batch=$4 level=$5; shift 5

@@ -6,9 +6,9 @@
 
 use crate::util::{same, Rng};
 use amp::{
-    bucket_amax, bucket_concat, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize,
-    bucket_requantize, bucket_scales, decode_sum, CurrentScaling, Piece, QType, ScaleRule,
-    ScalingTensor, SideStream,
+    bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
+    bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
+    decode_sum, CurrentScaling, Piece, QType, ScaleRule, ScalingTensor, SideStream,
 };
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
@@ -161,6 +161,51 @@ fn bucket_kernels(dev: &Device) -> Result<()> {
                     let qc = bucket_quantize(&sumc, &sc, qtype, &qp)?;
                     let qg = bucket_quantize(&sumg, &sg, qtype, &qp)?;
                     ok &= same(&format!("{w} bucket_quantize"), &qg, &qc)?;
+                    // The two passes without F32 sums: the amaxes and the
+                    // codes of bucket_decode_sum + bucket_quantize, also with
+                    // pieces whose codes land at odd offsets.
+                    let odd = [
+                        Piece {
+                            tensor: 1,
+                            start: 1,
+                            len: 19_999,
+                        },
+                        Piece {
+                            tensor: 2,
+                            start: 20_000,
+                            len: 10_001,
+                        },
+                    ];
+                    for pieces in [&dp[..], &odd[..]] {
+                        let (sums, amaxes) =
+                            bucket_decode_sum(&chunks, &sic, qtype, average, pieces)?;
+                        let mut at = 0;
+                        let renumbered: Vec<Piece> = pieces
+                            .iter()
+                            .map(|p| {
+                                at += p.len;
+                                Piece {
+                                    start: at - p.len,
+                                    ..*p
+                                }
+                            })
+                            .collect();
+                        let codes = bucket_quantize(&sums, &sc, qtype, &renumbered)?;
+                        let ag = bucket_decode_amax(&gchunks, &sig, qtype, average, pieces)?;
+                        let cg = bucket_decode_sum_quantize(
+                            &gchunks, &sig, qtype, average, pieces, &sg,
+                        )?;
+                        let cc =
+                            bucket_decode_sum_quantize(&chunks, &sic, qtype, average, pieces, &sc)?;
+                        let w = format!("{w} pieces at {}", pieces[0].start);
+                        ok &= same(&format!("{w} bucket_decode_amax"), &ag, &amaxes)?;
+                        ok &= same(&format!("{w} bucket_decode_sum_quantize"), &cg, &codes)?;
+                        ok &= same(
+                            &format!("{w} bucket_decode_sum_quantize (CPU)"),
+                            &cc,
+                            &codes,
+                        )?;
+                    }
                     let s1 = sic.narrow(0, 0, 1)?;
                     let (dc, dac) = decode_sum(&chunks, &s1, qtype, average)?;
                     let (dg, dag) = decode_sum(&gchunks, &s1.to_device(dev)?, qtype, average)?;

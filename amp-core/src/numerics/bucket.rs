@@ -7,8 +7,11 @@
 //! [`bucket_scales`] (`ScalingMeta::for_current_amax`),
 //! [`bucket_requantize`] (`ScalingTensor::requantize_with`, concatenated),
 //! [`bucket_decode_sum`] ([`decode_sum`](crate::decode_sum) of each piece,
-//! concatenated, with each tensor's amax) and [`bucket_quantize`]
-//! (`ScalingTensor::quantize_with` of each piece, concatenated).
+//! concatenated, with each tensor's amax), [`bucket_quantize`]
+//! (`ScalingTensor::quantize_with` of each piece, concatenated), and the
+//! pair that does the last two without the F32 sums in memory:
+//! [`bucket_decode_amax`] (the amaxes alone) and
+//! [`bucket_decode_sum_quantize`] (the codes of the sums).
 
 use crate::error::{Error, Result};
 use crate::numerics::cast::quantize_slice;
@@ -196,18 +199,41 @@ impl Kernel for BucketRequantize {
     }
 }
 
-/// chunk_0..N-1 (U8), scale_inv [T] -> sums [sum of piece lengths], amax
-/// [T] (0 for a tensor without a piece, NaN as inf).
+/// What a bucket decode-and-sum launch makes of the sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SumOut {
+    /// The sums (F32, the pieces concatenated) and each tensor's amax.
+    Sums,
+    /// Each tensor's amax only: the sums are not stored.
+    Amax,
+    /// The sums quantized with each piece's tensor's scale (one more input,
+    /// `scale [T]`), the codes concatenated: no F32 sums in memory.
+    Codes,
+}
+
+/// chunk_0..N-1 (U8), scale_inv [T] (and scale [T] for [`SumOut::Codes`])
+/// -> by `out`: sums [sum of piece lengths] and amax [T] (0 for a tensor
+/// without a piece, NaN as inf); amax [T]; codes [sum of piece lengths].
 pub(crate) struct BucketDecodeSum {
     pub qtype: QType,
     pub average: bool,
     pub pieces: Vec<Piece>,
+    pub out: SumOut,
 }
 
 impl Kernel for BucketDecodeSum {
     const NAME: &'static str = "bucket_decode_sum";
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
         fp8(Self::NAME, self.qtype)?;
+        let (inputs, scale) = match self.out {
+            SumOut::Codes => {
+                let Some(((q, lq), rest)) = inputs.split_last() else {
+                    return Err(arity(Self::NAME));
+                };
+                (rest, Some(slice::<f32>(Self::NAME, q, lq)?))
+            }
+            SumOut::Sums | SumOut::Amax => (inputs, None),
+        };
         let Some(((s, ls), chunks)) = inputs.split_last() else {
             return Err(arity(Self::NAME));
         };
@@ -221,6 +247,7 @@ impl Kernel for BucketDecodeSum {
             average: self.average,
         };
         let mut sums = Vec::new();
+        let mut coded = Vec::new();
         let mut amax = vec![0f32; scale_inv.len()];
         for p in &self.pieces {
             let parts: Vec<(CpuStorage, Layout)> = codes
@@ -240,21 +267,41 @@ impl Kernel for BucketDecodeSum {
             };
             let a = scalar(Self::NAME, a, &Layout::contiguous(la.clone()))?;
             amax[p.tensor] = if a.is_nan() { f32::INFINITY } else { a };
-            sums.extend_from_slice(v);
+            match scale {
+                // the codes `bucket_quantize` makes of the stored sums
+                Some(scale) => {
+                    let sc = *scale.get(p.tensor).ok_or_else(|| arity(Self::NAME))?;
+                    let (CpuStorage::U8(c), _, _) = quantize_slice(self.qtype, v, sc) else {
+                        return Err(arity(Self::NAME));
+                    };
+                    coded.extend_from_slice(&c);
+                }
+                None => sums.extend_from_slice(v),
+            }
         }
         let (n, t) = (sums.len(), amax.len());
-        Ok(vec![
-            (CpuStorage::F32(sums), Shape::from(n)),
-            (CpuStorage::F32(amax), Shape::from(t)),
-        ])
+        Ok(match self.out {
+            SumOut::Sums => vec![
+                (CpuStorage::F32(sums), Shape::from(n)),
+                (CpuStorage::F32(amax), Shape::from(t)),
+            ],
+            SumOut::Amax => vec![(CpuStorage::F32(amax), Shape::from(t))],
+            SumOut::Codes => {
+                let n = coded.len();
+                vec![(CpuStorage::U8(coded), Shape::from(n))]
+            }
+        })
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        let chunks = inputs.len().saturating_sub(1);
+        let chunks = inputs
+            .len()
+            .saturating_sub(1 + usize::from(self.out == SumOut::Codes));
         crate::numerics::cuda::bucket_decode_sum(
             self.qtype,
             self.average,
             DecodeSum::inv_n(chunks),
             &self.pieces,
+            self.out,
             inputs,
         )
     }
@@ -431,6 +478,98 @@ pub fn bucket_decode_sum(
     average: bool,
     pieces: &[Piece],
 ) -> Result<(Tensor, Tensor)> {
+    let [s, a] = <[Tensor; 2]>::try_from(decode_launch(
+        chunks,
+        scale_inv,
+        qtype,
+        average,
+        pieces,
+        SumOut::Sums,
+        None,
+    )?)
+    .map_err(|_| arity(BucketDecodeSum::NAME))?;
+    Ok((s, a))
+}
+
+/// The amaxes of [`bucket_decode_sum`] alone, without storing the sums:
+/// a vector as long as `scale_inv`, bit for bit its second output, reading
+/// the codes once and writing nothing else. With
+/// [`bucket_decode_sum_quantize`] after it, the two passes make what
+/// `bucket_decode_sum` and [`bucket_quantize`] make, without the F32 sums
+/// in memory (4 bytes an element written and read again).
+///
+/// # Errors
+/// As [`bucket_decode_sum`].
+pub fn bucket_decode_amax(
+    chunks: &[Tensor],
+    scale_inv: &Tensor,
+    qtype: QType,
+    average: bool,
+    pieces: &[Piece],
+) -> Result<Tensor> {
+    let [a] = <[Tensor; 1]>::try_from(decode_launch(
+        chunks,
+        scale_inv,
+        qtype,
+        average,
+        pieces,
+        SumOut::Amax,
+        None,
+    )?)
+    .map_err(|_| arity(BucketDecodeSum::NAME))?;
+    Ok(a)
+}
+
+/// The sums of [`bucket_decode_sum`] quantized with element `piece.tensor`
+/// of `scale` to `qtype`, the codes concatenated, in one launch that never
+/// stores the sums: bit for bit [`bucket_quantize`] of `bucket_decode_sum`'s
+/// sums (pieces renumbered to where each starts in the sums), since each
+/// code is made from the same F32 value.
+///
+/// # Errors
+/// As [`bucket_decode_sum`], and for a `scale` shorter than `scale_inv`.
+pub fn bucket_decode_sum_quantize(
+    chunks: &[Tensor],
+    scale_inv: &Tensor,
+    qtype: QType,
+    average: bool,
+    pieces: &[Piece],
+    scale: &Tensor,
+) -> Result<Tensor> {
+    if scale.elem_count() < scale_inv.elem_count() {
+        return Err(Error::Unsupported {
+            op: BucketDecodeSum::NAME,
+            what: format!(
+                "{} scales for {} tensors",
+                scale.elem_count(),
+                scale_inv.elem_count()
+            ),
+        });
+    }
+    let [c] = <[Tensor; 1]>::try_from(decode_launch(
+        chunks,
+        scale_inv,
+        qtype,
+        average,
+        pieces,
+        SumOut::Codes,
+        Some(scale),
+    )?)
+    .map_err(|_| arity(BucketDecodeSum::NAME))?;
+    Ok(c)
+}
+
+/// The checks and the launch of the three bucket decode-and-sum entries
+/// (`scale` with [`SumOut::Codes`] only).
+fn decode_launch(
+    chunks: &[Tensor],
+    scale_inv: &Tensor,
+    qtype: QType,
+    average: bool,
+    pieces: &[Piece],
+    out: SumOut,
+    scale: Option<&Tensor>,
+) -> Result<Vec<Tensor>> {
     const OP: &str = BucketDecodeSum::NAME;
     fp8(OP, qtype)?;
     let len = chunks.first().map_or(0, Tensor::elem_count);
@@ -452,13 +591,14 @@ pub fn bucket_decode_sum(
     }
     let mut inputs: Vec<&Tensor> = chunks.iter().collect();
     inputs.push(scale_inv);
+    inputs.extend(scale);
     let op = BucketDecodeSum {
         qtype,
         average,
         pieces: pieces.to_vec(),
+        out,
     };
-    let [s, a] = <[Tensor; 2]>::try_from(launch(&op, &inputs)?).map_err(|_| arity(OP))?;
-    Ok((s, a))
+    launch(&op, &inputs)
 }
 
 /// Each piece of `values` (F32, flat) cast with element `piece.tensor` of

@@ -91,6 +91,7 @@ pub(crate) fn bucket_decode_sum(
     _: bool,
     _: f32,
     _: &[crate::numerics::bucket::Piece],
+    _: crate::numerics::bucket::SumOut,
     _: Inputs<'_>,
 ) -> Outputs {
     Err(Error::NotCompiled("cuda"))

@@ -5,7 +5,7 @@
 use super::decode_sum::SUM_MAX;
 use super::launch::{func, multiprocessors, view};
 use crate::error::{Error, Result};
-use crate::numerics::bucket::Piece;
+use crate::numerics::bucket::{Piece, SumOut};
 use crate::numerics::kernel::arity;
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
@@ -478,15 +478,27 @@ fn code_name(qtype: QType) -> &'static str {
     }
 }
 
-/// chunk_0..N-1, scale_inv [T] -> sums [sum of piece lengths], amax [T].
+/// chunk_0..N-1, scale_inv [T] (and scale [T] for codes) -> by `mode`:
+/// sums [sum of piece lengths] and amax [T]; amax [T]; codes [sum of piece
+/// lengths].
 pub(crate) fn bucket_decode_sum(
     qtype: QType,
     average: bool,
     inv_n: f32,
     pieces: &[Piece],
+    mode: SumOut,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     const OP: &str = "bucket_decode_sum";
+    let (inputs, scale) = match mode {
+        SumOut::Codes => {
+            let Some(((q, lq), rest)) = inputs.split_last() else {
+                return Err(arity(OP));
+            };
+            (rest, Some(view::<f32>(OP, q, lq)?))
+        }
+        SumOut::Sums | SumOut::Amax => (inputs, None),
+    };
     let Some(((s, ls), chunks)) = inputs.split_last() else {
         return Err(arity(OP));
     };
@@ -520,32 +532,76 @@ pub(crate) fn bucket_decode_sum(
         });
         total += p.len;
     }
-    // SAFETY: the pieces cover every element.
-    let mut out = unsafe { stream.alloc::<f32>(total.max(1)) }.w()?;
-    let mut amax = stream.alloc_zeros::<f32>(tensors.max(1)).w()?;
-    let name = format!("bucket_decode_sum_{}", fmt_name(OP, qtype)?);
+    let fmt = fmt_name(OP, qtype)?;
     let ranks = chunks.len() as i32;
     let avg = i32::from(average && chunks.len() > 1);
-    let f = func(&dev, &name)?;
-    for (a, cfg) in launches(&dev, &items)? {
-        let mut b = stream.launch_builder(&f);
-        b.arg(&a)
-            .arg(&ptrs)
-            .arg(&ranks)
-            .arg(&scale_inv)
-            .arg(&avg)
-            .arg(&inv_n)
-            .arg(&mut out)
-            .arg(&mut amax);
-        // SAFETY: every chunk is live (`guards`) and holds each piece's
-        // range; every output range within `out`, every tensor in `amax`.
-        unsafe { b.launch(cfg) }.w()?;
-    }
+    let plan = launches(&dev, &items)?;
+    let out = match (mode, scale) {
+        (SumOut::Codes, Some(scale)) => {
+            // SAFETY: the pieces cover every element.
+            let mut codes = unsafe { stream.alloc::<u8>(total.max(1)) }.w()?;
+            let f = func(&dev, &format!("bucket_decode_quantize_{fmt}"))?;
+            for (a, cfg) in plan {
+                let mut b = stream.launch_builder(&f);
+                b.arg(&a)
+                    .arg(&ptrs)
+                    .arg(&ranks)
+                    .arg(&scale_inv)
+                    .arg(&avg)
+                    .arg(&inv_n)
+                    .arg(&scale)
+                    .arg(&mut codes);
+                // SAFETY: every chunk is live (`guards`) and holds each
+                // piece's range; every output range within `codes`, every
+                // tensor in `scale_inv` and `scale` (checked by the caller).
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            vec![(
+                CudaStorage::wrap_cuda_slice(codes, dev.clone()),
+                Shape::from(total),
+            )]
+        }
+        (SumOut::Codes, None) => return Err(arity(OP)),
+        (SumOut::Amax, _) => {
+            let mut amax = stream.alloc_zeros::<f32>(tensors.max(1)).w()?;
+            let f = func(&dev, &format!("bucket_decode_amax_{fmt}"))?;
+            for (a, cfg) in plan {
+                let mut b = stream.launch_builder(&f);
+                b.arg(&a)
+                    .arg(&ptrs)
+                    .arg(&ranks)
+                    .arg(&scale_inv)
+                    .arg(&avg)
+                    .arg(&inv_n)
+                    .arg(&mut amax);
+                // SAFETY: as above; every tensor in `amax`.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            vec![wrap_f32(amax, &dev, tensors)]
+        }
+        (SumOut::Sums, _) => {
+            // SAFETY: the pieces cover every element.
+            let mut out = unsafe { stream.alloc::<f32>(total.max(1)) }.w()?;
+            let mut amax = stream.alloc_zeros::<f32>(tensors.max(1)).w()?;
+            let f = func(&dev, &format!("bucket_decode_sum_{fmt}"))?;
+            for (a, cfg) in plan {
+                let mut b = stream.launch_builder(&f);
+                b.arg(&a)
+                    .arg(&ptrs)
+                    .arg(&ranks)
+                    .arg(&scale_inv)
+                    .arg(&avg)
+                    .arg(&inv_n)
+                    .arg(&mut out)
+                    .arg(&mut amax);
+                // SAFETY: as above; every output range within `out`.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            vec![wrap_f32(out, &dev, total), wrap_f32(amax, &dev, tensors)]
+        }
+    };
     drop(guards);
-    Ok(vec![
-        wrap_f32(out, &dev, total),
-        wrap_f32(amax, &dev, tensors),
-    ])
+    Ok(out)
 }
 
 /// values (F32), scale [T] -> codes [sum of piece lengths].
