@@ -5,7 +5,9 @@
 //! Engine's FP8 recipes.
 //!
 //! This crate re-exports the public API of its members:
-//! - `amp-core` (everything at the root of `amp`, and [`nn`]), four layers:
+//! - `amp-core` (its numerics and scaled tensors at the root of `amp`, the
+//!   layers in [`nn`], the device's pool and streams in [`cuda`], the
+//!   kernels underneath the levels in [`kernels`]), four layers:
 //!   the numerics (FP8 formats with exact OCP semantics, casts, the TE and
 //!   MS-AMP scale rules, the recipes), scaling metadata on the device and
 //!   scaled tensors, the FP8 GEMM, and the layers of [`nn`] (FP8 `Linear`,
@@ -28,7 +30,43 @@
 //! ```
 #![warn(missing_docs)]
 
-pub use amp_core::*;
+// The numerics and layers users build with, at the root.
+pub use amp_core::nn;
+pub use amp_core::{
+    fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, AmaxComputeAlgo, CastStats,
+    CurrentScaling, DelayedScaling, Epilogue, Format, Fp8Format, GradSink, OverrideLinearPrecision,
+    QType, ScaleRule, ScalingMeta, ScalingTensor, Weight, WeightSlot, CANONICAL_NAN_BITS, E4M3_MAX,
+    E5M2_MAX, F16_MAX, F16_NAN_BITS, MAX_AMAX_HISTORY_LEN, MAX_MARGIN,
+};
+
+/// The CUDA device: which GPUs the CUDA path runs on (compute capability
+/// 8.9 or newer, checked when the first kernel loads; `AMP_COMPUTE_CAP`
+/// overrides what the check believes), the memory pool's knobs a training
+/// loop sets once (`keep_freed_memory`, `skip_event_tracking`), the pool's
+/// peaks for memory reports, timing marks on the device's stream, and the
+/// side stream communication runs on. Each is a no-op or `None` off CUDA
+/// where the docs say so.
+pub mod cuda {
+    pub use amp_core::{check_capability, parse_capability, MIN_COMPUTE_CAPABILITY};
+    #[cfg(feature = "cuda")]
+    pub use amp_core::{compute_capability, ensure_supported, multiprocessors};
+    pub use amp_core::{
+        defer_side_work, device_memory, keep_freed_memory, pool_peaks, reset_pool_peaks,
+        set_pool_release_threshold, skip_event_tracking, SideStream, StreamMark,
+    };
+}
+
+/// The kernels underneath the levels, for those who build their own
+/// reductions or check the CUDA bodies against the CPU ones: the bucketed
+/// reduction's steps, the rank-order decode-and-sum, scalar reads, amax,
+/// the kernel trait and the numerics' configuration.
+pub mod kernels {
+    pub use amp_core::{
+        amax, bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
+        bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
+        config, decode_sum, gather_scalars, kernel, read_scalars, with_sink_listener, Piece,
+    };
+}
 
 pub use amp_levels::{
     initialize, initialize_distributed, AmpConfig, AmpContext, AmpOptimizer, Compute, Level,

@@ -9,9 +9,12 @@
 // nvcc must be 13.0 (PTX ISA 9.0): the device's CUDA 13.0 driver refuses
 // PTX from newer toolkits (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`). Build
 // through `scripts/gpu/build-cuda.sh`, which installs nvcc 13.0, puts it
-// first on the PATH and sets `NVCC` and `CUDA_ROOT`. `AMP_CUDA_ARCH`
-// overrides the virtual architecture (default `compute_90`, Hopper: the
-// hardware FP8 conversions need sm_89 or newer).
+// first on the PATH and sets `NVCC` and `CUDA_ROOT`. The virtual
+// architecture is `compute_{CUDA_COMPUTE_CAP}` (candle's variable: 89 for
+// Ada, 90 for Hopper; default 90), or `AMP_CUDA_ARCH` verbatim; below 89 the
+// build stops (the hardware FP8 conversions need sm_89 or newer). The
+// number is handed to the crate as `AMP_PTX_ARCH`, which the run-time
+// capability check compares with the GPU's.
 
 /// Compiles `kernels/{name}.cu` to `$OUT_DIR/{name}.ptx` for each of
 /// `names`, with `-O3 -std=c++17` and `flags`, when the crate is built
@@ -27,11 +30,13 @@ fn build_ptx(names: &[&str], flags: &[&str], watch: &[&str]) {
     for w in watch {
         println!("cargo:rerun-if-changed={w}");
     }
-    for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH"] {
+    for v in ["NVCC", "CUDA_ROOT", "AMP_CUDA_ARCH", "CUDA_COMPUTE_CAP"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
-    let arch = std::env::var("AMP_CUDA_ARCH").unwrap_or_else(|_| "compute_90".into());
+    let arch = ptx_arch();
+    let number: String = arch.chars().filter(char::is_ascii_digit).collect();
+    println!("cargo:rustc-env=AMP_PTX_ARCH={number}");
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")); // ok: cargo always sets it for build scripts
     match std::process::Command::new(&nvcc).arg("--version").output() {
         Ok(v) if String::from_utf8_lossy(&v.stdout).contains("release 13.0") => {}
@@ -69,5 +74,22 @@ fn build_ptx(names: &[&str], flags: &[&str], watch: &[&str]) {
         }
         let status = cmd.status().expect("running nvcc"); // ok: a build script fails by panicking; nvcc ran a moment ago (--version)
         assert!(status.success(), "nvcc failed on {src}");
+    }
+}
+
+/// The virtual architecture nvcc builds for (see the file's header).
+fn ptx_arch() -> String {
+    if let Ok(arch) = std::env::var("AMP_CUDA_ARCH") {
+        return arch;
+    }
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let digits: String = cap.chars().filter(char::is_ascii_digit).collect();
+    match digits.parse::<u32>() {
+        Ok(n) if n >= 89 => format!("compute_{n}"),
+        _ => panic!(
+            "CUDA_COMPUTE_CAP={cap}: candle-amp's CUDA kernels need compute capability 8.9 (Ada) \
+             or newer (FP8 conversions in hardware); build for 89 or 90, or without the `cuda` \
+             feature"
+        ),
     }
 }

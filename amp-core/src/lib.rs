@@ -57,11 +57,12 @@ pub use numerics::bucket::{
     bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
     Piece,
 };
+pub use numerics::capability::{check_capability, parse_capability, MIN_COMPUTE_CAPABILITY};
 pub use numerics::cast::F16_NAN_BITS;
 pub use numerics::cast::{amax, CastStats};
 pub use numerics::clock::StreamMark;
 #[cfg(feature = "cuda")]
-pub use numerics::cuda::launch::multiprocessors;
+pub use numerics::cuda::launch::{compute_capability, ensure_supported, multiprocessors};
 pub use numerics::cuda::{
     device_memory, keep_freed_memory, pool_peaks, reset_pool_peaks, set_pool_release_threshold,
     skip_event_tracking,

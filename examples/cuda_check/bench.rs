@@ -4,9 +4,8 @@
 //! back-to-back calls (outputs allocated per call, as in training).
 
 use crate::util::Rng;
-use amp::{
-    fp8_gemm_with, set_pool_release_threshold, CurrentScaling, QType, ScalingMeta, ScalingTensor,
-};
+use amp::cuda::set_pool_release_threshold;
+use amp::{fp8_gemm_with, CurrentScaling, QType, ScalingMeta, ScalingTensor};
 use anyhow::{bail, Result};
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::CudaDevice;

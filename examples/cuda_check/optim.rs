@@ -23,9 +23,9 @@ fn quantize(x: &Tensor, q: QType) -> Result<ScalingTensor> {
 /// tensors made here carry no cross-stream events (one stream).
 pub fn bench(dev: &Device) -> Result<bool> {
     // freed blocks stay pooled: no timed call maps fresh memory
-    amp::keep_freed_memory(dev)?;
+    amp::cuda::keep_freed_memory(dev)?;
     // SAFETY: everything here runs on the device's one stream.
-    let untracked = unsafe { amp::skip_event_tracking(dev)? };
+    let untracked = unsafe { amp::cuda::skip_event_tracking(dev)? };
     let n = 64usize << 20;
     let mut rng = Rng(7);
     let w = (Tensor::from_vec(rng.normal(n), n, &Device::Cpu)? * 0.05)?.to_device(dev)?;

@@ -75,7 +75,9 @@ pub fn estimate(
 /// cannot be told.
 pub fn available(device: &Device) -> Option<f64> {
     match device {
-        Device::Cuda(_) => amp::device_memory(device).ok().map(|(free, _)| free as f64),
+        Device::Cuda(_) => amp::cuda::device_memory(device)
+            .ok()
+            .map(|(free, _)| free as f64),
         Device::Cpu => {
             let info = std::fs::read_to_string("/proc/meminfo").ok()?;
             let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;

@@ -89,10 +89,17 @@ struct Args {
     /// Linear weights kept in high precision (name patterns, `*` wildcard).
     #[arg(long, value_delimiter = ',')]
     high_precision: Vec<String>,
-    /// Model vocabulary: above the data's largest token (256 for text,
-    /// which is tokenized by bytes; e.g. 50304 for GPT-2 token shards).
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(256..))]
-    vocab: u64,
+    /// Model vocabulary: above the data's largest token and at least the
+    /// tokenizer's vocabulary (default: 256 for text tokenized by bytes;
+    /// with --tokenizer its vocabulary rounded up to a multiple of 64; e.g.
+    /// 50304 for GPT-2 token shards).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(256..))]
+    vocab: Option<u64>,
+    /// A Hugging Face `tokenizer.json` for raw text under --data (or the
+    /// bundled text) and for --sample's prompt and output (with token
+    /// shards: the tokenizer they were made with).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Train on this instead of the bundled corpus: a text file, or token
     /// shards (llm.c's or nanoGPT's `.bin`), one file or a quoted glob such
     /// as 'fineweb10B/fineweb_*.bin'; shards named `_val_` validate.
@@ -126,7 +133,8 @@ struct Args {
     /// Dtype of the export.
     #[arg(long, value_enum, default_value = "f32")]
     export_dtype: ExportArg,
-    /// Generate this many characters at the end.
+    /// Generate this many tokens at the end (characters without
+    /// --tokenizer).
     #[arg(long, default_value_t = 0)]
     sample: usize,
     /// Text the sample continues.
@@ -268,21 +276,35 @@ fn main() -> Result<()> {
     if !(args.lr.is_finite() && args.lr > 0.0) {
         usage(format!("--lr {}: must be finite and positive", args.lr));
     }
+    let codec = match &args.tokenizer {
+        Some(path) => data::codec::Codec::from_file(path)
+            .unwrap_or_else(|e| usage(format!("--tokenizer: {e:#}"))),
+        None => data::codec::Codec::Bytes,
+    };
+    let vocab = args
+        .vocab
+        .unwrap_or_else(|| (codec.vocab_size() as u64).div_ceil(64) * 64);
+    if (vocab as usize) < codec.vocab_size() {
+        usage(format!(
+            "--vocab {vocab} is below the tokenizer's vocabulary of {}: leave --vocab out \
+             (it then pads the tokenizer's to a multiple of 64) or raise it",
+            codec.vocab_size()
+        ));
+    }
     if args.init_from.is_none() {
-        if let Err(e) = model::GptConfig::named(&args.size, args.vocab as usize, args.seq as usize)
-        {
+        if let Err(e) = model::GptConfig::named(&args.size, vocab as usize, args.seq as usize) {
             usage(format!("--size: {e}"));
         }
     }
     let corpus = match &args.data {
-        Some(path) => {
-            data::Corpus::from_path(path).unwrap_or_else(|e| usage(format!("--data: {e:#}")))
-        }
-        None => data::Corpus::bundled(),
+        Some(path) => data::Corpus::from_path_with(path, &codec)
+            .unwrap_or_else(|e| usage(format!("--data: {e:#}"))),
+        None => data::Corpus::bundled_with(&codec)
+            .unwrap_or_else(|e| usage(format!("--tokenizer: {e:#}"))),
     };
     let gcfg = match (TrainConfig {
         size: args.size.clone(),
-        vocab: args.vocab as usize,
+        vocab: vocab as usize,
         seq: args.seq as usize,
         init_from: args.init_from.clone(),
         ..Default::default()
@@ -300,8 +322,11 @@ fn main() -> Result<()> {
             gcfg.vocab
         ));
     }
-    if args.sample > 0 && !corpus.is_text() {
-        usage("--sample decodes bytes: with token shards there is no tokenizer to decode with");
+    if args.sample > 0 && !corpus.is_text() && args.tokenizer.is_none() {
+        usage(
+            "--sample: token shards need the tokenizer they were made with to decode the \
+             sample (--tokenizer tokenizer.json)",
+        );
     }
     let val_len = corpus.len(data::Split::Val) as u64;
     if args.seq + 1 >= val_len {
@@ -327,7 +352,7 @@ fn main() -> Result<()> {
             Some(dir) => format!("hf:{}", dir.display()),
             None => args.size.clone(),
         },
-        vocab: args.vocab as usize,
+        vocab: vocab as usize,
         steps: args.steps,
         stop_at: args.stop_at,
         batch: args.batch as usize,
@@ -351,6 +376,7 @@ fn main() -> Result<()> {
             (p, dtype)
         }),
         sample: args.sample,
+        codec: codec.clone(),
         prompt: args.prompt.clone(),
         progress: !args.json && std::io::stdout().is_terminal(),
         world_size: args.world_size as usize,

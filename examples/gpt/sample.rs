@@ -1,23 +1,32 @@
 //! Sampling text from the model.
 
-use crate::data::{decode, encode};
+use crate::data::codec::Codec;
 use crate::model::Gpt;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor, D};
 use rand::SeedableRng;
 use rand_distr::Distribution;
 
-/// `n` bytes continuing `prompt`, sampled at temperature 0.8 from a
-/// generator seeded with `seed`.
+/// `n` tokens continuing `prompt` (tokenized by `codec`), sampled at
+/// temperature 0.8 from a generator seeded with `seed`, as text.
 ///
 /// # Errors
-/// candle's.
-pub fn generate(model: &Gpt, prompt: &str, n: usize, seed: u64, dev: &Device) -> Result<String> {
+/// candle's; the tokenizer's.
+pub fn generate(
+    model: &Gpt,
+    codec: &Codec,
+    prompt: &str,
+    n: usize,
+    seed: u64,
+    dev: &Device,
+) -> Result<String> {
     const TEMPERATURE: f64 = 0.8;
     let ctx = model.config().ctx;
-    let mut tokens = encode(prompt.as_bytes());
+    let mut tokens = codec.encode(prompt.as_bytes())?;
     if tokens.is_empty() {
-        tokens.push(b'\n' as u32);
+        // a newline's token, or the first one
+        tokens = codec.encode(b"\n")?;
+        tokens.resize(1, 0);
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     for _ in 0..n {
@@ -30,5 +39,5 @@ pub fn generate(model: &Gpt, prompt: &str, n: usize, seed: u64, dev: &Device) ->
             .context("the model's output is not a distribution (non-finite logits)")?;
         tokens.push(pick.sample(&mut rng) as u32);
     }
-    Ok(decode(&tokens))
+    codec.decode(&tokens)
 }

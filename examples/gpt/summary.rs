@@ -30,6 +30,8 @@ pub struct Summary {
     pub size: String,
     pub params: usize,
     pub linear_params: usize,
+    /// The model's vocabulary (the embedding's rows).
+    pub vocab: usize,
     pub steps: u64,
     pub batch: usize,
     pub seq: usize,

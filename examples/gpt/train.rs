@@ -76,8 +76,10 @@ pub struct TrainConfig {
     pub init_from: Option<PathBuf>,
     /// Export the trained weights as a Hugging Face GPT-2 directory here.
     pub export: Option<(PathBuf, ExportDType)>,
-    /// Characters to generate at the end.
+    /// Tokens to generate at the end.
     pub sample: usize,
+    /// How the sample's prompt and output are tokenized.
+    pub codec: crate::data::codec::Codec,
     /// Text the sample continues.
     pub prompt: String,
     /// Draw a progress bar.
@@ -123,6 +125,7 @@ impl Default for TrainConfig {
             init_from: None,
             export: None,
             sample: 0,
+            codec: Default::default(),
             prompt: "And God said".into(),
             progress: false,
             world_size: 1,
@@ -209,8 +212,8 @@ pub fn train_rank(
     if cfg.device.is_cuda() {
         // Keep freed blocks pooled, as PyTorch's caching allocator does;
         // measure the pool's peak from here on.
-        amp::keep_freed_memory(&cfg.device)?;
-        amp::reset_pool_peaks(&cfg.device)?;
+        amp::cuda::keep_freed_memory(&cfg.device)?;
+        amp::cuda::reset_pool_peaks(&cfg.device)?;
         // One host thread drives the device: one rank, or one rank of an
         // NCCL group (a process per GPU; NCCL on a fenced side stream). Ranks
         // run as threads (--world-size) share it, each with its own
@@ -218,7 +221,7 @@ pub fn train_rank(
         if !cfg.event_tracking && cfg.world_size <= 1 {
             // SAFETY: every op, from this one host thread, runs on the
             // candle device's one (per-thread) stream.
-            unsafe { amp::skip_event_tracking(&cfg.device)? };
+            unsafe { amp::cuda::skip_event_tracking(&cfg.device)? };
         }
     }
     let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
@@ -341,7 +344,7 @@ pub fn train_rank(
             cfg.device.synchronize()?;
             forward_secs = t.elapsed().as_secs_f64();
             if step == start && cfg.device.is_cuda() {
-                forward_peak = Some(amp::pool_peaks(&cfg.device)?.0);
+                forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
             }
             Ok(loss)
         })?;
@@ -421,13 +424,22 @@ pub fn train_rank(
         }
     }
     let sample = if cfg.sample > 0 && rank == 0 {
-        Some(amp.evaluate(|| generate(&model, &cfg.prompt, cfg.sample, cfg.seed, &cfg.device))?)
+        Some(amp.evaluate(|| {
+            generate(
+                &model,
+                &cfg.codec,
+                &cfg.prompt,
+                cfg.sample,
+                cfg.seed,
+                &cfg.device,
+            )
+        })?)
     } else {
         None
     };
     let tokens = step_secs.len() as f64 * (cfg.batch * cfg.seq) as f64;
     let (peak_device_bytes, peak_device_reserved_bytes) = if cfg.device.is_cuda() {
-        let (used, reserved) = amp::pool_peaks(&cfg.device)?;
+        let (used, reserved) = amp::cuda::pool_peaks(&cfg.device)?;
         (Some(used), Some(reserved))
     } else {
         (None, None)
@@ -445,6 +457,7 @@ pub fn train_rank(
         size: cfg.size.clone(),
         params: gcfg.params(),
         linear_params: report.linear_params,
+        vocab: gcfg.vocab,
         steps: end,
         batch: cfg.batch,
         seq: cfg.seq,

@@ -50,11 +50,11 @@ fn device_ms(device: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) ->
         f()?;
     }
     device.synchronize()?;
-    let a = amp::StreamMark::now(device)?;
+    let a = amp::cuda::StreamMark::now(device)?;
     for _ in 0..reps {
         f()?;
     }
-    let b = amp::StreamMark::now(device)?;
+    let b = amp::cuda::StreamMark::now(device)?;
     device.synchronize()?;
     Ok(a.ms_until(&b)? / reps as f64)
 }
@@ -65,11 +65,11 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
     let dev = comm.device();
     // Freed blocks stay pooled, as in the GPT example (and PyTorch's caching
     // allocator): without it every timed call maps its outputs anew.
-    amp::keep_freed_memory(dev)?;
+    amp::cuda::keep_freed_memory(dev)?;
     // As in the GPT example: no per-buffer events (candle's stream and the
     // communicator's fenced side stream are the only streams).
     // SAFETY: one host thread; the side stream fences its own work.
-    unsafe { amp::skip_event_tracking(dev)? };
+    unsafe { amp::cuda::skip_event_tracking(dev)? };
     let g = Tensor::randn(0f32, 1e-2, len, dev)?;
     let line = |path: &str, secs: f64, bytes: u64| {
         let gb = len as f64 * 4.0 / 1e9;
@@ -238,7 +238,7 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
 /// (as `fp8_all_reduce_bucket` runs them on the communicator's stream),
 /// averaged over `reps` reductions enqueued without a synchronize between.
 fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
-    use amp::{
+    use amp::kernels::{
         bucket_amax, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize,
         bucket_scales,
     };
@@ -294,7 +294,7 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
             let got = comm.all_to_all(&chunks)?;
             lap(&mut spent, &mut k);
             let mine = shard_range(total, rank, n);
-            let pieces = [amp::Piece {
+            let pieces = [amp::kernels::Piece {
                 tensor: 0,
                 start: 0,
                 len: mine.len(),
@@ -334,7 +334,7 @@ type Timed<'a> = Box<dyn FnMut() -> Result<()> + 'a>;
 /// Device time of each bucket kernel alone over all of `grads` as one
 /// bucket (no communication), beside the bytes it must move.
 fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
-    use amp::{
+    use amp::kernels::{
         bucket_amax, bucket_decode_amax, bucket_decode_sum, bucket_decode_sum_quantize,
         bucket_quantize, bucket_requantize, bucket_scales,
     };
@@ -355,7 +355,7 @@ fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> 
     for (t, c) in codes.iter().enumerate() {
         let len = c.elem_count().min(chunk.saturating_sub(at));
         if len > 0 {
-            pieces.push(amp::Piece {
+            pieces.push(amp::kernels::Piece {
                 tensor: t,
                 start: at,
                 len,
@@ -365,10 +365,10 @@ fn kernels(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> 
     }
     let (sums, _) = bucket_decode_sum(&parts, &scale_inv, q, true, &pieces)?;
     let mut at = 0;
-    let qpieces: Vec<amp::Piece> = pieces
+    let qpieces: Vec<amp::kernels::Piece> = pieces
         .iter()
         .map(|p| {
-            let r = amp::Piece { start: at, ..*p };
+            let r = amp::kernels::Piece { start: at, ..*p };
             at += p.len;
             r
         })

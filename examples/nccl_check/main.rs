@@ -325,7 +325,7 @@ fn bucket_check(ck: &mut Checker) -> Result<()> {
             ))
         };
         let (all, shards) = if defer {
-            let out = amp::defer_side_work(reduce)?;
+            let out = amp::cuda::defer_side_work(reduce)?;
             if let Some(side) = comm.side_stream() {
                 side.compute_wait()?;
             }

@@ -78,6 +78,7 @@ pub(crate) const META_PER_STREAM: usize = 3;
 pub(crate) type Outputs = Vec<(CudaStorage, Shape)>;
 
 pub(crate) fn func(dev: &CudaDevice, name: &str) -> amp_core::Result<CudaFunction> {
+    amp_core::ensure_supported(dev)?;
     Ok(dev
         .get_or_load_custom_func(name, MODULE, PTX)?
         .into_cuda_function())

@@ -1,7 +1,8 @@
 //! `read_scalars`: many one-element tensors read at once (the optimizer's
 //! per-tensor results), exact F32 widening, views, and named errors.
 
-use amp::{read_scalars, CoreError as Error};
+use amp::kernels::read_scalars;
+use amp::CoreError as Error;
 use candle_core::{DType, Device, Tensor};
 
 #[test]

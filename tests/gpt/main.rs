@@ -38,3 +38,4 @@ mod example;
 mod hf_checkpoints;
 mod hf_reference;
 mod shards;
+mod tokenizer;

@@ -1,15 +1,18 @@
-//! The bucketed FP8 reduction's kernels (`amp::bucket_*`, `amp::decode_sum`)
+//! The bucketed FP8 reduction's kernels (`amp::kernels::bucket_*`,
+//! `amp::kernels::decode_sum`)
 //! on the device against their CPU bodies, bit for bit: several tensors of
 //! odd lengths (one with a NaN code, one empty), both FP8 formats, pieces
 //! at odd offsets, 1 to 5 ranks' chunks, with and without averaging; a
 //! requantize also on a [`SideStream`].
 
 use crate::util::{same, Rng};
-use amp::{
+use amp::cuda::SideStream;
+use amp::kernels::{
     bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
     bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
-    decode_sum, CurrentScaling, Piece, QType, ScaleRule, ScalingTensor, SideStream,
+    decode_sum, Piece,
 };
+use amp::{CurrentScaling, QType, ScaleRule, ScalingTensor};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 

@@ -345,8 +345,8 @@ fn read_scalars(dev: &Device) -> Result<()> {
             })
         })
         .collect::<Result<_>>()?;
-    let c = amp::read_scalars(&cpu.iter().collect::<Vec<_>>())?;
-    let g = amp::read_scalars(&on_dev.iter().collect::<Vec<_>>())?;
+    let c = amp::kernels::read_scalars(&cpu.iter().collect::<Vec<_>>())?;
+    let g = amp::kernels::read_scalars(&on_dev.iter().collect::<Vec<_>>())?;
     ensure!(
         c.len() == g.len(),
         "{} values, the CPU read {}",

@@ -99,6 +99,7 @@ pub(super) fn context(dev: &CudaDevice) -> Result<Arc<Mutex<LtContext>>> {
     if let Some(c) = map.get(&dev.id()) {
         return Ok(c.clone());
     }
+    crate::numerics::cuda::launch::ensure_supported(dev)?;
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
     crate::numerics::cuda::pool::set_threshold(dev, u64::MAX)?;

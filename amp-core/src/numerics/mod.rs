@@ -10,6 +10,7 @@
 
 pub(crate) mod bucket;
 pub(crate) mod bulk;
+pub(crate) mod capability;
 pub(crate) mod cast;
 pub(crate) mod cast_t;
 pub(crate) mod clock;

@@ -2,7 +2,8 @@
 //!
 //! Two kinds of data (`--data`):
 //! - text (the bundled corpus, or a text file), tokenized by bytes (a
-//!   vocabulary of 256, nothing to download or train); its last
+//!   vocabulary of 256, nothing to download or train) or by a Hugging Face
+//!   `tokenizer.json` (`--tokenizer`, [`codec`]); its last
 //!   [`VAL_FRACTION`] is the validation split;
 //! - token shards ([`shards`]: llm.c's and nanoGPT's layouts), one file or
 //!   a glob of them, memory-mapped. Shards with `_val_` in their file name
@@ -13,10 +14,12 @@
 //! resumed run sees the very batches an uninterrupted one would. A window
 //! never crosses from one shard into the next.
 
+pub mod codec;
 pub mod shards;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
+use codec::Codec;
 use rand::{Rng, SeedableRng};
 use shards::Shard;
 use std::path::{Path, PathBuf};
@@ -78,9 +81,19 @@ pub struct Corpus {
 }
 
 impl Corpus {
-    /// The bundled text.
+    /// The bundled text (tokenized by bytes: the tests' shorthand for
+    /// [`bundled_with`](Self::bundled_with)).
+    #[allow(dead_code)]
     pub fn bundled() -> Self {
-        Self::from_bytes(BUNDLED)
+        Self::from_tokens(encode(BUNDLED))
+    }
+
+    /// The bundled text, tokenized by `codec`.
+    ///
+    /// # Errors
+    /// The tokenizer's.
+    pub fn bundled_with(codec: &Codec) -> Result<Self> {
+        Ok(Self::from_tokens(codec.encode(BUNDLED)?))
     }
 
     /// `--data`: a text file, a token shard, or a glob of token shards
@@ -90,7 +103,17 @@ impl Corpus {
     /// A file that cannot be read; a text too short for a split; a glob
     /// that matches nothing, text files, or only validation shards; a
     /// damaged shard (the error names the file).
+    #[allow(dead_code)] // the tests' shorthand
     pub fn from_path(path: &Path) -> Result<Self> {
+        Self::from_path_with(path, &Codec::Bytes)
+    }
+
+    /// [`from_path`](Self::from_path) with a text file tokenized by `codec`
+    /// (shards are tokens already).
+    ///
+    /// # Errors
+    /// As `from_path`, and the tokenizer's (naming the file).
+    pub fn from_path_with(path: &Path, codec: &Codec) -> Result<Self> {
         let pattern = path.to_string_lossy();
         if pattern.contains(['*', '?', '[']) {
             let files = glob::glob(&pattern)
@@ -121,11 +144,21 @@ impl Corpus {
                 bytes.len()
             );
         }
-        Ok(Self::from_bytes(&bytes))
+        let tokens = codec
+            .encode(&bytes)
+            .with_context(|| format!("tokenizing {}", path.display()))?;
+        if tokens.len() < 64 {
+            bail!(
+                "{}: {} tokens is too short a corpus",
+                path.display(),
+                tokens.len()
+            );
+        }
+        Ok(Self::from_tokens(tokens))
     }
 
-    fn from_bytes(bytes: &[u8]) -> Self {
-        let tokens = Arc::new(encode(bytes));
+    fn from_tokens(tokens: Vec<u32>) -> Self {
+        let tokens = Arc::new(tokens);
         let cut = ((tokens.len() as f64) * (1.0 - VAL_FRACTION)) as usize;
         let piece = |start, len| Piece {
             source: Source::Text(tokens.clone()),

@@ -1,6 +1,7 @@
 //! Loading the embedded PTX and launching its kernels on candle's stream.
 
 use crate::error::{Error, Result};
+use crate::numerics::capability::{check_capability, parse_capability};
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::Layout;
@@ -21,8 +22,73 @@ const CAST_T_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cast_t.ptx"));
 /// Its name in candle's module cache.
 const CAST_T_MODULE: &str = "candle_amp_cast_t_kernels";
 
+/// The virtual architecture the PTX was built for (`build/nvcc.rs`).
+const PTX_ARCH: &str = env!("AMP_PTX_ARCH");
+
+/// The compute capability of `dev`'s GPU, `(major, minor)`, read from the
+/// driver; or the one `AMP_COMPUTE_CAP` names, to try the checks of
+/// [`ensure_supported`] on another GPU.
+///
+/// # Errors
+/// The driver's; an `AMP_COMPUTE_CAP` that is not a capability.
+pub fn compute_capability(dev: &CudaDevice) -> Result<(u32, u32)> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    if let Some(v) = std::env::var("AMP_COMPUTE_CAP")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+    {
+        return parse_capability(&v).ok_or_else(|| Error::Unsupported {
+            op: "AMP_COMPUTE_CAP",
+            what: format!("{v:?} (a compute capability such as 8.9 or 90)"),
+        });
+    }
+    let ctx = dev.cuda_stream().context().clone();
+    let read = |a| {
+        ctx.attribute(a).map_err(|e| Error::Unsupported {
+            op: "compute_capability",
+            what: format!("reading the device's compute capability: {e}"),
+        })
+    };
+    let major = read(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = read(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    Ok((major.max(0) as u32, minor.max(0) as u32))
+}
+
+/// [`check_capability`] of `dev`'s GPU against this build, once per
+/// device (a refusal is returned again each time).
+///
+/// # Errors
+/// As `check_capability`, and [`compute_capability`]'s.
+pub fn ensure_supported(dev: &CudaDevice) -> Result<()> {
+    static CHECKED: Mutex<Vec<(usize, std::result::Result<(), String>)>> = Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let known = CHECKED.lock().ok().and_then(|k| {
+        k.iter()
+            .find(|(o, _)| *o == ordinal)
+            .map(|(_, r)| r.clone())
+    });
+    let outcome = match known {
+        Some(r) => r,
+        None => {
+            let arch = PTX_ARCH.parse().unwrap_or(90);
+            let r = compute_capability(dev)
+                .and_then(|cc| check_capability(cc, arch))
+                .map_err(|e| match e {
+                    Error::Unsupported { what, .. } => what,
+                    other => other.to_string(),
+                });
+            if let Ok(mut k) = CHECKED.lock() {
+                k.push((ordinal, r.clone()));
+            }
+            r
+        }
+    };
+    outcome.map_err(|what| Error::Unsupported { op: "CUDA", what })
+}
+
 /// A cast-transpose kernel `name` (`kernels/cast_t.cu`), loaded once per device.
 pub(crate) fn cast_t_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    ensure_supported(dev)?;
     Ok(dev
         .get_or_load_custom_func(name, CAST_T_MODULE, CAST_T_PTX)?
         .into_cuda_function())
@@ -30,6 +96,7 @@ pub(crate) fn cast_t_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> 
 
 /// Our kernel `name`, loaded once per device.
 pub(crate) fn func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    ensure_supported(dev)?;
     Ok(dev
         .get_or_load_custom_func(name, MODULE, PTX)?
         .into_cuda_function())

@@ -13,9 +13,12 @@
 //! (candle-kernels), so it adds no build requirement; errors in the CUDA C
 //! show up at build time, not in a device run; the binary does not depend on
 //! NVRTC finding `cuda_fp8.h` and libcu++ headers on the device; and nothing
-//! is compiled in the training process. The PTX targets `compute_90`
-//! (Hopper) with nvcc 13.0, PTX ISA 9.0: the device's CUDA 13.0 driver
-//! refuses newer ISAs.
+//! is compiled in the training process. The PTX targets
+//! `compute_{CUDA_COMPUTE_CAP}` (default 90, Hopper; 89 for Ada; older
+//! GPUs lack the FP8 conversions and the build stops) with nvcc 13.0, PTX
+//! ISA 9.0: the device's CUDA 13.0 driver refuses newer ISAs. The first
+//! kernel or GEMM loaded on a device checks its compute capability against
+//! that (`launch::ensure_supported`, `numerics/capability.rs`).
 //!
 //! # Structure
 //! One launch per op, a grid-stride loop of at most 8 blocks of 256 threads

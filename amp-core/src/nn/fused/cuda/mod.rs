@@ -25,6 +25,7 @@ const FLASH_MODULE: &str = "candle_amp_flash_kernels";
 
 /// A fused training op's kernel `name` (`kernels/nn.cu`), loaded once per device.
 fn nn_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    crate::numerics::cuda::launch::ensure_supported(dev)?;
     Ok(dev
         .get_or_load_custom_func(name, NN_MODULE, NN_PTX)?
         .into_cuda_function())
@@ -32,6 +33,7 @@ fn nn_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
 
 /// A flash-attention kernel `name` (`kernels/flash.cu`), loaded once per device.
 fn flash_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    crate::numerics::cuda::launch::ensure_supported(dev)?;
     Ok(dev
         .get_or_load_custom_func(name, FLASH_MODULE, FLASH_PTX)?
         .into_cuda_function())
