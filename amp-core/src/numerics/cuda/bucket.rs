@@ -535,70 +535,64 @@ pub(crate) fn bucket_decode_sum(
     let fmt = fmt_name(OP, qtype)?;
     let ranks = chunks.len() as i32;
     let avg = i32::from(average && chunks.len() > 1);
-    let plan = launches(&dev, &items)?;
-    let out = match (mode, scale) {
-        (SumOut::Codes, Some(scale)) => {
-            // SAFETY: the pieces cover every element.
-            let mut codes = unsafe { stream.alloc::<u8>(total.max(1)) }.w()?;
-            let f = func(&dev, &format!("bucket_decode_quantize_{fmt}"))?;
-            for (a, cfg) in plan {
-                let mut b = stream.launch_builder(&f);
-                b.arg(&a)
-                    .arg(&ptrs)
-                    .arg(&ranks)
-                    .arg(&scale_inv)
-                    .arg(&avg)
-                    .arg(&inv_n)
-                    .arg(&scale)
-                    .arg(&mut codes);
-                // SAFETY: every chunk is live (`guards`) and holds each
-                // piece's range; every output range within `codes`, every
-                // tensor in `scale_inv` and `scale` (checked by the caller).
-                unsafe { b.launch(cfg) }.w()?;
-            }
-            vec![(
-                CudaStorage::wrap_cuda_slice(codes, dev.clone()),
-                Shape::from(total),
-            )]
-        }
+    // The outputs of the mode: codes, or sums and amaxes, or amaxes.
+    let (name, mut codes, mut sums, mut amax) = match (mode, &scale) {
+        (SumOut::Codes, Some(_)) => (
+            "bucket_decode_quantize",
+            // SAFETY: the kernel writes every element (the pieces cover them).
+            Some(unsafe { stream.alloc::<u8>(total.max(1)) }.w()?),
+            None,
+            None,
+        ),
         (SumOut::Codes, None) => return Err(arity(OP)),
-        (SumOut::Amax, _) => {
-            let mut amax = stream.alloc_zeros::<f32>(tensors.max(1)).w()?;
-            let f = func(&dev, &format!("bucket_decode_amax_{fmt}"))?;
-            for (a, cfg) in plan {
-                let mut b = stream.launch_builder(&f);
-                b.arg(&a)
-                    .arg(&ptrs)
-                    .arg(&ranks)
-                    .arg(&scale_inv)
-                    .arg(&avg)
-                    .arg(&inv_n)
-                    .arg(&mut amax);
-                // SAFETY: as above; every tensor in `amax`.
-                unsafe { b.launch(cfg) }.w()?;
-            }
-            vec![wrap_f32(amax, &dev, tensors)]
+        (SumOut::Amax, _) => (
+            "bucket_decode_amax",
+            None,
+            None,
+            Some(stream.alloc_zeros::<f32>(tensors.max(1)).w()?),
+        ),
+        (SumOut::Sums, _) => (
+            "bucket_decode_sum",
+            None,
+            // SAFETY: as above.
+            Some(unsafe { stream.alloc::<f32>(total.max(1)) }.w()?),
+            Some(stream.alloc_zeros::<f32>(tensors.max(1)).w()?),
+        ),
+    };
+    let f = func(&dev, &format!("{name}_{fmt}"))?;
+    for (a, cfg) in launches(&dev, &items)? {
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a)
+            .arg(&ptrs)
+            .arg(&ranks)
+            .arg(&scale_inv)
+            .arg(&avg)
+            .arg(&inv_n);
+        // the kernel's trailing parameters, in its order
+        if let (Some(scale), Some(codes)) = (&scale, &mut codes) {
+            b.arg(scale).arg(codes);
         }
-        (SumOut::Sums, _) => {
-            // SAFETY: the pieces cover every element.
-            let mut out = unsafe { stream.alloc::<f32>(total.max(1)) }.w()?;
-            let mut amax = stream.alloc_zeros::<f32>(tensors.max(1)).w()?;
-            let f = func(&dev, &format!("bucket_decode_sum_{fmt}"))?;
-            for (a, cfg) in plan {
-                let mut b = stream.launch_builder(&f);
-                b.arg(&a)
-                    .arg(&ptrs)
-                    .arg(&ranks)
-                    .arg(&scale_inv)
-                    .arg(&avg)
-                    .arg(&inv_n)
-                    .arg(&mut out)
-                    .arg(&mut amax);
-                // SAFETY: as above; every output range within `out`.
-                unsafe { b.launch(cfg) }.w()?;
-            }
-            vec![wrap_f32(out, &dev, total), wrap_f32(amax, &dev, tensors)]
+        if let Some(sums) = &mut sums {
+            b.arg(sums);
         }
+        if let Some(amax) = &mut amax {
+            b.arg(amax);
+        }
+        // SAFETY: every chunk is live (`guards`) and holds each piece's
+        // range; every output range within its output, every tensor in
+        // `scale_inv`, `scale` (checked by the caller) and `amax`.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    let out = match (codes, sums, amax) {
+        (Some(codes), _, _) => vec![(
+            CudaStorage::wrap_cuda_slice(codes, dev.clone()),
+            Shape::from(total),
+        )],
+        (None, Some(sums), Some(amax)) => {
+            vec![wrap_f32(sums, &dev, total), wrap_f32(amax, &dev, tensors)]
+        }
+        (None, None, Some(amax)) => vec![wrap_f32(amax, &dev, tensors)],
+        _ => return Err(arity(OP)),
     };
     drop(guards);
     Ok(out)
