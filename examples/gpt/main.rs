@@ -184,6 +184,11 @@ struct Args {
     /// starting each while the backward runs (same values, for A/B runs).
     #[arg(long)]
     no_overlap: bool,
+    /// With data parallelism: the F32 gradients (embeddings, norms,
+    /// biases) in BF16 on the wire, summed in F32 (half their bytes; the
+    /// mean rounded to BF16). FP8 gradients are unaffected.
+    #[arg(long)]
+    bf16_wire: bool,
     /// CPU threads for candle's kernels, at most the cores [default: half the cores, at least 1].
     /// candle's pool waits in a spin loop, so a thread per core runs far
     /// slower as soon as anything else uses a core.
@@ -383,6 +388,7 @@ fn main() -> Result<()> {
         bucket_mb: args.bucket_mb,
         grad_accum: args.grad_accum as usize,
         overlap: !args.no_overlap,
+        bf16_wire: args.bf16_wire,
         timing_skip: args.timing_skip,
         activations: match args.activations {
             ExportArg::F32 => DType::F32,

@@ -94,6 +94,8 @@ pub struct TrainConfig {
     pub grad_accum: usize,
     /// Reduce buckets while the backward runs (`AmpConfig::overlap_backward`).
     pub overlap: bool,
+    /// F32 gradients in BF16 on the wire (`AmpConfig::bf16_wire`).
+    pub bf16_wire: bool,
     /// Steps at the start left out of tokens/s and the median step time
     /// (warm-up: kernel loading, cuBLASLt plans, the memory pool growing).
     pub timing_skip: u64,
@@ -132,6 +134,7 @@ impl Default for TrainConfig {
             bucket_mb: amp::levels::DEFAULT_BUCKET_MB,
             grad_accum: 1,
             overlap: true,
+            bf16_wire: false,
             timing_skip: 0,
             activations: DType::F32,
             event_tracking: false,
@@ -237,6 +240,7 @@ pub fn train_rank(
         max_grad_norm: cfg.max_grad_norm,
         bucket_mb: cfg.bucket_mb,
         overlap_backward: cfg.overlap,
+        bf16_wire: cfg.bf16_wire,
         ..Default::default()
     };
     let adam = AdamWConfig {

@@ -99,6 +99,13 @@ pub struct AmpConfig {
     /// on; docs/ARCHITECTURE.md, "Overlap with the backward"). Off: every
     /// bucket after the backward. The same values either way. Default on.
     pub overlap_backward: bool,
+    /// Data parallelism: the F32 gradients (embeddings, norms, biases)
+    /// travel as BF16, half the bytes: each rank's gradient rounded to
+    /// BF16, the ranks' values summed in F32 in rank order and divided by
+    /// the number of ranks, the mean rounded to BF16 again (as PyTorch's
+    /// `bf16_compress_hook`, with F32 sums). Off (the default): F32 on the
+    /// wire, the exact mean. FP8 gradients are unaffected.
+    pub bf16_wire: bool,
 }
 
 impl Default for AmpConfig {
@@ -112,6 +119,7 @@ impl Default for AmpConfig {
             f32_moments: Vec::new(),
             bucket_mb: DEFAULT_BUCKET_MB,
             overlap_backward: true,
+            bf16_wire: false,
         }
     }
 }
@@ -129,6 +137,7 @@ struct AmpConfigFields {
     f32_moments: Vec<String>,
     bucket_mb: f64,
     overlap_backward: bool,
+    bf16_wire: bool,
 }
 
 impl Default for AmpConfigFields {
@@ -143,6 +152,7 @@ impl Default for AmpConfigFields {
             f32_moments: d.f32_moments,
             bucket_mb: d.bucket_mb,
             overlap_backward: d.overlap_backward,
+            bf16_wire: d.bf16_wire,
         }
     }
 }
@@ -158,6 +168,7 @@ impl From<AmpConfigFields> for AmpConfig {
             f32_moments: f.f32_moments,
             bucket_mb: f.bucket_mb,
             overlap_backward: f.overlap_backward,
+            bf16_wire: f.bf16_wire,
         }
     }
 }

@@ -183,6 +183,40 @@ fn fp8_gradients_cut_the_wire_bytes() -> anyhow::Result<()> {
 }
 
 #[test]
+fn bf16_on_the_wire_halves_the_f32_gradients_bytes_and_still_learns() -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    let f32_wire = train(&quick(Level::O2, current(), 2), &corpus)?;
+    let bf16_wire = train(
+        &TrainConfig {
+            bf16_wire: true,
+            ..quick(Level::O2, current(), 2)
+        },
+        &corpus,
+    )?;
+    // Per rank and step with N = 2: the F32 gradients' 4 bytes an element
+    // become 2; the FP8 ones stay 1.
+    let (linear, other) = (
+        f32_wire.linear_params as f64,
+        (f32_wire.params - f32_wire.linear_params) as f64,
+    );
+    let want = (linear / 4.0 + other / 2.0) / (linear / 4.0 + other);
+    let got = bf16_wire.wire_bytes_per_step / f32_wire.wire_bytes_per_step;
+    assert!(
+        (got / want - 1.0).abs() < 0.01,
+        "BF16/F32 wire bytes {got}, expected {want}"
+    );
+    // the rounding of the embeddings' and norms' gradients moves the
+    // losses a little, not the learning
+    let (a, b) = (f32_wire.val_loss as f64, bf16_wire.val_loss as f64);
+    assert!(
+        (a - b).abs() / a < 0.02,
+        "val loss F32 wire {a}, BF16 wire {b}"
+    );
+    assert!(bf16_wire.final_loss < bf16_wire.first_loss - 0.5);
+    Ok(())
+}
+
+#[test]
 fn a_rank_that_fails_mid_run_is_an_error_on_every_rank() -> anyhow::Result<()> {
     let corpus = data::Corpus::bundled();
     let gcfg = model::GptConfig::named("tiny", 256, 16)?;

@@ -54,6 +54,8 @@ pub(crate) struct Group {
     /// The buckets reduced during the backward ([`overlap`]), unless off.
     schedule: RefCell<Schedule>,
     overlap: bool,
+    /// F32 gradients as BF16 on the wire (`AmpConfig::bf16_wire`).
+    bf16_wire: bool,
     /// What the last backward reduced already, for [`DataParallel::average`].
     early: RefCell<Option<(Grads, CommStats, Late)>>,
     /// The agreed amaxes of this step's sharded gradients, for the norm.
@@ -178,6 +180,7 @@ impl DataParallel for Group {
             grads,
             &self.shards,
             self.cap,
+            self.bf16_wire,
             stats,
             &mut agreed,
         )?;
@@ -252,6 +255,7 @@ pub fn initialize_distributed(
         cap: plan::cap_elems(config.bucket_mb),
         schedule: RefCell::new(Schedule::Unknown),
         overlap: config.overlap_backward,
+        bf16_wire: config.bf16_wire,
         early: RefCell::new(None),
         agreed: RefCell::new(Vec::new()),
     };
