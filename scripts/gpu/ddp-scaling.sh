@@ -31,7 +31,8 @@ CARRY=${1:-.carry/nccl}
 SIZES=${2:-350m}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source "$(dirname "$0")/lib.sh"
-unpack gpt gpt_old nccl_check; need gpt nccl_check
+unpack gpt gpt_old nccl_check; need gpt
+[ "${BENCH:-1}" = 1 ] && need nccl_check
 facts
 STEPS=${STEPS:-25}; SKIP=${SKIP:-5}; N=${NPROC:-2}
 if [ "${BENCH:-1}" = 1 ]; then

@@ -60,30 +60,37 @@ pub fn compute_capability(dev: &CudaDevice) -> Result<(u32, u32)> {
 /// # Errors
 /// As `check_capability`, and [`compute_capability`]'s.
 pub fn ensure_supported(dev: &CudaDevice) -> Result<()> {
-    static CHECKED: Mutex<Vec<(usize, std::result::Result<(), String>)>> = Mutex::new(Vec::new());
+    static CHECKED: PerDevice<std::result::Result<(), String>> = Mutex::new(Vec::new());
+    per_device(&CHECKED, dev, || {
+        let arch = PTX_ARCH.parse().unwrap_or(90);
+        compute_capability(dev)
+            .and_then(|cc| check_capability(cc, arch))
+            .map_err(|e| match e {
+                Error::Unsupported { what, .. } => what,
+                other => other.to_string(),
+            })
+    })
+    .map_err(|what| Error::Unsupported { op: "CUDA", what })
+}
+
+/// A value kept per device (by ordinal).
+type PerDevice<T> = Mutex<Vec<(usize, T)>>;
+
+/// `cache`'s value for `dev`, made by `make` the first time.
+fn per_device<T: Clone>(cache: &PerDevice<T>, dev: &CudaDevice, make: impl FnOnce() -> T) -> T {
     let ordinal = dev.cuda_stream().context().ordinal();
-    let known = CHECKED.lock().ok().and_then(|k| {
+    let known = cache.lock().ok().and_then(|k| {
         k.iter()
             .find(|(o, _)| *o == ordinal)
-            .map(|(_, r)| r.clone())
+            .map(|(_, v)| v.clone())
     });
-    let outcome = match known {
-        Some(r) => r,
-        None => {
-            let arch = PTX_ARCH.parse().unwrap_or(90);
-            let r = compute_capability(dev)
-                .and_then(|cc| check_capability(cc, arch))
-                .map_err(|e| match e {
-                    Error::Unsupported { what, .. } => what,
-                    other => other.to_string(),
-                });
-            if let Ok(mut k) = CHECKED.lock() {
-                k.push((ordinal, r.clone()));
-            }
-            r
+    known.unwrap_or_else(|| {
+        let v = make();
+        if let Ok(mut k) = cache.lock() {
+            k.push((ordinal, v.clone()));
         }
-    };
-    outcome.map_err(|what| Error::Unsupported { op: "CUDA", what })
+        v
+    })
 }
 
 /// A cast-transpose kernel `name` (`kernels/cast_t.cu`), loaded once per device.
@@ -110,27 +117,18 @@ pub(crate) fn func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
 /// The driver's, if the attribute cannot be read.
 pub fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    static KNOWN: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
-    let ctx = dev.cuda_stream().context().clone();
-    let ordinal = ctx.ordinal();
-    let known = KNOWN
-        .lock()
-        .ok()
-        .and_then(|k| k.iter().find(|(o, _)| *o == ordinal).map(|&(_, n)| n));
-    if let Some(n) = known {
-        return Ok(n);
-    }
-    let n = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(|e| Error::Unsupported {
-            op: "multiprocessors",
-            what: format!("reading the device's multiprocessor count: {e}"),
-        })?;
-    let n = usize::try_from(n).unwrap_or(1).max(1);
-    if let Ok(mut k) = KNOWN.lock() {
-        k.push((ordinal, n));
-    }
-    Ok(n)
+    static KNOWN: PerDevice<std::result::Result<usize, String>> = Mutex::new(Vec::new());
+    per_device(&KNOWN, dev, || {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map(|n| usize::try_from(n).unwrap_or(1).max(1))
+            .map_err(|e| format!("reading the device's multiprocessor count: {e}"))
+    })
+    .map_err(|what| Error::Unsupported {
+        op: "multiprocessors",
+        what,
+    })
 }
 
 /// A grid for `items` units of work of one thread each: at most
