@@ -22,8 +22,8 @@
 # VARIANTS (none), EXTRA (more gpt arguments, for every run of ours),
 # LEVELS (O2 O3: ours in section 2; empty: none), OLD_LEVELS (O2), TORCH (1: PyTorch's
 # runs of section 2),
-# NPROC (2: the GPUs of sections 1, 2 and 4, 8 sequences a rank; section
-# 3 always uses 2).
+# NPROC (2: the GPU counts of sections 1, 2 and 4, a list such as "2 4"
+# on a larger host, 8 sequences a rank; section 3 always uses 2).
 #
 #   bash scripts/gpu/ddp-scaling.sh .carry/nccl "350m 1.3b"
 set -uo pipefail
@@ -34,15 +34,17 @@ source "$(dirname "$0")/lib.sh"
 unpack gpt gpt_old nccl_check; need gpt
 [ "${BENCH:-1}" = 1 ] && need nccl_check
 facts
-STEPS=${STEPS:-25}; SKIP=${SKIP:-5}; N=${NPROC:-2}
+STEPS=${STEPS:-25}; SKIP=${SKIP:-5}; NS=${NPROC:-2}
 if [ "${BENCH:-1}" = 1 ]; then
-echo "== 1. 256 MiB: ours (nccl_check --bench), then PyTorch's NCCL all-reduce"
+for N in $NS; do
+echo "== 1. 256 MiB on $N GPUs: ours (nccl_check --bench), then PyTorch's NCCL all-reduce"
 timeout 150 $TORCHRUN --no-python --nproc-per-node "$N" --master-port 29500 "$BIN/nccl_check" --bench \
-  > "$OUT/nccl_bench.log" 2>&1; echo "rc=$?"
-echo "checks: $(grep -c ' PASS ' "$OUT/nccl_bench.log") PASS, $(grep -c ' FAIL ' "$OUT/nccl_bench.log") FAIL"
-grep -E "BENCH|FAIL" "$OUT/nccl_bench.log" | grep "rank 0" | head -12
+  > "$OUT/nccl_bench_x$N.log" 2>&1; echo "rc=$?"
+echo "checks: $(grep -c ' PASS ' "$OUT/nccl_bench_x$N.log") PASS, $(grep -c ' FAIL ' "$OUT/nccl_bench_x$N.log") FAIL"
+grep -E "BENCH|FAIL" "$OUT/nccl_bench_x$N.log" | grep "rank 0" | head -12
 timeout 90 $TORCHRUN --nproc-per-node "$N" --master-port 29510 "$HERE/torch_allreduce.py" --mib 256 \
-  2>&1 | tee "$OUT/torch_allreduce.log" | grep '^{'
+  2>&1 | tee "$OUT/torch_allreduce_x$N.log" | grep '^{'
+done
 fi
 port=29600
 ours() { # ours LABEL NPROC BIN BATCH LEVEL [gpt args...]
@@ -75,8 +77,9 @@ for size in $SIZES; do
   echo "== 2. $size, 8 x 1024 a rank"
   for lv in ${LEVELS-O2 O3}; do
     ours "${size}_${lv}_x1" 1 gpt 8 "$lv"
-    ours "${size}_${lv}_x$N" "$N" gpt $((8 * N)) "$lv"
+    for N in $NS; do ours "${size}_${lv}_x$N" "$N" gpt $((8 * N)) "$lv"; done
   done
+  N=${NS##* }
   for v in ${VARIANTS:-}; do
     lv=${v%%:*}; vargs=${v#*:}
     # shellcheck disable=SC2086 # the variant's arguments, split on commas
@@ -85,15 +88,15 @@ for size in $SIZES; do
   if [ -x "$BIN/gpt_old" ]; then
     for lv in ${OLD_LEVELS:-O2}; do
       ours "${size}_${lv}_x1_old" 1 gpt_old 8 "$lv"
-      ours "${size}_${lv}_x${N}_old" "$N" gpt_old $((8 * N)) "$lv"
+      for N in $NS; do ours "${size}_${lv}_x${N}_old" "$N" gpt_old $((8 * N)) "$lv"; done
     done
   fi
   [ "${TORCH:-1}" = 1 ] || continue
   torch "${size}_torch_x1" 1 --modes bf16
-  torch "${size}_torch_ddp_x$N" "$N"
+  for N in $NS; do torch "${size}_torch_ddp_x$N" "$N"; done
   if [ "${COMPILE:-0}" = 1 ]; then
     torch "${size}_torch_compile_x1" 1 --modes bf16-compile
-    torch "${size}_torch_ddp_compile_x$N" "$N" --compile
+    for N in $NS; do torch "${size}_torch_ddp_compile_x$N" "$N" --compile; done
   fi
 done
 [ "${LAUNCH:-1}" = 1 ] || exit 0
