@@ -20,7 +20,7 @@ use clap::Parser;
 #[derive(Parser, Debug)]
 #[command(about = "Memory per level for a GPT-shaped model")]
 struct Args {
-    /// Model size: tiny, 125m, 350m, 760m, 1.3b (the GPT example's).
+    /// Model size: tiny, 125m, 350m, 760m, 1.3b, 2.7b, 6.7b (the GPT example's).
     #[arg(long, default_value = "125m")]
     size: String,
     /// Levels to report (comma-separated).

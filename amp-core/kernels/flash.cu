@@ -1,4 +1,5 @@
-// Causal flash attention for BF16 q, k, v with a head dimension of 64:
+// Causal flash attention for BF16 q, k, v with a head dimension HD of 64,
+// 80, 96 or 128 (kernels `..._hd64` etc., one instantiation each):
 // softmax(scale * q kᵀ + mask) v, one (batch, head, 64-row tile) per block,
 // the scores and probabilities never leave the registers (FlashAttention-2,
 // Dao 2023). Forward writes the output and, per query row, the log-sum-exp
@@ -7,14 +8,16 @@
 //
 // Layout: q, k, v (and dq, dk, dv) share strides (batch, head, row) in
 // elements with the head dimension contiguous, so the same kernels read a
-// fused projection's rows `[b, t, 3 * heads * 64]` in place (q, k, v at
-// column offsets 0, width, 2 * width) or separate `[b, heads, t, 64]`
+// fused projection's rows `[b, t, 3 * heads * HD]` in place (q, k, v at
+// column offsets 0, width, 2 * width) or separate `[b, heads, t, HD]`
 // tensors; o and do share theirs. Every base and row must be 16-byte
 // aligned (the host checks).
 //
 // Products: mma.sync m16n8k16 BF16 -> F32 from ldmatrix fragments; tiles
-// of 64 rows x 64 columns in shared memory with the 16-byte chunks of row
-// r XOR-swizzled by r % 8 (no bank conflicts for ldmatrix); the next key
+// of 64 rows x HD columns in shared memory (rows padded to 64 or 128
+// elements) with the 16-byte chunks of row r XOR-swizzled by r % 8 (no
+// bank conflicts for ldmatrix), in dynamic shared memory (the host sizes
+// it: `flash_smem_bytes` below); the next key
 // (or query) tile is fetched by cp.async while this one is used. Four
 // warps, 16 rows each. Rows past the sequence read as zeros; the mask
 // keeps them out of every valid row.
@@ -23,7 +26,13 @@
 // of x own a key tile and accumulate dK, dV over the query tiles at or
 // below it; the others own a query tile and accumulate dQ over the key
 // tiles at or above it (no atomics; the scores are computed twice). `D =
-// rowsum(do * o)` comes first from `flash_bwd_dot`.
+// rowsum(do * o)` comes first from `flash_bwd_dot`. Above HD 64 the
+// backward's stationary tiles (k and v, or q and do) stay in shared memory
+// and their A fragments are read from there at each use instead of held in
+// registers, which would spill.
+//
+// Shared memory a block takes (bytes, the host's `smem_bytes` mirrors it):
+// forward 5 tiles, backward 4 tiles (6 above HD 64), a tile 64 x ROW x 2.
 
 #include "flash.cuh"
 
@@ -31,13 +40,18 @@
 // Forward. Grid (tiles, heads, batch); block x takes query tile
 // tiles - 1 - x (the longest first).
 
-extern "C" __global__ void __launch_bounds__(NT)
-    flash_fwd_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                   long long sb, long long sh, long long st, bf16* __restrict__ o, long long ob, long long oh,
-                   long long ot, float* __restrict__ lse2, int T, float scale_log2) {
-    __shared__ __align__(128) bf16 sQ[TILE_ELEMS];
-    __shared__ __align__(128) bf16 sK[2][TILE_ELEMS];
-    __shared__ __align__(128) bf16 sV[2][TILE_ELEMS];
+extern __shared__ __align__(128) unsigned char flash_smem[];
+
+template <int HD>
+__device__ __forceinline__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                          const bf16* __restrict__ v, long long sb, long long sh, long long st,
+                                          bf16* __restrict__ o, long long ob, long long oh, long long ot,
+                                          float* __restrict__ lse2, int T, float scale_log2) {
+    using G = Geo<HD>;
+    // q, then k and v double-buffered: k of buffer c at 1 + c, v at 3 + c
+    bf16* sQ = reinterpret_cast<bf16*>(flash_smem);
+    auto sK = [&](int c) { return sQ + (1 + c) * G::ELEMS; };
+    auto sV = [&](int c) { return sQ + (3 + c) * G::ELEMS; };
     const int tiles = (T + TILE - 1) / TILE;
     const int qt = tiles - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
@@ -45,31 +59,31 @@ extern "C" __global__ void __launch_bounds__(NT)
     const long long off = (long long)b * sb + (long long)h * sh;
     const bf16 *qg = q + off, *kg = k + off, *vg = v + off;
     const int q0 = qt * TILE;
-    load_tile(sQ, qg, st, q0, T);
-    load_tile(sK[0], kg, st, 0, T);
-    load_tile(sV[0], vg, st, 0, T);
+    load_tile<HD>(sQ, qg, st, q0, T);
+    load_tile<HD>(sK(0), kg, st, 0, T);
+    load_tile<HD>(sV(0), vg, st, 0, T);
     cp_commit();
 
-    float acc[8][4];
+    float acc[G::NJ][4];
     zero(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    uint32_t qa[4][4];
+    uint32_t qa[G::KS][4];
     const int row = q0 + w * 16 + (lane >> 2);  // rows of c[.][0..1]; + 8 for c[.][2..3]
     for (int kt = 0; kt <= qt; ++kt) {
         const int cur = kt & 1;
         if (kt < qt) {
-            load_tile(sK[cur ^ 1], kg, st, (kt + 1) * TILE, T);
-            load_tile(sV[cur ^ 1], vg, st, (kt + 1) * TILE, T);
+            load_tile<HD>(sK(cur ^ 1), kg, st, (kt + 1) * TILE, T);
+            load_tile<HD>(sV(cur ^ 1), vg, st, (kt + 1) * TILE, T);
         }
         cp_commit();
         cp_wait<1>();
         __syncthreads();
         if (kt == 0)
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) frag_a(qa[kk], sQ, w * 16, kk, lane);
+            for (int kk = 0; kk < G::KS; ++kk) frag_a<HD>(qa[kk], sQ, w * 16, kk, lane);
         float s[8][4];
         zero(s);
-        mma_tile<true>(s, qa, sK[cur], lane);
+        mma_tile<HD, true, G::KS, 8>(s, qa, sK(cur), lane);
         const int key0 = kt * TILE + 2 * (lane & 3);
         float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -97,9 +111,12 @@ extern "C" __global__ void __launch_bounds__(NT)
                 const float p = exp2f(s[j][e] - m[e >> 1]);
                 s[j][e] = p;
                 l[e >> 1] += p;
-                acc[j][e] *= alpha[e >> 1];
             }
-        mma_acc_rows_k(acc, s, sV[cur], lane);
+#pragma unroll
+        for (int j = 0; j < G::NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] *= alpha[e >> 1];
+        mma_acc_rows_k<HD>(acc, s, sV(cur), lane);
         __syncthreads();
     }
     float inv[2];
@@ -119,16 +136,17 @@ extern "C" __global__ void __launch_bounds__(NT)
 
 // ---------------------------------------------------------------------------
 // D = rowsum(do * o) per (batch, head, row), F32 [b, heads, T]; eight
-// threads per row, one 16-byte chunk each.
+// threads per row, 16-byte chunks ch, ch + 8, .. of its `chunks` (HD / 8)
+// each.
 
 extern "C" __global__ void flash_bwd_dot_bf16(const bf16* __restrict__ o, const bf16* __restrict__ dout,
                                               long long ob, long long oh, long long ot,
-                                              float* __restrict__ dsum, int H, int T, long long rows) {
+                                              float* __restrict__ dsum, int H, int T, long long rows,
+                                              int chunks) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long r = i >> 3;
-    const int ch = (int)(i & 7);
     float acc = 0.0f;
-    if (r < rows) {
+    for (int ch = (int)(i & 7); r < rows && ch < chunks; ch += 8) {
         const int t = (int)(r % T);
         const long long bh = r / T;
         const long long off = (bh / H) * ob + (bh % H) * oh + (long long)t * ot + ch * 8;
@@ -145,7 +163,7 @@ extern "C" __global__ void flash_bwd_dot_bf16(const bf16* __restrict__ o, const 
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-    if (r < rows && ch == 0) dsum[r] = acc;
+    if (r < rows && (i & 7) == 0) dsum[r] = acc;
 }
 
 // ---------------------------------------------------------------------------
@@ -160,33 +178,73 @@ struct Bwd {
     float scale_log2, scale;
 };
 
-// The 16-row A fragments of this warp from two tiles loaded together.
-__device__ __forceinline__ void stage(uint32_t (&a)[4][4], uint32_t (&c)[4][4], bf16* s0, bf16* s1,
-                                      const bf16* g0, long long st0, const bf16* g1, long long st1, int row0,
-                                      int T, int lane, int w) {
-    load_tile(s0, g0, st0, row0, T);
-    load_tile(s1, g1, st1, row0, T);
+// A backward block's tiles in shared memory: the moving ones (query or key
+// tiles) double-buffered in a and b, and above HD 64 the stationary ones
+// (this block's own tile of k and v, or of q and do) in x and y.
+template <int HD>
+struct Tiles {
+    bf16* base;  // a[0], a[1], b[0], b[1], x, y, one tile each
+    __device__ __forceinline__ bf16* a(int c) const { return base + c * Geo<HD>::ELEMS; }
+    __device__ __forceinline__ bf16* b(int c) const { return base + (2 + c) * Geo<HD>::ELEMS; }
+    __device__ __forceinline__ bf16* x() const { return base + 4 * Geo<HD>::ELEMS; }
+    __device__ __forceinline__ bf16* y() const { return base + 5 * Geo<HD>::ELEMS; }
+};
+
+// A warp's 16 rows of a stationary tile as the A operand of scores: their
+// fragments held in registers at HD 64, read from the tile in shared memory
+// at each use above (holding them would spill).
+template <int HD>
+struct Fixed {
+    static constexpr bool REG = HD == 64;
+    uint32_t a[REG ? Geo<HD>::KS : 1][4];
+    const bf16* tile;
+    int m0;
+
+    // acc (16 rows x the 64 rows of tile t) += these rows times tile t's rows.
+    __device__ __forceinline__ void scores(float (&acc)[8][4], const bf16* t, int lane) const {
+        if constexpr (REG)
+            mma_tile<HD, true, Geo<HD>::KS, 8>(acc, a, t, lane);
+        else
+            mma_scores_smem<HD>(acc, tile, m0, t, lane);
+    }
+};
+
+// Two stationary tiles loaded together (into s0, s1: a[0] and b[0], reused
+// afterwards, at HD 64; x and y above) and made this warp's A operands.
+template <int HD>
+__device__ __forceinline__ void stage(Fixed<HD>& f0, Fixed<HD>& f1, const Tiles<HD>& sm, const bf16* g0, long long st0,
+                                      const bf16* g1, long long st1, int row0, int T, int lane, int w) {
+    bf16* s0 = Fixed<HD>::REG ? sm.a(0) : sm.x();
+    bf16* s1 = Fixed<HD>::REG ? sm.b(0) : sm.y();
+    load_tile<HD>(s0, g0, st0, row0, T);
+    load_tile<HD>(s1, g1, st1, row0, T);
     cp_commit();
     cp_wait<0>();
     __syncthreads();
+    f0.tile = s0;
+    f1.tile = s1;
+    f0.m0 = f1.m0 = w * 16;
+    if constexpr (Fixed<HD>::REG) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        frag_a(a[kk], s0, w * 16, kk, lane);
-        frag_a(c[kk], s1, w * 16, kk, lane);
+        for (int kk = 0; kk < Geo<HD>::KS; ++kk) {
+            frag_a<HD>(f0.a[kk], s0, w * 16, kk, lane);
+            frag_a<HD>(f1.a[kk], s1, w * 16, kk, lane);
+        }
+        __syncthreads();
     }
-    __syncthreads();
 }
 
 // dK, dV of key tile kt: over query tiles kt .. tiles - 1.
-__device__ void bwd_dkdv(const Bwd& p, int kt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB)[TILE_ELEMS],
-                         float (*sL)[TILE], float (*sD)[TILE]) {
+template <int HD>
+__device__ __forceinline__ void bwd_dkdv(const Bwd& p, int kt, const Tiles<HD>& sm, float (*sL)[TILE],
+                                         float (*sD)[TILE]) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int tiles = (p.T + TILE - 1) / TILE;
-    uint32_t ka[4][4], va[4][4];
-    stage(ka, va, sA[0], sB[0], p.k, p.st, p.v, p.st, kt * TILE, p.T, lane, w);
+    Fixed<HD> kf, vf;
+    stage<HD>(kf, vf, sm, p.k, p.st, p.v, p.st, kt * TILE, p.T, lane, w);
     auto fetch = [&](int qt, int buf) {
-        load_tile(sA[buf], p.q, p.st, qt * TILE, p.T);
-        load_tile(sB[buf], p.dout, p.ot, qt * TILE, p.T);
+        load_tile<HD>(sm.a(buf), p.q, p.st, qt * TILE, p.T);
+        load_tile<HD>(sm.b(buf), p.dout, p.ot, qt * TILE, p.T);
         if (threadIdx.x < TILE) {
             const int r = qt * TILE + threadIdx.x;
             sL[buf][threadIdx.x] = r < p.T ? p.lse2[r] : INFINITY;
@@ -195,7 +253,7 @@ __device__ void bwd_dkdv(const Bwd& p, int kt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB
     };
     fetch(kt, 0);
     cp_commit();
-    float dk[8][4], dv[8][4];
+    float dk[Geo<HD>::NJ][4], dv[Geo<HD>::NJ][4];
     zero(dk);
     zero(dv);
     const int key = kt * TILE + w * 16 + (lane >> 2);  // keys of c[.][0..1]; + 8 for c[.][2..3]
@@ -209,7 +267,7 @@ __device__ void bwd_dkdv(const Bwd& p, int kt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB
         // Pᵀ (16 keys x 64 queries) from Sᵀ = K Qᵀ.
         float s[8][4];
         zero(s);
-        mma_tile<true>(s, ka, sA[cur], lane);
+        kf.scores(s, sm.a(cur), lane);
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -219,15 +277,15 @@ __device__ void bwd_dkdv(const Bwd& p, int kt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB
                 if (qt == kt && qt * TILE + qi < key + ((e >> 1) << 3)) pr = 0.0f;
                 s[j][e] = pr;
             }
-        mma_acc_rows_k(dv, s, sB[cur], lane);  // dV += Pᵀ dO
+        mma_acc_rows_k<HD>(dv, s, sm.b(cur), lane);  // dV += Pᵀ dO
         float dp[8][4];
         zero(dp);
-        mma_tile<true>(dp, va, sB[cur], lane);  // dPᵀ = V dOᵀ
+        vf.scores(dp, sm.b(cur), lane);  // dPᵀ = V dOᵀ
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] *= dp[j][e] - sD[cur][8 * j + col + (e & 1)];
-        mma_acc_rows_k(dk, s, sA[cur], lane);  // dK += dSᵀ Q
+        mma_acc_rows_k<HD>(dk, s, sm.a(cur), lane);  // dK += dSᵀ Q
         __syncthreads();
     }
     store_rows(p.dk, p.st, key, p.T, dk, p.scale, p.scale, lane);
@@ -235,10 +293,11 @@ __device__ void bwd_dkdv(const Bwd& p, int kt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB
 }
 
 // dQ of query tile qt: over key tiles 0 .. qt.
-__device__ void bwd_dq(const Bwd& p, int qt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB)[TILE_ELEMS]) {
+template <int HD>
+__device__ __forceinline__ void bwd_dq(const Bwd& p, int qt, const Tiles<HD>& sm) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    uint32_t qa[4][4], da[4][4];
-    stage(qa, da, sA[0], sB[0], p.q, p.st, p.dout, p.ot, qt * TILE, p.T, lane, w);
+    Fixed<HD> qf, df;
+    stage<HD>(qf, df, sm, p.q, p.st, p.dout, p.ot, qt * TILE, p.T, lane, w);
     const int row = qt * TILE + w * 16 + (lane >> 2);
     float lr[2], dr[2];
 #pragma unroll
@@ -247,17 +306,17 @@ __device__ void bwd_dq(const Bwd& p, int qt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB)[
         lr[r] = i < p.T ? p.lse2[i] : INFINITY;
         dr[r] = i < p.T ? p.dsum[i] : 0.0f;
     }
-    load_tile(sA[0], p.k, p.st, 0, p.T);
-    load_tile(sB[0], p.v, p.st, 0, p.T);
+    load_tile<HD>(sm.a(0), p.k, p.st, 0, p.T);
+    load_tile<HD>(sm.b(0), p.v, p.st, 0, p.T);
     cp_commit();
-    float dq[8][4];
+    float dq[Geo<HD>::NJ][4];
     zero(dq);
     const int key0 = 2 * (lane & 3);
     for (int kt = 0; kt <= qt; ++kt) {
         const int cur = kt & 1;
         if (kt < qt) {
-            load_tile(sA[cur ^ 1], p.k, p.st, (kt + 1) * TILE, p.T);
-            load_tile(sB[cur ^ 1], p.v, p.st, (kt + 1) * TILE, p.T);
+            load_tile<HD>(sm.a(cur ^ 1), p.k, p.st, (kt + 1) * TILE, p.T);
+            load_tile<HD>(sm.b(cur ^ 1), p.v, p.st, (kt + 1) * TILE, p.T);
         }
         cp_commit();
         cp_wait<1>();
@@ -265,8 +324,8 @@ __device__ void bwd_dq(const Bwd& p, int qt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB)[
         float s[8][4], dp[8][4];
         zero(s);
         zero(dp);
-        mma_tile<true>(s, qa, sA[cur], lane);   // S = Q Kᵀ
-        mma_tile<true>(dp, da, sB[cur], lane);  // dP = dO Vᵀ
+        qf.scores(s, sm.a(cur), lane);   // S = Q Kᵀ
+        df.scores(dp, sm.b(cur), lane);  // dP = dO Vᵀ
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -276,21 +335,21 @@ __device__ void bwd_dq(const Bwd& p, int qt, bf16 (*sA)[TILE_ELEMS], bf16 (*sB)[
                 if (kt == qt && kt * TILE + key0 + 8 * j + (e & 1) > row + 8 * r) pr = 0.0f;
                 s[j][e] = pr * (dp[j][e] - dr[r]);
             }
-        mma_acc_rows_k(dq, s, sA[cur], lane);  // dQ += dS K
+        mma_acc_rows_k<HD>(dq, s, sm.a(cur), lane);  // dQ += dS K
         __syncthreads();
     }
     store_rows(p.dq, p.st, row, p.T, dq, p.scale, p.scale, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(NT)
-    flash_bwd_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                   long long sb, long long sh, long long st, const bf16* __restrict__ dout, long long ob,
-                   long long oh, long long ot, const float* __restrict__ lse2, const float* __restrict__ dsum,
-                   bf16* __restrict__ dq, bf16* __restrict__ dk, bf16* __restrict__ dv, int T, float scale_log2,
-                   float scale) {
-    __shared__ __align__(128) bf16 sA[2][TILE_ELEMS];
-    __shared__ __align__(128) bf16 sB[2][TILE_ELEMS];
+template <int HD>
+__device__ __forceinline__ void flash_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                          const bf16* __restrict__ v, long long sb, long long sh, long long st,
+                                          const bf16* __restrict__ dout, long long ob, long long oh, long long ot,
+                                          const float* __restrict__ lse2, const float* __restrict__ dsum,
+                                          bf16* __restrict__ dq, bf16* __restrict__ dk, bf16* __restrict__ dv, int T,
+                                          float scale_log2, float scale) {
     __shared__ float sL[2][TILE], sD[2][TILE];
+    const Tiles<HD> sm{reinterpret_cast<bf16*>(flash_smem)};
     const int tiles = (T + TILE - 1) / TILE;
     const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
     const long long off = (long long)b * sb + (long long)h * sh;
@@ -300,7 +359,30 @@ extern "C" __global__ void __launch_bounds__(NT)
                 dsum + row_off, dq + off,        dk + off,    dv + off,    st,
                 ot,             T,               scale_log2,  scale};
     if ((int)blockIdx.x < tiles)
-        bwd_dkdv(p, blockIdx.x, sA, sB, sL, sD);
+        bwd_dkdv<HD>(p, blockIdx.x, sm, sL, sD);
     else
-        bwd_dq(p, 2 * tiles - 1 - blockIdx.x, sA, sB);
+        bwd_dq<HD>(p, 2 * tiles - 1 - blockIdx.x, sm);
 }
+
+// ---------------------------------------------------------------------------
+// The kernels, one pair per head dimension.
+
+#define FLASH_KERNELS(HD)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(NT) flash_fwd_bf16_hd##HD(                                   \
+        const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, long long sb,       \
+        long long sh, long long st, bf16* __restrict__ o, long long ob, long long oh, long long ot,             \
+        float* __restrict__ lse2, int T, float scale_log2) {                                                    \
+        flash_fwd<HD>(q, k, v, sb, sh, st, o, ob, oh, ot, lse2, T, scale_log2);                                 \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NT) flash_bwd_bf16_hd##HD(                                   \
+        const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, long long sb,       \
+        long long sh, long long st, const bf16* __restrict__ dout, long long ob, long long oh, long long ot,     \
+        const float* __restrict__ lse2, const float* __restrict__ dsum, bf16* __restrict__ dq,                 \
+        bf16* __restrict__ dk, bf16* __restrict__ dv, int T, float scale_log2, float scale) {                   \
+        flash_bwd<HD>(q, k, v, sb, sh, st, dout, ob, oh, ot, lse2, dsum, dq, dk, dv, T, scale_log2, scale);     \
+    }
+
+FLASH_KERNELS(64)
+FLASH_KERNELS(80)
+FLASH_KERNELS(96)
+FLASH_KERNELS(128)

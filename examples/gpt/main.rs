@@ -56,7 +56,7 @@ struct Args {
     /// Transformer Engine DelayedScaling recipe (JSON or TOML); implies fp8-delayed.
     #[arg(long)]
     recipe: Option<PathBuf>,
-    /// Model size: tiny, 125m, 350m, 760m, 1.3b.
+    /// Model size: tiny, 125m, 350m, 760m, 1.3b, 2.7b, 6.7b.
     #[arg(long, default_value = "tiny")]
     size: String,
     /// Optimizer steps in all.
@@ -522,7 +522,10 @@ fn check_memory(
         ExportArg::F32 => 4,
         ExportArg::Bf16 => 2,
     };
-    let flash = device.is_cuda() && !args.no_flash && g.n_embd == 64 * g.n_head;
+    let flash = device.is_cuda()
+        && !args.no_flash
+        && g.n_embd % g.n_head == 0
+        && amp::nn::flash_head_dim(g.n_embd / g.n_head);
     let worst = levels
         .iter()
         .map(|&l| {

@@ -8,7 +8,7 @@
 //!   within 1e-2. The bias gradient (a column sum in the kernels' order)
 //!   bit for bit, the embedding (a gather, a sum in token order) with a
 //!   relative error of 0.
-//! - Attention: flash attention (head dimension 64) and the materialised
+//! - Attention: flash attention (head dimensions 64, 80, 96, 128) and the materialised
 //!   path (other head dimensions, or flash turned off) against the CPU's
 //!   F32 body; flash against the materialised GPU path at the GPT's
 //!   shapes. The GPU runs its products in BF16 against F32 on the CPU, so
@@ -156,6 +156,8 @@ fn embedding(dev: &Device) -> Result<()> {
 }
 
 const ATTENTION_TOL: f64 = 2e-2;
+/// The head dimensions flash attention is built for.
+const FLASH_HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
 
 /// `|a - b| / |b|` (L2 norms); for an all-zero `b`, `a`'s RMS.
 fn rel_err_or_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -193,7 +195,7 @@ fn separate(
         ("dk", rel_err_or_rms(&g(&gg, &kg)?, &g(&gc, &kc)?)?),
         ("dv", rel_err_or_rms(&g(&gg, &vg)?, &g(&gc, &vc)?)?),
     ];
-    let path = if dims[3] == 64 {
+    let path = if FLASH_HEAD_DIMS.contains(&dims[3]) {
         "flash"
     } else {
         "materialised"
@@ -244,15 +246,24 @@ fn attention(dev: &Device) -> Result<()> {
             [2, 2, 200, 64],
             [1, 1, 1, 64],
             [1, 2, 37, 24],
+            [2, 2, 200, 96],
+            [1, 3, 100, 80],
+            [2, 1, 130, 128],
+            [1, 1, 1, 128],
         ] {
             ok &= separate(&mut rng, dev, dims, dtype, false)?;
         }
-        ok &= separate(&mut rng, dev, [1, 2, 130, 64], dtype, true)?;
+        for hd in [64, 128] {
+            ok &= separate(&mut rng, dev, [1, 2, 130, hd], dtype, true)?;
+        }
         for shape in [
             (2usize, 128usize, 3usize, 64usize),
             (1, 100, 2, 64),
             (2, 65, 1, 64),
             (1, 37, 2, 12),
+            (2, 128, 3, 96),
+            (1, 77, 2, 80),
+            (1, 100, 2, 128),
         ] {
             ok &= packed(&mut rng, dev, shape, dtype)?;
         }
@@ -275,9 +286,16 @@ fn run_packed(x: &Var, r: &Tensor, heads: usize, flash: bool) -> Result<(Tensor,
 fn flash_vs_materialised(dev: &Device) -> Result<()> {
     let mut rng = Rng(0xa77e_0003);
     let mut ok = true;
-    for (b, t, heads) in [(8usize, 1024usize, 12usize), (2, 1024, 16)] {
-        let (_, x) = var(&mut rng, &[b, t, 3 * heads * 64], DType::BF16, dev)?;
-        let (_, r) = var(&mut rng, &[b, t, heads * 64], DType::BF16, dev)?;
+    // 125M, 350M (head dimension 64), 760M (96), 2.7B (80), 6.7B (128)
+    for (b, t, heads, hd) in [
+        (8usize, 1024usize, 12usize, 64usize),
+        (2, 1024, 16, 64),
+        (2, 1024, 16, 96),
+        (1, 1024, 32, 80),
+        (1, 1024, 32, 128),
+    ] {
+        let (_, x) = var(&mut rng, &[b, t, 3 * heads * hd], DType::BF16, dev)?;
+        let (_, r) = var(&mut rng, &[b, t, heads * hd], DType::BF16, dev)?;
         let (yf, gf) = run_packed(&x, r.as_tensor(), heads, true)?;
         let (ym, gm) = run_packed(&x, r.as_tensor(), heads, false)?;
         let e = [
@@ -287,7 +305,7 @@ fn flash_vs_materialised(dev: &Device) -> Result<()> {
         ok &= report(
             &format!(
                 "flash vs materialised [{b}, {t}, {}] heads {heads}",
-                3 * heads * 64
+                3 * heads * hd
             ),
             &e,
             ATTENTION_TOL,

@@ -52,7 +52,7 @@ pub use blocks::{
 };
 pub use fused::{
     causal_attention, causal_attention_qkv, cross_entropy, embedding, flash_attention_enabled,
-    gelu, set_flash_attention,
+    flash_head_dim, gelu, set_flash_attention,
 };
 pub use linear::{linear, linear_b, linear_no_bias, registered_linear, Fuse, LayerScaling, Linear};
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};

@@ -3,7 +3,7 @@
 //! graph keeps one matrix per layer (the probabilities) instead of the
 //! scores, the masked scores and the probabilities, and backprop spends
 //! no zero-fill and add on each of them. On CUDA with a head dimension of
-//! 64 the body is flash attention instead ([`super::flash`]): no
+//! 64, 80, 96 or 128 the body is flash attention instead ([`super::flash`]): no
 //! probabilities at all, backward recomputes them.
 
 use super::flash;

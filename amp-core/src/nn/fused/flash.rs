@@ -1,12 +1,12 @@
 //! Causal flash attention on CUDA (`kernels/flash.cu`), the attention ops'
-//! body where it applies: a CUDA device, a head dimension of 64. The
-//! scores and probabilities stay on chip; backward keeps the output and
+//! body where it applies: a CUDA device, a head dimension of 64, 80, 96 or
+//! 128. The scores and probabilities stay on chip; backward keeps the output and
 //! one F32 per row instead of the `[batch, heads, t, t]` probabilities
 //! (2.4 GB at the 125M GPT's batch of 8 x 1024) and recomputes them.
 //! Elsewhere (the CPU, other head dimensions) the ops materialise the
 //! probabilities. [`set_flash_attention`] turns it off, for A/B runs.
 
-use super::flash_shape::{Flash, HEAD_DIM};
+use super::flash_shape::{Flash, HEAD_DIMS};
 use crate::error::{Error, Result};
 use crate::numerics::kernel::{launch, Kernel};
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
 /// Whether attention on CUDA runs as flash attention where it applies (a
-/// head dimension of 64); on by default. Off, it materialises the
+/// head dimension of 64, 80, 96 or 128); on by default. Off, it
+/// materialises the
 /// probabilities as on the CPU (for A/B comparisons).
 /// Takes effect for the ops built after the call.
 pub fn set_flash_attention(on: bool) {
@@ -27,12 +28,24 @@ pub fn flash_attention_enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+/// Whether the flash kernels are built for head dimension `hd` (64, 80,
+/// 96, 128): on CUDA, attention with another one materialises the
+/// probabilities.
+///
+/// ```
+/// assert!(amp_core::nn::flash_head_dim(128));
+/// assert!(!amp_core::nn::flash_head_dim(48));
+/// ```
+pub fn flash_head_dim(hd: usize) -> bool {
+    HEAD_DIMS.contains(&hd)
+}
+
 impl Flash {
     fn applies(x: &Tensor, hd: usize) -> bool {
         cfg!(feature = "cuda")
             && flash_attention_enabled()
             && x.device().is_cuda()
-            && hd == HEAD_DIM
+            && flash_head_dim(hd)
             && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
     }
 
@@ -49,6 +62,7 @@ impl Flash {
             b,
             heads,
             t,
+            hd,
             packed: false,
         })
     }
@@ -61,6 +75,7 @@ impl Flash {
             b,
             heads,
             t,
+            hd,
             packed: true,
         })
     }

@@ -4,18 +4,20 @@
 
 use candle_core::Shape;
 
-/// The head dimension the kernels are built for.
-pub(crate) const HEAD_DIM: usize = 64;
+/// The head dimensions the kernels are built for (`flash.cu`'s
+/// instantiations, one pair of kernels each).
+pub(crate) const HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
 
-/// A flash-attention problem: `b` x `heads` sequences of `t` rows; q, k, v
-/// packed side by side in one projection's rows `[b, t, 3 * heads * 64]`,
-/// or separate `[b, heads, t, 64]` tensors.
+/// A flash-attention problem: `b` x `heads` sequences of `t` rows of `hd`
+/// (one of [`HEAD_DIMS`]); q, k, v packed side by side in one projection's
+/// rows `[b, t, 3 * heads * hd]`, or separate `[b, heads, t, hd]` tensors.
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct Flash {
     pub b: usize,
     pub heads: usize,
     pub t: usize,
+    pub hd: usize,
     pub packed: bool,
 }
 
@@ -24,7 +26,7 @@ pub(crate) struct Flash {
 impl Flash {
     /// Columns of q (and of k, v, and of the output) per row.
     pub(crate) fn width(&self) -> usize {
-        self.heads * HEAD_DIM
+        self.heads * self.hd
     }
 
     /// Rows of all (batch, head) sequences.
@@ -34,13 +36,13 @@ impl Flash {
 
     /// `1 / sqrt(head_dim)`.
     pub(crate) fn scale(&self) -> f32 {
-        1.0 / (HEAD_DIM as f32).sqrt()
+        1.0 / (self.hd as f32).sqrt()
     }
 
     /// (batch, head, row) strides of q, k, v in elements.
     pub(crate) fn in_strides(&self) -> [i64; 3] {
         let w = self.width() as i64;
-        let (t, d) = (self.t as i64, HEAD_DIM as i64);
+        let (t, d) = (self.t as i64, self.hd as i64);
         if self.packed {
             [t * 3 * w, d, 3 * w]
         } else {
@@ -50,7 +52,7 @@ impl Flash {
 
     /// (batch, head, row) strides of the output (and of its gradient).
     pub(crate) fn out_strides(&self) -> [i64; 3] {
-        let (t, d) = (self.t as i64, HEAD_DIM as i64);
+        let (t, d) = (self.t as i64, self.hd as i64);
         if self.packed {
             [t * self.width() as i64, d, self.width() as i64]
         } else {
@@ -63,17 +65,17 @@ impl Flash {
         if self.packed {
             Shape::from((self.b, self.t, 3 * self.width()))
         } else {
-            Shape::from((self.b, self.heads, self.t, HEAD_DIM))
+            Shape::from((self.b, self.heads, self.t, self.hd))
         }
     }
 
-    /// The shape of the output: rows `[b, t, heads * 64]` packed, heads
+    /// The shape of the output: rows `[b, t, heads * hd]` packed, heads
     /// otherwise.
     pub(crate) fn out_shape(&self) -> Shape {
         if self.packed {
             Shape::from((self.b, self.t, self.width()))
         } else {
-            Shape::from((self.b, self.heads, self.t, HEAD_DIM))
+            Shape::from((self.b, self.heads, self.t, self.hd))
         }
     }
 }

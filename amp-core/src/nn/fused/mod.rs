@@ -42,7 +42,7 @@ mod pointwise;
 
 pub use attention::{causal_attention, causal_attention_qkv};
 pub use embedding::embedding;
-pub use flash::{flash_attention_enabled, set_flash_attention};
+pub use flash::{flash_attention_enabled, flash_head_dim, set_flash_attention};
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor, D};

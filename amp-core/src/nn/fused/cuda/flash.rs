@@ -1,16 +1,18 @@
 //! Launches of the causal flash attention (`kernels/flash.cu`): forward
 //! (output and the rows' log-sum-exp), and backward (`rowsum(do * o)`,
-//! then dq, dk, dv in one launch). Inputs are contiguous BF16 storages
-//! laid out as [`Flash`] says; nothing is read back to the host.
+//! then dq, dk, dv in one launch), with the kernels built for the
+//! problem's head dimension. Inputs are contiguous BF16 storages laid out
+//! as [`Flash`] says; nothing is read back to the host.
 
 use super::flash_func;
 use super::ops::store;
 use crate::error::{Error, Result};
-use crate::nn::fused::flash_shape::{Flash, HEAD_DIM};
+use crate::nn::fused::flash_shape::{Flash, HEAD_DIMS};
 use crate::numerics::cuda::launch::aligned;
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaView, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{Layout, Shape};
@@ -20,6 +22,44 @@ const OP: &str = "flash_attention";
 /// Rows of a tile (`TILE` in flash.cu) and threads of a block (`NT`).
 const TILE: usize = 64;
 const THREADS: u32 = 128;
+/// Shared memory a kernel may take without asking for more.
+const DEFAULT_SMEM: usize = 48 * 1024;
+
+/// The shared memory (bytes) a block of the forward (`backward` false) or
+/// the backward takes at head dimension `hd`, as flash.cu lays it out:
+/// 64-row BF16 tiles of `hd` rounded up to 64 columns, 5 in the forward,
+/// 4 in the backward (6 above `hd` 64, which keeps its stationary tiles).
+fn smem_bytes(hd: usize, backward: bool) -> usize {
+    let tile = TILE * hd.div_ceil(64) * 64 * std::mem::size_of::<bf16>();
+    let tiles = match (backward, hd > 64) {
+        (false, _) => 5,
+        (true, false) => 4,
+        (true, true) => 6,
+    };
+    tiles * tile
+}
+
+/// `flash.cu`'s kernel `stem` built for the problem's head dimension,
+/// allowed the shared memory it takes, and that amount.
+fn kernel(dev: &CudaDevice, f: &Flash, stem: &str, backward: bool) -> Result<(CudaFunction, u32)> {
+    if !HEAD_DIMS.contains(&f.hd) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("a head dimension of {}", f.hd),
+        });
+    }
+    let func = flash_func(dev, &format!("{stem}_hd{}", f.hd))?;
+    let bytes = smem_bytes(f.hd, backward);
+    if bytes > DEFAULT_SMEM {
+        // at most 96 KiB: Ada's limit a block (99 KiB) and Hopper's (227)
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .w()?;
+    }
+    Ok((func, bytes as u32))
+}
 
 /// The q, k, v views of the inputs: one packed projection (k and v at
 /// column offsets `width` and `2 * width`) or three tensors.
@@ -65,8 +105,9 @@ fn unaligned() -> Error {
     }
 }
 
-/// The grid: `x` blocks per (head, batch), 128 threads.
-fn config(f: &Flash, x: usize) -> Result<LaunchConfig> {
+/// The grid: `x` blocks per (head, batch), 128 threads, `smem` bytes of
+/// dynamic shared memory.
+fn config(f: &Flash, x: usize, smem: u32) -> Result<LaunchConfig> {
     let dim = |n: usize| {
         u32::try_from(n)
             .ok()
@@ -83,7 +124,7 @@ fn config(f: &Flash, x: usize) -> Result<LaunchConfig> {
             dim(f.b)?,
         ),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     })
 }
 
@@ -113,13 +154,13 @@ pub(crate) fn fwd(
     // SAFETY (both): the kernel writes every row of every (batch, head).
     let mut o = unsafe { dev.alloc::<bf16>(f.b * f.t * f.width())? };
     let mut lse = unsafe { dev.alloc::<f32>(f.rows())? };
-    let func = flash_func(&dev, "flash_fwd_bf16")?;
+    let (func, smem) = kernel(&dev, &f, "flash_fwd_bf16", false)?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&func);
     b.arg(&q).arg(&k).arg(&v).arg(&sb).arg(&sh).arg(&st);
     b.arg(&mut o).arg(&ob).arg(&oh).arg(&ot);
     b.arg(&mut lse).arg(&t).arg(&scale_log2);
-    unsafe { b.launch(config(&f, f.t.div_ceil(TILE))?) }.w()?;
+    unsafe { b.launch(config(&f, f.t.div_ceil(TILE), smem)?) }.w()?;
     Ok(vec![
         (store(o, &dev), f.out_shape()),
         (store(lse, &dev), Shape::from((f.b, f.heads, f.t))),
@@ -158,13 +199,14 @@ pub(crate) fn bwd(
     let [ob, oh, ot] = f.out_strides();
     let heads = i32::try_from(f.heads).map_err(|_| arity())?;
     let rows = i64::try_from(f.rows()).map_err(|_| arity())?;
+    let chunks = (f.hd / 8) as i32;
     let stream = dev.cuda_stream();
     // SAFETY: one value per row.
     let mut dsum = unsafe { dev.alloc::<f32>(f.rows())? };
     let dot = flash_func(&dev, "flash_bwd_dot_bf16")?;
     let mut b = stream.launch_builder(&dot);
     b.arg(&o).arg(&dout).arg(&ob).arg(&oh).arg(&ot);
-    b.arg(&mut dsum).arg(&heads).arg(&t).arg(&rows);
+    b.arg(&mut dsum).arg(&heads).arg(&t).arg(&rows).arg(&chunks);
     let threads = 8 * f.rows();
     let cfg = LaunchConfig {
         grid_dim: (
@@ -187,7 +229,7 @@ pub(crate) fn bwd(
     let w = f.width();
     let scale = f.scale();
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let func = flash_func(&dev, "flash_bwd_bf16")?;
+    let (func, smem) = kernel(&dev, &f, "flash_bwd_bf16", true)?;
     {
         // Packed, dq, dk and dv are the columns at 0, width and 2 * width
         // of every row of one storage: raw addresses, not overlapping views.
@@ -209,7 +251,7 @@ pub(crate) fn bwd(
             b.arg(p);
         }
         b.arg(&t).arg(&scale_log2).arg(&scale);
-        unsafe { b.launch(config(&f, 2 * f.t.div_ceil(TILE))?) }.w()?;
+        unsafe { b.launch(config(&f, 2 * f.t.div_ceil(TILE), smem)?) }.w()?;
         drop(held);
     }
     let shape = f.in_shape();
@@ -218,8 +260,3 @@ pub(crate) fn bwd(
         .map(|g| (store(g, &dev), shape.clone()))
         .collect())
 }
-
-const _: () = assert!(
-    HEAD_DIM == 64,
-    "flash.cu is built for a head dimension of 64"
-);
