@@ -12,9 +12,11 @@
 //! sequence for the attention probabilities where flash attention does
 //! not run), and the logits with their softmax and gradient in F32. At
 //! 350M O2 (8 x 1024, BF16, flash) it says 14.7 GB where the pool's peak
-//! was 10.8 GB.
+//! was 10.8 GB. With `--recompute full` the backward keeps each block's
+//! input (2 bytes per token and width at 16-bit activations) and one
+//! block's activations at a time.
 
-use crate::model::GptConfig;
+use crate::model::{GptConfig, Recompute};
 use amp::levels::Level;
 use candle_core::Device;
 
@@ -39,7 +41,8 @@ impl Estimate {
 /// What a run of `g` at `level` needs: `batch` sequences of `seq` tokens
 /// per rank, `ranks` ranks in this process (threads of `--world-size`),
 /// ZeRO over `shards` ranks at O3, activations of `act_bytes` bytes,
-/// attention through flash attention or materialized.
+/// attention through flash attention or materialized, blocks recomputed
+/// as `recompute` says.
 #[allow(clippy::too_many_arguments)]
 pub fn estimate(
     g: &GptConfig,
@@ -50,6 +53,7 @@ pub fn estimate(
     shards: usize,
     act_bytes: usize,
     flash: bool,
+    recompute: Recompute,
 ) -> Estimate {
     let (l, d, h) = (g.n_layer as f64, g.n_embd as f64, g.n_head as f64);
     let (b, s) = (batch as f64, seq as f64);
@@ -57,10 +61,15 @@ pub fn estimate(
     let other = (g.params() as f64 - linear).max(0.0);
     let persistent = linear * level.predicted_bytes_per_linear_param(shards.max(1)) + other * 16.0;
     let per_token = 17.0 * act_bytes as f64;
-    let mut activations = l * b * s * d * per_token;
+    let mut block = b * s * d * per_token;
     if !flash {
-        activations += l * 2.5 * act_bytes as f64 * h * s * s * b;
+        block += 2.5 * act_bytes as f64 * h * s * s * b;
     }
+    let activations = match recompute {
+        Recompute::None => l * block,
+        // each block's input, and the block being recomputed
+        Recompute::Full => l * b * s * d * act_bytes as f64 + block,
+    };
     let logits = b * s * g.vocab as f64 * 4.0 * 3.0;
     let n = ranks.max(1) as f64;
     Estimate {
@@ -102,11 +111,17 @@ mod tests {
         // 350M O2, 8 x 1024, BF16 activations, flash: the pool's peak on
         // an H200 was 10.8 GB (BENCHMARKS.md)
         let g = GptConfig::named("350m", 50304, 1024).unwrap();
-        let e = estimate(&g, Level::O2, 8, 1024, 1, 1, 2, true);
+        let none = Recompute::None;
+        let e = estimate(&g, Level::O2, 8, 1024, 1, 1, 2, true, none);
         assert!(e.total() > 10.8e9 && e.total() < 2.0 * 10.8e9, "{e:?}");
         // ranks as threads multiply it; materialized attention adds to it
-        let two = estimate(&g, Level::O2, 8, 1024, 2, 1, 2, true);
+        let two = estimate(&g, Level::O2, 8, 1024, 2, 1, 2, true, none);
         assert!((two.total() - 2.0 * e.total()).abs() < 1.0);
-        assert!(estimate(&g, Level::O2, 8, 1024, 1, 1, 2, false).total() > e.total());
+        assert!(estimate(&g, Level::O2, 8, 1024, 1, 1, 2, false, none).total() > e.total());
+        // recomputation keeps a block's input of each layer and one block
+        let full = estimate(&g, Level::O2, 8, 1024, 1, 1, 2, true, Recompute::Full);
+        let want = 24.0 * 8.0 * 1024.0 * 1024.0 * 2.0 + e.activations / 24.0;
+        assert!((full.activations - want).abs() < 1.0, "{full:?}");
+        assert_eq!(full.persistent, e.persistent);
     }
 }

@@ -151,6 +151,11 @@ struct Args {
     /// affected. BF16 halves what backprop keeps and moves.
     #[arg(long, value_enum, default_value = "f32")]
     activations: ExportArg,
+    /// Activations recomputed in backward instead of kept: `full` keeps
+    /// only each block's input and runs the block again in backward (less
+    /// memory for a second forward; the same values bit for bit).
+    #[arg(long, value_enum, default_value = "none")]
+    recompute: model::Recompute,
     /// On CUDA, materialise the attention's probabilities instead of
     /// running flash attention (the comparison runs of BENCHMARKS.md).
     #[arg(long)]
@@ -389,6 +394,7 @@ fn main() -> Result<()> {
         grad_accum: args.grad_accum as usize,
         overlap: !args.no_overlap,
         bf16_wire: args.bf16_wire,
+        recompute: args.recompute,
         timing_skip: args.timing_skip,
         activations: match args.activations {
             ExportArg::F32 => DType::F32,
@@ -538,6 +544,7 @@ fn check_memory(
                 world,
                 act_bytes,
                 flash,
+                args.recompute,
             );
             (l, e)
         })

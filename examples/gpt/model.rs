@@ -17,6 +17,9 @@ use candle_nn::{VarBuilder, VarMap};
 use rand::SeedableRng;
 use rand_distr::Distribution;
 
+/// `amp::nn`'s results (the closure `amp::nn::recompute` keeps returns one).
+type CoreResult<T> = std::result::Result<T, amp::CoreError>;
+
 /// The shape of a GPT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct GptConfig {
@@ -75,7 +78,9 @@ impl GptConfig {
     }
 }
 
+#[derive(Clone)]
 struct Block {
+    n_head: usize,
     ln_1: LayerNorm,
     c_attn: Linear,
     c_proj: Linear,
@@ -96,6 +101,45 @@ pub struct Gpt {
     cfg: GptConfig,
     /// Dtype of the activations between layers.
     act: DType,
+    /// Recompute each block's activations in backward (keep only its input).
+    recompute: Recompute,
+}
+
+/// Which activations the blocks recompute in backward instead of keeping
+/// (`--recompute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation backward needs.
+    #[default]
+    None,
+    /// Keep each block's input only; run the block's forward again in
+    /// backward (`amp::nn::recompute`).
+    Full,
+}
+
+impl Block {
+    /// `h` through the block: attention then MLP, each with its residual
+    /// (`amp::nn::causal_self_attention`: the products in BF16 on CUDA, as
+    /// PyTorch autocast; the scale and mask inside the fused softmax; at
+    /// the FP8 levels every tensor between ln_1 and c_proj handed from op
+    /// to op outside candle's graph, the residual added inside c_proj's
+    /// op; `amp::nn::pre_norm_mlp` likewise for ln_2, c_fc, GELU and the
+    /// projection).
+    fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
+        let h = nn::causal_self_attention(h, &self.ln_1, &self.c_attn, &self.c_proj, self.n_head)?;
+        nn::pre_norm_mlp(&h, &self.ln_2, &self.c_fc, &self.mlp_proj, true)
+    }
+
+    /// The parameters whose gradients candle's `GradStore` collects.
+    fn vars(&self) -> CoreResult<Vec<Tensor>> {
+        let mut v = self.ln_1.vars();
+        v.extend(self.ln_2.vars());
+        for l in [&self.c_attn, &self.c_proj, &self.c_fc, &self.mlp_proj] {
+            v.extend(l.vars()?);
+        }
+        Ok(v)
+    }
 }
 
 /// LayerNorm's epsilon (GPT-2's).
@@ -118,6 +162,7 @@ impl Gpt {
             .map(|i| -> Result<Block> {
                 let b = vb.pp(format!("h.{i}"));
                 Ok(Block {
+                    n_head: cfg.n_head,
                     ln_1: nn::layer_norm(d, LN_EPS, b.pp("ln_1"))?,
                     c_attn: nn::linear(d, 3 * d, b.pp("attn.c_attn"))?,
                     c_proj: nn::linear(d, d, b.pp("attn.c_proj"))?,
@@ -135,7 +180,14 @@ impl Gpt {
             lm_head: nn::linear_no_bias(d, cfg.vocab, vb.pp("lm_head"))?,
             cfg,
             act: DType::F32,
+            recompute: Recompute::None,
         })
+    }
+
+    /// The same model recomputing activations in backward as `mode` says.
+    pub fn with_recompute(mut self, mode: Recompute) -> Self {
+        self.recompute = mode;
+        self
     }
 
     /// The same model with activations of `dtype` between layers (F32 or
@@ -181,28 +233,15 @@ impl Gpt {
             .broadcast_add(&nn::embedding(&pos, &self.wpe)?)?
             .to_dtype(self.act)?;
         for blk in &self.blocks {
-            h = self.attention(blk, &h)?;
-            // h + mlp_proj(gelu(c_fc(ln_2(h)))), the tensors between the
-            // parts handed op to op at the FP8 levels
-            h = nn::pre_norm_mlp(&h, &blk.ln_2, &blk.c_fc, &blk.mlp_proj, true)?;
+            h = match self.recompute {
+                Recompute::None => blk.forward(&h)?,
+                Recompute::Full => {
+                    let b = blk.clone();
+                    nn::recompute(&h, &blk.vars()?, move |x| b.forward(x))?
+                }
+            };
         }
         Ok(h)
-    }
-
-    /// `h` + causal self-attention of `ln_1(h)` (`amp::nn::causal_self_attention`:
-    /// the products in BF16 on CUDA, as PyTorch autocast; the scale and
-    /// mask inside the fused softmax; one matrix per layer kept for
-    /// backprop; at the FP8 levels every tensor between ln_1 and c_proj
-    /// handed from op to op outside candle's graph, the residual added
-    /// inside c_proj's op).
-    fn attention(&self, blk: &Block, h: &Tensor) -> Result<Tensor> {
-        Ok(nn::causal_self_attention(
-            h,
-            &blk.ln_1,
-            &blk.c_attn,
-            &blk.c_proj,
-            self.cfg.n_head,
-        )?)
     }
 
     /// Mean cross-entropy of next-token prediction.

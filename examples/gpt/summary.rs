@@ -90,8 +90,11 @@ pub struct Summary {
     pub world_size: usize,
     /// Dtype of the activations between layers ("F32", "BF16").
     pub activations: String,
-    /// Whether attention ran as flash attention (CUDA, head dimension 64).
+    /// Whether attention ran as flash attention (CUDA, head dimension 64,
+    /// 80, 96 or 128).
     pub flash_attention: bool,
+    /// Which activations the blocks recomputed in backward (`--recompute`).
+    pub recompute: crate::model::Recompute,
     /// Bytes this rank sent to other ranks per step (gradient averaging,
     /// and at O3 the weight gathers).
     pub wire_bytes_per_step: f64,

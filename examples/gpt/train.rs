@@ -96,6 +96,8 @@ pub struct TrainConfig {
     pub overlap: bool,
     /// F32 gradients in BF16 on the wire (`AmpConfig::bf16_wire`).
     pub bf16_wire: bool,
+    /// Which activations the blocks recompute in backward.
+    pub recompute: crate::model::Recompute,
     /// Steps at the start left out of tokens/s and the median step time
     /// (warm-up: kernel loading, cuBLASLt plans, the memory pool growing).
     pub timing_skip: u64,
@@ -135,6 +137,7 @@ impl Default for TrainConfig {
             grad_accum: 1,
             overlap: true,
             bf16_wire: false,
+            recompute: crate::model::Recompute::None,
             timing_skip: 0,
             activations: DType::F32,
             event_tracking: false,
@@ -232,7 +235,9 @@ pub fn train_rank(
         hf::load_into(dir, hf_cfg, &gcfg, &varmap)
             .with_context(|| format!("--init-from {}", dir.display()))?;
     }
-    let model = model.with_activations(cfg.activations)?;
+    let model = model
+        .with_activations(cfg.activations)?
+        .with_recompute(cfg.recompute);
     let amp_cfg = AmpConfig {
         level: cfg.level,
         compute: cfg.compute.clone(),
@@ -490,8 +495,10 @@ pub fn train_rank(
         world_size: world,
         activations: format!("{:?}", cfg.activations).to_uppercase(),
         flash_attention: cfg.device.is_cuda()
-            && gcfg.n_embd == 64 * gcfg.n_head
+            && gcfg.n_embd % gcfg.n_head == 0
+            && amp::nn::flash_head_dim(gcfg.n_embd / gcfg.n_head)
             && amp::nn::flash_attention_enabled(),
+        recompute: cfg.recompute,
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         comm_exposed_ms: (!comm_exposed_ms.is_empty()).then(|| median_max(&comm_exposed_ms).0),
         comm_gather_ms: (!comm_gather_ms.is_empty()).then(|| median_max(&comm_gather_ms).0),

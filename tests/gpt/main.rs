@@ -37,5 +37,6 @@ mod distributed;
 mod example;
 mod hf_checkpoints;
 mod hf_reference;
+mod recompute;
 mod shards;
 mod tokenizer;

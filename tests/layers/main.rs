@@ -12,4 +12,5 @@ mod fused;
 mod linear;
 mod linear_fuse;
 mod norm;
+mod recompute;
 mod training;

@@ -44,6 +44,7 @@ mod linear;
 mod mode;
 mod norm;
 mod precomputed;
+mod recompute;
 
 pub use crate::scaling::sink::GradSink;
 pub use blocks::{
@@ -57,3 +58,4 @@ pub use fused::{
 pub use linear::{linear, linear_b, linear_no_bias, registered_linear, Fuse, LayerScaling, Linear};
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{layer_norm, LayerNorm};
+pub use recompute::recompute;

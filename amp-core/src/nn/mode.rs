@@ -96,3 +96,14 @@ pub fn current_mode() -> ComputeMode {
 pub(crate) fn current_step() -> u64 {
     SCOPES.with(|s| s.borrow().last().map_or(0, |(_, step)| *step))
 }
+
+/// `f` inside a scope of `mode` at `step` (an earlier scope's: no new
+/// step): what a recomputed forward runs in, so that its casts take the
+/// scales, and record the amaxes, of the forward it repeats.
+pub(crate) fn in_scope_at<R>(mode: ComputeMode, step: u64, f: impl FnOnce() -> R) -> R {
+    SCOPES.with(|s| s.borrow_mut().push((mode, step)));
+    let _pop = Fp8Autocast {
+        _not_send: PhantomData,
+    };
+    f()
+}

@@ -35,6 +35,12 @@ impl LayerNorm {
         Ok(Self { weight, bias, eps })
     }
 
+    /// The parameters (scale, shift): what [`recompute`](super::recompute)
+    /// needs to be told a block reads.
+    pub fn vars(&self) -> Vec<Tensor> {
+        vec![self.weight.clone(), self.bias.clone()]
+    }
+
     /// `x`'s last dimension must be the layer's.
     fn check(&self, x: &Tensor) -> Result<()> {
         let dim = self.weight.elem_count();

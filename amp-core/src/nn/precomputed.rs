@@ -71,8 +71,8 @@ impl Precomputed {
     }
 }
 
-/// The `cpu_fwd` and `cuda_fwd` of a custom op (arity 1 or 3) whose output
-/// is its [`Precomputed`] field `y`.
+/// The `cpu_fwd` and `cuda_fwd` of a custom op (arity 1, 2 or 3) whose
+/// output is its [`Precomputed`] field `y`.
 macro_rules! precomputed_fwd {
     (1) => {
         fn cpu_fwd(
@@ -86,6 +86,28 @@ macro_rules! precomputed_fwd {
         #[cfg(feature = "cuda")]
         fn cuda_fwd(
             &self,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            self.y.cuda()
+        }
+    };
+    (2) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            self.y.cpu()
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            _: &candle_core::CudaStorage,
+            _: &candle_core::Layout,
             _: &candle_core::CudaStorage,
             _: &candle_core::Layout,
         ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {

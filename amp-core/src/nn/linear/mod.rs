@@ -163,6 +163,23 @@ impl Linear {
         self.bias.as_ref()
     }
 
+    /// The tensors of this layer whose gradients candle's `GradStore`
+    /// collects: the weight while it is an F32 `Var` (O0, or kept in high
+    /// precision), and the bias. What [`recompute`](super::recompute)
+    /// needs to be told a block reads; weights in FP16 or FP8 send their
+    /// gradients to the sink instead.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`].
+    pub fn vars(&self) -> Result<Vec<Tensor>> {
+        let mut vars = Vec::with_capacity(2);
+        if let Weight::F32(w) = &*self.weight.read()? {
+            vars.push(w.as_tensor().clone());
+        }
+        vars.extend(self.bias.clone());
+        Ok(vars)
+    }
+
     /// Sends this layer's weight gradients to `sink` (or, with `None`, to
     /// candle's `GradStore`).
     ///
