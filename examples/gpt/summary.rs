@@ -22,6 +22,17 @@ pub fn compute_name(c: &Compute) -> &'static str {
     }
 }
 
+/// An H100 SXM's dense BF16 peak, FLOP/s: the denominator of
+/// [`Summary::mfu`], whatever the GPU (the figure is for comparisons).
+pub const H100_BF16_PEAK: f64 = 989e12;
+
+/// Training FLOPs per token of `g` at sequence length `seq`: `6 N + 12
+/// layers width seq`, `N` every parameter but the position embeddings.
+pub fn flops_per_token(g: &crate::model::GptConfig, seq: usize) -> f64 {
+    let n = (g.params() - g.ctx * g.n_embd) as f64;
+    6.0 * n + 12.0 * (g.n_layer * g.n_embd * seq) as f64
+}
+
 /// What a run did: the `--json` line, and the curves for the plots.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
@@ -50,6 +61,13 @@ pub struct Summary {
     /// `batch * seq` over the median step: torch_gpt.py's `tokens_per_s`
     /// (`tokens_per_s` above is over the mean step, outliers included).
     pub tokens_per_s_median: f64,
+    /// Model FLOPs utilisation on CUDA (`None` on the CPU): training FLOPs
+    /// per token, `6 N + 12 layers width seq` (nanoGPT's `estimate_mfu`,
+    /// PaLM's appendix B; `N` every parameter but the position
+    /// embeddings; a recomputed forward is not counted), times
+    /// `tokens_per_s_median`, over an H100 SXM's dense BF16 peak
+    /// ([`H100_BF16_PEAK`]).
+    pub mfu: Option<f64>,
     /// Slowest timed step, ms.
     pub step_ms_max: f64,
     /// Every timed step's wall time in order, ms (to 0.01 ms).

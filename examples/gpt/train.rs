@@ -477,6 +477,11 @@ pub fn train_rank(
         tokens_per_s: tokens / train_secs.max(1e-9),
         step_ms_median,
         tokens_per_s_median: (cfg.batch * cfg.seq) as f64 / (step_ms_median / 1e3),
+        mfu: cfg.device.is_cuda().then(|| {
+            (cfg.batch * cfg.seq) as f64 / (step_ms_median / 1e3)
+                * crate::summary::flops_per_token(&gcfg, cfg.seq)
+                / crate::summary::H100_BF16_PEAK
+        }),
         step_ms_max,
         step_ms,
         forward_ms_median,

@@ -8,7 +8,9 @@ tanh GELU MLP, learned positions, no dropout, GPT-2 initialisation
 biases and the output head is tied to the token embedding (124M and 355M
 parameters at 125m and 350m), which is what BENCHMARKS.md's PyTorch figures
 were measured with; `--bias --untied-head` gives the example's exact
-parameter set (163M and 406M).
+parameter set (163M and 406M). `--checkpoint` recomputes every block in
+backward (torch.utils.checkpoint, non-reentrant), as the example's
+`--recompute full`.
 
 Modes (`--modes`, comma-separated), each timed the same way:
   bf16          torch.autocast(bfloat16), eager, AdamW(foreach)
@@ -34,6 +36,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # name: (layers, heads, width), as SIZES in examples/gpt/model.rs
 SIZES = {
@@ -73,8 +76,9 @@ class GPT(nn.Module):
     """Token and position embeddings, the blocks, ln_f, the output head;
     forward returns the mean cross-entropy (in F32) against `targets`."""
 
-    def __init__(self, layers, heads, width, vocab, seq, bias=False, untied_head=False):
+    def __init__(self, layers, heads, width, vocab, seq, bias=False, untied_head=False, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(seq, width)
         self.blocks = nn.ModuleList(Block(width, heads, bias) for _ in range(layers))
@@ -92,14 +96,17 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:
-            h = block(h)
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
         logits = self.head(self.ln_f(h))
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
 def build(args):
     layers, heads, width = SIZES[args.size]
-    return GPT(layers, heads, width, args.vocab, args.seq, args.bias, args.untied_head)
+    return GPT(layers, heads, width, args.vocab, args.seq, args.bias, args.untied_head, args.checkpoint)
 
 
 def timed_steps(step, warmup, steps):
@@ -146,6 +153,7 @@ def run(mode, args):
     median = statistics.median(times)
     return {
         "mode": mode, "size": args.size, "params": params, "batch": args.batch,
+        "checkpoint": args.checkpoint,
         "seq": args.seq, "tokens_per_s": args.batch * args.seq / median,
         "step_ms": median * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "persistent_gib": persistent / 2**30,
@@ -158,6 +166,7 @@ def run(mode, args):
 def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="350m", choices=SIZES)
+    p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
     p.add_argument("--modes", default="bf16,bf16-compile,fp8-torchao")
     p.add_argument("--batch", type=int, default=8, help="sequences a step")
     p.add_argument("--seq", type=int, default=1024)
