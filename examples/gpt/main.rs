@@ -17,6 +17,7 @@ mod model;
 mod report;
 mod sample;
 mod summary;
+mod telemetry;
 mod train;
 
 use amp::levels::{Compute, ExportDType, Level};
@@ -199,6 +200,11 @@ struct Args {
     /// slower as soon as anything else uses a core.
     #[arg(long)]
     threads: Option<usize>,
+    /// Precision telemetry every N steps (and the first and last): each
+    /// Linear's FP8 casts (amax, scale, saturated, flushed, relative error)
+    /// into `--out`'s telemetry-LEVEL-COMPUTE.jsonl and a heat map (.svg).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    telemetry: Option<u64>,
     /// Folder for the comparison's table and plots.
     #[arg(long, default_value = "out")]
     out: PathBuf,
@@ -395,6 +401,7 @@ fn main() -> Result<()> {
         overlap: !args.no_overlap,
         bf16_wire: args.bf16_wire,
         recompute: args.recompute,
+        telemetry: args.telemetry.map(|n| (n, args.out.clone())),
         timing_skip: args.timing_skip,
         activations: match args.activations {
             ExportArg::F32 => DType::F32,

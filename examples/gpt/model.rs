@@ -204,6 +204,20 @@ impl Gpt {
         Ok(self)
     }
 
+    /// Every Linear layer with its GPT-2 name (`h.{i}.attn.c_attn`, ...,
+    /// `lm_head`), in forward order.
+    pub fn linears(&self) -> Vec<(String, &Linear)> {
+        let mut out = Vec::with_capacity(4 * self.blocks.len() + 1);
+        for (i, b) in self.blocks.iter().enumerate() {
+            out.push((format!("h.{i}.attn.c_attn"), &b.c_attn));
+            out.push((format!("h.{i}.attn.c_proj"), &b.c_proj));
+            out.push((format!("h.{i}.mlp.c_fc"), &b.c_fc));
+            out.push((format!("h.{i}.mlp.c_proj"), &b.mlp_proj));
+        }
+        out.push(("lm_head".into(), &self.lm_head));
+        out
+    }
+
     /// The shape.
     pub fn config(&self) -> &GptConfig {
         &self.cfg

@@ -98,6 +98,9 @@ pub struct TrainConfig {
     pub bf16_wire: bool,
     /// Which activations the blocks recompute in backward.
     pub recompute: crate::model::Recompute,
+    /// Precision telemetry every this many steps, written into this
+    /// folder (`crate::telemetry`; rank 0's layers).
+    pub telemetry: Option<(u64, PathBuf)>,
     /// Steps at the start left out of tokens/s and the median step time
     /// (warm-up: kernel loading, cuBLASLt plans, the memory pool growing).
     pub timing_skip: u64,
@@ -138,6 +141,7 @@ impl Default for TrainConfig {
             overlap: true,
             bf16_wire: false,
             recompute: crate::model::Recompute::None,
+            telemetry: None,
             timing_skip: 0,
             activations: DType::F32,
             event_tracking: false,
@@ -304,7 +308,16 @@ pub fn train_rank(
     // AMP_STEP_CLOCK: each step's start (`Instant`, the monotonic clock) on
     // stderr, to cut a host profile to the steps (scripts/gpu/perf-gpt.sh)
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
+    let mut telemetry_rows = Vec::new();
     for step in start..end {
+        // telemetry: rank 0 turns the (process-wide) recording on for the
+        // step and collects its layers' records after it
+        let record = rank == 0
+            && cfg
+                .telemetry
+                .as_ref()
+                .is_some_and(|(every, _)| crate::telemetry::records(*every, start, step + 1, end));
+        amp::nn::set_telemetry(record);
         let t = Instant::now();
         if step_clock {
             eprintln!("step {step} starts at {t:?}");
@@ -358,6 +371,10 @@ pub fn train_rank(
             Ok(loss)
         })?;
         local += stepped.loss.to_scalar::<f32>()?;
+        if record {
+            amp::nn::set_telemetry(false);
+            telemetry_rows.extend(crate::telemetry::collect(&model, step + 1)?);
+        }
         if let StepOutcome::Skipped = stepped.outcome {
             skipped += 1;
         }
@@ -400,6 +417,13 @@ pub fn train_rank(
         }
     }
     bar.finish_and_clear();
+    if let (Some((_, dir)), false) = (&cfg.telemetry, telemetry_rows.is_empty()) {
+        let stem = format!("telemetry-{:?}-{}", cfg.level, compute_name(&cfg.compute));
+        let path = crate::telemetry::write(&telemetry_rows, dir, &stem)?;
+        if cfg.progress {
+            println!("telemetry: {} (and .svg)", path.display());
+        }
+    }
     if let Some(done) = stopped {
         // every rank saw the signal at the same step (mean_and_stop)
         let saved = match &cfg.save {

@@ -30,6 +30,9 @@ mod sample;
 #[path = "../../examples/gpt/summary.rs"]
 mod summary;
 #[allow(dead_code)]
+#[path = "../../examples/gpt/telemetry.rs"]
+mod telemetry;
+#[allow(dead_code)]
 #[path = "../../examples/gpt/train.rs"]
 mod train;
 
@@ -39,4 +42,5 @@ mod hf_checkpoints;
 mod hf_reference;
 mod recompute;
 mod shards;
+mod telemetry_run;
 mod tokenizer;

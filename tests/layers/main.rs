@@ -13,4 +13,5 @@ mod linear;
 mod linear_fuse;
 mod norm;
 mod recompute;
+mod telemetry;
 mod training;

@@ -3,6 +3,7 @@
 //! `fp8_meta`) and the casts that use them.
 
 use crate::error::{Error, Result};
+use crate::nn::telemetry::{telemetry_enabled, Pending};
 use crate::numerics::format::Fp8Format;
 use crate::numerics::qtype::QType;
 use crate::numerics::recipe::{CurrentScaling, DelayedScaling};
@@ -96,9 +97,40 @@ impl LayerScaling {
 /// A layer's delayed-scaling state, shared with its pending backward ops.
 pub(crate) type SharedScaling = Arc<Mutex<Option<LayerScaling>>>;
 
-/// The metadata of a layer's last cast of each role (input, weight, output
-/// gradient), in every FP8 mode: precision telemetry.
-pub(crate) type LastCasts = Arc<Mutex<[Option<ScalingMeta>; 3]>>;
+/// A layer's last FP8 casts, in every FP8 mode: per role (input, weight,
+/// output gradient) the metadata of its last cast, and per telemetry role
+/// ([`TELEMETRY_ROLES`](crate::nn::TELEMETRY_ROLES): those and the weight
+/// gradient) the record of its last cast while telemetry recorded.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Casts {
+    pub(crate) metas: [Option<ScalingMeta>; 3],
+    pub(crate) records: [Option<Pending>; 4],
+}
+
+/// A layer's [`Casts`], shared with its pending backward ops.
+pub(crate) type LastCasts = Arc<Mutex<Casts>>;
+
+/// The slot of the weight gradient's record in [`Casts::records`].
+pub(crate) const WEIGHT_GRAD_RECORD: usize = 3;
+
+/// Keeps `q`'s record (cast from `source`) in slot `slot` of `casts` while
+/// telemetry records; nothing otherwise.
+pub(crate) fn record(
+    casts: &LastCasts,
+    slot: usize,
+    q: &ScalingTensor,
+    source: impl FnOnce() -> Result<Tensor>,
+) -> Result<()> {
+    if !telemetry_enabled() {
+        return Ok(());
+    }
+    let pending = Pending::of(q, &source()?)?;
+    casts
+        .lock()
+        .map_err(|_| Error::Poisoned { op: "telemetry" })?
+        .records[slot] = Some(pending);
+    Ok(())
+}
 
 /// What a cast reads: a tensor, or a scaling tensor's value (a weight
 /// stored in FP16, cast from its codes without an F32 copy where the
@@ -165,9 +197,13 @@ pub(crate) fn cast(
     transpose: bool,
 ) -> Result<(ScalingTensor, Option<ScalingTensor>)> {
     let (q, qt) = cast_scaled(x, format, scaling, state, role, step, transpose)?;
-    casts.lock().map_err(|_| Error::Poisoned {
-        op: "fp8 linear cast",
-    })?[role as usize] = Some(q.meta().clone());
+    casts
+        .lock()
+        .map_err(|_| Error::Poisoned {
+            op: "fp8 linear cast",
+        })?
+        .metas[role as usize] = Some(q.meta().clone());
+    record(casts, role as usize, &q, || x.tensor())?;
     Ok((q, qt))
 }
 

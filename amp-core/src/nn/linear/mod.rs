@@ -227,17 +227,46 @@ impl Linear {
     /// # Errors
     /// [`Error::Poisoned`]; candle's.
     pub fn last_cast_stats(&self) -> Result<[Option<crate::CastStats>; 3]> {
-        let casts = self
+        let metas = self
             .casts
             .lock()
             .map_err(|_| Error::Poisoned {
                 op: "Linear::last_cast_stats",
             })?
+            .metas
             .clone();
         let mut out = [None; 3];
-        for (o, m) in out.iter_mut().zip(casts.iter()) {
+        for (o, m) in out.iter_mut().zip(metas.iter()) {
             if let Some(m) = m {
                 *o = m.last_cast_stats()?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The telemetry records of this layer's last casts while telemetry
+    /// recorded ([`set_telemetry`](super::set_telemetry)), per role of
+    /// [`TELEMETRY_ROLES`](super::TELEMETRY_ROLES) (`None` for a role not
+    /// cast since the last take: a layer out of FP8, or the weight
+    /// gradient without a sink), read back and cleared. Host reads:
+    /// telemetry, not for the training step.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`]; candle's.
+    pub fn take_telemetry(&self) -> Result<[Option<super::CastRecord>; 4]> {
+        let records = std::mem::take(
+            &mut self
+                .casts
+                .lock()
+                .map_err(|_| Error::Poisoned {
+                    op: "Linear::take_telemetry",
+                })?
+                .records,
+        );
+        let mut out = [None; 4];
+        for (o, r) in out.iter_mut().zip(records.iter()) {
+            if let Some(r) = r {
+                *o = Some(r.read()?);
             }
         }
         Ok(out)

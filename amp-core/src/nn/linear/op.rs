@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Storage};
 use candle_core::{CustomOp3, DType, Tensor};
 
 pub(crate) use super::layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
+use super::layer_scaling::{record, WEIGHT_GRAD_RECORD};
 
 /// A tensor kept for backward: FP8, or native where that GEMM is overridden.
 #[derive(Debug, Clone)]
@@ -176,7 +177,9 @@ impl Fp8LinearOp {
         };
         match &self.sink {
             Some(sink) => {
-                sink.add(&self.name, fp8_grad(&dw)?)?;
+                let g = fp8_grad(&dw)?;
+                record(&self.casts, WEIGHT_GRAD_RECORD, &g, || Ok(dw.clone()))?;
+                sink.add(&self.name, g)?;
                 Ok((dx, None))
             }
             None => Ok((dx, Some(dw.to_dtype(self.w_dtype)?))),

@@ -21,7 +21,7 @@ pub(crate) struct LinearParts {
     pub(crate) sink: Weak<Mutex<Option<GradSink>>>,
     pub(crate) saved_bytes: Weak<Mutex<usize>>,
     pub(crate) high_precision: Weak<std::sync::atomic::AtomicBool>,
-    pub(crate) casts: Weak<Mutex<[Option<crate::scaling::meta::ScalingMeta>; 3]>>,
+    pub(crate) casts: Weak<Mutex<super::layer_scaling::Casts>>,
 }
 
 impl LinearParts {

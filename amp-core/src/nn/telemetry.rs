@@ -1,0 +1,111 @@
+//! Precision telemetry of the FP8 Linear layers. While it records
+//! ([`set_telemetry`]), every FP8 cast of a Linear's input, weight and
+//! output gradient, and of its weight gradient where a sink takes it,
+//! leaves a record on the device: the cast's amax and scale, how many
+//! elements it saturated and flushed to zero, and its relative error
+//! against the tensor it was cast from. [`Linear::take_telemetry`]
+//! (super::Linear::take_telemetry) reads them back. Off (the default) a
+//! cast pays one relaxed atomic load.
+
+use crate::error::{Error, Result};
+use crate::scaling::meta::ScalingMeta;
+use crate::scaling::tensor::ScalingTensor;
+use candle_core::{DType, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static ON: AtomicBool = AtomicBool::new(false);
+
+/// Turns recording on or off (process-wide; every thread's casts). On, a
+/// cast also computes its error against its source (a dequantization and
+/// two sums): turn it on for the steps to look at.
+pub fn set_telemetry(on: bool) {
+    ON.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_telemetry`] left recording on.
+pub fn telemetry_enabled() -> bool {
+    ON.load(Ordering::Relaxed)
+}
+
+/// The roles of a Linear's records, in the order
+/// [`Linear::take_telemetry`](super::Linear::take_telemetry) returns them:
+/// the input, the weight, the output gradient (the GEMMs' operands) and
+/// the weight gradient as the sink keeps it.
+pub const TELEMETRY_ROLES: [&str; 4] = ["input", "weight", "grad_output", "weight_grad"];
+
+/// One cast, read back to the host.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct CastRecord {
+    /// The source's amax (inf or NaN where it held one).
+    pub amax: f32,
+    /// The scale the codes were made with.
+    pub scale: f32,
+    /// Elements clamped to the format's largest value.
+    pub saturated: u64,
+    /// Non-zero elements that became zero.
+    pub flushed: u64,
+    /// Elements cast.
+    pub total: u64,
+    /// `|decode(codes) - source| / |source|` (L2 norms over the tensor;
+    /// 0 for an all-zero source cast to zeros).
+    pub rel_err: f64,
+}
+
+/// One cast's record on the device, until read.
+#[derive(Debug, Clone)]
+pub(crate) struct Pending {
+    meta: ScalingMeta,
+    total: usize,
+    err_sq: Tensor,
+    src_sq: Tensor,
+}
+
+impl Pending {
+    /// The record of `q`, cast from `source` (same element count).
+    pub(crate) fn of(q: &ScalingTensor, source: &Tensor) -> Result<Self> {
+        let x = source.to_dtype(DType::F32)?;
+        let back = q.dequantize(DType::F32)?.reshape(x.shape())?;
+        let err = (back - &x)?;
+        Ok(Self {
+            meta: q.meta().clone(),
+            total: x.elem_count(),
+            err_sq: err.sqr()?.sum_all()?,
+            src_sq: x.sqr()?.sum_all()?,
+        })
+    }
+
+    /// Reads it back (host reads: telemetry, not for the training step).
+    pub(crate) fn read(&self) -> Result<CastRecord> {
+        let first = |t: &Tensor| -> Result<f32> {
+            t.to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .first()
+                .copied()
+                .ok_or(Error::Unsupported {
+                    op: "telemetry",
+                    what: "an empty scale or amax".into(),
+                })
+        };
+        let stats = self.meta.last_cast_stats()?.unwrap_or_default();
+        let (e, s) = (
+            f64::from(first(&self.err_sq)?),
+            f64::from(first(&self.src_sq)?),
+        );
+        let rel_err = if s > 0.0 {
+            (e / s).sqrt()
+        } else if e == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        Ok(CastRecord {
+            amax: first(&self.meta.amax()?)?,
+            scale: first(self.meta.scale())?,
+            saturated: stats.saturated,
+            flushed: stats.flushed,
+            total: self.total as u64,
+            rel_err,
+        })
+    }
+}

@@ -1,0 +1,56 @@
+//! `--telemetry N` on the tiny GPT: the records of every Linear and role
+//! at the steps it names, as JSON lines and a plot.
+
+use crate::data;
+use crate::train;
+
+use amp::levels::{Compute, Level};
+use amp::DelayedScaling;
+use train::{train, TrainConfig};
+
+#[test]
+fn telemetry_records_every_linear_and_role_at_its_steps() -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("amp-gpt-telemetry-{}", std::process::id()));
+    let cfg = TrainConfig {
+        level: Level::O2,
+        compute: Compute::Fp8Delayed {
+            recipe: DelayedScaling::default(),
+        },
+        steps: 6,
+        batch: 4,
+        seq: 16,
+        warmup: 2,
+        eval_every: 100,
+        eval_batches: 1,
+        telemetry: Some((3, dir.clone())),
+        ..Default::default()
+    };
+    train(&cfg, &data::Corpus::bundled())?;
+    let jsonl = std::fs::read_to_string(dir.join("telemetry-O2-fp8-delayed.jsonl"))?;
+    let svg = std::fs::read_to_string(dir.join("telemetry-O2-fp8-delayed.svg"))?;
+    std::fs::remove_dir_all(&dir)?;
+    assert!(svg.starts_with("<svg") && svg.contains("relative error"));
+    let rows: Vec<serde_json::Value> = jsonl
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    // steps 1 (the first), 3 and 6 (the last); 4 blocks x 4 Linears and the
+    // head; input, weight, output gradient and weight gradient each
+    let mut steps: Vec<u64> = rows.iter().filter_map(|r| r["step"].as_u64()).collect();
+    steps.dedup();
+    assert_eq!(steps, [1, 3, 6]);
+    assert_eq!(rows.len(), 3 * 17 * 4, "{jsonl}");
+    for r in &rows {
+        let (role, layer) = (
+            r["role"].as_str().unwrap_or(""),
+            r["layer"].as_str().unwrap_or(""),
+        );
+        let rel = r["rel_err"].as_f64().unwrap_or(f64::NAN);
+        assert!(rel.is_finite() && rel < 0.25, "{r}");
+        if role == "weight" && layer == "h.0.mlp.c_fc" {
+            assert_eq!(r["total"], 128 * 512);
+        }
+        assert!(r["amax"].as_f64().is_some_and(|a| a > 0.0), "{r}");
+    }
+    Ok(())
+}

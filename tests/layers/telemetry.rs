@@ -1,0 +1,67 @@
+//! Precision telemetry (`amp::nn::set_telemetry`): what a Linear's FP8
+//! casts record, against values computed here from the same tensors.
+
+use crate::common;
+
+use amp::nn::{self, fp8_autocast, set_telemetry, ComputeMode, GradSink};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use common::randt;
+
+#[test]
+fn records_follow_the_casts_and_cost_nothing_when_off() {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let layer = nn::linear(16, 8, vb.pp("l")).unwrap();
+    layer.set_grad_sink(Some(GradSink::new())).unwrap();
+    // one outlier 10^6 times the rest: per-tensor E4M3 flushes most of the
+    // others to zero
+    let mut v = common::randn(4 * 16, 5)
+        .iter()
+        .map(|x| x * 1e-5)
+        .collect::<Vec<f32>>();
+    v[7] = 10.0;
+    let x = Var::from_tensor(&Tensor::from_vec(v.clone(), (4, 16), &Device::Cpu).unwrap()).unwrap();
+    let step = |on: bool| {
+        set_telemetry(on);
+        let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
+        let y = layer.forward(x.as_tensor()).unwrap();
+        let out = (y * randt(&[4, 8], 6, 1.0))
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward();
+        set_telemetry(false);
+        out.unwrap();
+        layer.take_telemetry().unwrap()
+    };
+    assert!(
+        step(false).iter().all(Option::is_none),
+        "recorded while off"
+    );
+    let [input, weight, grad_out, wgrad] = step(true);
+    let (input, weight) = (input.unwrap(), weight.unwrap());
+    assert!(grad_out.is_some() && wgrad.is_some(), "every role recorded");
+    assert_eq!(input.total, 64);
+    assert_eq!(weight.total, 128);
+    assert_eq!(wgrad.unwrap().total, 128);
+    assert_eq!(input.amax, 10.0);
+    // the input's flushes, counted here: |x| * scale below E4M3's smallest
+    // subnormal's half (2^-10)
+    let flushed = v
+        .iter()
+        .filter(|&&e| e != 0.0 && (e.abs() * input.scale) <= 2f32.powi(-10))
+        .count() as u64;
+    assert!(flushed > 20, "the outlier case flushes most ({flushed})");
+    assert_eq!(input.flushed, flushed);
+    assert_eq!(input.saturated, 0);
+    // the weight (small, no outlier) keeps E4M3's relative precision; the
+    // input loses what it flushed, which is small against the outlier
+    assert!(weight.rel_err < 1.0 / 16.0, "{weight:?}");
+    assert!(
+        input.rel_err > 0.0 && input.rel_err < 1.0 / 16.0,
+        "{input:?}"
+    );
+    // taken: a second read finds nothing
+    assert!(layer.take_telemetry().unwrap().iter().all(Option::is_none));
+}
