@@ -274,6 +274,26 @@ fn delayed_scaling_uses_te_scales_step_by_step() {
 }
 
 #[test]
+fn a_calibrated_first_step_takes_its_own_amax_then_follows_te() {
+    // as the TE test above (history of 2, max), with `calibrate_first_step`:
+    // step 1 scales by its own amax (448 / 1) instead of 1, the rest as TE
+    let recipe = DelayedScaling {
+        amax_history_len: 2,
+        calibrate_first_step: true,
+        ..Default::default()
+    };
+    let layer = nn::Linear::new("w", t(vec![1.0; 4], &[1, 4]), None).unwrap();
+    let mut used = vec![];
+    for a in [1.0f32, 2.0, 4.0, 0.5, 0.25] {
+        let _s = fp8_autocast(true, ComputeMode::Fp8Delayed(recipe.clone()));
+        let x = t(vec![a, -a / 2.0, 0.0, a / 4.0], &[1, 4]);
+        layer.forward(&x).unwrap();
+        used.push(scale_of(&layer.scaling_state().unwrap().unwrap().input));
+    }
+    assert_eq!(used, [448.0, 448.0, 224.0, 112.0, 112.0]);
+}
+
+#[test]
 fn saturation_is_counted_not_silent() {
     let layer = nn::Linear::new("w", t(vec![0.5; 8], &[2, 4]), None).unwrap();
     let recipe = ComputeMode::Fp8Delayed(DelayedScaling {

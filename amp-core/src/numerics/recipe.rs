@@ -151,6 +151,13 @@ pub struct DelayedScaling {
     pub override_linear_precision: OverrideLinearPrecision,
     /// All-reduce amaxes across data-parallel ranks before the update.
     pub reduce_amax: bool,
+    /// Not Transformer Engine's (false by default, as TE behaves): the
+    /// first cast of each tensor, which has no history yet, takes its
+    /// scale from its own amax (as current scaling does, one pass more)
+    /// instead of the initial scale of 1, at which a step's small output
+    /// gradients flush to zero (about half of them in the tiny GPT's first
+    /// step; BENCHMARKS.md, "delayed scaling's first step").
+    pub calibrate_first_step: bool,
 }
 
 impl Default for DelayedScaling {
@@ -163,6 +170,7 @@ impl Default for DelayedScaling {
             amax_compute_algo: AmaxComputeAlgo::Max,
             override_linear_precision: OverrideLinearPrecision::default(),
             reduce_amax: true,
+            calibrate_first_step: false,
         }
     }
 }

@@ -184,7 +184,9 @@ impl Source<'_> {
 /// its codes transposed (one pass on CUDA: the K-major operand of dgrad or
 /// wgrad). Delayed scaling: the first cast of a role in a new step first
 /// rolls its history and takes the next scale (amaxes up to the previous
-/// step); every cast records its amax and counts.
+/// step), or with `calibrate_first_step`, at the role's first step ever,
+/// takes it from this cast's own amax; every cast records its amax and
+/// counts.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cast(
     x: Source<'_>,
@@ -247,9 +249,15 @@ fn cast_scaled(
             };
             let slot = role as usize;
             if s.last_step[slot] != step {
+                let recipe = s.recipe.clone();
                 if s.last_step[slot] != 0 {
-                    let recipe = s.recipe.clone();
                     s.meta_mut(role).update_delayed(&recipe)?;
+                } else if recipe.calibrate_first_step {
+                    // no history yet: the scale from this cast's own amax
+                    let amax = crate::numerics::cast::amax(&x.tensor()?)?;
+                    let meta = s.meta_mut(role);
+                    meta.record_amax(&amax)?;
+                    meta.update_delayed(&recipe)?;
                 }
                 s.last_step[slot] = step;
             }
