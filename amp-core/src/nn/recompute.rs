@@ -25,7 +25,7 @@
 //! recomputed values, and so every gradient and every amax history, are
 //! bitwise those of the run without recomputation.
 
-use super::fused::Handoff;
+use super::fused::{token_fwd, Handoff};
 use super::mode::{current_mode, current_step, in_scope_at, ComputeMode};
 use super::precomputed::{precomputed_fwd, Precomputed};
 use crate::error::{Error, Result};
@@ -242,31 +242,7 @@ impl CustomOp3 for TieOp {
         "recompute_tie"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        Ok(Handoff::cpu_token())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        use candle_core::backend::BackendStorage;
-        Handoff::cuda_token(s.device())
-    }
+    token_fwd!(3);
 
     fn bwd(
         &self,
@@ -304,23 +280,7 @@ impl CustomOp1 for Seed {
         "recompute_seed"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        Ok(Handoff::cpu_token())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        use candle_core::backend::BackendStorage;
-        Handoff::cuda_token(s.device())
-    }
+    token_fwd!(1);
 
     fn bwd(
         &self,

@@ -278,7 +278,7 @@ pub(crate) fn bias_kernel_takes(x: &Tensor, bias: &Tensor) -> bool {
 }
 
 pub(crate) use attention::causal_attention_handed;
-pub(crate) use handoff::{layer_norm_handoff, Handoff, ResidualGrad};
+pub(crate) use handoff::{layer_norm_handoff, token_fwd, Handoff, ResidualGrad};
 pub(crate) use pointwise::BiasAdd;
 
 /// `x + bias` as [`bias_add`] computes it, outside the graph (for ops
