@@ -309,6 +309,7 @@ pub fn train_rank(
     // stderr, to cut a host profile to the steps (scripts/gpu/perf-gpt.sh)
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
     let mut telemetry_rows = Vec::new();
+    let mut second_step = None;
     for step in start..end {
         // telemetry: rank 0 turns the (process-wide) recording on for the
         // step and collects its layers' records after it
@@ -356,6 +357,14 @@ pub fn train_rank(
         // the forward inside the FP8 scope, then backward and step; a
         // synchronize splits the step into forward and backward + update
         let mut forward_secs = 0.0;
+        // the second step's memory, phase by phase (CUDA)
+        let probe = step == start + 1 && cfg.device.is_cuda();
+        let mut probed = [0u64; 3];
+        if probe {
+            cfg.device.synchronize()?;
+            amp::cuda::reset_pool_peaks(&cfg.device)?;
+            probed[0] = amp::cuda::pool_peaks(&cfg.device)?.0;
+        }
         let stepped = amp.step(&mut opt, || -> Result<Tensor> {
             let loss = model.loss(&x, &y)?;
             let loss = if micro > 1 {
@@ -368,8 +377,16 @@ pub fn train_rank(
             if step == start && cfg.device.is_cuda() {
                 forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
             }
+            if probe {
+                probed[1] = amp::cuda::pool_peaks(&cfg.device)?.0;
+            }
             Ok(loss)
         })?;
+        if probe {
+            cfg.device.synchronize()?;
+            probed[2] = amp::cuda::pool_peaks(&cfg.device)?.0;
+            second_step = Some(probed);
+        }
         local += stepped.loss.to_scalar::<f32>()?;
         if record {
             amp::nn::set_telemetry(false);
@@ -512,6 +529,7 @@ pub fn train_rank(
         timed_steps,
         peak_device_bytes_after_forward: forward_peak,
         peak_device_bytes_after_backward: backward_peak,
+        second_step_device_bytes: second_step,
         peak_device_bytes,
         peak_device_reserved_bytes,
         bytes_per_linear_param: report.measured_bytes_per_linear_param,
