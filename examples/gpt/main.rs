@@ -560,8 +560,9 @@ fn check_memory(
         if e.total() > free {
             usage(format!(
                 "--size {} --batch {} --seq {} at {level} needs about {} (weights and optimizer \
-                 state {}, activations {}, logits {}), and {} has {} free: lower --batch or \
-                 --seq, or pass --no-memory-check to try anyway",
+                 state {}, and the larger of activations {} with logits {}, or the optimizer \
+                 step's {}), and {} has {} free: lower --batch or --seq, try --recompute full, \
+                 or pass --no-memory-check to try anyway",
                 args.size,
                 args.batch,
                 args.seq,
@@ -569,6 +570,7 @@ fn check_memory(
                 budget::gib(e.persistent),
                 budget::gib(e.activations),
                 budget::gib(e.logits),
+                budget::gib(e.optimizer),
                 device_label(device),
                 budget::gib(free),
             ));
