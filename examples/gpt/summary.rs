@@ -77,8 +77,10 @@ pub struct Summary {
     pub forward_ms_median: f64,
     /// Steps timed (after `timing_skip`).
     pub timed_steps: u64,
-    /// CUDA only: the pool's used high-water mark after the first step's
-    /// forward pass (weights, optimizer state and the saved activations).
+    /// CUDA only: the pool's used high-water mark from the model's build
+    /// to the end of the first step's forward pass (the F32 model before
+    /// `amp::initialize` converted it included; see
+    /// `second_step_device_bytes` for a steady step).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_device_bytes_after_forward: Option<u64>,
     /// CUDA only: the high-water mark when the first step's backward pass
