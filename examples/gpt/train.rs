@@ -311,14 +311,16 @@ pub fn train_rank(
     let mut telemetry_rows = Vec::new();
     let mut second_step = None;
     for step in start..end {
-        // telemetry: rank 0 turns the (process-wide) recording on for the
-        // step and collects its layers' records after it
+        // telemetry: rank 0 records the step (the flag is this thread's)
+        // and collects its layers' records after it
         let record = rank == 0
             && cfg
                 .telemetry
                 .as_ref()
                 .is_some_and(|(every, _)| crate::telemetry::records(*every, start, step + 1, end));
-        amp::nn::set_telemetry(record);
+        if record {
+            amp::nn::set_telemetry(true);
+        }
         let t = Instant::now();
         if step_clock {
             eprintln!("step {step} starts at {t:?}");

@@ -5,26 +5,31 @@
 //! elements it saturated and flushed to zero, and its relative error
 //! against the tensor it was cast from. [`Linear::take_telemetry`]
 //! (super::Linear::take_telemetry) reads them back. Off (the default) a
-//! cast pays one relaxed atomic load.
+//! cast pays one thread-local read.
 
 use crate::error::{Error, Result};
 use crate::scaling::meta::ScalingMeta;
 use crate::scaling::tensor::ScalingTensor;
 use candle_core::{DType, Tensor};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::cell::Cell;
 
-static ON: AtomicBool = AtomicBool::new(false);
-
-/// Turns recording on or off (process-wide; every thread's casts). On, a
-/// cast also computes its error against its source (a dequantization and
-/// two sums): turn it on for the steps to look at.
-pub fn set_telemetry(on: bool) {
-    ON.store(on, Ordering::Relaxed);
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Whether [`set_telemetry`] left recording on.
+/// Turns recording on or off for the casts this thread runs (a forward
+/// and its backward run on the thread that called them; ranks run as
+/// threads each decide for their own model, and two runs in one process
+/// do not switch each other's). On, a cast also computes its error
+/// against its source (a dequantization and two sums): turn it on for
+/// the steps to look at.
+pub fn set_telemetry(on: bool) {
+    ON.with(|c| c.set(on));
+}
+
+/// Whether [`set_telemetry`] left recording on in this thread.
 pub fn telemetry_enabled() -> bool {
-    ON.load(Ordering::Relaxed)
+    ON.try_with(Cell::get).unwrap_or(false)
 }
 
 /// The roles of a Linear's records, in the order
