@@ -552,6 +552,7 @@ fn check_memory(
                 act_bytes,
                 flash,
                 args.recompute,
+                matches!(compute_for(args, l), Compute::Native),
             );
             (l, e)
         })
