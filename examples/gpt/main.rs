@@ -535,10 +535,7 @@ fn check_memory(
         ExportArg::F32 => 4,
         ExportArg::Bf16 => 2,
     };
-    let flash = device.is_cuda()
-        && !args.no_flash
-        && g.n_embd % g.n_head == 0
-        && amp::nn::flash_head_dim(g.n_embd / g.n_head);
+    let flash = device.is_cuda() && !args.no_flash && g.flash_head_dim();
     let worst = levels
         .iter()
         .map(|&l| {

@@ -69,6 +69,15 @@ impl GptConfig {
         })
     }
 
+    /// Whether attention runs as flash attention on CUDA (the heads divide
+    /// the width and the head dimension is one the kernels are built for),
+    /// unless turned off.
+    pub fn flash_head_dim(&self) -> bool {
+        self.n_head > 0
+            && self.n_embd % self.n_head == 0
+            && amp::nn::flash_head_dim(self.n_embd / self.n_head)
+    }
+
     /// Parameters in all.
     pub fn params(&self) -> usize {
         let d = self.n_embd;

@@ -91,7 +91,9 @@ pub struct Summary {
     /// optimizer state is allocated): bytes in use at its start, the
     /// high-water mark from there to the end of its forward, and to the
     /// end of the step (backward and optimizer). What a steady step holds
-    /// and adds, without the model's F32 initialisation in it.
+    /// and adds, without the model's F32 initialisation in it. The reads
+    /// synchronize the device twice in that step (leave it out of the
+    /// timing with `--timing-skip 2` or more, as the scripts do).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub second_step_device_bytes: Option<[u64; 3]>,
     /// CUDA only: high-water mark of bytes in use in the device's default

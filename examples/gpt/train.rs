@@ -544,8 +544,7 @@ pub fn train_rank(
         world_size: world,
         activations: format!("{:?}", cfg.activations).to_uppercase(),
         flash_attention: cfg.device.is_cuda()
-            && gcfg.n_embd % gcfg.n_head == 0
-            && amp::nn::flash_head_dim(gcfg.n_embd / gcfg.n_head)
+            && gcfg.flash_head_dim()
             && amp::nn::flash_attention_enabled(),
         recompute: cfg.recompute,
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
