@@ -11,6 +11,7 @@
 
 mod budget;
 mod data;
+mod heap;
 mod hf;
 mod launch;
 mod model;
@@ -28,6 +29,10 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use train::{train, TrainConfig};
+
+/// The heap counted, so that a CPU run reports its memory (`heap.rs`).
+#[global_allocator]
+static HEAP: heap::Counting = heap::Counting;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ComputeArg {
@@ -152,9 +157,11 @@ struct Args {
     /// affected. BF16 halves what backprop keeps and moves.
     #[arg(long, value_enum, default_value = "f32")]
     activations: ExportArg,
-    /// Activations recomputed in backward instead of kept: `full` keeps
-    /// only each block's input and runs the block again in backward (less
-    /// memory for a second forward; the same values bit for bit).
+    /// Activations recomputed in backward instead of kept: `selective`
+    /// casts the FP8 operands again and recomputes materialized attention's
+    /// probabilities (no product runs twice); `full` keeps only each
+    /// block's input and runs the block again in backward (least memory,
+    /// for a second forward). The same values bit for bit either way.
     #[arg(long, value_enum, default_value = "none")]
     recompute: model::Recompute,
     /// On CUDA, materialise the attention's probabilities instead of
@@ -539,18 +546,18 @@ fn check_memory(
     let worst = levels
         .iter()
         .map(|&l| {
-            let e = budget::estimate(
-                g,
-                l,
+            let run = budget::Run {
                 batch,
-                args.seq as usize,
-                in_process,
-                world,
+                seq: args.seq as usize,
+                ranks: in_process,
+                shards: world,
                 act_bytes,
                 flash,
-                args.recompute,
-                matches!(compute_for(args, l), Compute::Native),
-            );
+                recompute: args.recompute,
+                native: matches!(compute_for(args, l), Compute::Native),
+                gpu: device.is_cuda(),
+            };
+            let e = budget::estimate(g, l, &run);
             (l, e)
         })
         .max_by(|a, b| a.1.total().total_cmp(&b.1.total()));

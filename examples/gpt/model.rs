@@ -122,6 +122,10 @@ pub enum Recompute {
     /// Keep every activation backward needs.
     #[default]
     None,
+    /// Keep what the products computed; cast the FP8 operands again in
+    /// backward from tensors kept anyway, recompute materialized
+    /// attention's probabilities (`amp::nn::selective`).
+    Selective,
     /// Keep each block's input only; run the block's forward again in
     /// backward (`amp::nn::recompute`).
     Full,
@@ -258,6 +262,7 @@ impl Gpt {
         for blk in &self.blocks {
             h = match self.recompute {
                 Recompute::None => blk.forward(&h)?,
+                Recompute::Selective => nn::selective(|| blk.forward(&h))?,
                 Recompute::Full => {
                     let b = blk.clone();
                     nn::recompute(&h, &blk.vars()?, move |x| b.forward(x))?

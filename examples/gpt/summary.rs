@@ -87,15 +87,21 @@ pub struct Summary {
     /// ended (before its optimizer step).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_device_bytes_after_backward: Option<u64>,
-    /// CUDA only, the second step (the first runs once: kernels load, the
-    /// optimizer state is allocated): bytes in use at its start, the
-    /// high-water mark from there to the end of its forward, and to the
-    /// end of the step (backward and optimizer). What a steady step holds
-    /// and adds, without the model's F32 initialisation in it. The reads
-    /// synchronize the device twice in that step (leave it out of the
-    /// timing with `--timing-skip 2` or more, as the scripts do).
+    /// The second step (the first runs once: kernels load, the optimizer
+    /// state is allocated): bytes in use at its start, the high-water mark
+    /// from there to the end of its forward, and to the end of the step
+    /// (backward and optimizer). What a steady step holds and adds, without
+    /// the model's F32 initialisation in it. On CUDA the memory pool's; on
+    /// the CPU (one rank in the process) the heap's, counted by the
+    /// example's allocator, above what it held before the model was built.
+    /// The reads synchronize the device twice in that step (leave it out of
+    /// the timing with `--timing-skip 2` or more, as the scripts do).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub second_step_device_bytes: Option<[u64; 3]>,
+    /// The memory estimate the example checks before it starts (bytes, all
+    /// ranks of this process): persistent state and the larger of the
+    /// backward's activations and the optimizer step's copies.
+    pub estimated_peak_bytes: f64,
     /// CUDA only: high-water mark of bytes in use in the device's default
     /// memory pool over the run (every candle tensor; not cuBLAS
     /// workspaces or the context), from `CU_MEMPOOL_ATTR_USED_MEM_HIGH`.

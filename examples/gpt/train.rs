@@ -205,6 +205,8 @@ pub fn train_rank(
     comm: Option<Arc<dyn Communicator>>,
 ) -> Result<Summary> {
     let t0 = Instant::now();
+    // the heap before the model: what the run adds is measured above it
+    let heap_base = crate::heap::in_use();
     let (gcfg, hf_cfg) = cfg.model()?;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
     if cfg.batch == 0 || cfg.seq < 2 || cfg.steps == 0 || cfg.batch % world != 0 {
@@ -359,13 +361,27 @@ pub fn train_rank(
         // the forward inside the FP8 scope, then backward and step; a
         // synchronize splits the step into forward and backward + update
         let mut forward_secs = 0.0;
-        // the second step's memory, phase by phase (CUDA)
-        let probe = step == start + 1 && cfg.device.is_cuda();
+        // the second step's memory, phase by phase: the CUDA pool's, or on
+        // the CPU the counted heap's above what it held before the model
+        // (one rank in the process: ranks as threads share the heap)
+        let heap = cfg.device.is_cpu() && crate::heap::counting() && cfg.world_size <= 1;
+        let probe = step == start + 1 && (cfg.device.is_cuda() || heap);
+        let peak_now = || -> Result<u64> {
+            Ok(if heap {
+                crate::heap::peak().saturating_sub(heap_base)
+            } else {
+                amp::cuda::pool_peaks(&cfg.device)?.0
+            })
+        };
         let mut probed = [0u64; 3];
         if probe {
             cfg.device.synchronize()?;
-            amp::cuda::reset_pool_peaks(&cfg.device)?;
-            probed[0] = amp::cuda::pool_peaks(&cfg.device)?.0;
+            if heap {
+                crate::heap::reset_peak();
+            } else {
+                amp::cuda::reset_pool_peaks(&cfg.device)?;
+            }
+            probed[0] = peak_now()?;
         }
         let stepped = amp.step(&mut opt, || -> Result<Tensor> {
             let loss = model.loss(&x, &y)?;
@@ -380,13 +396,13 @@ pub fn train_rank(
                 forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
             }
             if probe {
-                probed[1] = amp::cuda::pool_peaks(&cfg.device)?.0;
+                probed[1] = peak_now()?;
             }
             Ok(loss)
         })?;
         if probe {
             cfg.device.synchronize()?;
-            probed[2] = amp::cuda::pool_peaks(&cfg.device)?.0;
+            probed[2] = peak_now()?;
             second_step = Some(probed);
         }
         local += stepped.loss.to_scalar::<f32>()?;
@@ -532,6 +548,7 @@ pub fn train_rank(
         peak_device_bytes_after_forward: forward_peak,
         peak_device_bytes_after_backward: backward_peak,
         second_step_device_bytes: second_step,
+        estimated_peak_bytes: estimated_peak(cfg, &gcfg, world),
         peak_device_bytes,
         peak_device_reserved_bytes,
         bytes_per_linear_param: report.measured_bytes_per_linear_param,
@@ -558,6 +575,26 @@ pub fn train_rank(
         memory: Some(report),
         sample,
     })
+}
+
+/// The memory estimate of this run (`crate::budget`): what the example
+/// checks against the free memory before it starts.
+fn estimated_peak(cfg: &TrainConfig, g: &GptConfig, world: usize) -> f64 {
+    let in_process = cfg.world_size.max(1);
+    let shards = world.max(in_process);
+    let flash = cfg.device.is_cuda() && g.flash_head_dim() && amp::nn::flash_attention_enabled();
+    let run = crate::budget::Run {
+        batch: cfg.batch / shards,
+        seq: cfg.seq,
+        ranks: in_process,
+        shards,
+        act_bytes: cfg.activations.size_in_bytes(),
+        flash,
+        recompute: cfg.recompute,
+        native: matches!(cfg.compute, Compute::Native),
+        gpu: cfg.device.is_cuda(),
+    };
+    crate::budget::estimate(g, cfg.level, &run).total()
 }
 
 fn progress_bar(cfg: &TrainConfig, start: u64, shown: bool) -> ProgressBar {

@@ -15,6 +15,9 @@ mod data;
 #[path = "../gpt_common/mod.rs"]
 mod gpt_common;
 #[allow(dead_code)]
+#[path = "../../examples/gpt/heap.rs"]
+mod heap;
+#[allow(dead_code)]
 #[path = "../../examples/gpt/hf.rs"]
 mod hf;
 #[allow(dead_code)]
@@ -40,6 +43,7 @@ mod distributed;
 mod example;
 mod hf_checkpoints;
 mod hf_reference;
+mod memory;
 mod recompute;
 mod shards;
 mod telemetry_run;

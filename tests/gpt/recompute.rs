@@ -1,6 +1,7 @@
-//! `--recompute full` against none on the tiny GPT: the same run bit for
-//! bit at every level and compute path (losses, and the checkpoint at the
-//! end: weights, optimizer state, every scale and amax history).
+//! `--recompute full` and `selective` against none on the tiny GPT: the
+//! same run bit for bit at every level and compute path (losses, and the
+//! checkpoint at the end: weights, optimizer state, every scale and amax
+//! history).
 
 use crate::data;
 use crate::model::Recompute;
@@ -46,79 +47,101 @@ fn assert_same_checkpoint(a: &[u8], b: &[u8], what: &str) -> anyhow::Result<()> 
     Ok(())
 }
 
-#[test]
-fn full_recompute_is_the_same_run_bit_for_bit() -> anyhow::Result<()> {
-    let corpus = data::Corpus::bundled();
-    let current = || Compute::Fp8Current {
-        recipe: CurrentScaling::default(),
-    };
-    // a short history, so that it rolls over within the run
-    let delayed = || Compute::Fp8Delayed {
+/// A short delayed-scaling history, so that it rolls over within a run.
+fn delayed() -> Compute {
+    Compute::Fp8Delayed {
         recipe: DelayedScaling {
             amax_history_len: 4,
             ..Default::default()
         },
-    };
-    // every level and compute path, BF16 activations once (where the
-    // residual goes into a GEMM's epilogue only for a tracked input)
-    let runs = [
-        (Level::O0, Compute::Native, DType::F32),
-        (Level::O0, delayed(), DType::F32),
-        (Level::O1, current(), DType::F32),
-        (Level::O2, delayed(), DType::F32),
-        (Level::O2, current(), DType::BF16),
-        (Level::O3, delayed(), DType::F32),
-    ];
-    for (i, (level, compute, activations)) in runs.into_iter().enumerate() {
+    }
+}
+
+fn current() -> Compute {
+    Compute::Fp8Current {
+        recipe: CurrentScaling::default(),
+    }
+}
+
+/// 50 steps of each run with each recompute mode: the losses and the
+/// final checkpoint bit for bit those of the run that keeps everything.
+fn same_runs(runs: Vec<(Level, Compute, DType)>) -> anyhow::Result<()> {
+    let corpus = data::Corpus::bundled();
+    for (level, compute, activations) in runs {
         let what = format!("{level:?} {compute:?} {activations:?}");
         let base = TrainConfig {
             level,
             compute,
             activations,
-            steps: 20,
+            steps: 50,
             batch: 4,
             seq: 16,
             warmup: 5,
-            eval_every: 10,
+            eval_every: 25,
             eval_batches: 1,
             ..Default::default()
         };
-        let (ca, cb) = (tmp(&format!("{i}-none")), tmp(&format!("{i}-full")));
-        let kept = train(
-            &TrainConfig {
-                save: Some(ca.clone()),
-                ..base.clone()
-            },
-            &corpus,
-        )?;
-        let again = train(
-            &TrainConfig {
-                save: Some(cb.clone()),
-                recompute: Recompute::Full,
-                ..base
-            },
-            &corpus,
-        )?;
-        let (a, b) = (std::fs::read(&ca)?, std::fs::read(&cb)?);
-        if std::env::var("KEEP").is_err() {
-            std::fs::remove_file(&ca)?;
-            std::fs::remove_file(&cb)?;
-        }
-        assert_eq!(kept.recompute, Recompute::None);
-        assert_eq!(again.recompute, Recompute::Full);
+        let run = |mode: Recompute| -> anyhow::Result<(train::Summary, Vec<u8>)> {
+            let path = tmp(&format!("{level:?}-{activations:?}-{mode:?}"));
+            let s = train(
+                &TrainConfig {
+                    save: Some(path.clone()),
+                    recompute: mode,
+                    ..base.clone()
+                },
+                &corpus,
+            )?;
+            let bytes = std::fs::read(&path)?;
+            if std::env::var("KEEP").is_err() {
+                std::fs::remove_file(&path)?;
+            }
+            assert_eq!(s.recompute, mode);
+            Ok((s, bytes))
+        };
+        let (kept, a) = run(Recompute::None)?;
         assert!(kept.final_loss < kept.first_loss, "{what}: no learning");
-        assert_eq!(bits(&kept), bits(&again), "{what}: losses differ");
-        assert_same_checkpoint(&a, &b, &what)?;
+        for mode in [Recompute::Selective, Recompute::Full] {
+            let (again, b) = run(mode)?;
+            let what = format!("{what}, {mode:?}");
+            assert_eq!(bits(&kept), bits(&again), "{what}: losses differ");
+            assert_same_checkpoint(&a, &b, &what)?;
+        }
     }
     Ok(())
 }
 
+// Every level and compute path (the weight cast again from an F32 `Var`
+// at O0, from FP16 at O1 and O2, kept as stored at O3), BF16 activations
+// once (where the residual goes into a GEMM's epilogue only for a tracked
+// input); three tests, so that they run side by side.
+
 #[test]
-fn full_recompute_is_the_same_with_data_parallelism_and_accumulation() -> anyhow::Result<()> {
+fn recompute_is_the_same_run_at_o0() -> anyhow::Result<()> {
+    same_runs(vec![
+        (Level::O0, Compute::Native, DType::F32),
+        (Level::O0, delayed(), DType::F32),
+    ])
+}
+
+#[test]
+fn recompute_is_the_same_run_at_o1_and_o2() -> anyhow::Result<()> {
+    same_runs(vec![
+        (Level::O1, current(), DType::F32),
+        (Level::O2, delayed(), DType::F32),
+    ])
+}
+
+#[test]
+fn recompute_is_the_same_run_with_bf16_and_at_o3() -> anyhow::Result<()> {
+    same_runs(vec![
+        (Level::O2, current(), DType::BF16),
+        (Level::O3, delayed(), DType::F32),
+    ])
+}
+
+#[test]
+fn recompute_is_the_same_with_data_parallelism_and_accumulation() -> anyhow::Result<()> {
     let corpus = data::Corpus::bundled();
-    let current = || Compute::Fp8Current {
-        recipe: CurrentScaling::default(),
-    };
     // buckets reduced while the backward (and its recomputation) runs;
     // ZeRO at O3; micro-batches accumulated before one reduction
     for (level, world_size, grad_accum) in [(Level::O2, 2, 1), (Level::O3, 2, 1), (Level::O2, 1, 2)]
@@ -139,14 +162,16 @@ fn full_recompute_is_the_same_with_data_parallelism_and_accumulation() -> anyhow
             ..Default::default()
         };
         let kept = train(&base, &corpus)?;
-        let again = train(
-            &TrainConfig {
-                recompute: Recompute::Full,
-                ..base
-            },
-            &corpus,
-        )?;
-        assert_eq!(bits(&kept), bits(&again), "{what}: losses differ");
+        for mode in [Recompute::Selective, Recompute::Full] {
+            let again = train(
+                &TrainConfig {
+                    recompute: mode,
+                    ..base.clone()
+                },
+                &corpus,
+            )?;
+            assert_eq!(bits(&kept), bits(&again), "{what}, {mode:?}: losses differ");
+        }
     }
     Ok(())
 }

@@ -13,5 +13,6 @@ mod linear;
 mod linear_fuse;
 mod norm;
 mod recompute;
+mod selective;
 mod telemetry;
 mod training;

@@ -41,9 +41,9 @@ pub fn causal_self_attention(
     if qkv.runs_own_op()? && proj.runs_own_op()? {
         let res_grad = fused::ResidualGrad::default();
         let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
-        let (y, token, from) = fused::causal_attention_handed(&x, &token, &from, heads)?;
+        let (y, token, from, kept) = fused::causal_attention_handed(&x, &token, &from, heads)?;
         drop(x);
-        return proj.forward_from(&y, (token, from), false, Some(h), Some(res_grad));
+        return proj.forward_from(&y, (token, from), false, Some(h), Some(res_grad), kept);
     }
     let y = fused::causal_attention_qkv(&qkv.forward_with(h, normed)?, heads)?;
     proj.forward_with(
@@ -82,7 +82,7 @@ pub fn pre_norm_mlp(
     if fc1.runs_own_op()? && fc2.runs_own_op()? {
         let res_grad = res.map(|_| fused::ResidualGrad::default());
         let (m, token, from) = fc1.forward_handing(h, normed, res_grad.clone())?;
-        return fc2.forward_from(&m, (token, from), true, res, res_grad);
+        return fc2.forward_from(&m, (token, from), true, res, res_grad, false);
     }
     let m = fc1.forward_with(h, normed)?;
     fc2.forward_with(

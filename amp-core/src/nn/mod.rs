@@ -45,6 +45,7 @@ mod mode;
 mod norm;
 mod precomputed;
 mod recompute;
+mod selective;
 mod telemetry;
 
 pub use crate::scaling::sink::GradSink;
@@ -60,4 +61,5 @@ pub use linear::{linear, linear_b, linear_no_bias, registered_linear, Fuse, Laye
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{layer_norm, LayerNorm};
 pub use recompute::recompute;
+pub use selective::selective;
 pub use telemetry::{set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES};

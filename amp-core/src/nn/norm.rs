@@ -120,6 +120,19 @@ impl LayerNorm {
     }
 }
 
+impl LayerNorm {
+    /// The output again, as the handed forward computed it (the fused
+    /// kernel on detached tensors): what `nn::selective` casts again.
+    pub(crate) fn recomputed(&self, x: &Tensor) -> Result<Tensor> {
+        super::fused::layer_norm(
+            &x.detach(),
+            &self.weight.detach(),
+            &self.bias.detach(),
+            self.eps,
+        )
+    }
+}
+
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.try_forward(x).map_err(candle_core::Error::wrap)

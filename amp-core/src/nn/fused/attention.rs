@@ -99,10 +99,12 @@ impl CustomOp3 for CausalAttention {
 
 /// What backward keeps besides the op's inputs.
 enum Kept {
-    /// q, k, v (heads, the compute dtype) and the probabilities.
+    /// q, k, v (heads, the compute dtype) and the probabilities (none
+    /// under [`selective`](crate::nn::selective): backward computes them
+    /// again from q and k, the same kernels on the same values).
     Probs {
         qkv: [Tensor; 3],
-        p: Tensor,
+        p: Option<Tensor>,
         scale: f32,
     },
     /// The flash kernels' BF16 inputs (the packed projection, or q, k,
@@ -124,7 +126,11 @@ impl Kept {
             Kept::Probs { qkv, p, scale } => {
                 let dy = dy.detach().to_dtype(qkv[0].dtype())?.contiguous()?;
                 let [q, k, v] = qkv;
-                Ok(attend_bwd(p, [q, k, v], &dy, *scale)?.to_vec())
+                let p = match p {
+                    Some(p) => p.clone(),
+                    None => probs(q, k, *scale).map_err(candle_core::Error::wrap)?,
+                };
+                Ok(attend_bwd(&p, [q, k, v], &dy, *scale)?.to_vec())
             }
             Kept::Flash {
                 flash,
@@ -173,6 +179,7 @@ fn attend_separate(qkv: [&Tensor; 3], compute: DType, scale: f32) -> Result<(Ten
     let cast = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().to_dtype(compute)?.contiguous()?) };
     let qkv = [cast(qkv[0])?, cast(qkv[1])?, cast(qkv[2])?];
     let (p, y) = attend(&qkv[0], &qkv[1], &qkv[2], scale)?;
+    let p = (!crate::nn::selective::active()).then_some(p);
     Ok((y, Kept::Probs { qkv, p, scale }))
 }
 
@@ -196,6 +203,7 @@ fn attend_packed(s: Qkv, qkv: &Tensor, compute: DType, scale: f32) -> Result<(Te
     let parts = s.split(qkv, compute)?;
     let (p, y) = attend(&parts[0], &parts[1], &parts[2], scale)?;
     let y = s.rows(&[y], qkv.dtype())?;
+    let p = (!crate::nn::selective::active()).then_some(p);
     Ok((
         y,
         Kept::Probs {
@@ -226,11 +234,15 @@ fn compute_dtype(op: &'static str, x: &Tensor) -> Result<DType> {
 /// `(P, P v)` with `P = causal_softmax(q kᵀ * scale)`; contiguous
 /// `[batch, heads, seq, head_dim]` inputs of the compute dtype.
 fn attend(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<(Tensor, Tensor)> {
-    let p = q
-        .matmul(&k.t()?)?
-        .apply_op1_no_bwd(&CausalSoftmax { scale })?;
+    let p = probs(q, k, scale)?;
     let y = p.matmul(v)?;
     Ok((p, y))
+}
+
+/// `causal_softmax(q kᵀ * scale)`, as [`attend`] computes it.
+fn probs(q: &Tensor, k: &Tensor, scale: f32) -> Result<Tensor> {
+    Ok(q.matmul(&k.t()?)?
+        .apply_op1_no_bwd(&CausalSoftmax { scale })?)
 }
 
 /// `dP = dy vᵀ`, `dS = P (dP - rowsum(P dP)) * scale`, `dq = dS k`,
@@ -312,17 +324,20 @@ fn qkv_layout(op: &'static str, qkv: &Tensor, heads: usize) -> Result<(Qkv, DTyp
 
 /// [`causal_attention_qkv`] between two handoffs: `qkv` comes from the
 /// previous op (`token` stands for it in the graph, `from` takes its
-/// gradient) and the output is handed on: `(y, token, handoff)`. The op
-/// keeps q, k, v (compute dtype) and the probabilities for backward.
+/// gradient) and the output is handed on: `(y, token, handoff, kept)`.
+/// The op keeps q, k, v (compute dtype) and the probabilities for
+/// backward, or flash attention's inputs and output: then `y` is that
+/// output (`kept`), alive until the op's backward.
 pub(crate) fn causal_attention_handed(
     qkv: &Tensor,
     token: &Tensor,
     from: &Handoff,
     heads: usize,
-) -> Result<(Tensor, Tensor, Handoff)> {
+) -> Result<(Tensor, Tensor, Handoff, bool)> {
     const OP: &str = "causal_attention_qkv";
     let (shape, compute, scale) = qkv_layout(OP, qkv, heads)?;
     let (y, kept) = attend_packed(shape, qkv, compute, scale)?;
+    let y_kept = matches!(&kept, Kept::Flash { o, .. } if o.dtype() == y.dtype());
     let to = Handoff::default();
     let op = AttentionHanded {
         kept,
@@ -332,7 +347,7 @@ pub(crate) fn causal_attention_handed(
         to: to.clone(),
     };
     let token = token.apply_op1(op)?;
-    Ok((y, token, to))
+    Ok((y, token, to, y_kept))
 }
 
 /// The graph node of [`causal_attention_handed`]: a token in, a token out.

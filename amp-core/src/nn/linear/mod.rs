@@ -17,6 +17,7 @@ use super::fused::{Handoff, ResidualGrad};
 use super::mode::{current_mode, current_step, ComputeMode};
 use super::norm::LayerNorm;
 use super::precomputed::Precomputed;
+use super::selective;
 use crate::error::{Error, Result};
 use crate::gemm::{fp8_gemm_fused, fp8_gemm_with, Epilogue};
 use crate::scaling::flag::flagged_by_amax;
@@ -24,7 +25,7 @@ use crate::scaling::sink::GradSink;
 use crate::scaling::weight::{Weight, WeightSlot};
 use candle_core::{DType, Module, Tensor, TensorId, Var};
 use layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
-use op::{Fp8LinearOp, Plan, Saved};
+use op::{Fp8LinearOp, Origin, Plan, Saved};
 use registry::LinearParts;
 use std::sync::{Arc, Mutex};
 
@@ -411,7 +412,20 @@ impl Linear {
             handoff,
             hand_out,
             residual_grad,
+            origin,
         } = fuse;
+        // Under `nn::selective`, where the input's FP8 codes can be cast
+        // again from a tensor kept anyway: GELU's input (the op keeps it),
+        // the op's graph input (candle keeps it), or what the caller names
+        // (a LayerNorm's input, an attention output the attention keeps).
+        let recast = selective::active();
+        let origin = match (recast, origin) {
+            (false, _) => None,
+            (true, _) if gelu => Some(Origin::Gelu(x_nd.clone())),
+            (true, Some(o)) => Some(o),
+            (true, None) if handoff.is_none() => Some(Origin::Value(x_nd.clone())),
+            (true, None) => None,
+        };
         // the op's first argument in the graph: x, or the token standing for it
         let (arg0, handoff) = match handoff {
             Some((token, h)) => (token, Some(h)),
@@ -566,14 +580,21 @@ impl Linear {
             }
             _ => (x.matmul(&w_native()?.t()?)?, false),
         };
+        // the weight's codes cast again in backward where it is stored in
+        // F32 or FP16 (an O3 weight's FP8 copy is kept as it is)
+        let w_origin = match weight {
+            Weight::F32(var) if recast => Some(Origin::Value(var.as_tensor().clone())),
+            Weight::F16(t) if recast => Some(Origin::Scaled(t.clone())),
+            _ => None,
+        };
         let x_saved = match (xq, xq_t) {
-            (_, Some(xt)) if wgrad => Saved::Fp8T(xt),
-            (Some(xq), None) if wgrad => Saved::Fp8(xq),
+            (_, Some(xt)) if wgrad => Saved::fp8(xt, true, origin),
+            (Some(xq), None) if wgrad => Saved::fp8(xq, false, origin),
             _ => Saved::Native(x.clone()),
         };
         let w_saved = match (wq, wq_t) {
-            (_, Some(wt)) if dgrad => Saved::Fp8T(wt),
-            (Some(wq), None) if dgrad => Saved::Fp8(wq),
+            (_, Some(wt)) if dgrad => Saved::fp8(wt, true, w_origin),
+            (Some(wq), None) if dgrad => Saved::fp8(wq, false, w_origin),
             _ => Saved::Native(w_native()?),
         };
         *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
@@ -704,6 +725,9 @@ pub(super) struct OpFuse<'a> {
     /// Where the op that takes `residual` leaves its gradient for the
     /// LayerNorm handoff reading the same tensor (see `ResidualGrad`).
     pub residual_grad: Option<ResidualGrad>,
+    /// Under `nn::selective`, what a handed input can be computed again
+    /// from in backward (without it the op keeps its FP8 codes).
+    pub origin: Option<Origin>,
 }
 
 impl Linear {
@@ -752,6 +776,19 @@ impl Linear {
         Ok((Some(ln.try_forward(x)?), None))
     }
 
+    /// A handed LayerNorm's output as `nn::selective` computes it again:
+    /// from the LayerNorm's input, which its backward keeps.
+    fn norm_origin(
+        norm: Option<&LayerNorm>,
+        x: &Tensor,
+        handoff: &Option<Handed>,
+    ) -> Option<Origin> {
+        match (norm, handoff) {
+            (Some(ln), Some(_)) => Some(Origin::Norm(ln.clone(), x.clone())),
+            _ => None,
+        }
+    }
+
     /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]); see
     /// [`forward_with`](Self::forward_with).
     ///
@@ -797,6 +834,7 @@ impl Linear {
         self.check_residual(x, out_dim, fuse.residual)?;
         let own_op = Self::own_op(&mode, &weight);
         let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu, None)?;
+        let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
         // the op decides whether it takes the residual (it adds it outside
         // itself where it cannot)
@@ -808,6 +846,7 @@ impl Linear {
                     handoff,
                     hand_out: None,
                     residual_grad: None,
+                    origin,
                 };
                 return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
             }
@@ -844,12 +883,14 @@ impl Linear {
             });
         }
         let (normed, handoff) = Self::normed(fuse.norm, x, true, res_grad)?;
+        let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
         let out = Handoff::default();
         let mut value = None;
         let op_fuse = OpFuse {
             handoff,
             hand_out: Some((out.clone(), &mut value)),
+            origin,
             ..Default::default()
         };
         let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
@@ -865,7 +906,8 @@ impl Linear {
     /// `residual` added as in [`forward_with`](Self::forward_with), its
     /// gradient left in `res_grad` where a reader is attached (see
     /// `ResidualGrad`); the caller checks [`runs_own_op`](Self::runs_own_op)
-    /// first.
+    /// first. `kept`: the op that handed `x` keeps it until its backward
+    /// (so `nn::selective` casts it again rather than keep its codes).
     pub(crate) fn forward_from(
         &self,
         x: &Tensor,
@@ -873,6 +915,7 @@ impl Linear {
         gelu: bool,
         residual: Option<&Tensor>,
         res_grad: Option<ResidualGrad>,
+        kept: bool,
     ) -> Result<Tensor> {
         let (weight, out_dim, mode) = self.prepare(x)?;
         self.check_residual(x, out_dim, residual)?;
@@ -881,6 +924,7 @@ impl Linear {
             residual,
             handoff: Some((token, from)),
             residual_grad: res_grad,
+            origin: kept.then(|| Origin::Value(x.clone())),
             ..Default::default()
         };
         self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)

@@ -9,6 +9,7 @@ use crate::nn::precomputed::Precomputed;
 use crate::numerics::format::Fp8Format;
 use crate::numerics::recipe::CurrentScaling;
 use crate::scaling::flag::flagged_by_amax;
+use crate::scaling::meta::ScalingMeta;
 use crate::scaling::sink::GradSink;
 use crate::scaling::tensor::ScalingTensor;
 use candle_core::backend::BackendStorage;
@@ -26,14 +27,109 @@ pub(crate) enum Saved {
     /// K-major operand its backward GEMM takes.
     Fp8T(ScalingTensor),
     Native(Tensor),
+    /// FP8 codes cast again in backward (`nn::selective`): from a tensor
+    /// kept anyway, with the forward cast's metadata (its scale), as
+    /// [`Saved::Fp8T`] (`transposed`) or [`Saved::Fp8`].
+    Recast {
+        from: Origin,
+        meta: ScalingMeta,
+        transposed: bool,
+    },
+}
+
+/// What an FP8 operand is cast from again in backward: each a tensor that
+/// stays alive until then without the op keeping it (see `nn::selective`).
+#[derive(Debug, Clone)]
+pub(crate) enum Origin {
+    /// The value itself (any rank; flattened to rows of its last dimension).
+    Value(Tensor),
+    /// GELU's input: the operand is GELU's output.
+    Gelu(Tensor),
+    /// A LayerNorm's input: the operand is the LayerNorm's output.
+    Norm(crate::nn::LayerNorm, Tensor),
+    /// A weight stored scaled (FP16).
+    Scaled(ScalingTensor),
+}
+
+impl Origin {
+    /// The operand's codes again, cast with `meta`'s scale (the cast the
+    /// forward ran: current scaling's scale from the same amax, delayed
+    /// scaling's from the same state), carrying `meta` itself; nothing is
+    /// recorded.
+    fn recast(&self, meta: &ScalingMeta, transposed: bool) -> Result<ScalingTensor> {
+        let rows = |t: &Tensor| -> Result<Tensor> {
+            let last = t.dim(candle_core::D::Minus1)?;
+            Ok(t.detach().reshape(((), last))?.contiguous()?)
+        };
+        let (q, qt, _) = match self {
+            Self::Scaled(w) => w.requantize_with_t(meta)?,
+            Self::Value(t) => ScalingTensor::quantize_with_t(&rows(t)?, meta)?,
+            Self::Gelu(z) => {
+                let g = crate::nn::fused::gelu_detached(&rows(z)?)?;
+                ScalingTensor::quantize_with_t(&g, meta)?
+            }
+            Self::Norm(ln, x) => ScalingTensor::quantize_with_t(&rows(&ln.recomputed(x)?)?, meta)?,
+        };
+        let codes = if transposed { qt } else { q };
+        ScalingTensor::from_parts(codes.data().clone(), meta.clone())
+    }
 }
 
 impl Saved {
+    /// FP8 codes as kept (`transposed`: the cast-transpose's second
+    /// output), or to be cast again from `origin` with their metadata.
+    pub(crate) fn fp8(q: ScalingTensor, transposed: bool, origin: Option<Origin>) -> Self {
+        match origin {
+            Some(from) => Self::Recast {
+                meta: q.meta().clone(),
+                from,
+                transposed,
+            },
+            None if transposed => Self::Fp8T(q),
+            None => Self::Fp8(q),
+        }
+    }
+
+    /// Bytes kept (a recast operand's are its source's, kept anyway, and
+    /// its scale's: counted as none).
     pub(crate) fn nbytes(&self) -> usize {
         match self {
             Self::Fp8(t) | Self::Fp8T(t) => t.nbytes(),
             Self::Native(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Self::Recast { .. } => 0,
         }
+    }
+
+    /// Kept (or to be recast) transposed.
+    fn is_fp8_t(&self) -> bool {
+        matches!(
+            self,
+            Self::Fp8T(_)
+                | Self::Recast {
+                    transposed: true,
+                    ..
+                }
+        )
+    }
+
+    /// As kept, with a recast operand cast again.
+    fn resolved(&self) -> Result<std::borrow::Cow<'_, Saved>> {
+        use std::borrow::Cow;
+        Ok(match self {
+            Self::Recast {
+                from,
+                meta,
+                transposed,
+            } => {
+                let q = from.recast(meta, *transposed)?;
+                Cow::Owned(if *transposed {
+                    Self::Fp8T(q)
+                } else {
+                    Self::Fp8(q)
+                })
+            }
+            kept => Cow::Borrowed(kept),
+        })
     }
 }
 
@@ -108,7 +204,7 @@ impl Fp8LinearOp {
                 Role::GradOutput,
                 self.step,
                 &self.casts,
-                p.wgrad && matches!(self.x_saved, Saved::Fp8T(_)),
+                p.wgrad && self.x_saved.is_fp8_t(),
             )?;
             (Some(q), qt)
         } else {
@@ -148,18 +244,21 @@ impl Fp8LinearOp {
         let native = |q: &ScalingTensor| q.dequantize(dy.dtype());
         // dgrad: dx = dy · W, i.e. fp8_gemm(dy [m, out], Wᵀ [in, out]).
         let dx = if need_dx {
-            Some(match (&dqf, &self.w_saved) {
+            let w_saved = self.w_saved.resolved()?;
+            Some(match (&dqf, &*w_saved) {
                 (Some(dq), Saved::Fp8T(wt)) if p.dgrad => fp8_gemm(dq, wt, self.x_dtype)?,
                 (Some(dq), Saved::Fp8(wq)) if p.dgrad => fp8_gemm(dq, &wq.t()?, self.x_dtype)?,
                 (_, Saved::Native(w)) => finite(dy.matmul(&w.to_dtype(dy.dtype())?)?)?,
                 (_, Saved::Fp8(wq)) => finite(dy.matmul(&native(wq)?)?)?,
                 (_, Saved::Fp8T(wt)) => finite(dy.matmul(&native(wt)?.t()?)?)?,
+                (_, Saved::Recast { .. }) => return Err(recast_left()),
             })
         } else {
             None
         };
         // wgrad: dW = dyᵀ · x, i.e. fp8_gemm(dyᵀ [out, m], xᵀ [in, m]).
-        let dw = match (&dqf, &self.x_saved) {
+        let x_saved = self.x_saved.resolved()?;
+        let dw = match (&dqf, &*x_saved) {
             (Some(dq), Saved::Fp8T(xt)) if p.wgrad => match &dqf_t {
                 Some(dqt) => fp8_gemm(dqt, xt, DType::F32)?,
                 None => fp8_gemm(&dq.t()?, xt, DType::F32)?,
@@ -174,7 +273,9 @@ impl Fp8LinearOp {
             (_, Saved::Fp8T(xt)) => {
                 finite(dy.t()?.matmul(&native(xt)?.t()?)?.to_dtype(DType::F32)?)?
             }
+            (_, Saved::Recast { .. }) => return Err(recast_left()),
         };
+        drop(x_saved);
         match &self.sink {
             Some(sink) => {
                 let g = fp8_grad(&dw)?;
@@ -184,6 +285,14 @@ impl Fp8LinearOp {
             }
             None => Ok((dx, Some(dw.to_dtype(self.w_dtype)?))),
         }
+    }
+}
+
+/// [`Saved::resolved`] never leaves a recast operand.
+fn recast_left() -> Error {
+    Error::Unsupported {
+        op: "amp_fp8_linear backward",
+        what: "an operand left to recast".into(),
     }
 }
 
