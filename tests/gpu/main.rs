@@ -70,6 +70,7 @@ mod codecs;
 mod fused;
 mod gemm;
 mod optim;
+mod selective;
 mod util;
 
 /// CUDA device 0, made once for the whole binary (the kernels' modules
