@@ -62,7 +62,7 @@ struct Args {
     /// Transformer Engine DelayedScaling recipe (JSON or TOML); implies fp8-delayed.
     #[arg(long)]
     recipe: Option<PathBuf>,
-    /// Model size: tiny, 125m, 350m, 760m, 1.3b, 2.7b, 6.7b.
+    /// Model size: tiny, 125m, 350m, 760m, 1.3b, 2.7b, 6.7b, 13b (GPT-3 shapes from 125m).
     #[arg(long, default_value = "tiny")]
     size: String,
     /// Optimizer steps in all.

@@ -37,7 +37,7 @@ pub struct GptConfig {
 
 /// The sizes by name: `tiny` trains on two CPU cores in minutes; the others
 /// are GPT-2/3 shapes (layers, heads, width) as `scripts/gpu/torch_gpt.py` uses them.
-pub const SIZES: [(&str, usize, usize, usize); 7] = [
+pub const SIZES: [(&str, usize, usize, usize); 8] = [
     ("tiny", 4, 4, 128),
     ("125m", 12, 12, 768),
     ("350m", 24, 16, 1024),
@@ -45,6 +45,7 @@ pub const SIZES: [(&str, usize, usize, usize); 7] = [
     ("1.3b", 24, 32, 2048),
     ("2.7b", 32, 32, 2560),
     ("6.7b", 32, 32, 4096),
+    ("13b", 40, 40, 5120),
 ];
 
 impl GptConfig {

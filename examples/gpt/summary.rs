@@ -66,7 +66,7 @@ pub struct Summary {
     /// PaLM's appendix B; `N` every parameter but the position
     /// embeddings; a recomputed forward is not counted), times
     /// `tokens_per_s_median`, over an H100 SXM's dense BF16 peak
-    /// ([`H100_BF16_PEAK`]).
+    /// ([`H100_BF16_PEAK`]) times the GPUs (the ranks of an NCCL group).
     pub mfu: Option<f64>,
     /// Slowest timed step, ms.
     pub step_ms_max: f64,

@@ -536,10 +536,14 @@ pub fn train_rank(
         tokens_per_s: tokens / train_secs.max(1e-9),
         step_ms_median,
         tokens_per_s_median: (cfg.batch * cfg.seq) as f64 / (step_ms_median / 1e3),
+        // per GPU: the ranks of an NCCL group have one each (ranks as
+        // threads share this process's one)
         mfu: cfg.device.is_cuda().then(|| {
+            let gpus = if cfg.world_size > 1 { 1 } else { world };
             (cfg.batch * cfg.seq) as f64 / (step_ms_median / 1e3)
                 * crate::summary::flops_per_token(&gcfg, cfg.seq)
                 / crate::summary::H100_BF16_PEAK
+                / gpus as f64
         }),
         step_ms_max,
         step_ms,

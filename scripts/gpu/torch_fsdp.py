@@ -1,0 +1,98 @@
+"""torch_fsdp.py: the PyTorch reference for sharded (ZeRO-3) GPT training.
+
+torch_gpt.py's model under FullyShardedDataParallel (FULL_SHARD: weights,
+gradients and AdamW states sharded over the ranks, each block gathered in
+BF16 for its forward and backward), one process per GPU, launched by
+torchrun. BF16 parameters in compute and F32 gradient reduction
+(MixedPrecision), F32 master weights and AdamW(foreach) states sharded;
+`--checkpoint` recomputes every block in backward (torch.utils.checkpoint).
+Weak scaling as torch_ddp.py: every rank trains on its own fixed random
+batch of `--batch` sequences.
+
+Rank 0 prints one JSON line: the group's tokens/s and step time (the
+slowest rank's median) and its own peak memory; a rank that runs out of
+memory prints a line with "out of memory".
+
+  torchrun --nproc-per-node 2 scripts/gpu/torch_fsdp.py --size 6.7b --checkpoint
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from torch_gpt import SIZES, Block, build, timed_steps
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="350m", choices=SIZES)
+    p.add_argument("--batch", type=int, default=8, help="sequences a rank and step")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
+    p.add_argument("--bias", action="store_true", help="biases in the blocks' Linears, as ours")
+    p.add_argument("--untied-head", action="store_true", help="a head of its own, as ours")
+    return p
+
+
+def main():
+    args = parser().parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.manual_seed(0)  # the same initial weights on every rank
+    line = {"mode": "fsdp-bf16" + ("-checkpoint" if args.checkpoint else ""), "size": args.size,
+            "world_size": world, "batch_per_rank": args.batch, "seq": args.seq,
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        with torch.device("cuda"):
+            model = build(args)
+        model = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                           buffer_dtype=torch.bfloat16),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            device_id=torch.cuda.current_device(),
+            use_orig_params=True,
+        )
+        torch.cuda.empty_cache()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+        gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+        x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
+        y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
+
+        def step():
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss
+
+        torch.cuda.reset_peak_memory_stats()
+        times, _ = timed_steps(step, args.warmup, args.steps)
+    except torch.OutOfMemoryError as e:
+        # every rank says so (torchrun stops the others when one exits)
+        line["error"] = f"rank {rank}: out of memory: " + str(e).split("\n")[0]
+        print(json.dumps(line), flush=True)
+        os._exit(1)
+    slowest = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        step_s = slowest.item()
+        line.update({"tokens_per_s": world * args.batch * args.seq / step_s, "step_ms": step_s * 1e3,
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        print(json.dumps(line), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
