@@ -74,7 +74,7 @@ fn same_runs(runs: Vec<(Level, Compute, DType)>) -> anyhow::Result<()> {
             compute,
             activations,
             steps: 50,
-            batch: 4,
+            batch: 2,
             seq: 16,
             warmup: 5,
             eval_every: 25,
@@ -110,15 +110,16 @@ fn same_runs(runs: Vec<(Level, Compute, DType)>) -> anyhow::Result<()> {
     Ok(())
 }
 
-// Every level and compute path (the weight cast again from an F32 `Var`
-// at O0, from FP16 at O1 and O2, kept as stored at O3), BF16 activations
-// once (where the residual goes into a GEMM's epilogue only for a tracked
-// input); three tests, so that they run side by side.
+// Every level with each compute path (the weight cast again from an F32
+// `Var` at O0, from FP16 at O1 and O2, kept as stored at O3), BF16
+// activations once (where the residual goes into a GEMM's epilogue only
+// for a tracked input); three tests, so that they run side by side.
 
 #[test]
 fn recompute_is_the_same_run_at_o0() -> anyhow::Result<()> {
     same_runs(vec![
         (Level::O0, Compute::Native, DType::F32),
+        (Level::O0, current(), DType::F32),
         (Level::O0, delayed(), DType::F32),
     ])
 }
@@ -127,6 +128,7 @@ fn recompute_is_the_same_run_at_o0() -> anyhow::Result<()> {
 fn recompute_is_the_same_run_at_o1_and_o2() -> anyhow::Result<()> {
     same_runs(vec![
         (Level::O1, current(), DType::F32),
+        (Level::O1, delayed(), DType::F32),
         (Level::O2, delayed(), DType::F32),
     ])
 }
@@ -135,6 +137,7 @@ fn recompute_is_the_same_run_at_o1_and_o2() -> anyhow::Result<()> {
 fn recompute_is_the_same_run_with_bf16_and_at_o3() -> anyhow::Result<()> {
     same_runs(vec![
         (Level::O2, current(), DType::BF16),
+        (Level::O3, current(), DType::F32),
         (Level::O3, delayed(), DType::F32),
     ])
 }
