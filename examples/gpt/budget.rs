@@ -22,8 +22,9 @@
 //!   Linear's new weights and moments beside the old ones, kept until the
 //!   step's outcome is read (a skipped step puts them back), so while the
 //!   activations are gone it holds the level's state bytes a second time
-//!   (all but the gradient's: 5 a parameter at O2). The CPU's optimizer
-//!   works a tensor at a time.
+//!   (all but the gradient's: 5 a parameter at O2); with `--lean-step`
+//!   the optimizer reads the outcome first and holds one parameter's new
+//!   states at a time. The CPU's optimizer works a tensor at a time.
 //!
 //! The peak is the persistent bytes plus the larger phase. Checked against
 //! measured peaks: on the CPU (the heap the example counts) within 10% for
@@ -78,6 +79,9 @@ pub struct Run {
     pub native: bool,
     /// On a GPU (the optimizer's second copy of the states).
     pub gpu: bool,
+    /// The optimizer's lean step (`--lean-step`): one parameter's new
+    /// states at a time beside the old, not all of them.
+    pub lean: bool,
 }
 
 /// What a run of `g` at `level` needs (see the module's documentation).
@@ -90,10 +94,12 @@ pub fn estimate(g: &GptConfig, level: Level, r: &Run) -> Estimate {
     let persistent = linear * per_linear + other * 16.0;
     // every state but the gradient (F32 at O0, FP8 above), written anew
     let grad_bytes = if level == Level::O0 { 4.0 } else { 1.0 };
-    let optimizer = if r.gpu {
-        linear * (per_linear - grad_bytes).max(0.0)
-    } else {
-        0.0
+    let copies = (per_linear - grad_bytes).max(0.0);
+    let optimizer = match (r.gpu, r.lean) {
+        (false, _) => 0.0,
+        // the largest Linear's (fc1, fc2: 4 d^2) new states
+        (true, true) => 4.0 * g.n_embd as f64 * g.n_embd as f64 * copies,
+        (true, false) => linear * copies,
     };
     let a = r.act_bytes as f64;
     let selective = r.recompute == Recompute::Selective;
@@ -190,6 +196,7 @@ mod tests {
             recompute,
             native,
             gpu: true,
+            lean: false,
         }
     }
 
@@ -225,9 +232,17 @@ mod tests {
         assert!(full.total() > 70.9 * gib && full.total() < 78.0 * gib);
         let kept = estimate(&big, Level::O2, &none);
         assert!(kept.activations + kept.logits > kept.optimizer);
-        // on the CPU the optimizer works a tensor at a time
+        // on the CPU the optimizer works a tensor at a time; the lean step
+        // holds one parameter's new states (fc1's: 5 bytes x 4 d^2)
         let cpu = estimate(&big, Level::O2, &Run { gpu: false, ..none });
         assert_eq!(cpu.optimizer, 0.0);
+        let lean = Run {
+            lean: true,
+            ..gpu(Recompute::Full, false)
+        };
+        let lean = estimate(&big, Level::O2, &lean);
+        assert!((lean.optimizer - 5.0 * 4.0 * 4096.0 * 4096.0).abs() < 1.0);
+        assert!(lean.total() < full.total() - 20.0 * gib, "{lean:?}");
         // O0 with native products: 1.3B measured 46.37 GiB at its peak
         // (H100), 2.7B ran out of memory on 78.6 GiB free
         let o0 = |size: &str| {

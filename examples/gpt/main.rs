@@ -174,7 +174,8 @@ struct Args {
     #[arg(long)]
     event_tracking: bool,
     /// Start even when the memory estimate exceeds what the device has
-    /// free (the estimate is on the high side).
+    /// free (the estimate is within about 10% of measured peaks, mostly
+    /// above; `estimated_peak_bytes` in `--json`).
     #[arg(long)]
     no_memory_check: bool,
     /// Run each of these levels in turn on the same data and seed.
@@ -202,6 +203,12 @@ struct Args {
     /// mean rounded to BF16). FP8 gradients are unaffected.
     #[arg(long)]
     bf16_wire: bool,
+    /// On a GPU, the optimizer waits for the step's outcome before it
+    /// updates, so it keeps no second copy of the weights and moments
+    /// (`AmpConfig::lean_step`; the same values). Chosen by itself where
+    /// only this fits the memory estimate.
+    #[arg(long)]
+    lean_step: bool,
     /// CPU threads for candle's kernels, at most the cores [default: half the cores, at least 1].
     /// candle's pool waits in a spin loop, so a thread per core runs far
     /// slower as soon as anything else uses a core.
@@ -407,6 +414,7 @@ fn main() -> Result<()> {
         grad_accum: args.grad_accum as usize,
         overlap: !args.no_overlap,
         bf16_wire: args.bf16_wire,
+        lean_step: args.lean_step,
         recompute: args.recompute,
         telemetry: args.telemetry.map(|n| (n, args.out.clone())),
         timing_skip: args.timing_skip,
@@ -434,12 +442,21 @@ fn main() -> Result<()> {
         );
     }
     let rank = group.as_ref().map_or(0, |c| c.rank());
+    let mut base = base;
     if !args.no_memory_check {
         let device = group.as_ref().map_or(&base.device, |c| c.device());
         let world = group
             .as_ref()
             .map_or(args.world_size as usize, |c| c.world_size());
-        check_memory(&args, &gcfg, &levels, device, world);
+        if check_memory(&args, &gcfg, &levels, device, world) && !base.lean_step {
+            if rank == 0 {
+                eprintln!(
+                    "note: the optimizer keeps no second copy of the states (--lean-step), \
+                     so that the run fits"
+                );
+            }
+            base.lean_step = true;
+        }
     }
     let mut runs = Vec::new();
     for &level in &levels {
@@ -521,18 +538,20 @@ fn check_trained(s: &train::Summary) -> Result<()> {
     Ok(())
 }
 
-/// Refuses, before any work, a run whose memory estimate
+/// Exits with a usage error when the memory a run needs
 /// ([`budget::estimate`], the most demanding of `levels`) exceeds what
-/// `device` has free; `--no-memory-check` skips this.
+/// `device` has free; `--no-memory-check` skips this. Returns whether the
+/// run fits only with the optimizer's lean step (`--lean-step`), which the
+/// caller then turns on.
 fn check_memory(
     args: &Args,
     g: &model::GptConfig,
     levels: &[Level],
     device: &Device,
     world: usize,
-) {
+) -> bool {
     let Some(free) = budget::available(device) else {
-        return;
+        return false;
     };
     // ranks as threads share this process (and its device); ranks of an
     // NCCL group have a device each
@@ -543,44 +562,53 @@ fn check_memory(
         ExportArg::Bf16 => 2,
     };
     let flash = device.is_cuda() && !args.no_flash && g.flash_head_dim();
-    let worst = levels
-        .iter()
-        .map(|&l| {
-            let run = budget::Run {
-                batch,
-                seq: args.seq as usize,
-                ranks: in_process,
-                shards: world,
-                act_bytes,
-                flash,
-                recompute: args.recompute,
-                native: matches!(compute_for(args, l), Compute::Native),
-                gpu: device.is_cuda(),
-            };
-            let e = budget::estimate(g, l, &run);
-            (l, e)
-        })
-        .max_by(|a, b| a.1.total().total_cmp(&b.1.total()));
-    if let Some((level, e)) = worst {
-        if e.total() > free {
-            usage(format!(
-                "--size {} --batch {} --seq {} at {level} needs about {} (weights and optimizer \
-                 state {}, and the larger of activations {} with logits {}, or the optimizer \
-                 step's {}), and {} has {} free: lower --batch or --seq, try --recompute full, \
-                 or pass --no-memory-check to try anyway",
-                args.size,
-                args.batch,
-                args.seq,
-                budget::gib(e.total()),
-                budget::gib(e.persistent),
-                budget::gib(e.activations),
-                budget::gib(e.logits),
-                budget::gib(e.optimizer),
-                device_label(device),
-                budget::gib(free),
-            ));
+    let worst = |lean: bool| {
+        levels
+            .iter()
+            .map(|&l| {
+                let run = budget::Run {
+                    batch,
+                    seq: args.seq as usize,
+                    ranks: in_process,
+                    shards: world,
+                    act_bytes,
+                    flash,
+                    recompute: args.recompute,
+                    native: matches!(compute_for(args, l), Compute::Native),
+                    gpu: device.is_cuda(),
+                    lean,
+                };
+                (l, budget::estimate(g, l, &run))
+            })
+            .max_by(|a, b| a.1.total().total_cmp(&b.1.total()))
+    };
+    let Some((level, e)) = worst(args.lean_step) else {
+        return false;
+    };
+    if e.total() <= free {
+        return false;
+    }
+    if let Some((_, lean)) = worst(true) {
+        if lean.total() <= free {
+            return true;
         }
     }
+    usage(format!(
+        "--size {} --batch {} --seq {} at {level} needs about {} (weights and optimizer \
+         state {}, and the larger of activations {} with logits {}, or the optimizer \
+         step's {}), and {} has {} free: lower --batch or --seq, try --recompute full, \
+         or pass --no-memory-check to try anyway",
+        args.size,
+        args.batch,
+        args.seq,
+        budget::gib(e.total()),
+        budget::gib(e.persistent),
+        budget::gib(e.activations),
+        budget::gib(e.logits),
+        budget::gib(e.optimizer),
+        device_label(device),
+        budget::gib(free),
+    ));
 }
 
 /// "the CPU" or "cuda:N", for messages.

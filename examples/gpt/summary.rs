@@ -102,9 +102,11 @@ pub struct Summary {
     /// ranks of this process): persistent state and the larger of the
     /// backward's activations and the optimizer step's copies.
     pub estimated_peak_bytes: f64,
-    /// CUDA only: high-water mark of bytes in use in the device's default
-    /// memory pool over the run (every candle tensor; not cuBLAS
-    /// workspaces or the context), from `CU_MEMPOOL_ATTR_USED_MEM_HIGH`.
+    /// High-water mark of bytes in use: on CUDA in the device's default
+    /// memory pool from the second step on (every candle tensor; not
+    /// cuBLAS workspaces or the context), from `CU_MEMPOOL_ATTR_USED_MEM_HIGH`;
+    /// on the CPU (one rank in the process) the counted heap's over the
+    /// whole run, above what it held before the model was built.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_device_bytes: Option<u64>,
     /// CUDA only: the pool's reserved high-water mark
@@ -130,6 +132,9 @@ pub struct Summary {
     pub flash_attention: bool,
     /// Which activations the blocks recomputed in backward (`--recompute`).
     pub recompute: crate::model::Recompute,
+    /// The optimizer read each step's outcome before it updated, keeping
+    /// no second copy of the states (`--lean-step`, or chosen to fit).
+    pub lean_step: bool,
     /// Bytes this rank sent to other ranks per step (gradient averaging,
     /// and at O3 the weight gathers).
     pub wire_bytes_per_step: f64,

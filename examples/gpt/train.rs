@@ -96,6 +96,9 @@ pub struct TrainConfig {
     pub overlap: bool,
     /// F32 gradients in BF16 on the wire (`AmpConfig::bf16_wire`).
     pub bf16_wire: bool,
+    /// The optimizer reads the step's outcome before it updates
+    /// (`AmpConfig::lean_step`).
+    pub lean_step: bool,
     /// Which activations the blocks recompute in backward.
     pub recompute: crate::model::Recompute,
     /// Precision telemetry every this many steps, written into this
@@ -140,6 +143,7 @@ impl Default for TrainConfig {
             grad_accum: 1,
             overlap: true,
             bf16_wire: false,
+            lean_step: false,
             recompute: crate::model::Recompute::None,
             telemetry: None,
             timing_skip: 0,
@@ -252,6 +256,7 @@ pub fn train_rank(
         bucket_mb: cfg.bucket_mb,
         overlap_backward: cfg.overlap,
         bf16_wire: cfg.bf16_wire,
+        lean_step: cfg.lean_step,
         ..Default::default()
     };
     let adam = AdamWConfig {
@@ -312,6 +317,9 @@ pub fn train_rank(
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
     let mut telemetry_rows = Vec::new();
     let mut second_step = None;
+    // CPU: the heap's high-water mark before the second step's probe
+    // resets it (the model's build and conversion, the first step)
+    let mut heap_early_peak = 0;
     for step in start..end {
         // telemetry: rank 0 records the step (the flag is this thread's)
         // and collects its layers' records after it
@@ -377,6 +385,7 @@ pub fn train_rank(
         if probe {
             cfg.device.synchronize()?;
             if heap {
+                heap_early_peak = crate::heap::peak().saturating_sub(heap_base);
                 crate::heap::reset_peak();
             } else {
                 amp::cuda::reset_pool_peaks(&cfg.device)?;
@@ -509,6 +518,10 @@ pub fn train_rank(
     let (peak_device_bytes, peak_device_reserved_bytes) = if cfg.device.is_cuda() {
         let (used, reserved) = amp::cuda::pool_peaks(&cfg.device)?;
         (Some(used), Some(reserved))
+    } else if cfg.device.is_cpu() && crate::heap::counting() && cfg.world_size <= 1 {
+        // the whole run's, the model's build included
+        let late = crate::heap::peak().saturating_sub(heap_base);
+        (Some(late.max(heap_early_peak)), None)
     } else {
         (None, None)
     };
@@ -568,6 +581,7 @@ pub fn train_rank(
             && gcfg.flash_head_dim()
             && amp::nn::flash_attention_enabled(),
         recompute: cfg.recompute,
+        lean_step: cfg.lean_step,
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         comm_exposed_ms: (!comm_exposed_ms.is_empty()).then(|| median_max(&comm_exposed_ms).0),
         comm_gather_ms: (!comm_gather_ms.is_empty()).then(|| median_max(&comm_gather_ms).0),
@@ -597,6 +611,7 @@ fn estimated_peak(cfg: &TrainConfig, g: &GptConfig, world: usize) -> f64 {
         recompute: cfg.recompute,
         native: matches!(cfg.compute, Compute::Native),
         gpu: cfg.device.is_cuda(),
+        lean: cfg.lean_step,
     };
     crate::budget::estimate(g, cfg.level, &run).total()
 }

@@ -106,6 +106,11 @@ pub struct AmpConfig {
     /// `bf16_compress_hook`, with F32 sums). Off (the default): F32 on the
     /// wire, the exact mean. FP8 gradients are unaffected.
     pub bf16_wire: bool,
+    /// On a GPU, the optimizer reads the step's outcome before it updates
+    /// (`LowBitAdamWConfig::lean_step`): no second copy of the weights and
+    /// moments during the step, for one wait of the host a step. The same
+    /// values either way. Default off.
+    pub lean_step: bool,
 }
 
 impl Default for AmpConfig {
@@ -120,6 +125,7 @@ impl Default for AmpConfig {
             bucket_mb: DEFAULT_BUCKET_MB,
             overlap_backward: true,
             bf16_wire: false,
+            lean_step: false,
         }
     }
 }
@@ -138,6 +144,7 @@ struct AmpConfigFields {
     bucket_mb: f64,
     overlap_backward: bool,
     bf16_wire: bool,
+    lean_step: bool,
 }
 
 impl Default for AmpConfigFields {
@@ -153,6 +160,7 @@ impl Default for AmpConfigFields {
             bucket_mb: d.bucket_mb,
             overlap_backward: d.overlap_backward,
             bf16_wire: d.bf16_wire,
+            lean_step: d.lean_step,
         }
     }
 }
@@ -169,6 +177,7 @@ impl From<AmpConfigFields> for AmpConfig {
             bucket_mb: f.bucket_mb,
             overlap_backward: f.overlap_backward,
             bf16_wire: f.bf16_wire,
+            lean_step: f.lean_step,
         }
     }
 }

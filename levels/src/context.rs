@@ -592,6 +592,7 @@ pub(crate) fn initialize_with(
         adam,
         loss_scaling: config.loss_scaling,
         max_grad_norm: config.max_grad_norm,
+        lean_step: config.lean_step,
         ..Default::default()
     };
     let opt = LowBitAdamW::with_formats(params, opt_config)?;

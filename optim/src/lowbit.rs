@@ -27,6 +27,15 @@ pub struct LowBitAdamWConfig {
     pub max_grad_norm: Option<f64>,
     /// Loss scaling.
     pub loss_scaling: LossScaling,
+    /// On a GPU, wait for the step's outcome (whether every gradient is
+    /// finite) before enqueueing the updates, instead of after: each
+    /// parameter's old weight and moments are then freed as its update is
+    /// enqueued, where otherwise all of them are kept until the outcome is
+    /// read (a skipped step puts them back). The step's memory beyond the
+    /// states falls from the level's state bytes per parameter to one
+    /// parameter's, for one wait of the host on the device per step. The
+    /// same values either way. Off by default.
+    pub lean_step: bool,
 }
 
 impl Default for LowBitAdamWConfig {
@@ -37,6 +46,7 @@ impl Default for LowBitAdamWConfig {
             exp_avg_sq: StateFormat::F16,
             max_grad_norm: None,
             loss_scaling: LossScaling::None,
+            lean_step: false,
         }
     }
 }

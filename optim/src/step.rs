@@ -204,6 +204,9 @@ impl LowBitAdamW {
         };
         let [outcome, grad_mul] = <[Tensor; 2]>::try_from(launch(&clip, &[&vals])?)
             .map_err(|_| kernel_error("clipping coefficient"))?;
+        if self.config.lean_step {
+            return self.step_lean(grads, plan, &outcome, &grad_mul, &mut ones);
+        }
         let before: Vec<(Weight, State, State, u64)> = self
             .params
             .iter()
@@ -238,6 +241,32 @@ impl LowBitAdamW {
         self.scaler.update(true);
         self.skipped += 1;
         Ok(StepOutcome::Skipped)
+    }
+
+    /// The end of [`step_on_device`](Self::step_on_device) with
+    /// `lean_step`: the outcome read first, then the updates enqueued (or
+    /// none, for a skipped step), each parameter's old states dropped as
+    /// its new ones are made.
+    fn step_lean(
+        &mut self,
+        grads: &Grads,
+        plan: &[bool],
+        outcome: &Tensor,
+        grad_mul: &Tensor,
+        ones: &mut Ones,
+    ) -> Result<StepOutcome> {
+        let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
+            .map_err(|_| kernel_error("clipping outcome"))?;
+        if !sum_sq.is_finite() {
+            // as a skipped step of the other path leaves them: the
+            // schedule's batch counted, the states and Adam's `t` as they were
+            self.scaler.update(true);
+            self.skipped += 1;
+            return Ok(StepOutcome::Skipped);
+        }
+        self.update_all(grads, plan, grad_mul, ones)?;
+        self.scaler.update(false);
+        Ok(StepOutcome::Applied { grad_norm })
     }
 
     /// The parameters' device (the CPU without parameters).

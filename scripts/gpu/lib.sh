@@ -44,7 +44,7 @@ for l in sys.stdin:
     j = json.loads(l)
     print('$2', 'tok/s(median) %.0f' % j['tokens_per_s_median'], 'step %.1f ms' % j['step_ms_median'],
           'peak %.2f GiB' % (j.get('peak_device_bytes', 0) / 2**30), 'world', j.get('world_size'),
-          'val %.4f' % j['val_loss'], 'mfu', j.get('mfu') and round(j['mfu'], 3), 'recompute', j.get('recompute'), 'exposed', j.get('comm_exposed_ms'), 'gather', j.get('comm_gather_ms'), 'buckets', j.get('buckets_per_step'),
+          'val %.4f' % j['val_loss'], 'mfu', j.get('mfu') and round(j['mfu'], 3), 'recompute', j.get('recompute'), 'lean', j.get('lean_step'), 'exposed', j.get('comm_exposed_ms'), 'gather', j.get('comm_gather_ms'), 'buckets', j.get('buckets_per_step'),
           'early', j.get('overlapped_buckets_per_step'),
           'wire/step %.0f' % j.get('wire_bytes_per_step', 0),
           'step2 GiB start/fwd/step', [round(b / 2**30, 2) for b in j.get('second_step_device_bytes') or []])"; }

@@ -9,7 +9,8 @@
 # its error line).
 # CARRY (default .carry/gpu) holds gpt.gz.
 # Env: STEPS (20), SKIP (5), LEVELS (O2), COMPUTE (fp8-current; native for
-# the BF16 baseline), MODES (none selective full), TORCH (1).
+# the BF16 baseline), MODES (none selective full), TORCH (1), EXTRA (more
+# gpt arguments, e.g. --lean-step; they join the log's name).
 #
 #   bash scripts/gpu/recompute.sh .carry/gpu "2.7b 6.7b"
 set -uo pipefail
@@ -22,10 +23,11 @@ for size in $SIZES; do
   echo "== $size"
   for lv in ${LEVELS:-O2}; do
     for mode in ${MODES:-none selective full}; do
-      label="${size}_${lv}_${COMPUTE:-fp8-current}_${mode}"
+      label="${size}_${lv}_${COMPUTE:-fp8-current}_${mode}$(echo ${EXTRA:-} | tr -d ' ')"
       timeout 300 "$BIN/gpt" --device cuda --size "$size" --vocab 50304 --batch 8 --seq 1024 \
         --steps "${STEPS:-20}" --timing-skip "${SKIP:-5}" --eval-every 1000 --eval-batches 1 --level "$lv" \
-        --compute "${COMPUTE:-fp8-current}" --activations bf16 --recompute "$mode" --json > "$OUT/$label.log" 2>&1
+        --compute "${COMPUTE:-fp8-current}" --activations bf16 --recompute "$mode" ${EXTRA:-} --json \
+        > "$OUT/$label.log" 2>&1
       echo "rc=$? $(show "$OUT/$label.log" "$label")"; grep -iE "^error|panick|needs about" "$OUT/$label.log" | head -3
     done
   done

@@ -37,6 +37,7 @@ def parser():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
     p.add_argument("--bias", action="store_true", help="biases in the blocks' Linears, as ours")
     p.add_argument("--untied-head", action="store_true", help="a head of its own, as ours")
     return p
@@ -71,7 +72,8 @@ def main():
     if rank == 0:
         step_s = slowest.item()
         print(json.dumps({
-            "mode": "ddp-bf16" + ("-compile" if args.compile else ""), "size": args.size,
+            "mode": "ddp-bf16" + ("-compile" if args.compile else "") + ("-checkpoint" if args.checkpoint else ""),
+            "size": args.size,
             "world_size": world, "batch_per_rank": args.batch, "seq": args.seq,
             "tokens_per_s": world * args.batch * args.seq / step_s, "step_ms": step_s * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,

@@ -26,25 +26,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from torch_gpt import SIZES, Block, build, timed_steps
-
-
-def parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="350m", choices=SIZES)
-    p.add_argument("--batch", type=int, default=8, help="sequences a rank and step")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
-    p.add_argument("--bias", action="store_true", help="biases in the blocks' Linears, as ours")
-    p.add_argument("--untied-head", action="store_true", help="a head of its own, as ours")
-    return p
+from torch_ddp import parser
+from torch_gpt import Block, build, timed_steps
 
 
 def main():
     args = parser().parse_args()
+    if args.compile:
+        raise SystemExit("--compile: not with FSDP here")
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

@@ -59,7 +59,7 @@ fn the_estimate_is_within_10_percent_of_the_measured_peak() -> anyhow::Result<()
     within_10_percent("tiny O0", peak(&bin, &args)?);
     // 125M: the level's persistent bytes count most
     let args = [
-        "--size", "125m", "--batch", "2", "--seq", "128", "--level", "O2",
+        "--size", "125m", "--batch", "2", "--seq", "64", "--level", "O2",
     ];
     within_10_percent("125M O2", peak(&bin, &args)?);
     Ok(())

@@ -173,15 +173,21 @@ fn step_one_block(dev: &Device) -> Result<()> {
 fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<()> {
     let n = shape.0 * shape.1;
     let mut ok = true;
-    for wk in [WeightKind::F32, WeightKind::F16, WeightKind::Fp8Master] {
+    // the device's optimizer with and without the lean step (the outcome
+    // read before the updates): the same values either way
+    let cases = [WeightKind::F32, WeightKind::F16, WeightKind::Fp8Master]
+        .into_iter()
+        .flat_map(|wk| [false, true].map(|lean| (wk, lean)));
+    for (wk, lean) in cases {
         for g8 in [false, true] {
             for (mf, vf) in [
                 (StateFormat::F32, StateFormat::F32),
                 (StateFormat::E4M3, StateFormat::F16),
             ] {
                 let what = format!(
-                    "lowbit {wk:?} grad {} m {mf:?} v {vf:?}",
-                    if g8 { "E4M3" } else { "F32" }
+                    "lowbit {wk:?} grad {} m {mf:?} v {vf:?}{}",
+                    if g8 { "E4M3" } else { "F32" },
+                    if lean { " lean" } else { "" }
                 );
                 let w0 = Tensor::from_vec(rng.normal(n), shape, &Device::Cpu)?;
                 let slots = [weights(wk, &(w0 * 0.05)?, dev)?];
@@ -198,7 +204,11 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<()
                     ..Default::default()
                 };
                 let mut cpu = LowBitAdamW::new(vec![("w".into(), slots[0].0.clone())], cfg)?;
-                let mut on_dev = LowBitAdamW::new(vec![("w".into(), slots[0].1.clone())], cfg)?;
+                let dev_cfg = LowBitAdamWConfig {
+                    lean_step: lean,
+                    ..cfg
+                };
+                let mut on_dev = LowBitAdamW::new(vec![("w".into(), slots[0].1.clone())], dev_cfg)?;
                 let mut case_ok = true;
                 // the fourth step's gradient holds a NaN: both skip it, and
                 // on the GPU (the outcome read after the update is enqueued)
@@ -335,7 +345,12 @@ fn many_params(dev: &Device) -> Result<()> {
             ..Default::default()
         };
         let mut cpu = LowBitAdamW::new(named(false), cfg)?;
-        let mut on_dev = LowBitAdamW::new(named(true), cfg)?;
+        // the lean step with the 16-bit moments (the outcome read first)
+        let dev_cfg = LowBitAdamWConfig {
+            lean_step: mf == StateFormat::E4M3,
+            ..cfg
+        };
+        let mut on_dev = LowBitAdamW::new(named(true), dev_cfg)?;
         let mut case_ok = true;
         for step in 0..5 {
             let (mut a, mut b) = (Grads::new(), Grads::new());

@@ -79,6 +79,18 @@ fn step(mode: &ComputeMode, with_sinks: bool, again: bool) -> Vec<(String, Vec<f
         };
     }
     let grads = (h * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    named_grads(&varmap, &grads, &x, &sink)
+}
+
+/// Every gradient of a step by name, sorted: the `GradStore`'s of
+/// `varmap`'s variables, `x`'s, and the sink's (as F32, named `NAME
+/// (sink)`).
+pub(crate) fn named_grads(
+    varmap: &VarMap,
+    grads: &candle_core::backprop::GradStore,
+    x: &Var,
+    sink: &GradSink,
+) -> Vec<(String, Vec<f32>)> {
     let mut got: Vec<(String, Vec<f32>)> = varmap
         .data()
         .lock()

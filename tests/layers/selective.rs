@@ -5,10 +5,11 @@
 
 use crate::common;
 
+use crate::recompute::named_grads;
 use amp::nn::{self, fp8_autocast, selective, ComputeMode, GradSink, LayerNorm, Linear};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use common::{modes, randt, values};
+use common::{modes, randt};
 
 /// A pre-LayerNorm transformer block, as the GPT example's.
 struct Block {
@@ -71,20 +72,7 @@ fn step(mode: &ComputeMode, dtype: DType, sel: bool) -> (Vec<(String, Vec<f32>)>
     };
     let kept = b.linears().map(|l| l.saved_bytes().unwrap()).to_vec();
     let grads = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
-    let mut got: Vec<(String, Vec<f32>)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), values(g))))
-        .collect();
-    got.push(("x".into(), values(grads.get(x.as_tensor()).unwrap())));
-    got.extend(sink.take().unwrap().into_iter().map(|(n, g)| {
-        let g = g.dequantize(DType::F32).unwrap();
-        (format!("{n} (sink)"), values(&g))
-    }));
-    got.sort_by(|a, b| a.0.cmp(&b.0));
-    (got, kept)
+    (named_grads(&varmap, &grads, &x, &sink), kept)
 }
 
 #[test]
