@@ -43,6 +43,29 @@ def parser():
     return p
 
 
+def timed_training(args, rank, forward, params, autocast=True):
+    """AdamW(foreach) over `params`, on this rank's fixed random batch,
+    `forward(x, y)` returning the loss (under BF16 autocast with
+    `autocast`): the timed steps' seconds, the peak memory counted from
+    the first step."""
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, foreach=True)
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = forward(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    times, _ = timed_steps(step, args.warmup, args.steps)
+    return times
+
+
 def main():
     args = parser().parse_args()
     dist.init_process_group("nccl")
@@ -52,21 +75,7 @@ def main():
     model = build(args).cuda()
     ddp = DistributedDataParallel(model)
     forward = torch.compile(ddp) if args.compile else ddp
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
-    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
-    y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        return loss
-
-    torch.cuda.reset_peak_memory_stats()
-    times, _ = timed_steps(step, args.warmup, args.steps)
+    times = timed_training(args, rank, forward, model.parameters())
     slowest = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if rank == 0:

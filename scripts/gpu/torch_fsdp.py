@@ -15,7 +15,6 @@ memory prints a line with "out of memory".
 
   torchrun --nproc-per-node 2 scripts/gpu/torch_fsdp.py --size 6.7b --checkpoint
 """
-import argparse
 import json
 import os
 import statistics
@@ -26,8 +25,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from torch_ddp import parser
-from torch_gpt import Block, build, timed_steps
+from torch_ddp import parser, timed_training
+from torch_gpt import Block, build
 
 
 def main():
@@ -54,20 +53,8 @@ def main():
             use_orig_params=True,
         )
         torch.cuda.empty_cache()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
-        gen = torch.Generator(device="cuda").manual_seed(1 + rank)
-        x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
-        y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
-
-        def step():
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            return loss
-
-        torch.cuda.reset_peak_memory_stats()
-        times, _ = timed_steps(step, args.warmup, args.steps)
+        # BF16 compute by FSDP's MixedPrecision, not autocast
+        times = timed_training(args, rank, model, model.parameters(), autocast=False)
     except torch.OutOfMemoryError as e:
         # every rank says so (torchrun stops the others when one exits)
         line["error"] = f"rank {rank}: out of memory: " + str(e).split("\n")[0]
