@@ -240,7 +240,8 @@ pub fn train_rank(
             unsafe { amp::cuda::skip_event_tracking(&cfg.device)? };
         }
     }
-    let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)?;
+    let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)
+        .with_context(|| format!("building the {} GPT (F32) on {:?}", cfg.size, cfg.device))?;
     if let (Some(dir), Some(hf_cfg)) = (&cfg.init_from, &hf_cfg) {
         hf::load_into(dir, hf_cfg, &gcfg, &varmap)
             .with_context(|| format!("--init-from {}", dir.display()))?;
@@ -266,9 +267,10 @@ pub fn train_rank(
         ..Default::default()
     };
     let (amp, mut opt) = match &comm {
-        Some(c) => initialize_distributed(&varmap, adam, amp_cfg, c.clone())?,
-        None => initialize(&varmap, adam, amp_cfg)?,
-    };
+        Some(c) => initialize_distributed(&varmap, adam, amp_cfg, c.clone()),
+        None => initialize(&varmap, adam, amp_cfg),
+    }
+    .with_context(|| format!("converting the model to {}", cfg.level))?;
     // The mean of a value over the ranks, and whether any rank got a stop
     // signal (SIGINT/SIGTERM): one all-reduce of both, so that every rank
     // stops after the same step without a collective of its own.
@@ -392,23 +394,25 @@ pub fn train_rank(
             }
             probed[0] = peak_now()?;
         }
-        let stepped = amp.step(&mut opt, || -> Result<Tensor> {
-            let loss = model.loss(&x, &y)?;
-            let loss = if micro > 1 {
-                (loss / micro as f64)?
-            } else {
-                loss
-            };
-            cfg.device.synchronize()?;
-            forward_secs = t.elapsed().as_secs_f64();
-            if step == start && cfg.device.is_cuda() {
-                forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
-            }
-            if probe {
-                probed[1] = peak_now()?;
-            }
-            Ok(loss)
-        })?;
+        let stepped = amp
+            .step(&mut opt, || -> Result<Tensor> {
+                let loss = model.loss(&x, &y)?;
+                let loss = if micro > 1 {
+                    (loss / micro as f64)?
+                } else {
+                    loss
+                };
+                cfg.device.synchronize()?;
+                forward_secs = t.elapsed().as_secs_f64();
+                if step == start && cfg.device.is_cuda() {
+                    forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
+                }
+                if probe {
+                    probed[1] = peak_now()?;
+                }
+                Ok(loss)
+            })
+            .with_context(|| format!("training step {}", step + 1))?;
         if probe {
             cfg.device.synchronize()?;
             probed[2] = peak_now()?;
