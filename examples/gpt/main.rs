@@ -448,7 +448,7 @@ fn main() -> Result<()> {
         let world = group
             .as_ref()
             .map_or(args.world_size as usize, |c| c.world_size());
-        if check_memory(&args, &gcfg, &levels, device, world) && !base.lean_step {
+        if check_memory(&args, &base, &gcfg, &levels, device, world) && !base.lean_step {
             if rank == 0 {
                 eprintln!(
                     "note: the optimizer keeps no second copy of the states (--lean-step), \
@@ -545,6 +545,7 @@ fn check_trained(s: &train::Summary) -> Result<()> {
 /// caller then turns on.
 fn check_memory(
     args: &Args,
+    base: &TrainConfig,
     g: &model::GptConfig,
     levels: &[Level],
     device: &Device,
@@ -553,32 +554,19 @@ fn check_memory(
     let Some(free) = budget::available(device) else {
         return false;
     };
-    // ranks as threads share this process (and its device); ranks of an
-    // NCCL group have a device each
-    let in_process = args.world_size as usize;
-    let batch = args.batch as usize / world.max(1);
-    let act_bytes = match args.activations {
-        ExportArg::F32 => 4,
-        ExportArg::Bf16 => 2,
-    };
-    let flash = device.is_cuda() && !args.no_flash && g.flash_head_dim();
+    // each level's run as `train` will make it, on this device
     let worst = |lean: bool| {
         levels
             .iter()
-            .map(|&l| {
-                let run = budget::Run {
-                    batch,
-                    seq: args.seq as usize,
-                    ranks: in_process,
-                    shards: world,
-                    act_bytes,
-                    flash,
-                    recompute: args.recompute,
-                    native: matches!(compute_for(args, l), Compute::Native),
-                    gpu: device.is_cuda(),
-                    lean,
+            .map(|&level| {
+                let cfg = TrainConfig {
+                    level,
+                    compute: compute_for(args, level),
+                    device: device.clone(),
+                    lean_step: lean,
+                    ..base.clone()
                 };
-                (l, budget::estimate(g, l, &run))
+                (level, train::memory_estimate(&cfg, g, world))
             })
             .max_by(|a, b| a.1.total().total_cmp(&b.1.total()))
     };

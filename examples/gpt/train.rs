@@ -569,7 +569,7 @@ pub fn train_rank(
         peak_device_bytes_after_forward: forward_peak,
         peak_device_bytes_after_backward: backward_peak,
         second_step_device_bytes: second_step,
-        estimated_peak_bytes: estimated_peak(cfg, &gcfg, world),
+        estimated_peak_bytes: memory_estimate(cfg, &gcfg, world).total(),
         peak_device_bytes,
         peak_device_reserved_bytes,
         bytes_per_linear_param: report.measured_bytes_per_linear_param,
@@ -601,7 +601,7 @@ pub fn train_rank(
 
 /// The memory estimate of this run (`crate::budget`): what the example
 /// checks against the free memory before it starts.
-fn estimated_peak(cfg: &TrainConfig, g: &GptConfig, world: usize) -> f64 {
+pub fn memory_estimate(cfg: &TrainConfig, g: &GptConfig, world: usize) -> crate::budget::Estimate {
     let in_process = cfg.world_size.max(1);
     let shards = world.max(in_process);
     let flash = cfg.device.is_cuda() && g.flash_head_dim() && amp::nn::flash_attention_enabled();
@@ -617,7 +617,7 @@ fn estimated_peak(cfg: &TrainConfig, g: &GptConfig, world: usize) -> f64 {
         gpu: cfg.device.is_cuda(),
         lean: cfg.lean_step,
     };
-    crate::budget::estimate(g, cfg.level, &run).total()
+    crate::budget::estimate(g, cfg.level, &run)
 }
 
 fn progress_bar(cfg: &TrainConfig, start: u64, shown: bool) -> ProgressBar {
