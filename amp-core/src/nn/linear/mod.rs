@@ -3,19 +3,19 @@
 //!
 //! One concept in this file: the layer, its constructors (from tensors, a
 //! weight slot or a `VarBuilder`), and its forward paths: the checks, the
-//! native path, the FP8 path through its autograd op ([`op`]), and the
-//! fused forms that take a LayerNorm before, GELU on the input or a
-//! residual after into that op. The op's backward is in `op.rs`; the
-//! per-layer scaling state (TE's `fp8_meta`) in `layer_scaling.rs`; the
-//! table that finds a layer again from its weight in `registry.rs`.
+//! native path, the FP8 path through its autograd op ([`op`]). The fused
+//! forms that take a LayerNorm before, GELU on the input or a residual
+//! after into that op, and the handing of tensors to and from it, are in
+//! `fuse.rs`; the op's backward in `op.rs`; the per-layer scaling state
+//! (TE's `fp8_meta`) in `layer_scaling.rs`; the table that finds a layer
+//! again from its weight in `registry.rs`.
 
+mod fuse;
 mod layer_scaling;
 pub(crate) mod op;
 mod registry;
 
-use super::fused::{Handoff, ResidualGrad};
 use super::mode::{current_mode, current_step, ComputeMode};
-use super::norm::LayerNorm;
 use super::precomputed::Precomputed;
 use super::selective;
 use crate::error::{Error, Result};
@@ -24,11 +24,13 @@ use crate::scaling::flag::flagged_by_amax;
 use crate::scaling::sink::GradSink;
 use crate::scaling::weight::{Weight, WeightSlot};
 use candle_core::{DType, Module, Tensor, TensorId, Var};
+use fuse::OpFuse;
 use layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
 use op::{Fp8LinearOp, Origin, Plan, Saved};
 use registry::LinearParts;
 use std::sync::{Arc, Mutex};
 
+pub use fuse::Fuse;
 pub use layer_scaling::LayerScaling;
 
 /// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.
@@ -398,7 +400,7 @@ impl Linear {
     /// inside, so the graph holds one node, not two reshapes around it;
     /// with `gelu` the op's input is GELU's input (see
     /// [`forward_gelu`](Self::forward_gelu)).
-    pub(super) fn scaled_forward(
+    fn scaled_forward(
         &self,
         x_nd: &Tensor,
         weight: &Weight,
@@ -684,250 +686,6 @@ impl Linear {
             Some(r) => Ok((r + y)?),
             None => Ok(y),
         }
-    }
-}
-
-// `Linear::forward_with`: the layer with its neighbours (a LayerNorm
-// before, GELU on its input, a residual after) applied inside its op, and
-// the crate's handing of tensors to and from it (`fused::Handoff`).
-
-/// A handed tensor's token and its handoff.
-type Handed = (Tensor, Handoff);
-
-/// What [`Linear::forward_with`] applies inside the layer's op.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Fuse<'a> {
-    /// GELU (tanh form) on the input: the layer computes `gelu(x) Wᵀ + b`.
-    pub gelu: bool,
-    /// A tensor added to the output (a residual stream).
-    pub residual: Option<&'a Tensor>,
-    /// A LayerNorm on the input first (TE's `LayerNormLinear`): its output
-    /// goes to the Linear's op outside candle's graph (the graph carries a
-    /// one-element token), so it is neither kept until backward nor given
-    /// a zero-filled gradient; the LayerNorm's parameters get their
-    /// gradients as usual. Not combined with `gelu` (then the parts run in
-    /// sequence).
-    pub norm: Option<&'a LayerNorm>,
-}
-
-/// What the op applies, as [`scaled_forward`](Linear::scaled_forward)
-/// takes it: `x` is the op's value; with `handoff` the graph carries its
-/// token instead.
-#[derive(Default)]
-pub(super) struct OpFuse<'a> {
-    pub gelu: bool,
-    pub residual: Option<&'a Tensor>,
-    pub handoff: Option<Handed>,
-    /// Hand the output on: the op's graph output is a token, the output
-    /// itself is left in the slot; the op's backward takes its gradient
-    /// from the handoff.
-    pub hand_out: Option<(Handoff, &'a mut Option<Tensor>)>,
-    /// Where the op that takes `residual` leaves its gradient for the
-    /// LayerNorm handoff reading the same tensor (see `ResidualGrad`).
-    pub residual_grad: Option<ResidualGrad>,
-    /// Under `nn::selective`, what a handed input can be computed again
-    /// from in backward (without it the op keeps its FP8 codes).
-    pub origin: Option<Origin>,
-}
-
-impl Linear {
-    /// A residual must have the output's shape and the input's dtype.
-    fn check_residual(&self, x: &Tensor, out_dim: usize, residual: Option<&Tensor>) -> Result<()> {
-        if let Some(r) = residual {
-            let mut dims = x.dims().to_vec();
-            if let Some(last) = dims.last_mut() {
-                *last = out_dim;
-            }
-            if r.dims() != dims.as_slice() {
-                return Err(Error::Shape {
-                    op: "Linear::forward_with",
-                    lhs: dims.into(),
-                    rhs: r.shape().clone(),
-                });
-            }
-            if r.dtype() != x.dtype() {
-                return Err(Error::DType {
-                    op: "Linear::forward_with",
-                    expected: "a residual of the input's dtype",
-                    got: r.dtype(),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// LayerNorm of `x` for the op: handed (`(out, Some((token, handoff)))`)
-    /// where `hand` holds and the LayerNorm can hand it, else run in the
-    /// graph (`(out, None)`).
-    fn normed(
-        norm: Option<&LayerNorm>,
-        x: &Tensor,
-        hand: bool,
-        res_grad: Option<ResidualGrad>,
-    ) -> Result<(Option<Tensor>, Option<Handed>)> {
-        let Some(ln) = norm else {
-            return Ok((None, None));
-        };
-        if hand {
-            if let Some((out, token, h)) = ln.try_handoff(x, res_grad)? {
-                return Ok((Some(out), Some((token, h))));
-            }
-        }
-        Ok((Some(ln.try_forward(x)?), None))
-    }
-
-    /// A handed LayerNorm's output as `nn::selective` computes it again:
-    /// from the LayerNorm's input, which its backward keeps.
-    fn norm_origin(
-        norm: Option<&LayerNorm>,
-        x: &Tensor,
-        handoff: &Option<Handed>,
-    ) -> Option<Origin> {
-        match (norm, handoff) {
-            (Some(ln), Some(_)) => Some(Origin::Norm(ln.clone(), x.clone())),
-            _ => None,
-        }
-    }
-
-    /// `self.forward(&gelu(z))` (the tanh GELU of [`fused::gelu`]); see
-    /// [`forward_with`](Self::forward_with).
-    ///
-    /// [`fused::gelu`]: super::fused::gelu
-    ///
-    /// # Errors
-    /// As [`try_forward`](Self::try_forward).
-    pub fn forward_gelu(&self, z: &Tensor) -> Result<Tensor> {
-        self.forward_with(
-            z,
-            Fuse {
-                gelu: true,
-                ..Default::default()
-            },
-        )
-    }
-
-    /// The layer with `fuse`'s neighbours applied inside its op:
-    /// `residual + self.forward(&gelu(x))` (each part optional). With
-    /// `gelu`, wherever the layer runs its own op (FP8 modes, low-bit
-    /// weights) GELU's output is no graph tensor: candle neither keeps it
-    /// until backward (only the FP8 codes the GEMMs take are kept) nor
-    /// zero-fills and adds a gradient for it, and the op's backward applies
-    /// GELU's backward to dgrad. With `residual` (same shape and dtype as
-    /// the output), where the weight's gradient goes to a sink (O1-O3) and
-    /// the residual is tracked, the sum is the op's output and the residual
-    /// its second argument, whose gradient is the output's: no add node, whose inputs candle would
-    /// keep and whose second gradient it would zero-fill and add. The
-    /// output and gradients have the values of the parts in sequence (the
-    /// same kernels in the same order; `r + y` is `y + r`), except that
-    /// with BF16 activations in an FP8 mode the residual is added in the
-    /// GEMM's epilogue ([`fp8_gemm_fused`](crate::fp8_gemm_fused)) before
-    /// the output's one rounding, where the parts round the product first:
-    /// the two differ by that second rounding. Elsewhere (native compute
-    /// with an F32 weight, no sink for the residual) the parts run in
-    /// sequence.
-    ///
-    /// # Errors
-    /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
-    /// [`Error::DType`] for a residual unlike the output.
-    pub fn forward_with(&self, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
-        let (weight, out_dim, mode) = self.prepare(x)?;
-        self.check_residual(x, out_dim, fuse.residual)?;
-        let own_op = Self::own_op(&mode, &weight);
-        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu, None)?;
-        let origin = Self::norm_origin(fuse.norm, x, &handoff);
-        let x = normed.as_ref().unwrap_or(x);
-        // the op decides whether it takes the residual (it adds it outside
-        // itself where it cannot)
-        let y = match (own_op, fuse.gelu) {
-            (true, _) => {
-                let op_fuse = OpFuse {
-                    gelu: fuse.gelu,
-                    residual: fuse.residual,
-                    handoff,
-                    hand_out: None,
-                    residual_grad: None,
-                    origin,
-                };
-                return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
-            }
-            (false, true) => self.try_forward(&super::fused::gelu(x)?)?,
-            (false, false) => self.try_forward(x)?,
-        };
-        match fuse.residual {
-            Some(r) => Ok((r + y)?),
-            None => Ok(y),
-        }
-    }
-
-    /// Whether the layer runs its own op in the current mode (FP8 modes,
-    /// low-bit weights): the condition for handing tensors to and from it.
-    pub(crate) fn runs_own_op(&self) -> Result<bool> {
-        Ok(Self::own_op(&self.mode(), &*self.weight.read()?))
-    }
-
-    /// [`forward_with`](Self::forward_with) whose output is handed on:
-    /// `(out, token, handoff)` (see `fused::Handoff`); a handed LayerNorm
-    /// adds `res_grad`'s gradient (see `ResidualGrad`) to its input's. The
-    /// caller checks [`runs_own_op`](Self::runs_own_op) first.
-    pub(crate) fn forward_handing(
-        &self,
-        x: &Tensor,
-        fuse: Fuse<'_>,
-        res_grad: Option<ResidualGrad>,
-    ) -> Result<(Tensor, Tensor, Handoff)> {
-        let (weight, out_dim, mode) = self.prepare(x)?;
-        if fuse.gelu || fuse.residual.is_some() {
-            return Err(Error::Unsupported {
-                op: "Linear::forward_handing",
-                what: "GELU or a residual on a handed-on output".into(),
-            });
-        }
-        let (normed, handoff) = Self::normed(fuse.norm, x, true, res_grad)?;
-        let origin = Self::norm_origin(fuse.norm, x, &handoff);
-        let x = normed.as_ref().unwrap_or(x);
-        let out = Handoff::default();
-        let mut value = None;
-        let op_fuse = OpFuse {
-            handoff,
-            hand_out: Some((out.clone(), &mut value)),
-            origin,
-            ..Default::default()
-        };
-        let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
-        let value = value.ok_or(Error::Unsupported {
-            op: "Linear::forward_handing",
-            what: "no output handed".into(),
-        })?;
-        Ok((value, token, out))
-    }
-
-    /// The layer on a tensor handed from another op (`token` stands for
-    /// `x` in the graph, `from` takes its gradient), GELU on it and
-    /// `residual` added as in [`forward_with`](Self::forward_with), its
-    /// gradient left in `res_grad` where a reader is attached (see
-    /// `ResidualGrad`); the caller checks [`runs_own_op`](Self::runs_own_op)
-    /// first. `kept`: the op that handed `x` keeps it until its backward
-    /// (so `nn::selective` casts it again rather than keep its codes).
-    pub(crate) fn forward_from(
-        &self,
-        x: &Tensor,
-        (token, from): Handed,
-        gelu: bool,
-        residual: Option<&Tensor>,
-        res_grad: Option<ResidualGrad>,
-        kept: bool,
-    ) -> Result<Tensor> {
-        let (weight, out_dim, mode) = self.prepare(x)?;
-        self.check_residual(x, out_dim, residual)?;
-        let op_fuse = OpFuse {
-            gelu,
-            residual,
-            handoff: Some((token, from)),
-            residual_grad: res_grad,
-            origin: kept.then(|| Origin::Value(x.clone())),
-            ..Default::default()
-        };
-        self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)
     }
 }
 
