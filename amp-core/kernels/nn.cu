@@ -165,17 +165,22 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
 // ---------------------------------------------------------------------------
 // LayerNorm over rows of `cols`: y = (x - mean) * rstd * w + b, with
 // rstd = 1 / sqrt(var + eps), var the mean of (x - mean)^2. One warp per row.
+// Each kernel takes `rms`: RMSNorm, the same with the mean taken as 0 (the
+// caller passes a zero b; its gradient is not used).
 
+// With `rms` (RMSNorm) the mean is taken as 0: var is the mean of x^2.
 template <typename T, int W>
-__device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int lane) {
+__device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int lane, int rms) {
     float s = 0.0f;
-    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
-        float v[W];
-        load<T, W>(x, j0, v);
+    if (!rms) {
+        for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
+            float v[W];
+            load<T, W>(x, j0, v);
 #pragma unroll
-        for (int k = 0; k < W; ++k) s += v[k];
+            for (int k = 0; k < W; ++k) s += v[k];
+        }
     }
-    const float mean = warp_sum(s) / (float)cols;
+    const float mean = rms ? 0.0f : warp_sum(s) / (float)cols;
     float q = 0.0f;
     for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
         float v[W];
@@ -190,12 +195,12 @@ __device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int
 template <typename T, int W>
 __device__ void layer_norm_fwd_impl(const T* __restrict__ x, const float* __restrict__ w,
                                     const float* __restrict__ b, T* __restrict__ y, size_t rows,
-                                    int cols, float eps) {
+                                    int cols, float eps, int rms) {
     const int lane = threadIdx.x & 31;
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
     const T* xr = x + row * cols;
-    const float2 st = row_stats<T, W>(xr, cols, eps, lane);
+    const float2 st = row_stats<T, W>(xr, cols, eps, lane, rms);
     for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
         float v[W];
         load<T, W>(xr, j0, v);
@@ -208,27 +213,28 @@ __device__ void layer_norm_fwd_impl(const T* __restrict__ x, const float* __rest
 // stats[2r], stats[2r + 1] = mean, rstd of row r (for the weight gradient).
 template <typename T, int W>
 __device__ void layer_norm_stats_impl(const T* __restrict__ x, float* __restrict__ stats, size_t rows,
-                                      int cols, float eps) {
+                                      int cols, float eps, int rms) {
     const int lane = threadIdx.x & 31;
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
-    const float2 st = row_stats<T, W>(x + row * cols, cols, eps, lane);
+    const float2 st = row_stats<T, W>(x + row * cols, cols, eps, lane, rms);
     if (lane == 0) {
         stats[2 * row] = st.x;
         stats[2 * row + 1] = st.y;
     }
 }
 
-// dx = rstd * (w dy - mean(w dy) - xhat * mean(w dy xhat)).
+// dx = rstd * (w dy - mean(w dy) - xhat * mean(w dy xhat)); RMSNorm has no
+// mean(w dy) term.
 template <typename T, int W>
 __device__ void layer_norm_dx_impl(const T* __restrict__ x, const float* __restrict__ w,
                                    const T* __restrict__ dy, const T* __restrict__ res,
-                                   T* __restrict__ dx, size_t rows, int cols, float eps) {
+                                   T* __restrict__ dx, size_t rows, int cols, float eps, int rms) {
     const int lane = threadIdx.x & 31;
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
     const size_t base = row * cols;
-    const float2 st = row_stats<T, W>(x + base, cols, eps, lane);
+    const float2 st = row_stats<T, W>(x + base, cols, eps, lane, rms);
     float s1 = 0.0f, s2 = 0.0f;
     for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
         float v[W], g[W];
@@ -241,7 +247,7 @@ __device__ void layer_norm_dx_impl(const T* __restrict__ x, const float* __restr
             s2 += wg * ((v[k] - st.x) * st.y);
         }
     }
-    s1 = warp_sum(s1) / (float)cols;
+    s1 = rms ? 0.0f : warp_sum(s1) / (float)cols;
     s2 = warp_sum(s2) / (float)cols;
     for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
         float v[W], g[W];
@@ -312,6 +318,8 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
 
 #include "nn_pointwise.cuh"
 
+#include "nn_swiglu.cuh"
+
 #include "nn_layout.cuh"
 
 #include "nn_embedding.cuh"
@@ -341,20 +349,21 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
         else cross_entropy_bwd_impl<T, 1>(x, t, gl, dx, cols);                                       \
     }                                                                                                \
     extern "C" __global__ void layer_norm_fwd_##TN(const T* x, const float* w, const float* b, T* y, \
-                                                  size_t rows, int cols, float eps, int vec) {       \
-        if (vec) layer_norm_fwd_impl<T, Pack<T>::N>(x, w, b, y, rows, cols, eps);                    \
-        else layer_norm_fwd_impl<T, 1>(x, w, b, y, rows, cols, eps);                                 \
+                                                  size_t rows, int cols, float eps, int vec,         \
+                                                  int rms) {                                         \
+        if (vec) layer_norm_fwd_impl<T, Pack<T>::N>(x, w, b, y, rows, cols, eps, rms);               \
+        else layer_norm_fwd_impl<T, 1>(x, w, b, y, rows, cols, eps, rms);                            \
     }                                                                                                \
     extern "C" __global__ void layer_norm_dx_##TN(const T* x, const float* w, const T* dy,          \
                                                  const T* res, T* dx, size_t rows, int cols,         \
-                                                 float eps, int vec) {                               \
-        if (vec) layer_norm_dx_impl<T, Pack<T>::N>(x, w, dy, res, dx, rows, cols, eps);              \
-        else layer_norm_dx_impl<T, 1>(x, w, dy, res, dx, rows, cols, eps);                           \
+                                                 float eps, int vec, int rms) {                      \
+        if (vec) layer_norm_dx_impl<T, Pack<T>::N>(x, w, dy, res, dx, rows, cols, eps, rms);         \
+        else layer_norm_dx_impl<T, 1>(x, w, dy, res, dx, rows, cols, eps, rms);                      \
     }                                                                                                \
     extern "C" __global__ void layer_norm_stats_##TN(const T* x, float* stats, size_t rows, int cols,\
-                                                    float eps, int vec) {                            \
-        if (vec) layer_norm_stats_impl<T, Pack<T>::N>(x, stats, rows, cols, eps);                    \
-        else layer_norm_stats_impl<T, 1>(x, stats, rows, cols, eps);                                 \
+                                                    float eps, int vec, int rms) {                   \
+        if (vec) layer_norm_stats_impl<T, Pack<T>::N>(x, stats, rows, cols, eps, rms);               \
+        else layer_norm_stats_impl<T, 1>(x, stats, rows, cols, eps, rms);                            \
     }                                                                                                \
     extern "C" __global__ void layer_norm_dwdb_part_##TN(const T* x, const T* dy, const float* stats,\
                                                         float* part, size_t rows, int cols,          \
@@ -391,6 +400,13 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
     extern "C" __global__ void gelu_bwd_##TN(const T* x, const T* dy, T* dx, size_t n, int vec) {    \
         if (vec) gelu_bwd_impl<T, Pack<T>::N>(x, dy, dx, n);                                         \
         else gelu_bwd_impl<T, 1>(x, dy, dx, n);                                                      \
+    }                                                                                                \
+    extern "C" __global__ void swiglu_fwd_##TN(const T* x, T* y, size_t rows, size_t f) {            \
+        swiglu_fwd_impl<T>(x, y, rows, f);                                                           \
+    }                                                                                                \
+    extern "C" __global__ void swiglu_bwd_##TN(const T* x, const T* dy, T* dx, size_t rows,          \
+                                              size_t f) {                                            \
+        swiglu_bwd_impl<T>(x, dy, dx, rows, f);                                                      \
     }
 
 NN_KERNELS(f32, float)

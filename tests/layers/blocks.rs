@@ -20,9 +20,31 @@ struct Block {
     sink: GradSink,
 }
 
+/// The form of a test block.
+#[derive(Clone, Copy, PartialEq)]
+enum Form {
+    /// Attention: LayerNorm, `d -> 3d`, `d -> d`.
+    Attention,
+    /// GPT's MLP: LayerNorm, `d -> 3d`, GELU, `3d -> d`.
+    Mlp,
+    /// Llama's MLP: RMSNorm, `d -> 3d`, SwiGLU, `3d / 2 -> d`.
+    Llama,
+}
+
 /// A block over fresh Vars (names from `tag`): the second Linear `d ->
 /// 3d` (attention) or `3d -> d` (`mlp`).
 fn block(tag: &str, d: usize, with_sink: bool, mlp: bool) -> Block {
+    block_of(
+        tag,
+        d,
+        with_sink,
+        if mlp { Form::Mlp } else { Form::Attention },
+    )
+}
+
+/// A block of `form` over fresh Vars (names from `tag`); an RMSNorm's
+/// second Var (the shift) is unused.
+fn block_of(tag: &str, d: usize, with_sink: bool, form: Form) -> Block {
     let var = |shape: &[usize], seed: u64, scale: f32| {
         Var::from_tensor(&randt(shape, seed, scale)).unwrap()
     };
@@ -31,11 +53,25 @@ fn block(tag: &str, d: usize, with_sink: bool, mlp: bool) -> Block {
         var(&[d], 2, 0.1),
         var(&[3 * d, d], 3, 0.3),
         var(&[3 * d], 4, 0.1),
-        var(&[d, if mlp { 3 * d } else { d }], 5, 0.3),
+        var(
+            &[
+                d,
+                match form {
+                    Form::Attention => d,
+                    Form::Mlp => 3 * d,
+                    Form::Llama => 3 * d / 2,
+                },
+            ],
+            5,
+            0.3,
+        ),
         var(&[d], 6, 0.1),
     ];
     let t = |i: usize| vars[i].as_tensor().clone();
-    let ln = nn::LayerNorm::new(t(0), t(1), 1e-5).unwrap();
+    let ln = match form {
+        Form::Llama => nn::LayerNorm::new_rms(t(0), 1e-5).unwrap(),
+        _ => nn::LayerNorm::new(t(0), t(1), 1e-5).unwrap(),
+    };
     let qkv = nn::Linear::new(format!("{tag}.qkv.weight"), t(2), Some(t(3))).unwrap();
     let proj = nn::Linear::new(format!("{tag}.proj.weight"), t(4), Some(t(5))).unwrap();
     let sink = GradSink::new();
@@ -56,14 +92,14 @@ type Forward<'a> = dyn Fn(&Block, &Tensor) -> Tensor + 'a;
 
 /// `fused` against `parts` on two blocks with equal values; `residual`:
 /// whether the block adds its input to its output.
-fn check(name: &str, mlp: bool, residual: bool, fused: &Forward<'_>, parts: &Forward<'_>) {
+fn check(name: &str, form: Form, residual: bool, fused: &Forward<'_>, parts: &Forward<'_>) {
     let modes = modes();
     let d = 16;
     for (m, mode) in modes.into_iter().enumerate() {
         for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
             let (a, b) = (
-                block(&format!("{name}{m}{c}a"), d, with_sink, mlp),
-                block(&format!("{name}{m}{c}b"), d, with_sink, mlp),
+                block_of(&format!("{name}{m}{c}a"), d, with_sink, form),
+                block_of(&format!("{name}{m}{c}b"), d, with_sink, form),
             );
             for step in 0..3u64 {
                 let what = format!("{name} {mode:?} {dtype:?} sink {with_sink} step {step}");
@@ -85,7 +121,7 @@ fn check(name: &str, mlp: bool, residual: bool, fused: &Forward<'_>, parts: &For
                 assert_eq!(dh(&g1), dh(&g2), "{what}: dh");
                 let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
                 for (i, (va, vb)) in a.vars.iter().zip(&b.vars).enumerate() {
-                    if fp8_weights && (i == 2 || i == 4) {
+                    if (fp8_weights && (i == 2 || i == 4)) || (form == Form::Llama && i == 1) {
                         continue;
                     }
                     let (ga, gb) = (g1.get(va.as_tensor()), g2.get(vb.as_tensor()));
@@ -114,7 +150,7 @@ fn handed_self_attention_equals_the_parts_in_sequence() {
     let heads = 2;
     check(
         "sa",
-        false,
+        Form::Attention,
         true,
         &move |b, h| nn::causal_self_attention(h, &b.ln, &b.qkv, &b.proj, heads).unwrap(),
         &move |b, h| {
@@ -130,12 +166,36 @@ fn handed_mlp_equals_the_parts_in_sequence() {
     for residual in [true, false] {
         check(
             if residual { "mr" } else { "mn" },
-            true,
+            Form::Mlp,
             residual,
             &move |b, h| nn::pre_norm_mlp(h, &b.ln, &b.qkv, &b.proj, residual).unwrap(),
             &move |b, h| {
                 let m = b.qkv.try_forward(&b.ln.try_forward(h).unwrap()).unwrap();
                 let y = b.proj.try_forward(&nn::gelu(&m).unwrap()).unwrap();
+                if residual {
+                    (h + y).unwrap()
+                } else {
+                    y
+                }
+            },
+        );
+    }
+}
+
+#[test]
+fn handed_llama_mlp_equals_the_parts_in_sequence() {
+    for residual in [true, false] {
+        check(
+            if residual { "lr" } else { "ln" },
+            Form::Llama,
+            residual,
+            &move |b, h| {
+                let act = nn::Activation::SwiGlu;
+                nn::pre_norm_mlp_with(h, &b.ln, &b.qkv, &b.proj, residual, act).unwrap()
+            },
+            &move |b, h| {
+                let m = b.qkv.try_forward(&b.ln.try_forward(h).unwrap()).unwrap();
+                let y = b.proj.try_forward(&nn::swiglu(&m).unwrap()).unwrap();
                 if residual {
                     (h + y).unwrap()
                 } else {

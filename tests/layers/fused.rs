@@ -365,3 +365,110 @@ fn embedding_refuses_bad_ids_and_tables() -> R<()> {
     assert_eq!(y.dims(), &[2, 3]);
     Ok(())
 }
+
+#[test]
+fn rms_norm_matches_composed_f64() -> R<()> {
+    // (one column: dx is 1 - xhat² ~ eps / x², all cancellation; not checked)
+    for (rows, cols) in [(1usize, 7usize), (5, 3), (33, 96)] {
+        let (x, x64) = pair(&[rows, cols], 15)?;
+        let (w, w64) = pair(&[cols], 16)?;
+        let r = randn(&[rows, cols], 17)?;
+        let y = fused::rms_norm(&x, &w, 1e-5)?;
+        let ms = x64.sqr()?.mean_keepdim(D::Minus1)?;
+        let y64 = x64
+            .broadcast_div(&(ms + 1e-5)?.sqrt()?)?
+            .broadcast_mul(&w64)?;
+        assert!(rel(&y, &y64)? < 1e-5, "{rows}x{cols} y");
+        let g = (&y * &r)?.sum_all()?.backward()?;
+        let g64 = (&y64 * r.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+        for (name, a, b) in [("dx", &x, &x64), ("dw", &w, &w64)] {
+            let e = rel(&grad(&g, a)?, &grad(&g64, b)?)?;
+            assert!(e < 1e-4, "{rows}x{cols} {name} {e}");
+        }
+    }
+    // the layer: the fused op while training, candle's kernel for inference
+    let w = Var::from_tensor(&randn(&[12], 3)?.affine(0.2, 1.0)?)?;
+    let layer = amp::nn::RmsNorm::new_rms(w.as_tensor().clone(), 1e-6)?;
+    assert!(layer.is_rms() && layer.vars().len() == 1);
+    let x = randn(&[4, 12], 4)?;
+    let trained = layer.try_forward(Var::from_tensor(&x)?.as_tensor())?;
+    let inferred = layer.try_forward(&x)?;
+    assert!(rel(&trained, &inferred)? < 1e-6);
+    assert!(
+        fused::rms_norm(&x, &randn(&[11], 5)?, 1e-6).is_err(),
+        "width 12 vs 11"
+    );
+    Ok(())
+}
+
+#[test]
+fn swiglu_matches_composed_f64() -> R<()> {
+    for dims in [vec![1usize, 2], vec![3, 5, 14], vec![7, 64]] {
+        let (x, x64) = pair(&dims, 21)?;
+        let f = dims[dims.len() - 1] / 2;
+        let mut out = dims.clone();
+        *out.last_mut().ok_or("rank 0")? = f;
+        let r = randn(&out, 22)?;
+        let y = fused::swiglu(&x)?;
+        let last = dims.len() - 1;
+        let (a, b) = (x64.narrow(last, 0, f)?, x64.narrow(last, f, f)?);
+        let y64 = (candle_nn::ops::silu(&a)? * b)?;
+        assert!(rel(&y, &y64)? < 1e-6, "{dims:?} y");
+        let g = (&y * &r)?.sum_all()?.backward()?;
+        let g64 = (&y64 * r.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+        let e = rel(&grad(&g, &x)?, &grad(&g64, &x64)?)?;
+        assert!(e < 1e-6, "{dims:?} dx {e}");
+        // BF16: the F32 math rounded once
+        let yh = fused::swiglu(&x.to_dtype(DType::BF16)?)?;
+        assert_eq!(yh.dtype(), DType::BF16);
+        assert!(rel(&yh, &y64)? < 1e-2, "{dims:?} BF16 y");
+    }
+    assert!(fused::swiglu(&randn(&[2, 3], 1)?).is_err(), "odd width");
+    let xi = randn(&[2, 4], 1)?.to_dtype(DType::U32)?;
+    assert!(fused::swiglu(&xi).is_err(), "integer input");
+    Ok(())
+}
+
+/// Grouped-query attention against the float64 reference on key and value
+/// heads repeated for each group.
+#[test]
+fn grouped_query_attention_matches_composed_f64() -> R<()> {
+    for (b, h, kvh, t, d) in [
+        (1usize, 4usize, 1usize, 9usize, 8usize),
+        (2, 6, 2, 17, 4),
+        (1, 2, 2, 5, 4),
+    ] {
+        let (q, q64) = pair(&[b, h, t, d], 31)?;
+        let (k, k64) = pair(&[b, kvh, t, d], 32)?;
+        let (v, v64) = pair(&[b, kvh, t, d], 33)?;
+        let r = randn(&[b, h, t, d], 34)?;
+        let y = fused::causal_attention(&q, &k, &v)?;
+        let rep = |x: &Tensor| -> R<Tensor> {
+            let heads: Vec<Tensor> = (0..h)
+                .map(|i| x.narrow(1, i / (h / kvh), 1))
+                .collect::<Result<_, _>>()?;
+            Ok(Tensor::cat(&heads, 1)?)
+        };
+        let y64 = attention_ref(&q64, &rep(&k64)?, &rep(&v64)?)?;
+        let what = format!("b{b} h{h} kv{kvh} t{t} d{d}");
+        assert!(rel(&y, &y64)? < 1e-5, "{what} y");
+        let g = (&y * &r)?.sum_all()?.backward()?;
+        let g64 = (&y64 * r.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+        for (name, a, b) in [("dq", &q, &q64), ("dk", &k, &k64), ("dv", &v, &v64)] {
+            let e = rel(&grad(&g, a)?, &grad(&g64, b)?)?;
+            assert!(e < 1e-5, "{what} {name} {e}");
+        }
+    }
+    let q = randn(&[1, 4, 8, 4], 1)?;
+    let k3 = randn(&[1, 3, 8, 4], 2)?;
+    assert!(
+        fused::causal_attention(&q, &k3, &k3).is_err(),
+        "4 heads over 3"
+    );
+    let k2 = randn(&[1, 2, 8, 4], 3)?;
+    assert!(
+        fused::causal_attention(&q, &k2, &k3).is_err(),
+        "k and v differ"
+    );
+    Ok(())
+}

@@ -1,4 +1,4 @@
-//! `Linear::forward_with(x, Fuse { norm, gelu, residual })` (and
+//! `Linear::forward_with(x, Fuse { norm, activation, residual })` (and
 //! `forward_gelu`): the LayerNorm handed to the Linear's op, the GELU and
 //! the residual add inside it give the values of the parts in sequence
 //! (output and the gradients of the input, the LayerNorm's parameters, the
@@ -70,7 +70,7 @@ fn an_untracked_residual_still_feeds_the_sink() {
     let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
     let (x, r) = (randt(&[3, 16], 6, 1.0), randt(&[3, 8], 7, 1.0));
     let fuse = Fuse {
-        gelu: true,
+        activation: Some(nn::Activation::Gelu),
         residual: Some(&r),
         ..Default::default()
     };
@@ -135,7 +135,7 @@ fn forward_with_equals_the_parts_in_sequence() {
                         _ => {
                             let fuse = Fuse {
                                 norm: norm.then_some(&lns[0].0),
-                                gelu,
+                                activation: gelu.then_some(nn::Activation::Gelu),
                                 residual: residual.then_some(res_t),
                             };
                             fused.forward_with(x_t, fuse).unwrap()

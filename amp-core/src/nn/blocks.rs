@@ -5,9 +5,9 @@
 //! modules `LayerNormLinear` (LayerNorm then an FP8 Linear) and
 //! `LayerNormMLP` (LayerNorm, fc1, GELU, fc2).
 
-use super::fused;
+use super::fused::{self, Activation};
 use super::linear::{linear_b, Fuse, Linear};
-use super::norm::{layer_norm, LayerNorm};
+use super::norm::{layer_norm, rms_norm, LayerNorm};
 use crate::error::Result;
 use candle_core::{Module, Tensor};
 
@@ -43,7 +43,7 @@ pub fn causal_self_attention(
         let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
         let (y, token, from, kept) = fused::causal_attention_handed(&x, &token, &from, heads)?;
         drop(x);
-        return proj.forward_from(&y, (token, from), false, Some(h), Some(res_grad), kept);
+        return proj.forward_from(&y, (token, from), None, Some(h), Some(res_grad), kept);
     }
     let y = fused::causal_attention_qkv(&qkv.forward_with(h, normed)?, heads)?;
     proj.forward_with(
@@ -56,14 +56,7 @@ pub fn causal_self_attention(
 }
 
 /// `h + fc2(gelu(fc1(norm(h))))` (`residual` true) or `fc2(gelu(fc1(norm(
-/// h))))`. Where both Linears run their own ops the LayerNorm's output and
-/// fc1's output are handed between the ops (fc2's op keeps GELU's input
-/// for its backward, as the unfused GELU would), the GELU and the residual
-/// applied inside fc2's op (the residual's gradient added in the
-/// LayerNorm's backward, as in [`causal_self_attention`]); otherwise the
-/// parts in sequence. The values are those of the parts in sequence either
-/// way (within one rounding where the residual is added in the GEMM's
-/// epilogue).
+/// h))))`: [`pre_norm_mlp_with`] with GELU.
 ///
 /// # Errors
 /// As [`Linear::forward_with`].
@@ -74,6 +67,30 @@ pub fn pre_norm_mlp(
     fc2: &Linear,
     residual: bool,
 ) -> Result<Tensor> {
+    pre_norm_mlp_with(h, norm, fc1, fc2, residual, Activation::Gelu)
+}
+
+/// `h + fc2(act(fc1(norm(h))))` (`residual` true) or `fc2(act(fc1(norm(
+/// h))))`, `act` GELU or SwiGLU (then fc1's output is twice fc2's input:
+/// gate, then up). Where both Linears run their own ops the norm's output
+/// and fc1's output are handed between the ops (fc2's op keeps the
+/// activation's input for its backward, as the unfused activation would),
+/// the activation and the residual applied inside fc2's op (the residual's
+/// gradient added in the norm's backward, as in
+/// [`causal_self_attention`]); otherwise the parts in sequence. The values
+/// are those of the parts in sequence either way (within one rounding
+/// where the residual is added in the GEMM's epilogue).
+///
+/// # Errors
+/// As [`Linear::forward_with`].
+pub fn pre_norm_mlp_with(
+    h: &Tensor,
+    norm: &LayerNorm,
+    fc1: &Linear,
+    fc2: &Linear,
+    residual: bool,
+    act: Activation,
+) -> Result<Tensor> {
     let normed = Fuse {
         norm: Some(norm),
         ..Default::default()
@@ -82,13 +99,13 @@ pub fn pre_norm_mlp(
     if fc1.runs_own_op()? && fc2.runs_own_op()? {
         let res_grad = res.map(|_| fused::ResidualGrad::default());
         let (m, token, from) = fc1.forward_handing(h, normed, res_grad.clone())?;
-        return fc2.forward_from(&m, (token, from), true, res, res_grad, false);
+        return fc2.forward_from(&m, (token, from), Some(act), res, res_grad, false);
     }
     let m = fc1.forward_with(h, normed)?;
     fc2.forward_with(
         &m,
         Fuse {
-            gelu: true,
+            activation: Some(act),
             residual: res,
             ..Default::default()
         },
@@ -164,13 +181,17 @@ impl Module for LayerNormLinear {
 }
 
 /// LayerNorm, fc1, GELU (tanh approximation, TE's `gelu`: [`fused::gelu`]),
-/// fc2 (TE's `LayerNormMLP`); both GEMMs in FP8 inside a scope.
+/// fc2 (TE's `LayerNormMLP`); or RMSNorm and SwiGLU (TE's
+/// `LayerNormMLP(activation="swiglu", normalization="RMSNorm")`, Llama's
+/// MLP: [`layer_norm_mlp_with`]); both GEMMs in FP8 inside a scope.
 ///
 /// [`fused::gelu`]: super::fused::gelu
 #[derive(Debug, Clone)]
 pub struct LayerNormMLP {
     /// The normalisation (`<prefix>.layer_norm`).
     pub norm: LayerNorm,
+    /// The activation between fc1 and fc2.
+    pub activation: Activation,
     /// Up projection (`<prefix>.fc1`).
     pub fc1: Linear,
     /// Down projection (`<prefix>.fc2`).
@@ -189,16 +210,66 @@ pub fn layer_norm_mlp(
 ) -> Result<LayerNormMLP> {
     Ok(LayerNormMLP {
         norm: layer_norm(dim, eps, vb.pp("layer_norm"))?,
+        activation: Activation::Gelu,
         fc1: linear_b(dim, hidden, true, vb.pp("fc1"))?,
         fc2: linear_b(hidden, dim, true, vb.pp("fc2"))?,
     })
 }
 
+/// The form of a [`LayerNormMLP`] (TE's `normalization`, `activation` and
+/// `bias` arguments).
+#[derive(Debug, Clone, Copy)]
+pub struct MlpForm {
+    /// RMSNorm instead of LayerNorm.
+    pub rms: bool,
+    /// The activation (with SwiGLU fc1 is `dim -> 2 hidden`).
+    pub activation: Activation,
+    /// Biases on fc1 and fc2.
+    pub bias: bool,
+}
+
+impl MlpForm {
+    /// Llama's: RMSNorm, SwiGLU, no biases.
+    pub fn llama() -> Self {
+        Self {
+            rms: true,
+            activation: Activation::SwiGlu,
+            bias: false,
+        }
+    }
+}
+
+/// A [`LayerNormMLP`] `dim -> hidden -> dim` of `form` from a
+/// `VarBuilder` (`<prefix>.layer_norm`, `<prefix>.fc1`, `<prefix>.fc2`).
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn layer_norm_mlp_with(
+    dim: usize,
+    hidden: usize,
+    eps: f64,
+    form: MlpForm,
+    vb: candle_nn::VarBuilder,
+) -> Result<LayerNormMLP> {
+    let norm = if form.rms {
+        rms_norm(dim, eps, vb.pp("layer_norm"))?
+    } else {
+        layer_norm(dim, eps, vb.pp("layer_norm"))?
+    };
+    let fc1_out = form.activation.input_width(hidden);
+    Ok(LayerNormMLP {
+        norm,
+        activation: form.activation,
+        fc1: linear_b(dim, fc1_out, form.bias, vb.pp("fc1"))?,
+        fc2: linear_b(hidden, dim, form.bias, vb.pp("fc2"))?,
+    })
+}
+
 impl Module for LayerNormMLP {
-    /// `fc2(gelu(fc1(norm(x))))` through [`pre_norm_mlp`](super::pre_norm_mlp):
+    /// `fc2(act(fc1(norm(x))))` through [`pre_norm_mlp_with`]:
     /// the tensors between the parts handed op to op.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        super::pre_norm_mlp(x, &self.norm, &self.fc1, &self.fc2, false)
+        pre_norm_mlp_with(x, &self.norm, &self.fc1, &self.fc2, false, self.activation)
             .map_err(candle_core::Error::wrap)
     }
 }

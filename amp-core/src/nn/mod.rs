@@ -50,16 +50,16 @@ mod telemetry;
 
 pub use crate::scaling::sink::GradSink;
 pub use blocks::{
-    causal_self_attention, layer_norm_linear, layer_norm_mlp, linear_cross_entropy, pre_norm_mlp,
-    LayerNormLinear, LayerNormMLP,
+    causal_self_attention, layer_norm_linear, layer_norm_mlp, layer_norm_mlp_with,
+    linear_cross_entropy, pre_norm_mlp, pre_norm_mlp_with, LayerNormLinear, LayerNormMLP, MlpForm,
 };
 pub use fused::{
     causal_attention, causal_attention_qkv, cross_entropy, embedding, flash_attention_enabled,
-    flash_head_dim, gelu, set_flash_attention,
+    flash_head_dim, gelu, set_flash_attention, swiglu, Activation,
 };
 pub use linear::{linear, linear_b, linear_no_bias, registered_linear, Fuse, LayerScaling, Linear};
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
-pub use norm::{layer_norm, LayerNorm};
+pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use recompute::recompute;
 pub use selective::selective;
 pub use telemetry::{set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES};

@@ -1,5 +1,7 @@
-//! `LayerNorm`, with a backward (Transformer Engine's normalisation layer;
-//! the composite `LayerNormLinear` and `LayerNormMLP` are in `blocks.rs`).
+//! `LayerNorm` and its RMS form (RMSNorm), with a backward (Transformer
+//! Engine's normalisation layers; the composite `LayerNormLinear` and
+//! `LayerNormMLP` are in `blocks.rs`, and take either form, as TE's
+//! `normalization="RMSNorm"`).
 //!
 //! Trap avoided: `candle_nn::LayerNorm` runs a fused op without a backward
 //! for contiguous inputs with a bias, so gradients stop there during
@@ -11,13 +13,22 @@ use crate::error::{Error, Result};
 use candle_core::{DType, Module, Tensor, D};
 
 /// Layer normalisation over the last dimension with a learned scale
-/// (`weight`, init 1) and shift (`bias`, init 0), F32 parameters.
+/// (`weight`, init 1) and shift (`bias`, init 0), F32 parameters; or its
+/// RMS form ([`LayerNorm::new_rms`], [`rms_norm`]): `x / sqrt(mean(x²) +
+/// eps) * weight`, no shift (Llama's RMSNorm).
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     weight: Tensor,
+    /// The shift; zero and not a parameter in the RMS form.
     bias: Tensor,
     eps: f64,
+    rms: bool,
 }
+
+/// RMSNorm: a [`LayerNorm`] in its RMS form (the same kernels with the
+/// mean taken as 0, and no shift), built by [`rms_norm`] or
+/// [`LayerNorm::new_rms`]; every block that takes a LayerNorm takes it.
+pub type RmsNorm = LayerNorm;
 
 impl LayerNorm {
     /// From existing parameters.
@@ -32,13 +43,44 @@ impl LayerNorm {
                 rhs: bias.shape().clone(),
             });
         }
-        Ok(Self { weight, bias, eps })
+        Ok(Self {
+            weight,
+            bias,
+            eps,
+            rms: false,
+        })
     }
 
-    /// The parameters (scale, shift): what [`recompute`](super::recompute)
-    /// needs to be told a block reads.
+    /// RMSNorm from its scale (`weight`): `x / sqrt(mean(x²) + eps) *
+    /// weight`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] unless `weight` is 1-D.
+    pub fn new_rms(weight: Tensor, eps: f64) -> Result<Self> {
+        let bias = weight.zeros_like()?.detach();
+        let mut norm = Self::new(weight, bias, eps)?;
+        norm.rms = true;
+        Ok(norm)
+    }
+
+    /// Whether this is the RMS form (RMSNorm).
+    pub fn is_rms(&self) -> bool {
+        self.rms
+    }
+
+    /// The scale.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The parameters (scale, and the shift unless RMS): what
+    /// [`recompute`](super::recompute) needs to be told a block reads.
     pub fn vars(&self) -> Vec<Tensor> {
-        vec![self.weight.clone(), self.bias.clone()]
+        if self.rms {
+            vec![self.weight.clone()]
+        } else {
+            vec![self.weight.clone(), self.bias.clone()]
+        }
     }
 
     /// `x`'s last dimension must be the layer's.
@@ -71,6 +113,9 @@ impl LayerNorm {
             && x.is_contiguous()
             && x.dtype() == DType::F32
         {
+            if self.rms {
+                return Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32)?);
+            }
             return Ok(candle_nn::ops::layer_norm(
                 x,
                 &self.weight,
@@ -80,20 +125,27 @@ impl LayerNorm {
         }
         if self.fused_kernels(x) {
             // one kernel forward, two backward (`fused::layer_norm`)
-            return super::fused::layer_norm(x, &self.weight, &self.bias, self.eps);
+            return super::fused::norm(x, &self.weight, &self.bias, self.eps, self.rms);
         }
         let internal = match x.dtype() {
             DType::F16 | DType::BF16 => DType::F32,
             d => d,
         };
         let xf = x.to_dtype(internal)?;
-        let centered = xf.broadcast_sub(&xf.mean_keepdim(D::Minus1)?)?;
+        let centered = if self.rms {
+            xf
+        } else {
+            xf.broadcast_sub(&xf.mean_keepdim(D::Minus1)?)?
+        };
         let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        Ok(normed
-            .broadcast_mul(&self.weight)?
-            .broadcast_add(&self.bias)?
-            .to_dtype(x.dtype())?)
+        let scaled = normed.broadcast_mul(&self.weight.to_dtype(internal)?)?;
+        let out = if self.rms {
+            scaled
+        } else {
+            scaled.broadcast_add(&self.bias.to_dtype(internal)?)?
+        };
+        Ok(out.to_dtype(x.dtype())?)
     }
 }
 
@@ -116,7 +168,8 @@ impl LayerNorm {
         if !(tracked && self.fused_kernels(x)) {
             return Ok(None);
         }
-        super::fused::layer_norm_handoff(x, &self.weight, &self.bias, self.eps, res_grad).map(Some)
+        super::fused::layer_norm_handoff(x, &self.weight, &self.bias, self.eps, self.rms, res_grad)
+            .map(Some)
     }
 }
 
@@ -124,11 +177,12 @@ impl LayerNorm {
     /// The output again, as the handed forward computed it (the fused
     /// kernel on detached tensors): what `nn::selective` casts again.
     pub(crate) fn recomputed(&self, x: &Tensor) -> Result<Tensor> {
-        super::fused::layer_norm(
+        super::fused::norm(
             &x.detach(),
             &self.weight.detach(),
             &self.bias.detach(),
             self.eps,
+            self.rms,
         )
     }
 }
@@ -147,4 +201,14 @@ pub fn layer_norm(dim: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<Lay
     let weight = vb.get_with_hints(dim, "weight", candle_nn::Init::Const(1.0))?;
     let bias = vb.get_with_hints(dim, "bias", candle_nn::Init::Const(0.0))?;
     LayerNorm::new(weight, bias, eps)
+}
+
+/// An [`RmsNorm`] from a `VarBuilder` (`<prefix>.weight`, init 1; no
+/// shift).
+///
+/// # Errors
+/// candle's, from the `VarBuilder`.
+pub fn rms_norm(dim: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<RmsNorm> {
+    let weight = vb.get_with_hints(dim, "weight", candle_nn::Init::Const(1.0))?;
+    LayerNorm::new_rms(weight, eps)
 }

@@ -21,24 +21,40 @@ use candle_core::{CustomOp1, CustomOp3, DType, Shape, Tensor};
 /// PyTorch autocast) and in the inputs' dtype on the CPU, the softmax sums
 /// in F32; the output and the gradients have the inputs' dtype.
 ///
+/// Grouped-query attention (Llama's): `k` and `v` may have fewer heads
+/// than `q`, a divisor of its count; query head `h` reads key/value head
+/// `h / (heads / kv_heads)`. The key and value heads are repeated for the
+/// products (each group's copy of the same values) and their gradients
+/// summed over the group in head order.
+///
 /// # Errors
 /// [`Error::Rank`], [`Error::Shape`], [`Error::DType`] or [`Error::Device`]
 /// for inputs that do not fit; candle's.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     const OP: &str = "causal_attention";
-    let (_, _, _, d) = q.dims4().map_err(|_| Error::Rank {
+    let (b, heads, t, d) = q.dims4().map_err(|_| Error::Rank {
         op: OP,
         expected: 4,
         got: q.shape().clone(),
     })?;
-    for t in [k, v] {
-        if t.shape() != q.shape() {
+    if k.shape() != v.shape() {
+        return Err(Error::Shape {
+            op: OP,
+            lhs: k.shape().clone(),
+            rhs: v.shape().clone(),
+        });
+    }
+    let kv_heads = match k.dims4() {
+        Ok((kb, kh, kt, kd)) if (kb, kt, kd) == (b, t, d) && kh > 0 && heads % kh == 0 => kh,
+        _ => {
             return Err(Error::Shape {
                 op: OP,
                 lhs: q.shape().clone(),
-                rhs: t.shape().clone(),
-            });
+                rhs: k.shape().clone(),
+            })
         }
+    };
+    for t in [k, v] {
         if t.dtype() != q.dtype() {
             return Err(Error::DType {
                 op: OP,
@@ -56,7 +72,13 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     }
     let compute = compute_dtype(OP, q)?;
     let scale = 1.0 / (d.max(1) as f32).sqrt();
-    let (y, kept) = attend_separate([q, k, v], compute, scale)?;
+    let group = heads / kv_heads;
+    let (y, kept) = if group == 1 {
+        attend_separate([q, k, v], compute, scale)?
+    } else {
+        let (ke, ve) = (repeat_heads(k, group)?, repeat_heads(v, group)?);
+        attend_separate([q, &ke, &ve], compute, scale)?
+    };
     let y = y.to_dtype(q.dtype())?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(y);
@@ -64,14 +86,36 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let op = CausalAttention {
         y: Precomputed::new(OP, y),
         kept,
+        group,
     };
     Ok(q.apply_op3(k, v, op)?)
+}
+
+/// Each of `x`'s heads (`[b, kv_heads, t, d]`) `group` times in a row:
+/// `[b, kv_heads * group, t, d]`, detached and contiguous.
+fn repeat_heads(x: &Tensor, group: usize) -> Result<Tensor> {
+    let (b, kh, t, d) = x.dims4()?;
+    Ok(x.detach()
+        .unsqueeze(2)?
+        .broadcast_as((b, kh, group, t, d))?
+        .reshape((b, kh * group, t, d))?)
+}
+
+/// The gradient of [`repeat_heads`]' input: each group's heads summed.
+fn sum_groups(g: &Tensor, group: usize) -> candle_core::Result<Tensor> {
+    if group == 1 {
+        return Ok(g.clone());
+    }
+    let (b, h, t, d) = g.dims4()?;
+    g.reshape((b, h / group, group, t, d))?.sum(2)
 }
 
 /// The autograd node: the forward's output, what backward needs.
 struct CausalAttention {
     y: Precomputed,
     kept: Kept,
+    /// Query heads per key/value head (1: plain multi-head attention).
+    group: usize,
 }
 
 impl CustomOp3 for CausalAttention {
@@ -90,8 +134,16 @@ impl CustomOp3 for CausalAttention {
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let back = |t: &Tensor| t.to_dtype(q.dtype());
+        let kv = |t: &Tensor| -> candle_core::Result<Tensor> {
+            // the group's sum in F32 where the products were narrower
+            let wide = match t.dtype() {
+                DType::BF16 | DType::F16 if self.group > 1 => t.to_dtype(DType::F32)?,
+                _ => t.clone(),
+            };
+            back(&sum_groups(&wide, self.group)?)
+        };
         match &self.kept.grads(dy)?[..] {
-            [dq, dk, dv] => Ok((Some(back(dq)?), Some(back(dk)?), Some(back(dv)?))),
+            [dq, dk, dv] => Ok((Some(back(dq)?), Some(kv(dk)?), Some(kv(dv)?))),
             _ => candle_core::bail!("amp_causal_attention: three gradients expected"),
         }
     }

@@ -88,20 +88,21 @@ pub(crate) fn cross_entropy_bwd(x: &[f32], t: &[u32], gl: &[f32], cols: usize) -
     out
 }
 
-/// Mean and `1 / sqrt(var + eps)` of a row.
-fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
+/// Mean and `1 / sqrt(var + eps)` of a row; `rms` (RMSNorm): the mean
+/// taken as 0.
+fn row_stats(x: &[f32], eps: f32, rms: bool) -> (f32, f32) {
     let n = x.len() as f32;
-    let mean = x.iter().sum::<f32>() / n;
+    let mean = if rms { 0.0 } else { x.iter().sum::<f32>() / n };
     let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
-/// LayerNorm: `(x - mean) * rstd * w + b` per row.
-pub(crate) fn layer_norm_fwd(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+/// LayerNorm: `(x - mean) * rstd * w + b` per row (`rms`: RMSNorm, mean 0).
+pub(crate) fn layer_norm_fwd(x: &[f32], w: &[f32], b: &[f32], eps: f32, rms: bool) -> Vec<f32> {
     let cols = w.len();
     let mut out = vec![0f32; x.len()];
     for (row, o) in x.chunks(cols).zip(out.chunks_mut(cols)) {
-        let (mean, rstd) = row_stats(row, eps);
+        let (mean, rstd) = row_stats(row, eps, rms);
         for (((o, &v), &w), &b) in o.iter_mut().zip(row).zip(w).zip(b) {
             *o = (v - mean) * rstd * w + b;
         }
@@ -109,8 +110,9 @@ pub(crate) fn layer_norm_fwd(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f
     out
 }
 
-/// LayerNorm input gradient: `rstd * (w dy - mean(w dy) - xhat mean(w dy xhat))`.
-pub(crate) fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> Vec<f32> {
+/// LayerNorm input gradient: `rstd * (w dy - mean(w dy) - xhat mean(w dy
+/// xhat))`; RMSNorm (`rms`) has no `mean(w dy)` term.
+pub(crate) fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32, rms: bool) -> Vec<f32> {
     let cols = w.len();
     let n = cols as f32;
     let mut out = vec![0f32; x.len()];
@@ -119,14 +121,14 @@ pub(crate) fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> Vec<f
         .zip(dy.chunks(cols))
         .zip(out.chunks_mut(cols))
     {
-        let (mean, rstd) = row_stats(row, eps);
+        let (mean, rstd) = row_stats(row, eps, rms);
         let (mut s1, mut s2) = (0f32, 0f32);
         for ((&v, &g), &w) in row.iter().zip(g).zip(w) {
             let wg = w * g;
             s1 += wg;
             s2 += wg * ((v - mean) * rstd);
         }
-        let (s1, s2) = (s1 / n, s2 / n);
+        let (s1, s2) = (if rms { 0.0 } else { s1 / n }, s2 / n);
         for (((o, &v), &g), &w) in o.iter_mut().zip(row).zip(g).zip(w) {
             let xhat = (v - mean) * rstd;
             *o = rstd * (w * g - s1 - xhat * s2);
@@ -136,10 +138,10 @@ pub(crate) fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> Vec<f
 }
 
 /// LayerNorm weight and bias gradients: `[dw (cols), db (cols)]`.
-pub(crate) fn layer_norm_dwdb(x: &[f32], dy: &[f32], cols: usize, eps: f32) -> Vec<f32> {
+pub(crate) fn layer_norm_dwdb(x: &[f32], dy: &[f32], cols: usize, eps: f32, rms: bool) -> Vec<f32> {
     let mut out = vec![0f32; 2 * cols];
     for (row, g) in x.chunks(cols).zip(dy.chunks(cols)) {
-        let (mean, rstd) = row_stats(row, eps);
+        let (mean, rstd) = row_stats(row, eps, rms);
         let (dw, db) = out.split_at_mut(cols);
         for (((dw, db), &v), &g) in dw.iter_mut().zip(db.iter_mut()).zip(row).zip(g) {
             *dw += g * ((v - mean) * rstd);
@@ -159,6 +161,23 @@ pub(crate) fn gelu_grad(x: f32) -> f32 {
     let x3 = x * x * x;
     let th = (0.035_677_4 * x3 + 0.797_885 * x).tanh();
     0.5 * th + (0.053_516_1 * x3 + 0.398_942 * x) * (1.0 - th * th) + 0.5
+}
+
+/// SwiGLU of one row of `2 f` (gate `a`, then up `b`): `silu(a) * b`, as
+/// the CUDA kernel computes it.
+pub(crate) fn swiglu(a: f32, b: f32) -> f32 {
+    a * sigmoid(a) * b
+}
+
+/// SwiGLU's gradients `(da, db)` for `dy`, as the CUDA kernel computes them.
+pub(crate) fn swiglu_grad(a: f32, b: f32, dy: f32) -> (f32, f32) {
+    let s = sigmoid(a);
+    (dy * b * (s * (1.0 + a * (1.0 - s))), dy * (a * s))
+}
+
+/// The logistic function, `1 / (1 + exp(-a))`.
+fn sigmoid(a: f32) -> f32 {
+    1.0 / (1.0 + (-a).exp())
 }
 
 /// Row chunks of the column sums (the bias gradient, the CUDA LayerNorm's

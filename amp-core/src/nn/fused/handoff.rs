@@ -159,7 +159,8 @@ impl ResidualGrad {
 }
 
 /// LayerNorm of `x` (F32 `weight` and `bias`, F32 or BF16 `x`, as
-/// [`layer_norm`](super::layer_norm)) handed to the next op: `(out, token,
+/// [`layer_norm`](super::layer_norm); `rms`: [`rms_norm`](super::rms_norm)
+/// with a zero `bias`) handed to the next op: `(out, token,
 /// handoff)`. `out` is detached; the token (F32 `[1]`) stands for it in the
 /// graph, and the LayerNorm's backward (input, weight and bias gradients)
 /// runs from the gradient the consumer leaves in `handoff`, with the
@@ -173,15 +174,17 @@ pub(crate) fn layer_norm_handoff(
     weight: &Tensor,
     bias: &Tensor,
     eps: f64,
+    rms: bool,
     res_grad: Option<ResidualGrad>,
 ) -> Result<(Tensor, Tensor, Handoff)> {
-    let out = super::layer_norm(&x.detach(), &weight.detach(), &bias.detach(), eps)?;
+    let out = super::norm(&x.detach(), &weight.detach(), &bias.detach(), eps, rms)?;
     let handoff = Handoff::default();
     if let Some(r) = &res_grad {
         r.attach_reader()?;
     }
     let op = LayerNormToken {
         eps: eps as f32,
+        rms,
         handoff: handoff.clone(),
         res_grad,
     };
@@ -196,6 +199,7 @@ pub(crate) fn layer_norm_handoff(
 /// handed gradient, as [`LayerNormOp`]'s.
 struct LayerNormToken {
     eps: f32,
+    rms: bool,
     handoff: Handoff,
     res_grad: Option<ResidualGrad>,
 }
@@ -222,6 +226,7 @@ impl CustomOp3 for LayerNormToken {
         };
         let op = LayerNormOp {
             eps: self.eps,
+            rms: self.rms,
             dx: false,
             res: dres,
         };

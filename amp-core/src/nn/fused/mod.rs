@@ -1,5 +1,6 @@
 //! Fused training ops with their backward passes: causal attention,
-//! cross-entropy, LayerNorm, GELU and the embedding lookup.
+//! cross-entropy, LayerNorm and RMSNorm, GELU and SwiGLU, and the embedding
+//! lookup.
 //!
 //! candle composes these from elementwise kernels, and its backprop gives
 //! every intermediate a zero-filled gradient and an add; in a GPT step on
@@ -28,6 +29,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod activation;
 mod attention;
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -40,6 +42,7 @@ mod heads;
 mod ops;
 mod pointwise;
 
+pub use activation::{swiglu, Activation};
 pub use attention::{causal_attention, causal_attention_qkv};
 pub use embedding::embedding;
 pub use flash::{flash_attention_enabled, flash_head_dim, set_flash_attention};
@@ -163,24 +166,6 @@ pub(crate) fn cross_entropy_handed(
     Ok(token.apply_op1(op)?.narrow(1, 0, 1)?.mean_all()?)
 }
 
-/// GELU of a detached `x` (no graph node): what a layer that applies it
-/// inside its own op computes.
-pub(crate) fn gelu_detached(x: &Tensor) -> Result<Tensor> {
-    float_dtype("gelu", x)?;
-    Ok(x.detach()
-        .contiguous()?
-        .apply_op1_no_bwd(&pointwise::Gelu)?)
-}
-
-/// `dy * gelu'(x)`, detached: GELU's backward for a layer that applied it
-/// inside its own op.
-pub(crate) fn gelu_bwd_detached(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    Ok(pointwise::gelu_bwd(
-        &x.detach().contiguous()?,
-        &dy.contiguous()?,
-    )?)
-}
-
 /// GELU, tanh form (candle's `gelu`), with a one-kernel backward.
 ///
 /// # Errors
@@ -200,6 +185,28 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// [`Error::Shape`] when the last dimension is not the parameters' length,
 /// [`Error::DType`] for parameters other than F32; candle's.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    norm(x, weight, bias, eps, false)
+}
+
+/// RMSNorm over the last dimension with an F32 `weight` of that length:
+/// `x / sqrt(mean(x²) + eps) * weight` (Llama's, TE's `RMSNorm`),
+/// statistics in F32; the output has `x`'s dtype. The kernels are
+/// [`layer_norm`]'s with the mean taken as 0.
+///
+/// # Errors
+/// As [`layer_norm`].
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    norm(x, weight, &weight.zeros_like()?.detach(), eps, true)
+}
+
+/// [`layer_norm`], or with `rms` [`rms_norm`] (`bias` zero).
+pub(crate) fn norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    rms: bool,
+) -> Result<Tensor> {
     const OP: &str = "layer_norm";
     float_dtype(OP, x)?;
     let dim = weight.elem_count();
@@ -221,6 +228,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     }
     let op = ops::LayerNormOp {
         eps: eps as f32,
+        rms,
         dx: false,
         res: None,
     };

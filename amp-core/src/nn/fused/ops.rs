@@ -236,6 +236,9 @@ impl CustomOp3 for CrossEntropyBwd {
 /// forward op adds `res` to its input gradient the same way.
 pub(super) struct LayerNormOp {
     pub eps: f32,
+    /// RMSNorm: the mean taken as 0 (the bias is then zero, its gradient
+    /// unused).
+    pub rms: bool,
     pub dx: bool,
     pub res: Option<Tensor>,
 }
@@ -269,9 +272,9 @@ impl CustomOp3 for LayerNormOp {
     ) -> Result<(CpuStorage, Shape)> {
         let (x32, w32, t32) = (f32s(x, lx)?, f32s(w, lw)?, f32s(third, l3)?);
         let mut v = if self.dx {
-            cpu::layer_norm_dx(&x32, &w32, &t32, self.eps)
+            cpu::layer_norm_dx(&x32, &w32, &t32, self.eps, self.rms)
         } else {
-            cpu::layer_norm_fwd(&x32, &w32, &t32, self.eps)
+            cpu::layer_norm_fwd(&x32, &w32, &t32, self.eps, self.rms)
         };
         if let (true, Some(res)) = (self.dx, &self.res) {
             let (rs, rl) = res.storage_and_layout();
@@ -310,9 +313,16 @@ impl CustomOp3 for LayerNormOp {
             },
             None => None,
         };
-        let out =
-            super::cuda::ops::layer_norm((x, lx), (w, lw), (third, l3), self.eps, self.dx, res)
-                .map_err(wrap)?;
+        let out = super::cuda::ops::layer_norm(
+            (x, lx),
+            (w, lw),
+            (third, l3),
+            self.eps,
+            self.dx,
+            self.rms,
+            res,
+        )
+        .map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
 
@@ -327,11 +337,18 @@ impl CustomOp3 for LayerNormOp {
         let dy = dy.contiguous()?;
         let op = LayerNormOp {
             eps: self.eps,
+            rms: self.rms,
             dx: true,
             res: self.res.as_ref().map(Tensor::contiguous).transpose()?,
         };
         let dx = x.apply_op3_no_bwd(w, &dy, &op)?;
-        let dwdb = x.apply_op2_no_bwd(&dy, &LayerNormDwDb { eps: self.eps })?;
+        let dwdb = x.apply_op2_no_bwd(
+            &dy,
+            &LayerNormDwDb {
+                eps: self.eps,
+                rms: self.rms,
+            },
+        )?;
         Ok((Some(dx), Some(dwdb.get(0)?), Some(dwdb.get(1)?)))
     }
 }
@@ -339,6 +356,7 @@ impl CustomOp3 for LayerNormOp {
 /// LayerNorm's weight and bias gradients of `(x, dy)`: F32 `[2, cols]`.
 struct LayerNormDwDb {
     eps: f32,
+    rms: bool,
 }
 
 impl CustomOp2 for LayerNormDwDb {
@@ -354,7 +372,7 @@ impl CustomOp2 for LayerNormDwDb {
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let cols = last_dim(lx);
-        let v = cpu::layer_norm_dwdb(&f32s(x, lx)?, &f32s(g, lg)?, cols, self.eps);
+        let v = cpu::layer_norm_dwdb(&f32s(x, lx)?, &f32s(g, lg)?, cols, self.eps, self.rms);
         Ok((CpuStorage::F32(v), Shape::from((2, cols))))
     }
 
@@ -366,7 +384,8 @@ impl CustomOp2 for LayerNormDwDb {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::ops::layer_norm_dwdb(x, lx, g, lg, self.eps).map_err(wrap)?;
+        let out =
+            super::cuda::ops::layer_norm_dwdb(x, lx, g, lg, self.eps, self.rms).map_err(wrap)?;
         Ok((out, Shape::from((2, last_dim(lx)))))
     }
 }

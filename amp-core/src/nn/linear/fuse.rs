@@ -1,13 +1,14 @@
 //! `Linear::forward_with` and the crate's handing of tensors to and from
 //! the layer's op (`fused::Handoff`): the layer with its neighbours (a
-//! LayerNorm before, GELU on its input, a residual after) applied inside
-//! its op.
+//! LayerNorm before, an activation on its input, a residual after) applied
+//! inside its op.
 
 use super::op::Origin;
 use super::Linear;
 use crate::error::{Error, Result};
 use crate::nn::fused::{Handoff, ResidualGrad};
 use crate::nn::norm::LayerNorm;
+use crate::nn::Activation;
 use candle_core::Tensor;
 
 /// A handed tensor's token and its handoff.
@@ -16,16 +17,18 @@ type Handed = (Tensor, Handoff);
 /// What [`Linear::forward_with`] applies inside the layer's op.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fuse<'a> {
-    /// GELU (tanh form) on the input: the layer computes `gelu(x) Wᵀ + b`.
-    pub gelu: bool,
+    /// An activation on the input: the layer computes `act(x) Wᵀ + b`
+    /// (GELU, tanh form; or SwiGLU, whose input is twice the layer's
+    /// width).
+    pub activation: Option<Activation>,
     /// A tensor added to the output (a residual stream).
     pub residual: Option<&'a Tensor>,
     /// A LayerNorm on the input first (TE's `LayerNormLinear`): its output
     /// goes to the Linear's op outside candle's graph (the graph carries a
     /// one-element token), so it is neither kept until backward nor given
     /// a zero-filled gradient; the LayerNorm's parameters get their
-    /// gradients as usual. Not combined with `gelu` (then the parts run in
-    /// sequence).
+    /// gradients as usual. Not combined with an activation (then the parts
+    /// run in sequence).
     pub norm: Option<&'a LayerNorm>,
 }
 
@@ -34,7 +37,7 @@ pub struct Fuse<'a> {
 /// token instead.
 #[derive(Default)]
 pub(super) struct OpFuse<'a> {
-    pub gelu: bool,
+    pub activation: Option<Activation>,
     pub residual: Option<&'a Tensor>,
     pub handoff: Option<Handed>,
     /// Hand the output on: the op's graph output is a token, the output
@@ -119,19 +122,19 @@ impl Linear {
         self.forward_with(
             z,
             Fuse {
-                gelu: true,
+                activation: Some(Activation::Gelu),
                 ..Default::default()
             },
         )
     }
 
     /// The layer with `fuse`'s neighbours applied inside its op:
-    /// `residual + self.forward(&gelu(x))` (each part optional). With
-    /// `gelu`, wherever the layer runs its own op (FP8 modes, low-bit
-    /// weights) GELU's output is no graph tensor: candle neither keeps it
+    /// `residual + self.forward(&act(x))` (each part optional). With an
+    /// activation, wherever the layer runs its own op (FP8 modes, low-bit
+    /// weights) its output is no graph tensor: candle neither keeps it
     /// until backward (only the FP8 codes the GEMMs take are kept) nor
     /// zero-fills and adds a gradient for it, and the op's backward applies
-    /// GELU's backward to dgrad. With `residual` (same shape and dtype as
+    /// the activation's backward to dgrad. With `residual` (same shape and dtype as
     /// the output), where the weight's gradient goes to a sink (O1-O3) and
     /// the residual is tracked, the sum is the op's output and the residual
     /// its second argument, whose gradient is the output's: no add node, whose inputs candle would
@@ -149,18 +152,19 @@ impl Linear {
     /// As [`try_forward`](Self::try_forward); [`Error::Shape`] or
     /// [`Error::DType`] for a residual unlike the output.
     pub fn forward_with(&self, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
-        let (weight, out_dim, mode) = self.prepare(x)?;
+        let act = fuse.activation;
+        let (weight, out_dim, mode) = self.prepare_for(x, act)?;
         self.check_residual(x, out_dim, fuse.residual)?;
         let own_op = Self::own_op(&mode, &weight);
-        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && !fuse.gelu, None)?;
+        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && act.is_none(), None)?;
         let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
         // the op decides whether it takes the residual (it adds it outside
         // itself where it cannot)
-        let y = match (own_op, fuse.gelu) {
+        let y = match (own_op, act) {
             (true, _) => {
                 let op_fuse = OpFuse {
-                    gelu: fuse.gelu,
+                    activation: act,
                     residual: fuse.residual,
                     handoff,
                     hand_out: None,
@@ -169,8 +173,8 @@ impl Linear {
                 };
                 return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
             }
-            (false, true) => self.try_forward(&crate::nn::fused::gelu(x)?)?,
-            (false, false) => self.try_forward(x)?,
+            (false, Some(a)) => self.try_forward(&a.apply(x)?)?,
+            (false, None) => self.try_forward(x)?,
         };
         match fuse.residual {
             Some(r) => Ok((r + y)?),
@@ -195,10 +199,10 @@ impl Linear {
         res_grad: Option<ResidualGrad>,
     ) -> Result<(Tensor, Tensor, Handoff)> {
         let (weight, out_dim, mode) = self.prepare(x)?;
-        if fuse.gelu || fuse.residual.is_some() {
+        if fuse.activation.is_some() || fuse.residual.is_some() {
             return Err(Error::Unsupported {
                 op: "Linear::forward_handing",
-                what: "GELU or a residual on a handed-on output".into(),
+                what: "an activation or a residual on a handed-on output".into(),
             });
         }
         let (normed, handoff) = Self::normed(fuse.norm, x, true, res_grad)?;
@@ -221,7 +225,7 @@ impl Linear {
     }
 
     /// The layer on a tensor handed from another op (`token` stands for
-    /// `x` in the graph, `from` takes its gradient), GELU on it and
+    /// `x` in the graph, `from` takes its gradient), `activation` on it and
     /// `residual` added as in [`forward_with`](Self::forward_with), its
     /// gradient left in `res_grad` where a reader is attached (see
     /// `ResidualGrad`); the caller checks [`runs_own_op`](Self::runs_own_op)
@@ -231,15 +235,15 @@ impl Linear {
         &self,
         x: &Tensor,
         (token, from): Handed,
-        gelu: bool,
+        activation: Option<Activation>,
         residual: Option<&Tensor>,
         res_grad: Option<ResidualGrad>,
         kept: bool,
     ) -> Result<Tensor> {
-        let (weight, out_dim, mode) = self.prepare(x)?;
+        let (weight, out_dim, mode) = self.prepare_for(x, activation)?;
         self.check_residual(x, out_dim, residual)?;
         let op_fuse = OpFuse {
-            gelu,
+            activation,
             residual,
             handoff: Some((token, from)),
             residual_grad: res_grad,

@@ -338,8 +338,19 @@ impl Linear {
     /// The weight, its output width and the compute mode for input `x`,
     /// after checking `x` against the weight: where every forward starts.
     pub(super) fn prepare(&self, x: &Tensor) -> Result<(Weight, usize, ComputeMode)> {
+        self.prepare_for(x, None)
+    }
+
+    /// [`prepare`](Self::prepare) for an input that `activation` takes
+    /// first (SwiGLU's is twice the layer's width).
+    pub(super) fn prepare_for(
+        &self,
+        x: &Tensor,
+        activation: Option<crate::nn::Activation>,
+    ) -> Result<(Weight, usize, ComputeMode)> {
         let weight = self.weight.read()?.clone();
         let (out_dim, in_dim) = weight.shape().dims2()?;
+        let in_dim = activation.map_or(in_dim, |a| a.input_width(in_dim));
         self.check_input(x, in_dim)?;
         Ok((weight, out_dim, self.mode()))
     }
@@ -398,8 +409,8 @@ impl Linear {
     /// Forward through the custom op (FP8 mode, or a low-bit weight in
     /// native mode). The op takes `x` as it is (any rank) and flattens it
     /// inside, so the graph holds one node, not two reshapes around it;
-    /// with `gelu` the op's input is GELU's input (see
-    /// [`forward_gelu`](Self::forward_gelu)).
+    /// with an `activation` the op's input is the activation's input (see
+    /// [`forward_with`](Self::forward_with)).
     fn scaled_forward(
         &self,
         x_nd: &Tensor,
@@ -409,7 +420,7 @@ impl Linear {
         fuse: OpFuse<'_>,
     ) -> Result<Tensor> {
         let OpFuse {
-            gelu,
+            activation,
             residual,
             handoff,
             hand_out,
@@ -417,13 +428,16 @@ impl Linear {
             origin,
         } = fuse;
         // Under `nn::selective`, where the input's FP8 codes can be cast
-        // again from a tensor kept anyway: GELU's input (the op keeps it),
+        // again from a tensor kept anyway: the activation's input (the op
+        // keeps it),
         // the op's graph input (candle keeps it), or what the caller names
         // (a LayerNorm's input, an attention output the attention keeps).
         let recast = selective::active();
         let origin = match (recast, origin) {
             (false, _) => None,
-            (true, _) if gelu => Some(Origin::Gelu(x_nd.clone())),
+            (true, _) if activation.is_some() => {
+                activation.map(|a| Origin::Activated(a, x_nd.clone()))
+            }
             (true, Some(o)) => Some(o),
             (true, None) if handoff.is_none() => Some(Origin::Value(x_nd.clone())),
             (true, None) => None,
@@ -438,13 +452,12 @@ impl Linear {
         let last = out_dims.len() - 1;
         out_dims[last] = out_dim;
         let x = &x_nd.detach().reshape(((), in_dim))?.contiguous()?;
-        // with a handed input the op keeps GELU's input itself (its graph
-        // argument is a token)
-        let gelu_z = (gelu && handoff.is_some()).then(|| x.clone());
-        let x = &if gelu {
-            super::fused::gelu_detached(x)?
-        } else {
-            x.clone()
+        // with a handed input the op keeps the activation's input itself
+        // (its graph argument is a token)
+        let act_z = (activation.is_some() && handoff.is_some()).then(|| x.clone());
+        let x = &match activation {
+            Some(act) => act.detached(x)?,
+            None => x.clone(),
         };
         let sink = self
             .sink
@@ -658,8 +671,8 @@ impl Linear {
             epilogue,
             out_shape: out_dims.into(),
             has_bias: self.bias.is_some(),
-            gelu,
-            gelu_z,
+            activation,
+            act_z,
             residual: residual.is_some(),
             residual_grad,
             handoff,

@@ -43,8 +43,8 @@ pub(crate) enum Saved {
 pub(crate) enum Origin {
     /// The value itself (any rank; flattened to rows of its last dimension).
     Value(Tensor),
-    /// GELU's input: the operand is GELU's output.
-    Gelu(Tensor),
+    /// An activation's input: the operand is its output.
+    Activated(crate::nn::Activation, Tensor),
     /// A LayerNorm's input: the operand is the LayerNorm's output.
     Norm(crate::nn::LayerNorm, Tensor),
     /// A weight stored scaled (FP16).
@@ -64,8 +64,8 @@ impl Origin {
         let (q, qt, _) = match self {
             Self::Scaled(w) => w.requantize_with_t(meta)?,
             Self::Value(t) => ScalingTensor::quantize_with_t(&rows(t)?, meta)?,
-            Self::Gelu(z) => {
-                let g = crate::nn::fused::gelu_detached(&rows(z)?)?;
+            Self::Activated(act, z) => {
+                let g = act.detached(&rows(z)?)?;
                 ScalingTensor::quantize_with_t(&g, meta)?
             }
             Self::Norm(ln, x) => ScalingTensor::quantize_with_t(&rows(&ln.recomputed(x)?)?, meta)?,
@@ -154,11 +154,11 @@ pub(crate) struct Fp8LinearOp {
     pub out_shape: candle_core::Shape,
     /// Whether the third argument is a bias (else a placeholder).
     pub has_bias: bool,
-    /// The op's input is GELU's: the GEMMs take `gelu(x)`, and dgrad goes
-    /// back through GELU's backward.
-    pub gelu: bool,
-    /// GELU's input (2-D) where the first argument is a token.
-    pub gelu_z: Option<Tensor>,
+    /// The op's input is an activation's: the GEMMs take `act(x)`, and
+    /// dgrad goes back through the activation's backward.
+    pub activation: Option<crate::nn::Activation>,
+    /// The activation's input (2-D) where the first argument is a token.
+    pub act_z: Option<Tensor>,
     /// The second argument is a residual added to the output (its gradient
     /// is the output's); the weight's gradient goes to the sink.
     pub residual: bool,
@@ -399,14 +399,17 @@ impl CustomOp3 for Fp8LinearOp {
         let dy2 = dy.reshape(((), out_dim))?;
         let (dx, dw) = self.backward(&dy2, x.track_op()).map_err(wrap)?;
         let dx = match dx {
-            Some(d) if self.gelu => {
-                let z = match &self.gelu_z {
-                    Some(z) => z.clone(),
-                    None => x.reshape(((), x.dim(candle_core::D::Minus1)?))?,
-                };
-                Some(crate::nn::fused::gelu_bwd_detached(&z, &d).map_err(wrap)?)
-            }
-            d => d,
+            Some(d) => match self.activation {
+                Some(act) => {
+                    let z = match &self.act_z {
+                        Some(z) => z.clone(),
+                        None => x.reshape(((), x.dim(candle_core::D::Minus1)?))?,
+                    };
+                    Some(act.backward_detached(&z, &d).map_err(wrap)?)
+                }
+                None => Some(d),
+            },
+            None => None,
         };
         let dx = match (&self.handoff, dx) {
             (Some(h), Some(d)) => {

@@ -190,16 +190,19 @@ pub(crate) fn cross_entropy_bwd(
 
 /// LayerNorm forward, `(x - mean) * rstd * w + third` per row, or with
 /// `dx` its input gradient for `third` = dy, plus `res` (x's shape and
-/// dtype: a residual's gradient) where given.
+/// dtype: a residual's gradient) where given; `rms`: RMSNorm (the mean
+/// taken as 0).
 pub(crate) fn layer_norm(
     (x, lx): (&CudaStorage, &Layout),
     (w, lw): (&CudaStorage, &Layout),
     (third, l3): (&CudaStorage, &Layout),
     eps: f32,
     dx: bool,
+    rms: bool,
     res: Option<(&CudaStorage, &Layout)>,
 ) -> Result<CudaStorage> {
     const OP: &str = "layer_norm";
+    let rms = i32::from(rms);
     let dev = x.device().clone();
     let cols = lx.dims().last().copied().unwrap_or(1);
     let n = lx.shape().elem_count();
@@ -245,7 +248,7 @@ pub(crate) fn layer_norm(
                 .arg(&mut out)
                 .arg(&rows)
                 .arg(&c);
-            b.arg(&eps).arg(&vec);
+            b.arg(&eps).arg(&vec).arg(&rms);
             unsafe { b.launch(warp_rows(rows)) }.w()?;
         } else {
             let bv = view::<f32>(OP, third, l3)?;
@@ -258,7 +261,7 @@ pub(crate) fn layer_norm(
                 .arg(&mut out)
                 .arg(&rows)
                 .arg(&c);
-            b.arg(&eps).arg(&vec);
+            b.arg(&eps).arg(&vec).arg(&rms);
             unsafe { b.launch(warp_rows(rows)) }.w()?;
         }
         Ok(store(out, &dev))
@@ -273,8 +276,10 @@ pub(crate) fn layer_norm_dwdb(
     dy: &CudaStorage,
     ldy: &Layout,
     eps: f32,
+    rms: bool,
 ) -> Result<CudaStorage> {
     const OP: &str = "layer_norm_bwd";
+    let rms = i32::from(rms);
     let dev = x.device().clone();
     let cols = lx.dims().last().copied().unwrap_or(1);
     let n = lx.shape().elem_count();
@@ -299,7 +304,8 @@ pub(crate) fn layer_norm_dwdb(
             .arg(&rows)
             .arg(&c)
             .arg(&eps)
-            .arg(&vec);
+            .arg(&vec)
+            .arg(&rms);
         unsafe { b.launch(warp_rows(rows)) }.w()?;
         let f = nn_func(&dev, &format!("layer_norm_dwdb_part_{sfx}"))?;
         let mut b = stream.launch_builder(&f);
@@ -377,5 +383,46 @@ pub(crate) fn gelu(
             }
         }
         Ok(store(out, &dev))
+    })
+}
+
+/// SwiGLU of rows `[rows, 2 f]` to `[rows, f]`, or with `dy` (`[rows, f]`)
+/// its gradient `[rows, 2 f]`.
+pub(crate) fn swiglu(
+    x: &CudaStorage,
+    lx: &Layout,
+    dy: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    const OP: &str = "swiglu";
+    let dev = x.device().clone();
+    let n = lx.shape().elem_count();
+    let f = lx.dims().last().copied().unwrap_or(0) / 2;
+    let rows = n / (2 * f).max(1);
+    let stream = dev.cuda_stream();
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let sfx = suffix(x.dtype());
+        let cfg = grid(&dev, (rows * f).max(1))?;
+        match dy {
+            None => {
+                // SAFETY: every element is written.
+                let mut out = unsafe { dev.alloc::<T>(rows * f)? };
+                let k = nn_func(&dev, &format!("swiglu_fwd_{sfx}"))?;
+                let mut b = stream.launch_builder(&k);
+                b.arg(&xv).arg(&mut out).arg(&rows).arg(&f);
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(store(out, &dev))
+            }
+            Some((g, lg)) => {
+                let gv = view::<T>(OP, g, lg)?;
+                // SAFETY: every element is written.
+                let mut out = unsafe { dev.alloc::<T>(n)? };
+                let k = nn_func(&dev, &format!("swiglu_bwd_{sfx}"))?;
+                let mut b = stream.launch_builder(&k);
+                b.arg(&xv).arg(&gv).arg(&mut out).arg(&rows).arg(&f);
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(store(out, &dev))
+            }
+        }
     })
 }
