@@ -1,6 +1,7 @@
 // Fused training ops of a transformer, forward and backward: the causal
 // softmax of attention (scale and mask inside), cross-entropy over a
-// vocabulary, LayerNorm, GELU (tanh form). Each replaces a chain of
+// vocabulary, LayerNorm and RMSNorm, GELU (tanh form), SwiGLU, RoPE. Each
+// replaces a chain of
 // candle's elementwise kernels (and the zero-fill + add that candle's
 // backprop spends on every node's gradient) by one or two passes.
 //
@@ -324,6 +325,8 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
 
 #include "nn_embedding.cuh"
 
+#include "nn_rope.cuh"
+
 // ---------------------------------------------------------------------------
 // Entry points: `vec` picks the 16-byte path.
 
@@ -407,6 +410,11 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
     extern "C" __global__ void swiglu_bwd_##TN(const T* x, const T* dy, T* dx, size_t rows,          \
                                               size_t f) {                                            \
         swiglu_bwd_impl<T>(x, dy, dx, rows, f);                                                      \
+    }                                                                                                \
+    extern "C" __global__ void rope_##TN(const T* x, const float* cos_t, const float* sin_t, T* y,   \
+                                        size_t pairs, size_t half, size_t heads, size_t seq,         \
+                                        float sign) {                                                \
+        rope_impl<T>(x, cos_t, sin_t, y, pairs, half, heads, seq, sign);                             \
     }
 
 NN_KERNELS(f32, float)

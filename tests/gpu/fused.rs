@@ -2,13 +2,13 @@
 //! half-blocks on the device against their CPU bodies: forward outputs and
 //! every gradient.
 //!
-//! - Cross-entropy, LayerNorm, GELU: F32 and BF16, on shapes that take the
+//! - Cross-entropy, LayerNorm, RMSNorm, GELU, SwiGLU: F32 and BF16, on shapes that take the
 //!   16-byte path and odd ones that do not. CPU and CUDA agree to rounding
 //!   (their exp/ln/tanh differ in the last bit): F32 within 1e-5, BF16
 //!   within 1e-2. The bias gradient (a column sum in the kernels' order)
 //!   bit for bit, the embedding (a gather, a sum in token order) with a
 //!   relative error of 0.
-//! - Attention: flash attention (head dimensions 64, 80, 96, 128) and the materialised
+//! - Attention (grouped-query too): flash attention (head dimensions 64, 80, 96, 128) and the materialised
 //!   path (other head dimensions, or flash turned off) against the CPU's
 //!   F32 body; flash against the materialised GPU path at the GPT's
 //!   shapes. The GPU runs its products in BF16 against F32 on the CPU, so
@@ -91,6 +91,25 @@ fn pointwise(dev: &Device) -> Result<()> {
                 &e,
                 tol(dtype),
             );
+            let yc = fused::rms_norm(&xc, &wc, 1e-5)?;
+            let yg = fused::rms_norm(&xg, &wg, 1e-5)?;
+            let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+            let e = [
+                ("y", rel_err(&yg, &yc)?),
+                ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
+                ("dw", rel_err(&g(&gg, &wg)?, &g(&gc, &wc)?)?),
+            ];
+            ok &= report(&format!("rms_norm {dtype:?} {rows}x{cols}"), &e, tol(dtype));
+            if cols % 2 == 0 {
+                let (yc, yg) = (fused::swiglu(&xc)?, fused::swiglu(&xg)?);
+                let (rc2, rg2) = (rc.narrow(1, 0, cols / 2)?, rg.narrow(1, 0, cols / 2)?);
+                let (gc, gg) = (backward(&yc, &rc2)?, backward(&yg, &rg2)?);
+                let e = [
+                    ("y", rel_err(&yg, &yc)?),
+                    ("dx", rel_err(&g(&gg, &xg)?, &g(&gc, &xc)?)?),
+                ];
+                ok &= report(&format!("swiglu {dtype:?} {rows}x{cols}"), &e, tol(dtype));
+            }
             let yc = fused::gelu(&xc)?;
             let yg = fused::gelu(&xg)?;
             let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
@@ -182,8 +201,23 @@ fn separate(
     dtype: DType,
     sharp: bool,
 ) -> Result<bool> {
+    separate_gqa(rng, dev, dims, dims[1], dtype, sharp)
+}
+
+/// [`separate`] with `kv_heads` key and value heads (grouped-query
+/// attention where fewer than q's).
+fn separate_gqa(
+    rng: &mut Rng,
+    dev: &Device,
+    dims: [usize; 4],
+    kv_heads: usize,
+    dtype: DType,
+    sharp: bool,
+) -> Result<bool> {
     let mk = |rng: &mut Rng| var(rng, &dims, dtype, dev);
-    let ((qc, qg), (kc, kg), (vc, vg)) = (mk(rng)?, mk(rng)?, mk(rng)?);
+    let kv_dims = [dims[0], kv_heads, dims[2], dims[3]];
+    let mkv = |rng: &mut Rng| var(rng, &kv_dims, dtype, dev);
+    let ((qc, qg), (kc, kg), (vc, vg)) = (mk(rng)?, mkv(rng)?, mkv(rng)?);
     let (rc, rg) = mk(rng)?;
     let s = if sharp { 4.0 } else { 1.0 };
     let yc = fused::causal_attention(&(qc.as_tensor() * s)?, &kc, &vc)?;
@@ -202,7 +236,7 @@ fn separate(
     };
     Ok(report(
         &format!(
-            "causal_attention {dims:?} {dtype:?}{} ({path})",
+            "causal_attention {dims:?} kv heads {kv_heads} {dtype:?}{} ({path})",
             if sharp { " sharp" } else { "" }
         ),
         &e,
@@ -255,6 +289,14 @@ fn attention(dev: &Device) -> Result<()> {
         }
         for hd in [64, 128] {
             ok &= separate(&mut rng, dev, [1, 2, 130, hd], dtype, true)?;
+        }
+        // grouped-query attention: flash and materialised
+        for (dims, kv) in [
+            ([2usize, 8, 130, 64], 2usize),
+            ([1, 4, 37, 128], 1),
+            ([1, 6, 50, 24], 3),
+        ] {
+            ok &= separate_gqa(&mut rng, dev, dims, kv, dtype, false)?;
         }
         for shape in [
             (2usize, 128usize, 3usize, 64usize),

@@ -5,10 +5,11 @@
 //! random tensors through amax, quantize, dequantize, requantize, the
 //! cast-transpose, the scale updates), the cuBLASLt FP8 GEMM against a
 //! float64 product, the FP8 Linear and the half-blocks to the GEMMs'
-//! rounding, the fused training ops and attention to their tolerances, a
-//! training-step slice captured into a CUDA graph (no device-to-host
-//! copy), the fused low-bit AdamW step, the gradient sum of squares and
-//! the step's codecs, and the bucketed FP8 reduction's kernels bit for bit.
+//! rounding, the fused training ops and attention to their tolerances
+//! (RoPE bit for bit), a training-step slice captured into a CUDA graph
+//! (no device-to-host copy), the fused low-bit AdamW step, the gradient
+//! sum of squares and the step's codecs, and the bucketed FP8 reduction's
+//! kernels bit for bit.
 //!
 //! One body per check, taking the device it runs on (`test_device!`):
 //! `NAME_cuda` runs it on CUDA device 0 against the CPU reference, and
@@ -70,6 +71,7 @@ mod codecs;
 mod fused;
 mod gemm;
 mod optim;
+mod rope;
 mod selective;
 mod util;
 

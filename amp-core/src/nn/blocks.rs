@@ -55,6 +55,62 @@ pub fn causal_self_attention(
     )
 }
 
+/// Llama's attention half-block: `h + proj(attention(rope(q), rope(k),
+/// v))`, with q, k and v side by side in one projection of `norm(h)`
+/// (`[batch, seq, (heads + 2 kv_heads) * head_dim]`: q's heads, then k's,
+/// then v's), rotary positions on q and k ([`fused::rope`], `cos` and
+/// `sin` `[positions, head_dim / 2]`, the first `seq` rows taken) and
+/// grouped-query attention where `kv_heads < heads`. The norm's output is
+/// handed to the projection's op (see [`Fuse::norm`]) and the residual
+/// added inside the output projection's op where it runs its own; the
+/// rest are graph ops.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) when the projection's width is
+/// not `(heads + 2 kv_heads) * head_dim` or `kv_heads` does not divide
+/// `heads`; as the parts'.
+pub fn rope_self_attention(
+    h: &Tensor,
+    norm: &LayerNorm,
+    qkv: &Linear,
+    proj: &Linear,
+    (heads, kv_heads): (usize, usize),
+    (cos, sin): (&Tensor, &Tensor),
+) -> Result<Tensor> {
+    let x = qkv.forward_with(
+        h,
+        Fuse {
+            norm: Some(norm),
+            ..Default::default()
+        },
+    )?;
+    let (b, t, width) = x.dims3()?;
+    let parts = heads + 2 * kv_heads;
+    if kv_heads == 0 || heads % kv_heads != 0 || width % parts != 0 {
+        return Err(crate::Error::Shape {
+            op: "rope_self_attention",
+            lhs: x.shape().clone(),
+            rhs: candle_core::Shape::from((heads, kv_heads)),
+        });
+    }
+    let hd = width / parts;
+    let (cos, sin) = (cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?);
+    let part = |start: usize, n: usize| x.narrow(2, start * hd, n * hd)?.reshape((b, t, n, hd));
+    let q = fused::rope(&part(0, heads)?, &cos, &sin)?;
+    let k = fused::rope(&part(heads, kv_heads)?, &cos, &sin)?;
+    let v = part(heads + kv_heads, kv_heads)?;
+    let heads_first = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+    let y = fused::causal_attention(&heads_first(&q)?, &heads_first(&k)?, &heads_first(&v)?)?;
+    let y = y.transpose(1, 2)?.reshape((b, t, heads * hd))?;
+    proj.forward_with(
+        &y,
+        Fuse {
+            residual: Some(h),
+            ..Default::default()
+        },
+    )
+}
+
 /// `h + fc2(gelu(fc1(norm(h))))` (`residual` true) or `fc2(gelu(fc1(norm(
 /// h))))`: [`pre_norm_mlp_with`] with GELU.
 ///

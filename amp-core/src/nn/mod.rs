@@ -51,11 +51,12 @@ mod telemetry;
 pub use crate::scaling::sink::GradSink;
 pub use blocks::{
     causal_self_attention, layer_norm_linear, layer_norm_mlp, layer_norm_mlp_with,
-    linear_cross_entropy, pre_norm_mlp, pre_norm_mlp_with, LayerNormLinear, LayerNormMLP, MlpForm,
+    linear_cross_entropy, pre_norm_mlp, pre_norm_mlp_with, rope_self_attention, LayerNormLinear,
+    LayerNormMLP, MlpForm,
 };
 pub use fused::{
     causal_attention, causal_attention_qkv, cross_entropy, embedding, flash_attention_enabled,
-    flash_head_dim, gelu, set_flash_attention, swiglu, Activation,
+    flash_head_dim, gelu, rope, rope_tables, set_flash_attention, swiglu, Activation, RopeScaling,
 };
 pub use linear::{linear, linear_b, linear_no_bias, registered_linear, Fuse, LayerScaling, Linear};
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};

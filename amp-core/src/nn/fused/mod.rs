@@ -1,6 +1,6 @@
 //! Fused training ops with their backward passes: causal attention,
-//! cross-entropy, LayerNorm and RMSNorm, GELU and SwiGLU, and the embedding
-//! lookup.
+//! cross-entropy, LayerNorm and RMSNorm, GELU and SwiGLU, the embedding
+//! lookup and rotary position embeddings (RoPE).
 //!
 //! candle composes these from elementwise kernels, and its backprop gives
 //! every intermediate a zero-filled gradient and an add; in a GPT step on
@@ -41,11 +41,13 @@ mod handoff;
 mod heads;
 mod ops;
 mod pointwise;
+mod rope;
 
 pub use activation::{swiglu, Activation};
 pub use attention::{causal_attention, causal_attention_qkv};
 pub use embedding::embedding;
 pub use flash::{flash_attention_enabled, flash_head_dim, set_flash_attention};
+pub use rope::{rope, rope_tables, RopeScaling};
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor, D};

@@ -1,6 +1,6 @@
 //! The CUDA launchers of the fused training ops (feature `cuda`): causal
 //! softmax, cross-entropy, LayerNorm, GELU (`kernels/nn.cu`), the bias add,
-//! column sums and attention layouts, the embedding, and causal flash
+//! column sums and attention layouts, the embedding, RoPE, and causal flash
 //! attention (`kernels/flash.cu`). Each op's CPU body beside it is the
 //! reference; nothing here reads anything back to the host.
 
@@ -12,6 +12,7 @@ pub(crate) mod embedding;
 pub(crate) mod flash;
 pub(crate) mod layout;
 pub(crate) mod ops;
+pub(crate) mod rope;
 
 /// The PTX built from `kernels/nn.cu` (the fused training ops).
 const NN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nn.ptx"));
