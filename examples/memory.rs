@@ -6,9 +6,19 @@
 //!
 //! `cargo run --release --example memory -- --size 125m`
 
-#[allow(dead_code)] // the training parts of the GPT example are not used here
+// the GPT example's model and what it needs (the training parts unused here)
+#[allow(dead_code)]
+#[path = "lm/budget.rs"]
+mod budget;
+#[allow(dead_code)]
+#[path = "lm/init.rs"]
+mod init;
+#[allow(dead_code)]
 #[path = "gpt/model.rs"]
 mod model;
+#[allow(dead_code)]
+#[path = "lm/recompute.rs"]
+mod recompute;
 
 use amp::levels::{initialize, AmpConfig, Compute, Level, MemoryReport};
 use amp::optim::AdamWConfig;

@@ -63,6 +63,13 @@ pub struct HfConfig {
     pub scale_attn_by_inverse_layer_idx: bool,
 }
 
+impl HfConfig {
+    /// The positions the checkpoint has (its longest sequence).
+    pub fn positions(&self) -> usize {
+        self.n_positions
+    }
+}
+
 fn gelu_new() -> String {
     "gelu_new".into()
 }
@@ -125,8 +132,9 @@ pub fn read_config(dir: &Path) -> Result<HfConfig> {
 }
 
 /// This model's shape for `hf`, its vocabulary padded to `vocab` where
-/// that is larger (e.g. 50304 for 50257).
-pub fn model_config(hf: &HfConfig, vocab: usize) -> GptConfig {
+/// that is larger (e.g. 50304 for 50257); the context is the checkpoint's
+/// (learned positions), whatever the run's sequence length.
+pub fn model_config(hf: &HfConfig, vocab: usize, _seq: usize) -> GptConfig {
     GptConfig {
         n_layer: hf.n_layer,
         n_head: hf.n_head,

@@ -10,15 +10,23 @@
 //! `candle_nn::linear` reads); Hugging Face's GPT-2 `Conv1D` stores the
 //! transpose.
 
+use crate::recompute::{CoreResult, Recompute};
 use amp::nn::{self, LayerNorm, Linear};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use rand::SeedableRng;
-use rand_distr::Distribution;
 
-/// `amp::nn`'s results (the closure `amp::nn::recompute` keeps returns one).
-type CoreResult<T> = std::result::Result<T, amp::CoreError>;
+/// The architecture, for messages and plots.
+pub const ARCH: &str = "GPT";
+/// The example's name (the command's).
+pub const BIN: &str = "gpt";
+/// The command's one-line help.
+pub const ABOUT: &str =
+    "Train a GPT on the bundled corpus with candle-amp at any optimization level";
+/// The model the shared training loop (`examples/lm`) trains.
+pub type Model = Gpt;
+/// Its shape.
+pub type Config = GptConfig;
 
 /// The shape of a GPT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -86,6 +94,38 @@ impl GptConfig {
             2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
         (self.vocab + self.ctx) * d + self.n_layer * block + 2 * d + d * self.vocab
     }
+
+    /// Training FLOPs per token at sequence length `seq`: `6 N + 12 layers
+    /// width seq`, `N` every parameter but the position embeddings
+    /// (nanoGPT's `estimate_mfu`).
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        let n = (self.params() - self.ctx * self.n_embd) as f64;
+        6.0 * n + 12.0 * (self.n_layer * self.n_embd * seq) as f64
+    }
+
+    /// What the memory estimate needs (`crate::budget`): per token and
+    /// block the fused block keeps its input and the residual between its
+    /// halves (the LayerNorms' inputs) and fc1's output (GELU's input), 6
+    /// d at the activations' width; flash attention q, k, v and its output
+    /// in BF16; the FP8 codes of ln_1's, ln_2's, the attention's and
+    /// GELU's outputs (7 d); the four weights' FP8 copies (12 d²).
+    pub fn shape(&self) -> crate::budget::Shape {
+        let d = self.n_embd;
+        crate::budget::Shape {
+            layers: self.n_layer,
+            width: d,
+            heads: self.n_head,
+            vocab: self.vocab,
+            params: self.params(),
+            linear: self.n_layer * 12 * d * d,
+            largest_linear: 4 * d * d,
+            kept: 6 * d,
+            flash_kept: 8 * d,
+            materialized_kept: 3 * d,
+            codes: (7 * d, d),
+            weight_codes: 12 * d * d,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -113,23 +153,6 @@ pub struct Gpt {
     act: DType,
     /// Recompute each block's activations in backward (keep only its input).
     recompute: Recompute,
-}
-
-/// Which activations the blocks recompute in backward instead of keeping
-/// (`--recompute`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Recompute {
-    /// Keep every activation backward needs.
-    #[default]
-    None,
-    /// Keep what the products computed; cast the FP8 operands again in
-    /// backward from tensors kept anyway, recompute materialized
-    /// attention's probabilities (`amp::nn::selective`).
-    Selective,
-    /// Keep each block's input only; run the block's forward again in
-    /// backward (`amp::nn::recompute`).
-    Full,
 }
 
 impl Block {
@@ -261,14 +284,10 @@ impl Gpt {
             .broadcast_add(&nn::embedding(&pos, &self.wpe)?)?
             .to_dtype(self.act)?;
         for blk in &self.blocks {
-            h = match self.recompute {
-                Recompute::None => blk.forward(&h)?,
-                Recompute::Selective => nn::selective(|| blk.forward(&h))?,
-                Recompute::Full => {
-                    let b = blk.clone();
-                    nn::recompute(&h, &blk.vars()?, move |x| b.forward(x))?
-                }
-            };
+            let b = blk.clone();
+            h = self
+                .recompute
+                .run(&h, || blk.vars(), move |x| b.forward(x))?;
         }
         Ok(h)
     }
@@ -317,21 +336,12 @@ pub fn init_weights(varmap: &VarMap, cfg: &GptConfig, seed: u64) -> Result<()> {
             } else {
                 0.02
             };
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ fnv1a(name));
-            let normal = rand_distr::Normal::new(0.0, std as f32)?;
-            (0..n).map(|_| normal.sample(&mut rng)).collect()
+            crate::init::normal(seed, name, std, n)?
         };
         let t = Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
         var.set(&t)?;
     }
     Ok(())
-}
-
-/// FNV-1a of a name: a stable per-parameter stream id.
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// The model on `dev` with its `VarMap`, initialised from `seed`.
@@ -343,4 +353,84 @@ pub fn build(cfg: GptConfig, seed: u64, dev: &Device) -> Result<(Gpt, VarMap)> {
     let model = Gpt::new(cfg, VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
     init_weights(&varmap, &cfg, seed)?;
     Ok((model, varmap))
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+    use crate::budget::{estimate, Run};
+    use amp::levels::Level;
+
+    /// A GPU run of 8 x 1024 per rank, BF16 activations, flash attention.
+    fn gpu(recompute: Recompute, native: bool) -> Run {
+        Run {
+            batch: 8,
+            seq: 1024,
+            ranks: 1,
+            shards: 1,
+            act_bytes: 2,
+            flash: true,
+            recompute,
+            native,
+            gpu: true,
+            lean: false,
+        }
+    }
+
+    #[test]
+    fn the_estimate_covers_measured_gpu_peaks_without_doubling_them() {
+        let gib = (1u64 << 30) as f64;
+        // 350M O2: the pool's peak on an H200 was 10.8 GB (BENCHMARKS.md)
+        let g = GptConfig::named("350m", 50304, 1024).unwrap();
+        let none = gpu(Recompute::None, false);
+        let e = estimate(&g.shape(), Level::O2, &none);
+        assert!(e.total() > 10.8e9 && e.total() < 1.5 * 10.8e9, "{e:?}");
+        // ranks as threads multiply it; materialized attention adds to it;
+        // selective and full recomputation take from it
+        let two = estimate(&g.shape(), Level::O2, &Run { ranks: 2, ..none });
+        assert!((two.total() - 2.0 * e.total()).abs() < 1.0);
+        let materialized = Run {
+            flash: false,
+            ..none
+        };
+        assert!(estimate(&g.shape(), Level::O2, &materialized).total() > e.total());
+        let sel = estimate(&g.shape(), Level::O2, &gpu(Recompute::Selective, false));
+        let full = estimate(&g.shape(), Level::O2, &gpu(Recompute::Full, false));
+        assert!(full.activations < sel.activations && sel.activations < e.activations);
+        assert_eq!(full.persistent, e.persistent);
+        // the optimizer's phase: 5 bytes a Linear parameter at O2, the
+        // larger phase with recomputation at 6.7B (measured 70.9 GiB on an
+        // H100), not without
+        let big = GptConfig::named("6.7b", 50304, 1024).unwrap();
+        let full = estimate(&big.shape(), Level::O2, &gpu(Recompute::Full, false));
+        let linear = 32.0 * 12.0 * 4096.0 * 4096.0;
+        assert!((full.optimizer - 5.0 * linear).abs() < 1.0, "{full:?}");
+        assert!(full.optimizer > full.activations + full.logits);
+        assert!(full.total() > 70.9 * gib && full.total() < 78.0 * gib);
+        let kept = estimate(&big.shape(), Level::O2, &none);
+        assert!(kept.activations + kept.logits > kept.optimizer);
+        // on the CPU the optimizer works a tensor at a time; the lean step
+        // holds one parameter's new states (fc1's: 5 bytes x 4 d^2)
+        let cpu = estimate(&big.shape(), Level::O2, &Run { gpu: false, ..none });
+        assert_eq!(cpu.optimizer, 0.0);
+        let lean = Run {
+            lean: true,
+            ..gpu(Recompute::Full, false)
+        };
+        let lean = estimate(&big.shape(), Level::O2, &lean);
+        assert!((lean.optimizer - 5.0 * 4.0 * 4096.0 * 4096.0).abs() < 1.0);
+        assert!(lean.total() < full.total() - 20.0 * gib, "{lean:?}");
+        // O0 with native products: 1.3B measured 46.37 GiB at its peak
+        // (H100), 2.7B ran out of memory on 78.6 GiB free
+        let o0 = |size: &str| {
+            let g = GptConfig::named(size, 50304, 1024).unwrap();
+            estimate(&g.shape(), Level::O0, &gpu(Recompute::None, true)).total() / gib
+        };
+        assert!(
+            o0("1.3b") > 46.37 && o0("1.3b") < 1.2 * 46.37,
+            "{}",
+            o0("1.3b")
+        );
+        assert!(o0("2.7b") > 78.6, "{}", o0("2.7b"));
+    }
 }

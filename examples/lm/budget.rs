@@ -32,9 +32,46 @@
 //! H100, 2.7B with recomputation 28.9 GiB against 29.7 estimated, 6.7B
 //! 70.9 against 72.2 (the optimizer's phase the larger).
 
-use crate::model::{GptConfig, Recompute};
+use crate::recompute::Recompute;
 use amp::levels::Level;
 use candle_core::Device;
+
+/// What the estimate needs of a model, in the architecture's terms
+/// (`crate::model::Config::shape`): its sizes, and per token and layer what
+/// its fused block keeps for backward.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Blocks.
+    pub layers: usize,
+    /// Width.
+    pub width: usize,
+    /// Attention heads (the materialized probabilities' count).
+    pub heads: usize,
+    /// Vocabulary (the logits' width).
+    pub vocab: usize,
+    /// Parameters in all.
+    pub params: usize,
+    /// Parameters of the blocks' Linears (the level's bytes apply to them).
+    pub linear: usize,
+    /// Parameters of the largest Linear (the lean step's phase).
+    pub largest_linear: usize,
+    /// Activations a block keeps per token at the activations' width
+    /// (elements), FP8 levels: GPT's block input, the residual between its
+    /// halves and fc1's output, 6 d.
+    pub kept: usize,
+    /// What flash attention keeps per token (bytes: q, k, v and its output
+    /// in BF16; GPT 8 d).
+    pub flash_kept: usize,
+    /// What materialized attention keeps per token at the activations'
+    /// width (elements: q, k, v; GPT 3 d).
+    pub materialized_kept: usize,
+    /// The FP8 codes of the GEMMs' inputs per token (bytes; GPT 7 d), and
+    /// of them those a materialized attention's output keeps under
+    /// `selective` (GPT d).
+    pub codes: (usize, usize),
+    /// The block's Linear weights' FP8 copies (bytes; GPT 12 d²).
+    pub weight_codes: usize,
+}
 
 /// Bytes a run needs, by part, for all the ranks this process holds.
 #[derive(Debug, Clone, Copy)]
@@ -84,12 +121,13 @@ pub struct Run {
     pub lean: bool,
 }
 
-/// What a run of `g` at `level` needs (see the module's documentation).
-pub fn estimate(g: &GptConfig, level: Level, r: &Run) -> Estimate {
-    let (l, d, h) = (g.n_layer as f64, g.n_embd as f64, g.n_head as f64);
+/// What a run of a model of shape `g` at `level` needs (see the module's
+/// documentation).
+pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
+    let (l, d, h) = (g.layers as f64, g.width as f64, g.heads as f64);
     let (b, s) = (r.batch as f64, r.seq as f64);
-    let linear = l * 12.0 * d * d;
-    let other = (g.params() as f64 - linear).max(0.0);
+    let linear = g.linear as f64;
+    let other = (g.params as f64 - linear).max(0.0);
     let per_linear = level.predicted_bytes_per_linear_param(r.shards.max(1));
     let persistent = linear * per_linear + other * 16.0;
     // every state but the gradient (F32 at O0, FP8 above), written anew
@@ -97,8 +135,8 @@ pub fn estimate(g: &GptConfig, level: Level, r: &Run) -> Estimate {
     let copies = (per_linear - grad_bytes).max(0.0);
     let optimizer = match (r.gpu, r.lean) {
         (false, _) => 0.0,
-        // the largest Linear's (fc1, fc2: 4 d^2) new states
-        (true, true) => 4.0 * g.n_embd as f64 * g.n_embd as f64 * copies,
+        // the largest Linear's new states
+        (true, true) => g.largest_linear as f64 * copies,
         (true, false) => linear * copies,
     };
     let a = r.act_bytes as f64;
@@ -109,19 +147,22 @@ pub fn estimate(g: &GptConfig, level: Level, r: &Run) -> Estimate {
         // activations, 65 bytes per token, width and layer at O0 (1.3B)
         33.0 * a * d
     } else {
-        // the block's input and the residual after attention (the
-        // LayerNorms' inputs), fc1's output (GELU's input): 6 d at the
-        // activations' width
-        let kept = 6.0 * d * a;
+        // the block's inputs and what its activations keep (GPT: the
+        // block's input and the residual after attention, the LayerNorms'
+        // inputs, and fc1's output, GELU's input)
+        let kept = g.kept as f64 * a;
         // flash attention keeps q, k, v and its output in BF16; the
         // materialized one q, k, v at the activations' width
-        let attention = if r.flash { 8.0 * d } else { 3.0 * d * a };
-        // the FP8 codes of the GEMMs' inputs (ln_1's and ln_2's outputs,
-        // the attention's output, GELU's output): cast again under
+        let attention = if r.flash {
+            g.flash_kept as f64
+        } else {
+            g.materialized_kept as f64 * a
+        };
+        // the FP8 codes of the GEMMs' inputs: cast again under
         // `selective`, except a materialized attention's output
         let codes = match (selective, r.flash) {
-            (false, _) => 7.0 * d,
-            (true, false) => d,
+            (false, _) => g.codes.0 as f64,
+            (true, false) => g.codes.1 as f64,
             (true, true) => 0.0,
         };
         kept + attention + codes
@@ -137,7 +178,7 @@ pub fn estimate(g: &GptConfig, level: Level, r: &Run) -> Estimate {
     let weight_copies = if r.native || selective || level == Level::O3 {
         0.0
     } else {
-        12.0 * d * d
+        g.weight_codes as f64
     };
     let kept = match r.recompute {
         Recompute::None | Recompute::Selective => l * (block + weight_copies),
@@ -178,82 +219,4 @@ pub fn available(device: &Device) -> Option<f64> {
 /// Bytes as GiB, for messages.
 pub fn gib(bytes: f64) -> String {
     format!("{:.1} GiB", bytes / (1u64 << 30) as f64)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A GPU run of 8 x 1024 per rank, BF16 activations, flash attention.
-    fn gpu(recompute: Recompute, native: bool) -> Run {
-        Run {
-            batch: 8,
-            seq: 1024,
-            ranks: 1,
-            shards: 1,
-            act_bytes: 2,
-            flash: true,
-            recompute,
-            native,
-            gpu: true,
-            lean: false,
-        }
-    }
-
-    #[test]
-    fn the_estimate_covers_measured_gpu_peaks_without_doubling_them() {
-        let gib = (1u64 << 30) as f64;
-        // 350M O2: the pool's peak on an H200 was 10.8 GB (BENCHMARKS.md)
-        let g = GptConfig::named("350m", 50304, 1024).unwrap();
-        let none = gpu(Recompute::None, false);
-        let e = estimate(&g, Level::O2, &none);
-        assert!(e.total() > 10.8e9 && e.total() < 1.5 * 10.8e9, "{e:?}");
-        // ranks as threads multiply it; materialized attention adds to it;
-        // selective and full recomputation take from it
-        let two = estimate(&g, Level::O2, &Run { ranks: 2, ..none });
-        assert!((two.total() - 2.0 * e.total()).abs() < 1.0);
-        let materialized = Run {
-            flash: false,
-            ..none
-        };
-        assert!(estimate(&g, Level::O2, &materialized).total() > e.total());
-        let sel = estimate(&g, Level::O2, &gpu(Recompute::Selective, false));
-        let full = estimate(&g, Level::O2, &gpu(Recompute::Full, false));
-        assert!(full.activations < sel.activations && sel.activations < e.activations);
-        assert_eq!(full.persistent, e.persistent);
-        // the optimizer's phase: 5 bytes a Linear parameter at O2, the
-        // larger phase with recomputation at 6.7B (measured 70.9 GiB on an
-        // H100), not without
-        let big = GptConfig::named("6.7b", 50304, 1024).unwrap();
-        let full = estimate(&big, Level::O2, &gpu(Recompute::Full, false));
-        let linear = 32.0 * 12.0 * 4096.0 * 4096.0;
-        assert!((full.optimizer - 5.0 * linear).abs() < 1.0, "{full:?}");
-        assert!(full.optimizer > full.activations + full.logits);
-        assert!(full.total() > 70.9 * gib && full.total() < 78.0 * gib);
-        let kept = estimate(&big, Level::O2, &none);
-        assert!(kept.activations + kept.logits > kept.optimizer);
-        // on the CPU the optimizer works a tensor at a time; the lean step
-        // holds one parameter's new states (fc1's: 5 bytes x 4 d^2)
-        let cpu = estimate(&big, Level::O2, &Run { gpu: false, ..none });
-        assert_eq!(cpu.optimizer, 0.0);
-        let lean = Run {
-            lean: true,
-            ..gpu(Recompute::Full, false)
-        };
-        let lean = estimate(&big, Level::O2, &lean);
-        assert!((lean.optimizer - 5.0 * 4.0 * 4096.0 * 4096.0).abs() < 1.0);
-        assert!(lean.total() < full.total() - 20.0 * gib, "{lean:?}");
-        // O0 with native products: 1.3B measured 46.37 GiB at its peak
-        // (H100), 2.7B ran out of memory on 78.6 GiB free
-        let o0 = |size: &str| {
-            let g = GptConfig::named(size, 50304, 1024).unwrap();
-            estimate(&g, Level::O0, &gpu(Recompute::None, true)).total() / gib
-        };
-        assert!(
-            o0("1.3b") > 46.37 && o0("1.3b") < 1.2 * 46.37,
-            "{}",
-            o0("1.3b")
-        );
-        assert!(o0("2.7b") > 78.6, "{}", o0("2.7b"));
-    }
 }

@@ -1,26 +1,11 @@
-//! Train a small GPT on the bundled corpus at any level, or compare levels
-//! side by side: the README's main job.
-//!
-//! ```sh
-//! cargo run --release --example gpt                              # O0, tiny, CPU
-//! cargo run --release --example gpt -- --level O2 --sample 200
-//! cargo run --release --example gpt -- --compare O0,O1,O2,O3     # out/compare.md, loss.svg, memory.svg
-//! cargo run --release --example gpt -- --level O3 --world-size 4  # 4 ranks as threads, ZeRO
-//! torchrun --no-python --nproc-per-node 2 target/release/examples/gpt --device cuda --level O2
-//! ```
+//! The command line both examples share (`examples/gpt`, `examples/llama`):
+//! train a model of the binary's architecture (`crate::model`) on the
+//! bundled corpus or your data at any level, or compare levels side by
+//! side. The flags are the same for both; `--size` names the
+//! architecture's sizes (`crate::model::SIZES`) and `--init-from` /
+//! `--export` read and write its Hugging Face layout (`crate::hf`).
 
-mod budget;
-mod data;
-mod heap;
-mod hf;
-mod launch;
-mod model;
-mod report;
-mod sample;
-mod summary;
-mod telemetry;
-mod train;
-
+use crate::{budget, data, launch, model, report, train};
 use amp::levels::{Compute, ExportDType, Level};
 use amp::{CurrentScaling, DelayedScaling};
 use anyhow::{Context, Result};
@@ -29,10 +14,6 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use train::{train, TrainConfig};
-
-/// The heap counted, so that a CPU run reports its memory (`heap.rs`).
-#[global_allocator]
-static HEAP: heap::Counting = heap::Counting;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ComputeArg {
@@ -48,10 +29,7 @@ enum ExportArg {
 }
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "gpt",
-    about = "Train a GPT on the bundled corpus with candle-amp at any optimization level"
-)]
+#[command(name = model::BIN, about = model::ABOUT)]
 struct Args {
     /// Optimization level.
     #[arg(long, default_value = "O0")]
@@ -62,7 +40,8 @@ struct Args {
     /// Transformer Engine DelayedScaling recipe (JSON or TOML); implies fp8-delayed.
     #[arg(long)]
     recipe: Option<PathBuf>,
-    /// Model size: tiny, 125m, 350m, 760m, 1.3b, 2.7b, 6.7b, 13b (GPT-3 shapes from 125m).
+    /// Model size (`crate::model::SIZES`; GPT: tiny, 125m, 350m, 760m, 1.3b,
+    /// 2.7b, 6.7b, 13b; Llama: tiny, 60m, 1b).
     #[arg(long, default_value = "tiny")]
     size: String,
     /// Optimizer steps in all.
@@ -126,14 +105,14 @@ struct Args {
     /// Start from a checkpoint (of any level).
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Start from a Hugging Face GPT-2 checkpoint: a directory of
-    /// `model.safetensors` and `config.json` (its shape replaces --size;
-    /// --vocab may pad its vocabulary).
+    /// Start from a Hugging Face checkpoint of the architecture (GPT-2, or
+    /// Llama): a directory of `model.safetensors` and `config.json` (its
+    /// shape replaces --size; --vocab may pad its vocabulary).
     #[arg(long)]
     init_from: Option<PathBuf>,
-    /// Export the trained model as a Hugging Face GPT-2 directory
-    /// (`model.safetensors` in GPT-2's names and layouts, `config.json`),
-    /// which `transformers` loads.
+    /// Export the trained model as a Hugging Face directory of the
+    /// architecture (`model.safetensors` in its names and layouts,
+    /// `config.json`), which `transformers` loads.
     #[arg(long)]
     export: Option<PathBuf>,
     /// Dtype of the export.
@@ -163,7 +142,7 @@ struct Args {
     /// block's input and runs the block again in backward (least memory,
     /// for a second forward). The same values bit for bit either way.
     #[arg(long, value_enum, default_value = "none")]
-    recompute: model::Recompute,
+    recompute: crate::recompute::Recompute,
     /// On CUDA, materialise the attention's probabilities instead of
     /// running flash attention (the comparison runs of BENCHMARKS.md).
     #[arg(long)]
@@ -279,7 +258,11 @@ fn device(name: &str) -> Device {
     })
 }
 
-fn main() -> Result<()> {
+/// Parses the command line and runs it (the examples' `main`).
+///
+/// # Errors
+/// A failed run (bad input exits with a usage message instead).
+pub fn main() -> Result<()> {
     let args = Args::parse();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = args.threads.unwrap_or((cores / 2).max(1));
@@ -322,7 +305,7 @@ fn main() -> Result<()> {
         ));
     }
     if args.init_from.is_none() {
-        if let Err(e) = model::GptConfig::named(&args.size, vocab as usize, args.seq as usize) {
+        if let Err(e) = model::Config::named(&args.size, vocab as usize, args.seq as usize) {
             usage(format!("--size: {e}"));
         }
     }
@@ -546,7 +529,7 @@ fn check_trained(s: &train::Summary) -> Result<()> {
 fn check_memory(
     args: &Args,
     base: &TrainConfig,
-    g: &model::GptConfig,
+    g: &model::Config,
     levels: &[Level],
     device: &Device,
     world: usize,
@@ -675,7 +658,11 @@ fn writable_dir(dir: &std::path::Path) -> std::result::Result<(), String> {
     if !dir.is_dir() {
         return Err(format!("{} is not an existing directory", dir.display()));
     }
-    let probe = dir.join(format!(".gpt-write-probe.{}", std::process::id()));
+    let probe = dir.join(format!(
+        ".{}-write-probe.{}",
+        model::BIN,
+        std::process::id()
+    ));
     match std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)

@@ -115,7 +115,8 @@ pub fn loss_svg(runs: &[Summary], path: &Path) -> Result<()> {
     let root = SVGBackend::new(path, (1280, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
     let title = format!(
-        "GPT {} on the bundled corpus: loss per level",
+        "{} {} on the bundled corpus: loss per level",
+        crate::model::ARCH,
         runs.first().map_or("", |r| r.size.as_str())
     );
     let root = root.titled(&title, ("sans-serif", 22)).map_err(plot_err)?;

@@ -1,7 +1,7 @@
 //! Sampling text from the model.
 
 use crate::data::codec::Codec;
-use crate::model::Gpt;
+use crate::model::Model;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor, D};
 use rand::SeedableRng;
@@ -13,7 +13,7 @@ use rand_distr::Distribution;
 /// # Errors
 /// candle's; the tokenizer's.
 pub fn generate(
-    model: &Gpt,
+    model: &Model,
     codec: &Codec,
     prompt: &str,
     n: usize,

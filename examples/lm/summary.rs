@@ -26,13 +26,6 @@ pub fn compute_name(c: &Compute) -> &'static str {
 /// [`Summary::mfu`], whatever the GPU (the figure is for comparisons).
 pub const H100_BF16_PEAK: f64 = 989e12;
 
-/// Training FLOPs per token of `g` at sequence length `seq`: `6 N + 12
-/// layers width seq`, `N` every parameter but the position embeddings.
-pub fn flops_per_token(g: &crate::model::GptConfig, seq: usize) -> f64 {
-    let n = (g.params() - g.ctx * g.n_embd) as f64;
-    6.0 * n + 12.0 * (g.n_layer * g.n_embd * seq) as f64
-}
-
 /// What a run did: the `--json` line, and the curves for the plots.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
@@ -131,7 +124,7 @@ pub struct Summary {
     /// 80, 96 or 128).
     pub flash_attention: bool,
     /// Which activations the blocks recomputed in backward (`--recompute`).
-    pub recompute: crate::model::Recompute,
+    pub recompute: crate::recompute::Recompute,
     /// The optimizer read each step's outcome before it updated, keeping
     /// no second copy of the states (`--lean-step`, or chosen to fit).
     pub lean_step: bool,

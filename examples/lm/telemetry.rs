@@ -7,7 +7,7 @@
 //! saturated or flushed to zero. Where precision is lost, by layer and
 //! step.
 
-use crate::model::Gpt;
+use crate::model::Model;
 use amp::nn::{CastRecord, TELEMETRY_ROLES};
 use anyhow::{anyhow, Context, Result};
 use plotters::prelude::*;
@@ -31,7 +31,7 @@ pub fn records(every: u64, start: u64, done: u64, end: u64) -> bool {
 
 /// The records the model's layers kept during step `done`, taken (every
 /// rank takes its own; rank 0's are written).
-pub fn collect(model: &Gpt, done: u64) -> Result<Vec<Row>> {
+pub fn collect(model: &Model, done: u64) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (name, layer) in model.linears() {
         for (role, rec) in TELEMETRY_ROLES.iter().zip(layer.take_telemetry()?) {

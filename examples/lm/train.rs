@@ -4,7 +4,7 @@
 
 use crate::data::{Corpus, Split};
 use crate::hf::{self, HfConfig};
-use crate::model::{build, Gpt, GptConfig};
+use crate::model::{build, Config, Model};
 use crate::sample::generate;
 pub use crate::summary::{compute_name, device_name, Summary};
 use crate::summary::{median_max, persistent_json};
@@ -71,10 +71,10 @@ pub struct TrainConfig {
     pub save_every: Option<u64>,
     /// Start from this checkpoint.
     pub resume: Option<PathBuf>,
-    /// Start from this Hugging Face GPT-2 directory (`model.safetensors`,
+    /// Start from this Hugging Face directory of the architecture (`model.safetensors`,
     /// `config.json`; its shape replaces `size`, `vocab` pads its vocabulary).
     pub init_from: Option<PathBuf>,
-    /// Export the trained weights as a Hugging Face GPT-2 directory here.
+    /// Export the trained weights as a Hugging Face directory here.
     pub export: Option<(PathBuf, ExportDType)>,
     /// Tokens to generate at the end.
     pub sample: usize,
@@ -100,7 +100,7 @@ pub struct TrainConfig {
     /// (`AmpConfig::lean_step`).
     pub lean_step: bool,
     /// Which activations the blocks recompute in backward.
-    pub recompute: crate::model::Recompute,
+    pub recompute: crate::recompute::Recompute,
     /// Precision telemetry every this many steps, written into this
     /// folder (`crate::telemetry`; rank 0's layers).
     pub telemetry: Option<(u64, PathBuf)>,
@@ -144,7 +144,7 @@ impl Default for TrainConfig {
             overlap: true,
             bf16_wire: false,
             lean_step: false,
-            recompute: crate::model::Recompute::None,
+            recompute: crate::recompute::Recompute::None,
             telemetry: None,
             timing_skip: 0,
             activations: DType::F32,
@@ -159,21 +159,21 @@ impl TrainConfig {
     ///
     /// # Errors
     /// An unknown size; an unreadable or unsupported checkpoint config.
-    pub fn model(&self) -> Result<(GptConfig, Option<HfConfig>)> {
+    pub fn model(&self) -> Result<(Config, Option<HfConfig>)> {
         Ok(match &self.init_from {
             Some(dir) => {
                 let hf = hf::read_config(dir)?;
-                if self.seq > hf.n_positions {
+                if self.seq > hf.positions() {
                     bail!(
                         "--seq {}: {} has {} positions",
                         self.seq,
                         dir.display(),
-                        hf.n_positions
+                        hf.positions()
                     );
                 }
-                (hf::model_config(&hf, self.vocab), Some(hf))
+                (hf::model_config(&hf, self.vocab, self.seq), Some(hf))
             }
-            None => (GptConfig::named(&self.size, self.vocab, self.seq)?, None),
+            None => (Config::named(&self.size, self.vocab, self.seq)?, None),
         })
     }
 }
@@ -240,8 +240,10 @@ pub fn train_rank(
             unsafe { amp::cuda::skip_event_tracking(&cfg.device)? };
         }
     }
-    let (model, varmap) = build(gcfg, cfg.seed, &cfg.device)
-        .with_context(|| format!("building the {} GPT (F32) on {:?}", cfg.size, cfg.device))?;
+    let (model, varmap) = build(gcfg, cfg.seed, &cfg.device).with_context(|| {
+        let arch = crate::model::ARCH;
+        format!("building the {} {arch} (F32) on {:?}", cfg.size, cfg.device)
+    })?;
     if let (Some(dir), Some(hf_cfg)) = (&cfg.init_from, &hf_cfg) {
         hf::load_into(dir, hf_cfg, &gcfg, &varmap)
             .with_context(|| format!("--init-from {}", dir.display()))?;
@@ -557,8 +559,7 @@ pub fn train_rank(
         // threads share this process's one)
         mfu: cfg.device.is_cuda().then(|| {
             let gpus = if cfg.world_size > 1 { 1 } else { world };
-            (cfg.batch * cfg.seq) as f64 / (step_ms_median / 1e3)
-                * crate::summary::flops_per_token(&gcfg, cfg.seq)
+            (cfg.batch * cfg.seq) as f64 / (step_ms_median / 1e3) * gcfg.flops_per_token(cfg.seq)
                 / crate::summary::H100_BF16_PEAK
                 / gpus as f64
         }),
@@ -601,7 +602,7 @@ pub fn train_rank(
 
 /// The memory estimate of this run (`crate::budget`): what the example
 /// checks against the free memory before it starts.
-pub fn memory_estimate(cfg: &TrainConfig, g: &GptConfig, world: usize) -> crate::budget::Estimate {
+pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::budget::Estimate {
     let in_process = cfg.world_size.max(1);
     let shards = world.max(in_process);
     let flash = cfg.device.is_cuda() && g.flash_head_dim() && amp::nn::flash_attention_enabled();
@@ -617,7 +618,7 @@ pub fn memory_estimate(cfg: &TrainConfig, g: &GptConfig, world: usize) -> crate:
         gpu: cfg.device.is_cuda(),
         lean: cfg.lean_step,
     };
-    crate::budget::estimate(g, cfg.level, &run)
+    crate::budget::estimate(&g.shape(), cfg.level, &run)
 }
 
 fn progress_bar(cfg: &TrainConfig, start: u64, shown: bool) -> ProgressBar {
@@ -643,7 +644,7 @@ fn progress_bar(cfg: &TrainConfig, start: u64, shown: bool) -> ProgressBar {
 /// in the run's compute mode, leaving the layers' scaling state as it was
 /// ([`AmpContext::evaluate`]).
 fn evaluate(
-    model: &Gpt,
+    model: &Model,
     amp: &AmpContext,
     corpus: &Corpus,
     cfg: &TrainConfig,

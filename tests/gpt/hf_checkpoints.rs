@@ -86,7 +86,7 @@ fn a_gpt2_checkpoint_loads_with_its_values() -> Result<()> {
     synthetic(&d, "gelu_new")?;
     let cfg = hf::read_config(&d)?;
     // the vocabulary padded, as --vocab 320 does
-    let gcfg = hf::model_config(&cfg, 320);
+    let gcfg = hf::model_config(&cfg, 320, 64);
     assert_eq!((gcfg.vocab, gcfg.ctx, gcfg.n_layer), (320, 64, 2));
     let (gpt, varmap) = model::build(gcfg, 3, &Device::Cpu)?;
     hf::load_into(&d, &cfg, &gcfg, &varmap)?;
@@ -213,7 +213,7 @@ fn bad_checkpoints_are_errors_that_say_what() -> Result<()> {
     let err = |d: &Path| -> String {
         let run = || -> Result<()> {
             let cfg = hf::read_config(d)?;
-            let g = hf::model_config(&cfg, 256);
+            let g = hf::model_config(&cfg, 256, 64);
             let (_, vm) = model::build(g, 0, &Device::Cpu)?;
             hf::load_into(d, &cfg, &g, &vm)
         };

@@ -7,44 +7,51 @@
 // The example's own modules, compiled into this test: the code under test
 // is the code users run. Parts only the CLI uses are dead here.
 #[allow(dead_code)]
-#[path = "../../examples/gpt/budget.rs"]
+#[path = "../../examples/lm/budget.rs"]
 mod budget;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/data/mod.rs"]
+#[path = "../../examples/lm/data/mod.rs"]
 mod data;
 #[path = "../gpt_common/mod.rs"]
 mod gpt_common;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/heap.rs"]
+#[path = "../../examples/lm/heap.rs"]
 mod heap;
 #[allow(dead_code)]
 #[path = "../../examples/gpt/hf.rs"]
 mod hf;
 #[allow(dead_code)]
+#[path = "../../examples/lm/init.rs"]
+mod init;
+#[allow(dead_code)]
 #[path = "../../examples/gpt/model.rs"]
 mod model;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/report.rs"]
+#[path = "../../examples/lm/recompute.rs"]
+mod recompute;
+#[allow(dead_code)]
+#[path = "../../examples/lm/report.rs"]
 mod report;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/sample.rs"]
+#[path = "../../examples/lm/sample.rs"]
 mod sample;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/summary.rs"]
+#[path = "../../examples/lm/summary.rs"]
 mod summary;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/telemetry.rs"]
+#[path = "../../examples/lm/telemetry.rs"]
 mod telemetry;
 #[allow(dead_code)]
-#[path = "../../examples/gpt/train.rs"]
+#[path = "../../examples/lm/train.rs"]
 mod train;
 
 mod distributed;
 mod example;
 mod hf_checkpoints;
 mod hf_reference;
+mod llama;
 mod memory;
-mod recompute;
+mod recomputation;
 mod shards;
 mod telemetry_run;
 mod tokenizer;

@@ -1,4 +1,4 @@
-//! The memory estimate (`examples/gpt/budget.rs`) against the peak a run
+//! The memory estimate (`examples/lm/budget.rs`) against the peak a run
 //! measures: on the CPU the example counts its heap, and the second step's
 //! high-water mark (`second_step_device_bytes`) must be within 10% of the
 //! estimate it checked before starting (`estimated_peak_bytes`), for the

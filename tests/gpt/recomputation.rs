@@ -4,7 +4,7 @@
 //! history).
 
 use crate::data;
-use crate::model::Recompute;
+use crate::recompute::Recompute;
 use crate::train;
 
 use amp::levels::{Compute, Level};
