@@ -15,34 +15,7 @@
 mod hf;
 mod model;
 
-#[path = "../lm/budget.rs"]
-mod budget;
-#[path = "../lm/cli.rs"]
-mod cli;
-#[path = "../lm/data/mod.rs"]
-mod data;
-#[path = "../lm/heap.rs"]
-mod heap;
-#[path = "../lm/init.rs"]
-mod init;
-#[path = "../lm/launch.rs"]
-mod launch;
-#[path = "../lm/recompute.rs"]
-mod recompute;
-#[path = "../lm/report.rs"]
-mod report;
-#[path = "../lm/sample.rs"]
-mod sample;
-#[path = "../lm/summary.rs"]
-mod summary;
-#[path = "../lm/telemetry.rs"]
-mod telemetry;
-#[path = "../lm/train.rs"]
-mod train;
-
-/// The heap counted, so that a CPU run reports its memory (`heap.rs`).
-#[global_allocator]
-static HEAP: heap::Counting = heap::Counting;
+include!("../lm/modules.rs");
 
 fn main() -> anyhow::Result<()> {
     cli::main()

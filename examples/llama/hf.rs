@@ -246,26 +246,7 @@ pub fn load_into(dir: &Path, hf: &HfConfig, cfg: &LlamaConfig, varmap: &VarMap) 
         let t = Tensor::cat(&parts, 0)?;
         let want = var.shape().dims().to_vec();
         let t = if ours == "embed.weight" || ours == "lm_head.weight" {
-            // the model's rows past the checkpoint's vocabulary keep their
-            // initial values
-            let rows = t.dim(0)?;
-            if rows != hf.vocab_size || t.dims()[1..] != want[1..] {
-                bail!(
-                    "{name}: `{ours}` is {:?}, the config says [{}, {}]",
-                    t.dims(),
-                    hf.vocab_size,
-                    cfg.dim
-                );
-            }
-            if rows < want[0] {
-                let rest = var
-                    .as_tensor()
-                    .narrow(0, rows, want[0] - rows)?
-                    .to_device(&Device::Cpu)?;
-                Tensor::cat(&[&t, &rest], 0)?
-            } else {
-                t
-            }
+            crate::hf_io::padded_rows(&name.to_string(), ours, t, var, (hf.vocab_size, cfg.dim))?
         } else {
             t
         };
@@ -297,7 +278,6 @@ pub fn write_dir(
     vocab_out: usize,
 ) -> Result<()> {
     let dtype = weights.first().map_or(DType::F32, |(_, t)| t.dtype());
-    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     let vocab_out = vocab_out.min(cfg.vocab);
     let hd = cfg.head_dim();
     let mut out: Vec<(String, Tensor)> = Vec::with_capacity(weights.len() + 3 * cfg.n_layer);
@@ -320,9 +300,6 @@ pub fn write_dir(
             start += n;
         }
     }
-    let st = dir.join("model.safetensors");
-    amp::levels::write_tensors(&st, &out)
-        .with_context(|| format!("{}: cannot write", st.display()))?;
     let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -348,7 +325,5 @@ pub fn write_dir(
         v["rope_type"] = "llama3".into();
         config["rope_scaling"] = v;
     }
-    let cj = dir.join("config.json");
-    std::fs::write(&cj, serde_json::to_string_pretty(&config)? + "\n")
-        .with_context(|| format!("{}: cannot write", cj.display()))
+    crate::hf_io::write_dir(dir, &out, &config)
 }

@@ -347,27 +347,17 @@ impl Llama {
 /// # Errors
 /// candle's.
 pub fn init_weights(varmap: &VarMap, cfg: &LlamaConfig, seed: u64) -> Result<()> {
-    let data = varmap
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("the VarMap's lock is poisoned"))?;
+    use crate::init::Init;
     let resid_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-    for (name, var) in data.iter() {
-        let n = var.elem_count();
-        let values: Vec<f32> = if name.ends_with("norm.weight") {
-            vec![1.0; n]
+    crate::init::init_all(varmap, seed, |name| {
+        if name.ends_with("norm.weight") {
+            Init::Const(1.0)
+        } else if name.ends_with("attn.o.weight") || name.ends_with("mlp.fc2.weight") {
+            Init::Normal(resid_std)
         } else {
-            let std = if name.ends_with("attn.o.weight") || name.ends_with("mlp.fc2.weight") {
-                resid_std
-            } else {
-                0.02
-            };
-            crate::init::normal(seed, name, std, n)?
-        };
-        let t = Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
-        var.set(&t)?;
-    }
-    Ok(())
+            Init::Normal(0.02)
+        }
+    })
 }
 
 /// The model on `dev` with its `VarMap`, initialised from `seed`.

@@ -89,14 +89,7 @@ fn a_llama_export_loads_back_tensor_for_tensor() -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let (a, b) = (dir.join("a"), dir.join("b"));
-    let base = [
-        "--batch",
-        "4",
-        "--seq",
-        "16",
-        "--eval-batches",
-        "1",
-    ];
+    let base = ["--batch", "4", "--seq", "16", "--eval-batches", "1"];
     let mut first = base.to_vec();
     first.extend(["--steps", "3", "--level", "O2"]);
     first.extend(["--export", a.to_str().unwrap_or("a")]);

@@ -21,6 +21,9 @@ mod heap;
 #[path = "../../examples/gpt/hf.rs"]
 mod hf;
 #[allow(dead_code)]
+#[path = "../../examples/lm/hf_io.rs"]
+mod hf_io;
+#[allow(dead_code)]
 #[path = "../../examples/lm/init.rs"]
 mod init;
 #[allow(dead_code)]
