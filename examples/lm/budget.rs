@@ -17,7 +17,8 @@
 //!   and layer at BF16);
 //! - one block's backward at work (its gradients, 16 activations' widths
 //!   per token, and where attention is materialized the probabilities'
-//!   gradients) and the logits with their softmax and gradient in F32;
+//!   gradients) and the logits with their gradient and the loss's
+//!   working copy, at the activations' width;
 //! - on a GPU, the optimizer step as a phase of its own: it writes each
 //!   Linear's new weights and moments beside the old ones, kept until the
 //!   step's outcome is read (a skipped step puts them back), so while the
@@ -81,7 +82,8 @@ pub struct Estimate {
     /// What the forward keeps for the backward, and one block's backward
     /// at work.
     pub activations: f64,
-    /// The logits, their softmax and their gradient (F32).
+    /// The logits, their gradient and the loss's working copy (at the
+    /// activations' width).
     pub logits: f64,
     /// The optimizer step's second copy of the states it replaces (GPU).
     pub optimizer: f64,
@@ -188,7 +190,10 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     // one block's backward at work: its activations' gradients, and the
     // probabilities' (and under `selective` the probabilities again)
     let working = 16.0 * b * s * d * a + if selective { 3.0 } else { 2.0 } * probs;
-    let logits = b * s * g.vocab as f64 * 4.0 * 3.0;
+    // the logits and their gradient have the activations' dtype (BF16
+    // logits come out of the head's GEMM as BF16; the loss sums in F32 a
+    // row at a time)
+    let logits = b * s * g.vocab as f64 * a * 3.0;
     let n = r.ranks.max(1) as f64;
     Estimate {
         persistent: n * persistent,

@@ -9,14 +9,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The Llama example cargo built beside this test.
-fn llama_bin() -> Option<PathBuf> {
+pub(crate) fn llama_bin() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let bin = exe.parent()?.parent()?.join("examples").join("llama");
     bin.exists().then_some(bin)
 }
 
 /// The JSON lines of a successful run.
-fn run(bin: &Path, args: &[&str]) -> anyhow::Result<Vec<serde_json::Value>> {
+pub(crate) fn run(bin: &Path, args: &[&str]) -> anyhow::Result<Vec<serde_json::Value>> {
     let out = Command::new(bin).args(args).arg("--json").output()?;
     anyhow::ensure!(
         out.status.success(),
@@ -131,5 +131,43 @@ fn a_llama_export_loads_back_tensor_for_tensor() -> anyhow::Result<()> {
     assert_eq!(config["model_type"], "llama");
     assert_eq!(config["num_key_value_heads"], 2);
     std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn the_llama_memory_estimate_is_within_12_percent_of_the_measured_peak() -> anyhow::Result<()> {
+    let Some(bin) = llama_bin() else {
+        eprintln!("skipped: target/*/examples/llama not built");
+        return Ok(());
+    };
+    for (level, recompute) in [
+        ("O0", "none"),
+        ("O2", "none"),
+        ("O2", "selective"),
+        ("O2", "full"),
+    ] {
+        let args = [
+            "--level",
+            level,
+            "--recompute",
+            recompute,
+            "--steps",
+            "3",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--eval-batches",
+            "1",
+        ];
+        let r = &run(&bin, &args)?[0];
+        let est = r["estimated_peak_bytes"].as_f64().unwrap_or(0.0);
+        let peak = r["peak_device_bytes"].as_f64().unwrap_or(f64::NAN);
+        let ratio = peak / est;
+        assert!(
+            (0.88..=1.12).contains(&ratio),
+            "{level} {recompute}: peak {peak}, estimate {est}"
+        );
+    }
     Ok(())
 }

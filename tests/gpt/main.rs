@@ -53,6 +53,7 @@ mod example;
 mod hf_checkpoints;
 mod hf_reference;
 mod llama;
+mod llama_reference;
 mod memory;
 mod recomputation;
 mod shards;
