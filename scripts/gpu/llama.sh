@@ -6,8 +6,9 @@
 # compiled BF16 with a head of its own (the example's parameter set; TIED=1
 # ties it as Llama-3.2-1B does).
 # CARRY (default .carry/gpu) holds llama.gz. Env: STEPS (20), SKIP (5),
-# LEVELS (O0 O2), BATCH (8), SEQ (2048), VOCAB (128256), TORCH (1), EXTRA
-# (more llama arguments).
+# LEVELS (O0 O2), BATCH (8), SEQ (2048), VOCAB (128256), TORCH (1),
+# TORCH_MODES (bf16,bf16-compile), TORCH_CK (0; 1: eager BF16 with
+# --checkpoint too), EXTRA (more llama arguments).
 #
 #   bash scripts/gpu/llama.sh .carry/gpu 1b
 set -uo pipefail
@@ -28,5 +29,12 @@ done
 [ "${TORCH:-1}" = 1 ] || exit 0
 head_arg=--untied-head; [ "${TIED:-0}" = 1 ] && head_arg=
 timeout 500 python3 "$HERE/torch_llama.py" --size "$size" --vocab "$V" --batch "$B" --seq "$S" \
-  --steps "${STEPS:-20}" --warmup "${SKIP:-5}" --modes bf16,bf16-compile $head_arg > "$OUT/llama_${size}_torch.log" 2>&1
+  --steps "${STEPS:-20}" --warmup "${SKIP:-5}" --modes "${TORCH_MODES:-bf16,bf16-compile}" $head_arg \
+  > "$OUT/llama_${size}_torch.log" 2>&1
 echo "rc=$?"; grep '^{' "$OUT/llama_${size}_torch.log"
+if [ "${TORCH_CK:-0}" = 1 ]; then
+  timeout 300 python3 "$HERE/torch_llama.py" --size "$size" --vocab "$V" --batch "$B" --seq "$S" \
+    --steps "${STEPS:-20}" --warmup "${SKIP:-5}" --modes bf16 --checkpoint $head_arg \
+    > "$OUT/llama_${size}_torch_ck.log" 2>&1
+  echo "rc=$? (--checkpoint)"; grep '^{' "$OUT/llama_${size}_torch_ck.log"
+fi
