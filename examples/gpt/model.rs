@@ -124,6 +124,7 @@ impl GptConfig {
             materialized_kept: 3 * d,
             codes: (7 * d, d),
             weight_codes: 12 * d * d,
+            native_kept: 33 * d,
         }
     }
 }

@@ -72,6 +72,10 @@ pub struct Shape {
     pub codes: (usize, usize),
     /// The block's Linear weights' FP8 copies (bytes; GPT 12 d²).
     pub weight_codes: usize,
+    /// What a block keeps per token with native products (O0: candle's
+    /// graph around the fused ops), elements at the activations' width
+    /// (GPT 33 d, measured).
+    pub native_kept: usize,
 }
 
 /// Bytes a run needs, by part, for all the ranks this process holds.
@@ -145,9 +149,9 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     let selective = r.recompute == Recompute::Selective;
     // what one block keeps for backward, per token
     let per_token = if r.native {
-        // candle's graph: measured on an H100 at 8 x 1024, BF16
-        // activations, 65 bytes per token, width and layer at O0 (1.3B)
-        33.0 * a * d
+        // candle's graph, as measured (GPT: on an H100 at 8 x 1024, BF16
+        // activations, 65 bytes per token, width and layer at O0, 1.3B)
+        g.native_kept as f64 * a
     } else {
         // the block's inputs and what its activations keep (GPT: the
         // block's input and the residual after attention, the LayerNorms'

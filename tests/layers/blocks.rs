@@ -183,6 +183,24 @@ fn handed_mlp_equals_the_parts_in_sequence() {
 }
 
 #[test]
+fn handed_rope_attention_equals_the_parts_in_sequence() {
+    // d = 16 as two heads of 8 with as many key/value heads: qkv is d -> 3d
+    let (cos, sin) = nn::rope_tables(5, 8, 10_000.0, None, &candle_core::Device::Cpu).unwrap();
+    let tables = (&cos, &sin);
+    check(
+        "ra",
+        Form::Attention,
+        true,
+        &move |b, h| nn::rope_self_attention(h, &b.ln, &b.qkv, &b.proj, (2, 2), tables).unwrap(),
+        &move |b, h| {
+            let qkv = b.qkv.try_forward(&b.ln.try_forward(h).unwrap()).unwrap();
+            let att = nn::fused::rope_attention_qkv(&qkv, (2, 2), tables).unwrap();
+            (h + b.proj.try_forward(&att).unwrap()).unwrap()
+        },
+    );
+}
+
+#[test]
 fn handed_llama_mlp_equals_the_parts_in_sequence() {
     for residual in [true, false] {
         check(

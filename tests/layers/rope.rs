@@ -236,3 +236,45 @@ fn rope_tables_apply_llama3_scaling() -> R<()> {
     assert_eq!(regimes, [15, 3, 14], "pairs kept, blended, divided");
     Ok(())
 }
+
+/// `rope_attention_qkv` (one op: split, RoPE, grouped-query attention,
+/// rows) against the same parts as graph ops: the output and the packed
+/// projection's gradient.
+#[test]
+fn rope_attention_matches_its_parts() -> R<()> {
+    for (heads, kv) in [(4usize, 2usize), (2, 2), (4, 1)] {
+        let (b, t, hd) = (2usize, 7usize, 8usize);
+        let width = (heads + 2 * kv) * hd;
+        let x = Var::from_tensor(&randt(&[b, t, width], 71, 1.0))?;
+        let g = randt(&[b, t, heads * hd], 72, 1.0);
+        let (cos, sin) = rope_tables(9, hd, 10_000.0, None, &Device::Cpu)?;
+        let y = amp::nn::fused::rope_attention_qkv(x.as_tensor(), (heads, kv), (&cos, &sin))?;
+        let (c, s) = (cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?);
+        let part = |start: usize, n: usize| -> R<Tensor> {
+            Ok(x.as_tensor()
+                .narrow(2, start * hd, n * hd)?
+                .reshape((b, t, n, hd))?)
+        };
+        let first = |z: Tensor| -> R<Tensor> { Ok(z.transpose(1, 2)?.contiguous()?) };
+        let q = first(rope(&part(0, heads)?, &c, &s)?)?;
+        let k = first(rope(&part(heads, kv)?, &c, &s)?)?;
+        let v = first(part(heads + kv, kv)?)?;
+        let want = amp::nn::causal_attention(&q, &k, &v)?
+            .transpose(1, 2)?
+            .reshape((b, t, heads * hd))?;
+        let what = format!("{heads} heads, {kv} kv heads");
+        assert!(rel(&y, &want)? < 1e-6, "{what}: y");
+        let gy = (&y * &g)?.sum_all()?.backward()?;
+        let gw = (&want * &g)?.sum_all()?.backward()?;
+        let (dy, dw) = (gy.get(&x).ok_or("no dx")?, gw.get(&x).ok_or("no dx")?);
+        assert!(rel(dy, dw)? < 1e-6, "{what}: dx {}", rel(dy, dw)?);
+    }
+    let x = randt(&[1, 3, 40], 1, 1.0);
+    let (cos, sin) = rope_tables(3, 8, 10_000.0, None, &Device::Cpu)?;
+    let bad = amp::nn::fused::rope_attention_qkv(&x, (3, 2), (&cos, &sin));
+    assert!(bad.is_err(), "2 kv heads do not divide 3");
+    let short = rope_tables(2, 8, 10_000.0, None, &Device::Cpu)?;
+    let bad = amp::nn::fused::rope_attention_qkv(&x, (1, 2), (&short.0, &short.1));
+    assert!(bad.is_err(), "tables of 2 positions for 3");
+    Ok(())
+}

@@ -60,10 +60,11 @@ pub fn causal_self_attention(
 /// (`[batch, seq, (heads + 2 kv_heads) * head_dim]`: q's heads, then k's,
 /// then v's), rotary positions on q and k ([`fused::rope`], `cos` and
 /// `sin` `[positions, head_dim / 2]`, the first `seq` rows taken) and
-/// grouped-query attention where `kv_heads < heads`. The norm's output is
-/// handed to the projection's op (see [`Fuse::norm`]) and the residual
-/// added inside the output projection's op where it runs its own; the
-/// rest are graph ops.
+/// grouped-query attention where `kv_heads < heads`
+/// ([`fused::rope_attention_qkv`]: one op from the projection's rows to the
+/// attention's). Where both Linears run their own ops every tensor between
+/// the norm and the output projection is handed from op to op, as in
+/// [`causal_self_attention`]; otherwise the parts in sequence.
 ///
 /// # Errors
 /// [`Error::Shape`](crate::Error::Shape) when the projection's width is
@@ -74,34 +75,21 @@ pub fn rope_self_attention(
     norm: &LayerNorm,
     qkv: &Linear,
     proj: &Linear,
-    (heads, kv_heads): (usize, usize),
-    (cos, sin): (&Tensor, &Tensor),
+    heads: (usize, usize),
+    tables: (&Tensor, &Tensor),
 ) -> Result<Tensor> {
-    let x = qkv.forward_with(
-        h,
-        Fuse {
-            norm: Some(norm),
-            ..Default::default()
-        },
-    )?;
-    let (b, t, width) = x.dims3()?;
-    let parts = heads + 2 * kv_heads;
-    if kv_heads == 0 || heads % kv_heads != 0 || width % parts != 0 {
-        return Err(crate::Error::Shape {
-            op: "rope_self_attention",
-            lhs: x.shape().clone(),
-            rhs: candle_core::Shape::from((heads, kv_heads)),
-        });
+    let normed = Fuse {
+        norm: Some(norm),
+        ..Default::default()
+    };
+    if qkv.runs_own_op()? && proj.runs_own_op()? {
+        let res_grad = fused::ResidualGrad::default();
+        let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
+        let (y, token, to) = fused::rope_attention_handed(&x, &token, &from, heads, tables)?;
+        drop(x);
+        return proj.forward_from(&y, (token, to), None, Some(h), Some(res_grad), false);
     }
-    let hd = width / parts;
-    let (cos, sin) = (cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?);
-    let part = |start: usize, n: usize| x.narrow(2, start * hd, n * hd)?.reshape((b, t, n, hd));
-    let q = fused::rope(&part(0, heads)?, &cos, &sin)?;
-    let k = fused::rope(&part(heads, kv_heads)?, &cos, &sin)?;
-    let v = part(heads + kv_heads, kv_heads)?;
-    let heads_first = |x: &Tensor| x.transpose(1, 2)?.contiguous();
-    let y = fused::causal_attention(&heads_first(&q)?, &heads_first(&k)?, &heads_first(&v)?)?;
-    let y = y.transpose(1, 2)?.reshape((b, t, heads * hd))?;
+    let y = fused::rope_attention_qkv(&qkv.forward_with(h, normed)?, heads, tables)?;
     proj.forward_with(
         &y,
         Fuse {

@@ -93,7 +93,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 
 /// Each of `x`'s heads (`[b, kv_heads, t, d]`) `group` times in a row:
 /// `[b, kv_heads * group, t, d]`, detached and contiguous.
-fn repeat_heads(x: &Tensor, group: usize) -> Result<Tensor> {
+pub(super) fn repeat_heads(x: &Tensor, group: usize) -> Result<Tensor> {
     let (b, kh, t, d) = x.dims4()?;
     Ok(x.detach()
         .unsqueeze(2)?
@@ -102,7 +102,7 @@ fn repeat_heads(x: &Tensor, group: usize) -> Result<Tensor> {
 }
 
 /// The gradient of [`repeat_heads`]' input: each group's heads summed.
-fn sum_groups(g: &Tensor, group: usize) -> candle_core::Result<Tensor> {
+pub(super) fn sum_groups(g: &Tensor, group: usize) -> candle_core::Result<Tensor> {
     if group == 1 {
         return Ok(g.clone());
     }
@@ -150,7 +150,7 @@ impl CustomOp3 for CausalAttention {
 }
 
 /// What backward keeps besides the op's inputs.
-enum Kept {
+pub(super) enum Kept {
     /// q, k, v (heads, the compute dtype) and the probabilities (none
     /// under [`selective`](crate::nn::selective): backward computes them
     /// again from q and k, the same kernels on the same values).
@@ -173,7 +173,7 @@ impl Kept {
     /// The gradients of what the forward took (dq, dk, dv as heads of the
     /// compute dtype; flash: of its inputs, BF16) from `dy` (heads; rows
     /// for a packed flash).
-    fn grads(&self, dy: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+    pub(super) fn grads(&self, dy: &Tensor) -> candle_core::Result<Vec<Tensor>> {
         match self {
             Kept::Probs { qkv, p, scale } => {
                 let dy = dy.detach().to_dtype(qkv[0].dtype())?.contiguous()?;
@@ -213,7 +213,11 @@ impl Kept {
 
 /// The output (compute dtype, heads) and what backward keeps, of
 /// separate q, k, v.
-fn attend_separate(qkv: [&Tensor; 3], compute: DType, scale: f32) -> Result<(Tensor, Kept)> {
+pub(super) fn attend_separate(
+    qkv: [&Tensor; 3],
+    compute: DType,
+    scale: f32,
+) -> Result<(Tensor, Kept)> {
     if let Some(f) = Flash::separate(qkv[0]) {
         let inputs = qkv
             .iter()
@@ -268,7 +272,7 @@ fn attend_packed(s: Qkv, qkv: &Tensor, compute: DType, scale: f32) -> Result<(Te
 
 /// The products' dtype for a float input: BF16 on CUDA (as PyTorch
 /// autocast), the input's own elsewhere.
-fn compute_dtype(op: &'static str, x: &Tensor) -> Result<DType> {
+pub(super) fn compute_dtype(op: &'static str, x: &Tensor) -> Result<DType> {
     if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
         return Err(Error::DType {
             op,

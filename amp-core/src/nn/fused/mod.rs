@@ -42,12 +42,15 @@ mod heads;
 mod ops;
 mod pointwise;
 mod rope;
+mod rope_attention;
 
 pub use activation::{swiglu, Activation};
 pub use attention::{causal_attention, causal_attention_qkv};
 pub use embedding::embedding;
 pub use flash::{flash_attention_enabled, flash_head_dim, set_flash_attention};
 pub use rope::{rope, rope_tables, RopeScaling};
+pub(crate) use rope_attention::rope_attention_handed;
+pub use rope_attention::rope_attention_qkv;
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor, D};
