@@ -135,7 +135,7 @@ impl LlamaConfig {
     /// attention keeps q, the key and value heads repeated for each group,
     /// and its output in BF16; the FP8 codes of the four products' inputs.
     /// With native products (O0) 27 d at the activations' width (1B on an
-    /// H100: 63.9 GB measured, 63.7 estimated). Checked on the CPU against
+    /// H100: 63.9 GB measured, about 66.7 estimated). Checked on the CPU against
     /// the heap's peak at every recompute mode (`tests/gpt/llama.rs`).
     pub fn shape(&self) -> crate::budget::Shape {
         let (d, f) = (self.dim, self.hidden);
