@@ -51,7 +51,9 @@ mod numerics;
 mod scaling;
 
 pub use error::{Error, Result};
+pub use gemm::block::{block_gemm, supported_tilings};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
+pub use numerics::block::{Tiling, TILE as BLOCK_TILE};
 pub use numerics::bucket::{
     bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
     bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
@@ -71,13 +73,14 @@ pub use numerics::decode_sum::decode_sum;
 pub use numerics::format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
 pub use numerics::qtype::QType;
 pub use numerics::recipe::{
-    AmaxComputeAlgo, CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision,
-    MAX_AMAX_HISTORY_LEN, MAX_MARGIN,
+    AmaxComputeAlgo, CurrentScaling, DelayedScaling, Float8BlockScaling, Format,
+    OverrideLinearPrecision, MAX_AMAX_HISTORY_LEN, MAX_MARGIN,
 };
 pub use numerics::scalars::{gather_scalars, read_scalars};
 pub use numerics::scale::ScaleRule;
 pub use numerics::stream::{defer_side_work, SideStream};
 pub use numerics::{config, kernel};
+pub use scaling::block::BlockTensor;
 pub use scaling::meta::ScalingMeta;
 pub use scaling::sink::{with_sink_listener, GradSink};
 pub use scaling::tensor::ScalingTensor;

@@ -52,28 +52,31 @@ fn wall_ms(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 }
 
 /// Drops a result (its buffer goes back to the pool) and reports success.
-fn done<T>(_: T) -> Result<()> {
+pub(crate) fn done<T>(_: T) -> Result<()> {
     Ok(())
 }
 
-fn tflops(m: usize, n: usize, k: usize, ms: f64) -> f64 {
+pub(crate) fn tflops(m: usize, n: usize, k: usize, ms: f64) -> f64 {
     2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12
 }
 
+/// `(name, m, k, n)`: 8192^3 and the GPT-350M and 1.3B Linear shapes at
+/// 8192 tokens.
+pub(crate) const GEMM_SHAPES: [(&str, usize, usize, usize); 9] = [
+    ("8192^3", 8192, 8192, 8192),
+    ("350m.qkv", 8192, 1024, 3072),
+    ("350m.proj", 8192, 1024, 1024),
+    ("350m.fc1", 8192, 1024, 4096),
+    ("350m.fc2", 8192, 4096, 1024),
+    ("1.3b.qkv", 8192, 2048, 6144),
+    ("1.3b.proj", 8192, 2048, 2048),
+    ("1.3b.fc1", 8192, 2048, 8192),
+    ("1.3b.fc2", 8192, 8192, 2048),
+];
+
 fn gemms(dev: &Device, cuda: &CudaDevice) -> Result<()> {
     let mut rng = Rng(11);
-    let shapes: [(&str, usize, usize, usize); 9] = [
-        ("8192^3", 8192, 8192, 8192),
-        ("350m.qkv", 8192, 1024, 3072),
-        ("350m.proj", 8192, 1024, 1024),
-        ("350m.fc1", 8192, 1024, 4096),
-        ("350m.fc2", 8192, 4096, 1024),
-        ("1.3b.qkv", 8192, 2048, 6144),
-        ("1.3b.proj", 8192, 2048, 2048),
-        ("1.3b.fc1", 8192, 2048, 8192),
-        ("1.3b.fc2", 8192, 8192, 2048),
-    ];
-    for (name, m, k, n) in shapes {
+    for (name, m, k, n) in GEMM_SHAPES {
         let x = Tensor::from_vec(rng.normal(m * k), (m, k), dev)?;
         let w = Tensor::from_vec(rng.normal(n * k), (n, k), dev)?;
         let r = CurrentScaling::default();

@@ -4,12 +4,14 @@
 //!     cuda_check                 # every timing below
 //!     cuda_check --fused-only    # the attention's alone
 //!     cuda_check --optim-only    # the optimizer step's alone
+//!     cuda_check --block-only    # the block-scaled GEMMs and casts alone
 //!
 //! Timings: the FP8 and BF16 GEMMs at 8192^3 and the GPT linear shapes,
 //! the pool release threshold's effect, the cast kernels' bandwidth over
 //! the device copy's (`bench.rs`); the packed causal attention's forward
 //! and backward, flash and materialised (`attention.rs`); the fused
-//! low-bit AdamW step over its bandwidth floor (`optim.rs`). Each prints
+//! low-bit AdamW step over its bandwidth floor (`optim.rs`); the
+//! block-scaled and rowwise GEMMs and casts (`block.rs`). Each prints
 //! `BENCH` lines and a `CHECK <name>: PASS` line once it ran.
 //!
 //! The checks of the CUDA path against the CPU (bit for bit where the
@@ -18,6 +20,7 @@
 
 mod attention;
 mod bench;
+mod block;
 mod optim;
 mod util;
 
@@ -43,6 +46,9 @@ struct Args {
     /// Only the optimizer step's timing.
     #[arg(long)]
     optim_only: bool,
+    /// Only the block-scaled GEMMs' and casts' timings.
+    #[arg(long)]
+    block_only: bool,
     /// Abort after this many seconds (a hung run wastes device time).
     #[arg(long, default_value_t = 420)]
     watchdog: u64,
@@ -69,7 +75,7 @@ fn main() -> Result<()> {
         println!("CHECK {name}: {}", if ok { "PASS" } else { "FAIL" });
         results.push((name.to_string(), ok));
     };
-    let all = !args.fused_only && !args.optim_only;
+    let all = !args.fused_only && !args.optim_only && !args.block_only;
     if all {
         check("bench", bench::run(&dev));
     }
@@ -78,6 +84,9 @@ fn main() -> Result<()> {
     }
     if all || args.optim_only {
         check("lowbit adamw bench", optim::bench(&dev));
+    }
+    if all || args.block_only {
+        check("block-scaled bench", block::run(&dev));
     }
     println!("== summary ==");
     for (name, ok) in &results {

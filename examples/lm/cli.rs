@@ -7,7 +7,7 @@
 
 use crate::{budget, data, launch, model, report, train};
 use amp::levels::{Compute, ExportDType, Level};
-use amp::{CurrentScaling, DelayedScaling};
+use amp::{CurrentScaling, DelayedScaling, Float8BlockScaling};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::{CommandFactory, Parser, ValueEnum};
@@ -20,6 +20,8 @@ enum ComputeArg {
     Native,
     Fp8Current,
     Fp8Delayed,
+    /// Block scaling: 1 x 128 tiles and 128 x 128 weight blocks (TE's Float8BlockScaling).
+    Fp8Block,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -37,7 +39,8 @@ struct Args {
     /// Compute path of the matrix products [default: native at O0, fp8-current above].
     #[arg(long, value_enum)]
     compute: Option<ComputeArg>,
-    /// Transformer Engine DelayedScaling recipe (JSON or TOML); implies fp8-delayed.
+    /// Transformer Engine recipe (JSON or TOML): DelayedScaling (implies
+    /// fp8-delayed), or Float8BlockScaling with --compute fp8-block.
     #[arg(long)]
     recipe: Option<PathBuf>,
     /// Model size (`crate::model::SIZES`; GPT: tiny, 125m, 350m, 760m, 1.3b,
@@ -222,6 +225,12 @@ fn usage(msg: impl std::fmt::Display) -> ! {
 
 fn compute_for(args: &Args, level: Level) -> Compute {
     if let Some(path) = &args.recipe {
+        if args.compute == Some(ComputeArg::Fp8Block) {
+            return match Float8BlockScaling::from_path(path) {
+                Ok(recipe) => Compute::Fp8Block { recipe },
+                Err(e) => usage(format!("--recipe {}: {e}", path.display())),
+            };
+        }
         return match DelayedScaling::from_path(path) {
             Ok(recipe) => Compute::Fp8Delayed { recipe },
             Err(e) => usage(format!("--recipe {}: {e}", path.display())),
@@ -234,6 +243,9 @@ fn compute_for(args: &Args, level: Level) -> Compute {
         },
         Some(ComputeArg::Fp8Delayed) => Compute::Fp8Delayed {
             recipe: DelayedScaling::default(),
+        },
+        Some(ComputeArg::Fp8Block) => Compute::Fp8Block {
+            recipe: Float8BlockScaling::default(),
         },
         None if level == Level::O0 => Compute::Native,
         None => Compute::Fp8Current {
@@ -283,8 +295,13 @@ pub fn main() -> Result<()> {
     std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     amp::nn::set_flash_attention(!args.no_flash);
-    if args.recipe.is_some() && !matches!(args.compute, None | Some(ComputeArg::Fp8Delayed)) {
-        usage("--recipe is a delayed-scaling recipe: it goes with --compute fp8-delayed");
+    if args.recipe.is_some()
+        && !matches!(
+            args.compute,
+            None | Some(ComputeArg::Fp8Delayed | ComputeArg::Fp8Block)
+        )
+    {
+        usage("--recipe goes with --compute fp8-delayed (DelayedScaling) or fp8-block (Float8BlockScaling)");
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         usage(format!("--lr {}: must be finite and positive", args.lr));

@@ -19,6 +19,7 @@ pub fn compute_name(c: &Compute) -> &'static str {
         Compute::Native => "native",
         Compute::Fp8Current { .. } => "fp8-current",
         Compute::Fp8Delayed { .. } => "fp8-delayed",
+        Compute::Fp8Block { .. } => "fp8-block",
     }
 }
 

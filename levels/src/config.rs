@@ -4,7 +4,7 @@
 use crate::level::Level;
 use amp_core::config::Validate;
 use amp_core::nn::ComputeMode;
-use amp_core::{CurrentScaling, DelayedScaling};
+use amp_core::{CurrentScaling, DelayedScaling, Float8BlockScaling};
 use amp_optim::LossScaling;
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +27,16 @@ pub enum Compute {
         #[serde(default)]
         recipe: DelayedScaling,
     },
+    /// FP8 with one scale per 1 x 128 tile or 128 x 128 block
+    /// (Transformer Engine's `Float8BlockScaling`, DeepSeek-V3). The
+    /// levels' own FP8 tensors stay per tensor under it: the weight
+    /// gradients on the wire and in the optimizer, O3's stored FP8 weights
+    /// (the block GEMM recasts them per block, losslessly).
+    Fp8Block {
+        /// The recipe.
+        #[serde(default)]
+        recipe: Float8BlockScaling,
+    },
 }
 
 impl Compute {
@@ -48,6 +58,7 @@ impl Compute {
             Self::Native => ComputeMode::Native,
             Self::Fp8Current { recipe } => ComputeMode::Fp8Current(recipe.clone()),
             Self::Fp8Delayed { recipe } => ComputeMode::Fp8Delayed(recipe.clone()),
+            Self::Fp8Block { recipe } => ComputeMode::Fp8Block(recipe.clone()),
         }
     }
 }
@@ -275,6 +286,7 @@ impl Validate for AmpConfig {
             Compute::Native => {}
             Compute::Fp8Current { recipe } => recipe.validate()?,
             Compute::Fp8Delayed { recipe } => recipe.validate()?,
+            Compute::Fp8Block { recipe } => recipe.validate()?,
         }
         if let Some(n) = self.max_grad_norm {
             if !(n > 0.0 && n.is_finite()) {

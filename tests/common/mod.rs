@@ -107,9 +107,9 @@ pub fn randt(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     t(randn(n, seed).iter().map(|v| v * scale).collect(), shape)
 }
 
-/// The three compute modes a fused layer is checked in: native, MS-AMP
-/// current scaling, TE delayed scaling (a history of 4).
-pub fn modes() -> [ComputeMode; 3] {
+/// The compute modes a fused layer is checked in: native, MS-AMP current
+/// scaling, TE delayed scaling (a history of 4), TE block scaling.
+pub fn modes() -> [ComputeMode; 4] {
     [
         ComputeMode::Native,
         ComputeMode::Fp8Current(Default::default()),
@@ -117,6 +117,7 @@ pub fn modes() -> [ComputeMode; 3] {
             amax_history_len: 4,
             ..Default::default()
         }),
+        ComputeMode::Fp8Block(Default::default()),
     ]
 }
 

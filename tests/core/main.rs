@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod block_scaling;
 mod capability;
 mod cast_transpose;
 mod fp8_format;

@@ -6,7 +6,10 @@
 use crate::common;
 
 use amp::nn::{self, fp8_autocast, ComputeMode};
-use amp::{AmaxComputeAlgo, CurrentScaling, DelayedScaling, Format, OverrideLinearPrecision};
+use amp::{
+    AmaxComputeAlgo, CurrentScaling, DelayedScaling, Float8BlockScaling, Format,
+    OverrideLinearPrecision,
+};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use common::{f64s, randn, t};
@@ -80,12 +83,27 @@ fn fp8_forward_and_gradients_within_the_format_bounds() {
             }),
             E5M2_EPS,
         ),
+        (
+            "block E4M3",
+            ComputeMode::Fp8Block(Float8BlockScaling::default()),
+            E4M3_EPS,
+        ),
+        (
+            "block HYBRID, 1x128 weights",
+            ComputeMode::Fp8Block(Float8BlockScaling {
+                fp8_format: Format::Hybrid,
+                w_block_scaling_dim: 1,
+                ..Default::default()
+            }),
+            E5M2_EPS,
+        ),
     ];
     for (dims, out) in [
         (vec![1usize, 16], 8usize),
         (vec![7, 33], 17),
         (vec![2, 5, 24], 12),
         (vec![64, 128], 48),
+        (vec![130, 260], 140),
     ] {
         let inp = *dims.last().unwrap();
         let m: usize = dims[..dims.len() - 1].iter().product();
@@ -398,4 +416,43 @@ fn current_scaling_telemetry_is_kept_per_layer() {
     assert_eq!((input.saturated, input.flushed), (0, 1));
     assert_eq!(weight.unwrap().saturated, 0);
     assert!(grad.is_some(), "the backward's cast is recorded too");
+}
+
+/// Under block scaling an outlier costs only its own tile: the rows of the
+/// output away from it keep the format's precision, where one scale per
+/// tensor loses them; an inf in the input makes the output NaN.
+#[test]
+fn block_scaling_keeps_an_outlier_in_its_tile() {
+    let (m, inp, out) = (16usize, 256usize, 32usize);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let layer = nn::linear_no_bias(inp, out, vb.pp("fc")).unwrap();
+    let w = layer.weight_slot().read().unwrap().master_f32().unwrap();
+    let mut xv: Vec<f32> = randn(m * inp, 8).iter().map(|v| v * 1e-3).collect();
+    xv[3] = 1e3; // row 0, tile 0
+    let x = t(xv.clone(), &[m, inp]);
+    let (want, _) = matmul_t(&f64s(&x), &f64s(&w), m, inp, out);
+    let rel_err_rest = |mode: ComputeMode| {
+        let _s = fp8_autocast(true, mode);
+        let y = f64s(&layer.forward(&x).unwrap());
+        // rows 1.. only: the outlier's row shares its tile with it
+        let err: Vec<f64> = y[out..]
+            .iter()
+            .zip(&want[out..])
+            .map(|(a, b)| a - b)
+            .collect();
+        norm(&err) / norm(&want[out..])
+    };
+    let block = rel_err_rest(ComputeMode::Fp8Block(Float8BlockScaling::default()));
+    let tensor = rel_err_rest(ComputeMode::Fp8Current(CurrentScaling {
+        fp8_format: Format::E4M3,
+        ..Default::default()
+    }));
+    assert!(block < 0.05, "block: {block}");
+    assert!(tensor > 4.0 * block, "per tensor {tensor} vs block {block}");
+    // an inf anywhere: every output NaN, never finite from a saturated code
+    xv[700] = f32::INFINITY;
+    let _s = fp8_autocast(true, ComputeMode::Fp8Block(Float8BlockScaling::default()));
+    let y = f64s(&layer.forward(&t(xv, &[m, inp])).unwrap());
+    assert!(y.iter().all(|v| v.is_nan()), "inf input: NaN output");
 }

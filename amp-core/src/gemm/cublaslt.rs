@@ -52,8 +52,10 @@ use half::{bf16, f16};
 use std::ffi::c_void;
 use std::sync::Arc;
 
+pub(crate) use super::cublaslt_block::block_gemm;
+
 /// Zero codes appended so that each dim of a 2-D U8 tensor is a multiple of 16.
-fn pad(t: &Tensor) -> Result<Tensor> {
+pub(super) fn pad(t: &Tensor) -> Result<Tensor> {
     let (r, c) = t.dims2()?;
     let mut t = t.clone();
     if c % ALIGN != 0 {
@@ -66,7 +68,7 @@ fn pad(t: &Tensor) -> Result<Tensor> {
 }
 
 /// The device address of a contiguous tensor's first element.
-fn address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
+pub(super) fn address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(s) = &*storage else {
         return Err(Error::UnsupportedDevice {
@@ -113,7 +115,7 @@ fn addend(t: Option<&Tensor>, stream: &Arc<CudaStream>) -> Result<(Option<Tensor
 
 /// The alignment of a device address that cuBLASLt's preferences speak of:
 /// the largest power of two up to 256 dividing it.
-fn alignment(at: u64) -> u32 {
+pub(super) fn alignment(at: u64) -> u32 {
     if at == 0 {
         256
     } else {
@@ -202,6 +204,7 @@ pub(crate) fn fp8_gemm(
             alignment(c_ptr),
             alignment(bias_ptr),
         ],
+        modes: [0, 0],
     };
     if !ctx.plans.contains_key(&key) {
         let plan = ctx.plan(key, scales, bias_ptr)?;
@@ -247,7 +250,7 @@ pub(crate) fn fp8_gemm(
 
 /// Allocates the output and launches the plan's GEMM on the stream; `c`
 /// (a residual of D's shape and type) is added with beta = 1.
-fn run<T: candle_core::cuda_backend::CudaDType + driver::DeviceRepr>(
+pub(super) fn run<T: candle_core::cuda_backend::CudaDType + driver::DeviceRepr>(
     ctx: &LtContext,
     plan: &Plan,
     dev: &CudaDevice,

@@ -14,3 +14,12 @@ pub(crate) fn fp8_gemm(
 ) -> Result<Tensor> {
     Err(Error::NotCompiled("cuda"))
 }
+
+/// Without the `cuda` feature no block-scaled GEMM runs on a device.
+pub(crate) fn block_gemm(
+    _: &crate::scaling::block::BlockTensor,
+    _: &crate::scaling::block::BlockTensor,
+    _: candle_core::DType,
+) -> Result<Option<candle_core::Tensor>> {
+    Err(Error::NotCompiled("cuda"))
+}

@@ -35,6 +35,12 @@
 //! BF16 bias with BF16 output), so neither addend costs a pass over the
 //! output; otherwise the F32 product and the same two adds in f32.
 //!
+//! # Block scaling
+//! [`block::block_gemm`] is the same product of two
+//! [`BlockTensor`](crate::BlockTensor)s (one scale per 1 x 128 tile, 128 x
+//! 128 block or row), through cuBLASLt's scale modes on CUDA
+//! (`cublaslt_block.rs`).
+//!
 //! # The output's amax
 //! [`fp8_gemm_amax`] also returns `max |y|` (amp-core's amax: NaN
 //! propagates), NaN where either operand's cast saw a non-finite value (its
@@ -51,11 +57,14 @@ use crate::numerics::qtype::QType;
 use crate::scaling::tensor::ScalingTensor;
 use candle_core::{DType, Tensor};
 
+pub(crate) mod block;
 #[cfg(feature = "cuda")]
 mod cublaslt;
 #[cfg(not(feature = "cuda"))]
 #[path = "cublaslt_stub.rs"]
 mod cublaslt;
+#[cfg(feature = "cuda")]
+mod cublaslt_block;
 #[cfg(feature = "cuda")]
 mod plan;
 

@@ -61,6 +61,9 @@ pub(super) struct PlanKey {
     pub(super) c: bool,
     /// Alignments (bytes, up to 256) of cuBLASLt's A, B, C and the bias.
     pub(super) align: [u32; 4],
+    /// cuBLASLt's scale modes of A and B (`cublasLtMatmulMatrixScale_t`:
+    /// 0 one scalar each, the per-tensor GEMM; the block modes otherwise).
+    pub(super) modes: [u8; 2],
 }
 
 /// One device's cuBLASLt state.
@@ -166,6 +169,7 @@ impl LtContext {
             fast,
             bias: with_bias,
             align,
+            modes,
             ..
         } = key;
         // SAFETY: descriptors are created here and owned by the Plan; every
@@ -185,6 +189,11 @@ impl LtContext {
             set_attr(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &i8::from(fast))?;
             set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scales.0)?;
             set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scales.1)?;
+            if modes != [0, 0] {
+                let (ma, mb) = (i32::from(modes[0]), i32::from(modes[1]));
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &ma)?;
+                set_attr(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mb)?;
+            }
             if with_bias {
                 let epi = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
                 set_attr(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi)?;
@@ -236,7 +245,7 @@ impl LtContext {
                 lt_err(
                     &format!(
                         "no algorithm for m={m} n={n} k={k} {fa} x {fb} -> {out:?} (bias \
-                         {with_bias}, alignments {align:?})"
+                         {with_bias}, alignments {align:?}, scale modes {modes:?})"
                     ),
                     e,
                 )

@@ -1,7 +1,7 @@
 //! Compute modes and the `fp8_autocast` scope (Transformer Engine's
 //! `fp8_autocast(enabled, fp8_recipe)`).
 
-use crate::numerics::recipe::{CurrentScaling, DelayedScaling};
+use crate::numerics::recipe::{CurrentScaling, DelayedScaling, Float8BlockScaling};
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +19,10 @@ pub enum ComputeMode {
     Fp8Current(CurrentScaling),
     /// FP8, scales from each tensor's amax history (TE's `DelayedScaling`).
     Fp8Delayed(DelayedScaling),
+    /// FP8 with one scale per 1 x 128 tile or 128 x 128 block of each
+    /// operand (TE's `Float8BlockScaling`, DeepSeek-V3's recipe; see
+    /// `nn/linear/block.rs`).
+    Fp8Block(Float8BlockScaling),
 }
 
 thread_local! {

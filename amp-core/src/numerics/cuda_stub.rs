@@ -183,3 +183,14 @@ pub fn pool_peaks(_: &Device) -> Result<(u64, u64)> {
 pub fn reset_pool_peaks(_: &Device) -> Result<()> {
     Err(Error::NotCompiled("cuda"))
 }
+
+pub(crate) fn block_quantize(_: &crate::numerics::block::BlockQuantize, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn block_dequantize(
+    _: &crate::numerics::block::BlockDequantize,
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}

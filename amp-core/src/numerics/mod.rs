@@ -3,11 +3,12 @@
 //! ([`QType`](qtype::QType)), the scale rules of Transformer Engine and
 //! MS-AMP, the recipes and the config parsing behind them, the kernel
 //! mechanism every op of the project plugs into, and the kernels on raw
-//! storages: scaled casts, the cast-transpose, requantize, the transpose,
+//! storages: scaled casts (per tensor and per tile), the cast-transpose, requantize, the transpose,
 //! scalar gathers. `cuda` holds the CUDA bodies of those kernels (and of
 //! the scaling layer's) and the device plumbing the other layers'
 //! launchers share. Imports nothing of the layers above.
 
+pub(crate) mod block;
 pub(crate) mod bucket;
 pub(crate) mod bulk;
 pub(crate) mod capability;

@@ -1,5 +1,6 @@
-//! Scaling recipes: MS-AMP's current scaling and Transformer Engine's
-//! `DelayedScaling`, with TE's field names and defaults, serde (JSON, TOML).
+//! Scaling recipes: MS-AMP's current scaling, Transformer Engine's
+//! `DelayedScaling` and `Float8BlockScaling`, with TE's field names and
+//! defaults, serde (JSON, TOML).
 //!
 //! ```
 //! use amp_core::{DelayedScaling, Format, AmaxComputeAlgo};
@@ -268,6 +269,114 @@ impl Validate for CurrentScaling {
     }
 }
 
+/// Block scaling (Transformer Engine's `Float8BlockScaling`, DeepSeek-V3's
+/// recipe): one scale per 1 x 128 tile (dimension 1) or 128 x 128 block
+/// (dimension 2) of each GEMM operand, each from its own tile's amax.
+///
+/// ```
+/// use amp_core::{Float8BlockScaling, Tiling};
+/// let r = Float8BlockScaling::from_json(r#"{"fp8_format": "E4M3", "w_block_scaling_dim": 2}"#)?;
+/// assert_eq!(r.weight_tiling(), Tiling::Blk128);
+/// assert_eq!(r.input_tiling(), Tiling::Vec128);
+/// let bad = Float8BlockScaling::from_json(r#"{"x_block_scaling_dim": 2}"#).unwrap_err();
+/// assert!(bad.to_string().contains("x_block_scaling_dim"));
+/// # Ok::<(), amp_core::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Float8BlockScaling {
+    /// FP8 formats of the forward and backward passes (TE's default here:
+    /// E4M3 both ways; HYBRID puts gradients in E5M2).
+    pub fp8_format: Format,
+    /// Tiles of the inputs: 1 (1 x 128 along the features). TE takes 1 or
+    /// 2; a 128 x 128 input would meet a 128 x 128 weight in fprop, which
+    /// Hopper's GEMM refuses, so 1 only.
+    pub x_block_scaling_dim: u8,
+    /// Tiles of the weights: 2 (128 x 128 blocks, the default) or 1.
+    pub w_block_scaling_dim: u8,
+    /// Tiles of the output gradients: 1 only (as for the inputs: dgrad
+    /// meets the weight's blocks).
+    pub grad_block_scaling_dim: u8,
+    /// Power-of-two scales (TE's `power_2_scale`, the default: exact to
+    /// invert); off takes `max / amax` itself.
+    pub power_2_scale: bool,
+}
+
+impl Default for Float8BlockScaling {
+    fn default() -> Self {
+        Self {
+            fp8_format: Format::E4M3,
+            x_block_scaling_dim: 1,
+            w_block_scaling_dim: 2,
+            grad_block_scaling_dim: 1,
+            power_2_scale: true,
+        }
+    }
+}
+
+impl Float8BlockScaling {
+    fn tiling(dim: u8) -> crate::numerics::block::Tiling {
+        if dim == 2 {
+            crate::numerics::block::Tiling::Blk128
+        } else {
+            crate::numerics::block::Tiling::Vec128
+        }
+    }
+    /// The inputs' tiles.
+    pub fn input_tiling(&self) -> crate::numerics::block::Tiling {
+        Self::tiling(self.x_block_scaling_dim)
+    }
+    /// The weights' tiles.
+    pub fn weight_tiling(&self) -> crate::numerics::block::Tiling {
+        Self::tiling(self.w_block_scaling_dim)
+    }
+    /// The output gradients' tiles.
+    pub fn grad_tiling(&self) -> crate::numerics::block::Tiling {
+        Self::tiling(self.grad_block_scaling_dim)
+    }
+    /// The scale rule `power_2_scale` names.
+    pub fn scale_rule(&self) -> ScaleRule {
+        if self.power_2_scale {
+            ScaleRule::PowerOfTwo
+        } else {
+            ScaleRule::Te
+        }
+    }
+}
+
+impl Validate for Float8BlockScaling {
+    fn validate(&self) -> Result<()> {
+        let dim = |field: &str, v: u8, allowed: &[u8]| -> Result<()> {
+            if allowed.contains(&v) {
+                Ok(())
+            } else {
+                Err(Error::Config {
+                    field: field.into(),
+                    reason: format!(
+                        "{v}: must be {} (128 x 128 blocks on both sides of a GEMM are not \
+                         supported by Hopper's block-scaled GEMM)",
+                        allowed
+                            .iter()
+                            .map(|a| a.to_string())
+                            .collect::<Vec<_>>()
+                            .join(" or ")
+                    ),
+                })
+            }
+        };
+        dim("x_block_scaling_dim", self.x_block_scaling_dim, &[1])?;
+        dim("w_block_scaling_dim", self.w_block_scaling_dim, &[1, 2])?;
+        dim("grad_block_scaling_dim", self.grad_block_scaling_dim, &[1])?;
+        if self.fp8_format == Format::E5M2 {
+            return Err(Error::Config {
+                field: "fp8_format".into(),
+                reason: "E5M2 in the forward pass is not supported: use E4M3 or HYBRID".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
 macro_rules! config_io {
     ($t:ty) => {
         impl $t {
@@ -311,6 +420,7 @@ macro_rules! config_io {
 }
 config_io!(DelayedScaling);
 config_io!(CurrentScaling);
+config_io!(Float8BlockScaling);
 
 impl FromAmax {
     /// Current scaling by `recipe`'s rule and margin.

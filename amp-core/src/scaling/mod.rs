@@ -2,11 +2,13 @@
 //! device ([`ScalingMeta`](meta::ScalingMeta): scale, its inverse, the amax
 //! history and the delayed and current scale updates), what each cast
 //! saturated or flushed ([`CastStats`](crate::numerics::cast::CastStats)), scaled tensors
-//! ([`ScalingTensor`](tensor::ScalingTensor)), how a parameter is stored
+//! ([`ScalingTensor`](tensor::ScalingTensor), and per tile
+//! [`BlockTensor`](block::BlockTensor)), how a parameter is stored
 //! ([`Weight`](weight::Weight), [`WeightSlot`](weight::WeightSlot)), where
 //! FP8 weight gradients go ([`GradSink`](sink::GradSink)) and the
 //! non-finite flag a GEMM operand carries into its output.
 
+pub(crate) mod block;
 pub(crate) mod flag;
 pub(crate) mod meta;
 pub(crate) mod sink;

@@ -10,6 +10,7 @@
 //! (TE's `fp8_meta`) in `layer_scaling.rs`; the table that finds a layer
 //! again from its weight in `registry.rs`.
 
+mod block;
 mod fuse;
 mod layer_scaling;
 pub(crate) mod op;
@@ -510,6 +511,18 @@ impl Linear {
                     r.fp8_format,
                 )
             }
+            // the block GEMMs below, none of the per-tensor casts
+            ComputeMode::Fp8Block(r) => (
+                Scaling::Current(Default::default()),
+                false,
+                false,
+                false,
+                r.fp8_format,
+            ),
+        };
+        let block = match mode {
+            ComputeMode::Fp8Block(r) => Some(r.clone()),
+            _ => None,
         };
         let step = current_step();
         let fwd = fmt.forward();
@@ -565,36 +578,6 @@ impl Linear {
         } else {
             (None, None)
         };
-        // `in_gemm`: the bias and the op's residual were added in the GEMM's
-        // epilogue (BF16 activations: the bias as BF16, which cuBLASLt
-        // takes, both before the output's one rounding).
-        let (y, in_gemm) = match (&xq, &wq) {
-            // A saturating cast hides inf: a non-finite input amax makes the
-            // output NaN, never silently finite; the flag rides in x's
-            // scale_inv (flag.rs).
-            (Some(xq), Some(wq)) if fprop => {
-                let xq = flagged_by_amax(xq)?;
-                // Fast accumulation in fprop, as Transformer Engine.
-                if x.dtype() == DType::BF16 && (self.bias.is_some() || residual.is_some()) {
-                    let bias = match &self.bias {
-                        Some(b) => Some(b.detach().reshape(out_dim)?.to_dtype(DType::BF16)?),
-                        None => None,
-                    };
-                    let res = match residual {
-                        Some(r) => Some(r.detach().reshape(((), out_dim))?),
-                        None => None,
-                    };
-                    let epi = Epilogue {
-                        bias: bias.as_ref(),
-                        residual: res.as_ref(),
-                    };
-                    (fp8_gemm_fused(&xq, wq, DType::BF16, true, epi)?, true)
-                } else {
-                    (fp8_gemm_with(&xq, wq, x.dtype(), true)?, false)
-                }
-            }
-            _ => (x.matmul(&w_native()?.t()?)?, false),
-        };
         // the weight's codes cast again in backward where it is stored in
         // F32 or FP16 (an O3 weight's FP8 copy is kept as it is)
         let w_origin = match weight {
@@ -602,15 +585,72 @@ impl Linear {
             Weight::F16(t) if recast => Some(Origin::Scaled(t.clone())),
             _ => None,
         };
-        let x_saved = match (xq, xq_t) {
-            (_, Some(xt)) if wgrad => Saved::fp8(xt, true, origin),
-            (Some(xq), None) if wgrad => Saved::fp8(xq, false, origin),
-            _ => Saved::Native(x.clone()),
+        // `in_gemm`: the bias and the op's residual were added in the GEMM's
+        // epilogue (BF16 activations: the bias as BF16, which cuBLASLt
+        // takes, both before the output's one rounding).
+        let (y, in_gemm, block_saved) = if let Some(r) = &block {
+            let keep = (origin.is_none(), w_origin.is_none());
+            let (y, x_t, w_t) = block::forward(x, &w_native()?, r, keep)?;
+            (y, false, Some((x_t, w_t)))
+        } else {
+            let (y, in_gemm) = match (&xq, &wq) {
+                // A saturating cast hides inf: a non-finite input amax makes the
+                // output NaN, never silently finite; the flag rides in x's
+                // scale_inv (flag.rs).
+                (Some(xq), Some(wq)) if fprop => {
+                    let xq = flagged_by_amax(xq)?;
+                    // Fast accumulation in fprop, as Transformer Engine.
+                    if x.dtype() == DType::BF16 && (self.bias.is_some() || residual.is_some()) {
+                        let bias = match &self.bias {
+                            Some(b) => Some(b.detach().reshape(out_dim)?.to_dtype(DType::BF16)?),
+                            None => None,
+                        };
+                        let res = match residual {
+                            Some(r) => Some(r.detach().reshape(((), out_dim))?),
+                            None => None,
+                        };
+                        let epi = Epilogue {
+                            bias: bias.as_ref(),
+                            residual: res.as_ref(),
+                        };
+                        (fp8_gemm_fused(&xq, wq, DType::BF16, true, epi)?, true)
+                    } else {
+                        (fp8_gemm_with(&xq, wq, x.dtype(), true)?, false)
+                    }
+                }
+                _ => (x.matmul(&w_native()?.t()?)?, false),
+            };
+            (y, in_gemm, None)
         };
-        let w_saved = match (wq, wq_t) {
-            (_, Some(wt)) if dgrad => Saved::fp8(wt, true, w_origin),
-            (Some(wq), None) if dgrad => Saved::fp8(wq, false, w_origin),
-            _ => Saved::Native(w_native()?),
+        let (x_saved, w_saved) = match block_saved {
+            // under `nn::selective`, cast again in backward where a source is kept
+            Some((x_t, w_t)) => (
+                match (origin, x_t) {
+                    (Some(from), _) => Saved::BlockFrom {
+                        from,
+                        weight: false,
+                    },
+                    (None, Some(x_t)) => Saved::Block(x_t),
+                    (None, None) => return Err(kept_nothing()),
+                },
+                match (w_origin, w_t) {
+                    (Some(from), _) => Saved::BlockFrom { from, weight: true },
+                    (None, Some(w_t)) => Saved::Block(w_t),
+                    (None, None) => return Err(kept_nothing()),
+                },
+            ),
+            None => (
+                match (xq, xq_t) {
+                    (_, Some(xt)) if wgrad => Saved::fp8(xt, true, origin),
+                    (Some(xq), None) if wgrad => Saved::fp8(xq, false, origin),
+                    _ => Saved::Native(x.clone()),
+                },
+                match (wq, wq_t) {
+                    (_, Some(wt)) if dgrad => Saved::fp8(wt, true, w_origin),
+                    (Some(wq), None) if dgrad => Saved::fp8(wq, false, w_origin),
+                    _ => Saved::Native(w_native()?),
+                },
+            ),
         };
         *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
             op: "Linear::forward",
@@ -685,6 +725,7 @@ impl Linear {
                 wgrad,
                 bwd_format: fmt.backward(),
                 scaling,
+                block,
             },
             state: self.scaling.clone(),
             casts: self.casts.clone(),
@@ -699,6 +740,15 @@ impl Linear {
             Some(r) => Ok((r + y)?),
             None => Ok(y),
         }
+    }
+}
+
+/// The block forward kept an operand neither as codes nor as a source:
+/// never (it keeps whatever has no source).
+fn kept_nothing() -> Error {
+    Error::Unsupported {
+        op: "Linear::forward",
+        what: "a block-scaled operand with neither codes nor a source".into(),
     }
 }
 

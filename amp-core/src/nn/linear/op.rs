@@ -27,6 +27,16 @@ pub(crate) enum Saved {
     /// K-major operand its backward GEMM takes.
     Fp8T(ScalingTensor),
     Native(Tensor),
+    /// Block-scaled FP8 (`ComputeMode::Fp8Block`): the backward GEMM's
+    /// operand as it takes it (`xᵀ` or `Wᵀ`, see `linear/block.rs`).
+    Block(crate::scaling::block::BlockTensor),
+    /// A block-scaled operand cast again in backward from `from` (under
+    /// `nn::selective`): the input's `xᵀ` (`weight` false) or the weight's
+    /// `Wᵀ`, the same cast as the forward's, so the same codes.
+    BlockFrom {
+        from: Origin,
+        weight: bool,
+    },
     /// FP8 codes cast again in backward (`nn::selective`): from a tensor
     /// kept anyway, with the forward cast's metadata (its scale), as
     /// [`Saved::Fp8T`] (`transposed`) or [`Saved::Fp8`].
@@ -52,6 +62,23 @@ pub(crate) enum Origin {
 }
 
 impl Origin {
+    /// The operand's high-precision value again, as 2-D rows in `dtype`
+    /// (what the forward cast: a weight's master converted as the forward
+    /// converted it).
+    fn value(&self, dtype: DType) -> Result<Tensor> {
+        let rows = |t: &Tensor| -> Result<Tensor> {
+            let last = t.dim(candle_core::D::Minus1)?;
+            Ok(t.detach().reshape(((), last))?.contiguous()?)
+        };
+        let v = match self {
+            Self::Scaled(w) => w.dequantize(DType::F32)?,
+            Self::Value(t) => rows(t)?,
+            Self::Activated(act, z) => act.detached(&rows(z)?)?,
+            Self::Norm(ln, x) => rows(&ln.recomputed(x)?)?,
+        };
+        Ok(v.to_dtype(dtype)?)
+    }
+
     /// The operand's codes again, cast with `meta`'s scale (the cast the
     /// forward ran: current scaling's scale from the same amax, delayed
     /// scaling's from the same state), carrying `meta` itself; nothing is
@@ -96,7 +123,8 @@ impl Saved {
         match self {
             Self::Fp8(t) | Self::Fp8T(t) => t.nbytes(),
             Self::Native(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            Self::Recast { .. } => 0,
+            Self::Block(t) => t.nbytes(),
+            Self::Recast { .. } | Self::BlockFrom { .. } => 0,
         }
     }
 
@@ -110,6 +138,28 @@ impl Saved {
                     ..
                 }
         )
+    }
+
+    /// The block-scaled operand, as kept or cast again (`dtype`: the
+    /// forward's input dtype, which its operands were cast from).
+    fn block_operand(
+        &self,
+        r: &crate::numerics::recipe::Float8BlockScaling,
+        dtype: DType,
+    ) -> Result<std::borrow::Cow<'_, crate::scaling::block::BlockTensor>> {
+        use std::borrow::Cow;
+        match self {
+            Self::Block(t) => Ok(Cow::Borrowed(t)),
+            Self::BlockFrom { from, weight } => {
+                let v = from.value(dtype)?;
+                Ok(Cow::Owned(if *weight {
+                    super::block::dgrad_operand(&v, None, r)?
+                } else {
+                    super::block::wgrad_operand(&v, r)?
+                }))
+            }
+            _ => Err(block_alone()),
+        }
     }
 
     /// As kept, with a recast operand cast again.
@@ -140,6 +190,9 @@ pub(crate) struct Plan {
     pub wgrad: bool,
     pub bwd_format: Fp8Format,
     pub scaling: Scaling,
+    /// Block scaling: the GEMMs of `linear/block.rs` on [`Saved::Block`]
+    /// operands (the flags above unused).
+    pub block: Option<crate::numerics::recipe::Float8BlockScaling>,
 }
 
 /// The autograd node. Its forward returns the output computed before the op
@@ -195,6 +248,12 @@ impl Fp8LinearOp {
     fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
         let p = &self.plan;
+        if let Some(r) = &p.block {
+            let xt = self.x_saved.block_operand(r, self.x_dtype)?;
+            let wt = self.w_saved.block_operand(r, self.x_dtype)?;
+            let (dx, dw) = super::block::backward(&dy, (&xt, &wt), r, need_dx, self.x_dtype)?;
+            return self.weight_grad(dx, dw);
+        }
         let (dyq, dyq_t) = if p.dgrad || p.wgrad {
             let (q, qt) = cast(
                 Source::Tensor(&dy),
@@ -252,6 +311,7 @@ impl Fp8LinearOp {
                 (_, Saved::Fp8(wq)) => finite(dy.matmul(&native(wq)?)?)?,
                 (_, Saved::Fp8T(wt)) => finite(dy.matmul(&native(wt)?.t()?)?)?,
                 (_, Saved::Recast { .. }) => return Err(recast_left()),
+                (_, Saved::Block(_) | Saved::BlockFrom { .. }) => return Err(block_alone()),
             })
         } else {
             None
@@ -274,8 +334,19 @@ impl Fp8LinearOp {
                 finite(dy.t()?.matmul(&native(xt)?.t()?)?.to_dtype(DType::F32)?)?
             }
             (_, Saved::Recast { .. }) => return Err(recast_left()),
+            (_, Saved::Block(_) | Saved::BlockFrom { .. }) => return Err(block_alone()),
         };
         drop(x_saved);
+        self.weight_grad(dx, dw)
+    }
+
+    /// The weight gradient (F32) to the sink, or back to candle in the
+    /// weight's dtype; `dx` passed through.
+    fn weight_grad(
+        &self,
+        dx: Option<Tensor>,
+        dw: Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         match &self.sink {
             Some(sink) => {
                 let g = fp8_grad(&dw)?;
@@ -285,6 +356,15 @@ impl Fp8LinearOp {
             }
             None => Ok((dx, Some(dw.to_dtype(self.w_dtype)?))),
         }
+    }
+}
+
+/// A block-scaled operand saved without the block plan (and so the other
+/// operand not block-scaled): never made by the forward.
+fn block_alone() -> Error {
+    Error::Unsupported {
+        op: "amp_fp8_linear backward",
+        what: "a block-scaled operand without the block recipe".into(),
     }
 }
 

@@ -22,6 +22,11 @@ const CAST_T_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cast_t.ptx"));
 /// Its name in candle's module cache.
 const CAST_T_MODULE: &str = "candle_amp_cast_t_kernels";
 
+/// The PTX built from `kernels/block.cu` (the block-scaled casts).
+const BLOCK_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/block.ptx"));
+/// Its name in candle's module cache.
+const BLOCK_MODULE: &str = "candle_amp_block_kernels";
+
 /// The virtual architecture the PTX was built for (`build/nvcc.rs`).
 const PTX_ARCH: &str = env!("AMP_PTX_ARCH");
 
@@ -98,6 +103,15 @@ pub(crate) fn cast_t_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> 
     ensure_supported(dev)?;
     Ok(dev
         .get_or_load_custom_func(name, CAST_T_MODULE, CAST_T_PTX)?
+        .into_cuda_function())
+}
+
+/// A block-scaled cast kernel `name` (`kernels/block.cu`), loaded once per
+/// device.
+pub(crate) fn block_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    ensure_supported(dev)?;
+    Ok(dev
+        .get_or_load_custom_func(name, BLOCK_MODULE, BLOCK_PTX)?
         .into_cuda_function())
 }
 

@@ -50,6 +50,7 @@
 //! [`ScalingMeta`](crate::scaling::meta::ScalingMeta) and the scale update produce finite
 //! normal scales.
 
+mod block;
 mod bucket;
 mod cast;
 pub(crate) mod cast_t;
@@ -60,6 +61,7 @@ pub(crate) mod pool;
 mod scalars;
 pub(crate) mod transpose;
 
+pub(crate) use block::{block_dequantize, block_quantize};
 pub(crate) use bucket::{
     bucket_amax, bucket_concat, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize,
     bucket_requantize, bucket_scales,

@@ -1,0 +1,99 @@
+//! The block-scaled FP8 GEMM: `[m, n] = A · Bᵀ` of two [`BlockTensor`]s,
+//! `a: [m, k]`, `b: [n, k]`, in the layout of [`fp8_gemm`](super::fp8_gemm)
+//! (a Linear's `x · Wᵀ`), with the scales of each 128-long stretch of `k`
+//! applied to that stretch's partial sum, as Hopper's block-scaled kernels
+//! apply them.
+//!
+//! # Pairs of tilings
+//! The pairs Transformer Engine's `Float8BlockScaling` and torchao's
+//! rowwise recipe use, and cuBLASLt runs:
+//! - `a` 1 x 128, `b` 128 x 128: fprop (`x · Wᵀ`) and dgrad (`dy · W`, with
+//!   `b` = `Wᵀ`, [`BlockTensor::t`]);
+//! - `a` 1 x 128, `b` 1 x 128: wgrad (`dyᵀ · x`, both tiled along the
+//!   tokens);
+//! - `a` 128 x 128, `b` 1 x 128: the fprop with the operands' roles swapped;
+//! - rowwise both: `y[i, j] = (Σ a_ik b_jk) · sa[i] · sb[j]`.
+//!
+//! # Numerics
+//! The reference (CPU, and CUDA where cuBLASLt cannot run the shape)
+//! decodes each operand with its tiles' `scale_inv` into f32 and multiplies
+//! in f32. With power-of-two scales the decoded values are exact, so the
+//! result equals the per-stretch sum up to the order of the f32
+//! accumulation, the only freedom the GPU has too.
+
+use crate::error::{Error, Result};
+use crate::numerics::block::Tiling;
+use crate::scaling::block::BlockTensor;
+use candle_core::{DType, Tensor};
+
+const OP: &str = "block_gemm";
+
+/// Whether `block_gemm` takes operands tiled `(a, b)`.
+pub fn supported_tilings(a: Tiling, b: Tiling) -> bool {
+    use Tiling::*;
+    matches!(
+        (a, b),
+        (Vec128, Blk128) | (Vec128, Vec128) | (Blk128, Vec128) | (Row, Row)
+    )
+}
+
+fn check(a: &BlockTensor, b: &BlockTensor, out_dtype: DType) -> Result<()> {
+    if !supported_tilings(a.tiling(), b.tiling()) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!(
+                "operands tiled {} x {} (1x128 x 128x128, 1x128 x 1x128, 128x128 x 1x128 or \
+                 rowwise x rowwise)",
+                a.tiling(),
+                b.tiling()
+            ),
+        });
+    }
+    let (ad, bd) = (a.shape().dims(), b.shape().dims());
+    if ad[1] != bd[1] {
+        return Err(Error::Shape {
+            op: OP,
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+        });
+    }
+    if !a.device().same_device(b.device()) {
+        return Err(Error::Device {
+            op: OP,
+            lhs: a.device().location(),
+            rhs: b.device().location(),
+        });
+    }
+    if !matches!(out_dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::DType {
+            op: OP,
+            expected: "F32, BF16 or F16",
+            got: out_dtype,
+        });
+    }
+    Ok(())
+}
+
+/// `A · Bᵀ` of two block-scaled FP8 tensors (see the module docs), returned
+/// as `out_dtype` (F32, BF16 or F16).
+///
+/// # Errors
+/// [`Error::Unsupported`] for a pair of tilings the module docs do not list,
+/// [`Error::Shape`] when `k` differs, [`Error::Device`], [`Error::DType`]
+/// for another output dtype; on CUDA, cuBLASLt's.
+pub fn block_gemm(a: &BlockTensor, b: &BlockTensor, out_dtype: DType) -> Result<Tensor> {
+    check(a, b, out_dtype)?;
+    if a.device().is_cuda() {
+        if let Some(y) = super::cublaslt::block_gemm(a, b, out_dtype)? {
+            return Ok(y);
+        }
+    }
+    reference(a, b, out_dtype)
+}
+
+/// The decode-and-multiply reference (see the module docs).
+pub(crate) fn reference(a: &BlockTensor, b: &BlockTensor, out_dtype: DType) -> Result<Tensor> {
+    let ya = a.dequantize(DType::F32)?;
+    let yb = b.dequantize(DType::F32)?;
+    Ok(ya.matmul(&yb.t()?)?.to_dtype(out_dtype)?)
+}

@@ -1,0 +1,236 @@
+//! Launches of the block-scaled casts (`kernels/block.cu`): codes and
+//! per-tile scales of a 2-D input, and their dequantize.
+
+use super::launch::{block_func, grid, view, THREADS};
+use crate::error::{Error, Result};
+use crate::numerics::block::{check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, Tiling};
+use crate::numerics::kernel::{arity, Kernel};
+use crate::numerics::qtype::QType;
+use crate::numerics::scale::ScaleRule;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::{DType, Layout, Shape};
+use half::{bf16, f16};
+
+type Outputs = Vec<(CudaStorage, Shape)>;
+
+fn fmt_name(q: QType) -> &'static str {
+    if q == QType::E5M2 {
+        "e5m2"
+    } else {
+        "e4m3"
+    }
+}
+
+/// A device buffer of `n` ones (the scales of tiles no kernel visits: a
+/// tensor with no columns).
+fn ones(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
+    let s = dev.cuda_stream().clone_htod(vec![1f32; n].as_slice()).w()?;
+    Ok(CudaStorage::wrap_cuda_slice(s, dev.clone()))
+}
+
+/// `[codes, scale_inv, nonfinite]` of `[x]`.
+pub(crate) fn block_quantize(
+    k: &BlockQuantize,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Outputs> {
+    const OP: &str = BlockQuantize::NAME;
+    let [(x, lx)] = inputs else {
+        return Err(arity(OP));
+    };
+    let fmt = fmt_name(k.qtype);
+    fp8_of(OP, k.qtype)?;
+    let (rows, cols) = dims2(OP, lx.shape())?;
+    let sd = k.tiling.scale_dims(rows, cols);
+    let dev = x.device().clone();
+    let codes_shape = Shape::from((rows, cols));
+    if rows == 0 || cols == 0 {
+        let codes = dev.alloc_zeros::<u8>(0)?;
+        let nonfinite = dev.alloc_zeros::<f32>(1)?;
+        return Ok(vec![
+            (
+                CudaStorage::wrap_cuda_slice(codes, dev.clone()),
+                codes_shape,
+            ),
+            (ones(&dev, sd.0 * sd.1)?, Shape::from(sd)),
+            (
+                CudaStorage::wrap_cuda_slice(nonfinite, dev.clone()),
+                Shape::from(1usize),
+            ),
+        ]);
+    }
+    let too_big = || Error::Unsupported {
+        op: OP,
+        what: format!("a [{rows}, {cols}] input (indices beyond i32)"),
+    };
+    let (r32, c32) = (
+        i32::try_from(rows).map_err(|_| too_big())?,
+        i32::try_from(cols).map_err(|_| too_big())?,
+    );
+    let rule: i32 = match k.rule {
+        ScaleRule::Te => 0,
+        ScaleRule::PowerOfTwo => 1,
+    };
+    let max = k.qtype.max();
+    let tname = match x.dtype() {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        got => {
+            return Err(Error::DType {
+                op: OP,
+                expected: "F32, F16 or BF16",
+                got,
+            })
+        }
+    };
+    // SAFETY: the kernels write every code and every scale of a non-empty input.
+    let mut codes = unsafe { dev.alloc::<u8>(rows * cols)? };
+    let mut scale_inv = unsafe { dev.alloc::<f32>(sd.0 * sd.1)? };
+    // the bits of a non-finite tile amax (the kernel's atomicMax on u32
+    // bits, read here as the F32 they are), 0 while every tile is finite
+    let mut nonfinite = dev.alloc_zeros::<f32>(1)?;
+    let stream = dev.cuda_stream();
+    let (name, cfg) = match k.tiling {
+        Tiling::Blk128 => {
+            if sd.0 > 65_535 {
+                return Err(too_big());
+            }
+            let across = k.tiling.tiles(rows, cols).1;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32::try_from(across).map_err(|_| too_big())?,
+                    sd.0 as u32,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (format!("block_quantize_blocks_{tname}_{fmt}"), cfg)
+        }
+        Tiling::Vec128 | Tiling::Row => {
+            let tiles = sd.0 * sd.1; // one a row and tile across
+            let warps = THREADS as usize / 32;
+            let blocks = u32::try_from(tiles.div_ceil(warps)).map_err(|_| too_big())?;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (format!("block_quantize_rows_{tname}_{fmt}"), cfg)
+        }
+    };
+    let f = block_func(&dev, &name)?;
+    let tw = i32::try_from(k.tiling.tile(cols).1).map_err(|_| too_big())?;
+    let ld = i32::try_from(sd.1).map_err(|_| too_big())?;
+    macro_rules! go {
+        ($t:ty) => {{
+            let xv = view::<$t>(OP, x, lx)?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&mut codes)
+                .arg(&mut scale_inv)
+                .arg(&mut nonfinite)
+                .arg(&r32)
+                .arg(&c32);
+            if k.tiling == Tiling::Blk128 {
+                b.arg(&ld);
+            } else {
+                b.arg(&tw);
+            }
+            b.arg(&rule).arg(&k.margin).arg(&max);
+            // SAFETY: arguments match the kernel's parameters (block.cu).
+            unsafe { b.launch(cfg) }.w()?;
+        }};
+    }
+    match x.dtype() {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(bf16),
+        _ => go!(f16),
+    }
+    let nonfinite = CudaStorage::wrap_cuda_slice(nonfinite, dev.clone());
+    Ok(vec![
+        (
+            CudaStorage::wrap_cuda_slice(codes, dev.clone()),
+            codes_shape,
+        ),
+        (
+            CudaStorage::wrap_cuda_slice(scale_inv, dev.clone()),
+            Shape::from(sd),
+        ),
+        (nonfinite, Shape::from(1usize)),
+    ])
+}
+
+/// `[y]` of `[codes, scale_inv]`.
+pub(crate) fn block_dequantize(
+    k: &BlockDequantize,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Outputs> {
+    const OP: &str = BlockDequantize::NAME;
+    let [(q, lq), (s, ls)] = inputs else {
+        return Err(arity(OP));
+    };
+    fp8_of(OP, k.qtype)?;
+    let (rows, cols) = dims2(OP, lq.shape())?;
+    check_scales(OP, k.tiling, rows, cols, ls.shape())?;
+    if q.dtype() != DType::U8 {
+        return Err(Error::DType {
+            op: OP,
+            expected: "U8",
+            got: q.dtype(),
+        });
+    }
+    let dev = q.device().clone();
+    let n = rows * cols;
+    let (th, tw) = k.tiling.tile(cols);
+    let (s_down, s_across) = k.tiling.scale_strides(rows, cols);
+    let oname = match k.dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        got => {
+            return Err(Error::DType {
+                op: OP,
+                expected: "F32, F16 or BF16",
+                got,
+            })
+        }
+    };
+    let f = block_func(
+        &dev,
+        &format!("block_dequantize_{}_{oname}", fmt_name(k.qtype)),
+    )?;
+    let qv = view::<u8>(OP, q, lq)?;
+    let sv = view::<f32>(OP, s, ls)?;
+    let stream = dev.cuda_stream();
+    let cfg = grid(&dev, n)?;
+    macro_rules! go {
+        ($t:ty) => {{
+            // SAFETY: the kernel writes every element.
+            let mut out = unsafe { dev.alloc::<$t>(n)? };
+            if n > 0 {
+                let mut b = stream.launch_builder(&f);
+                b.arg(&qv)
+                    .arg(&sv)
+                    .arg(&mut out)
+                    .arg(&rows)
+                    .arg(&cols)
+                    .arg(&th)
+                    .arg(&tw)
+                    .arg(&s_down)
+                    .arg(&s_across);
+                // SAFETY: arguments match the kernel's parameters (block.cu).
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match k.dtype {
+        DType::F32 => go!(f32),
+        DType::BF16 => go!(bf16),
+        _ => go!(f16),
+    };
+    Ok(vec![(out, lq.shape().clone())])
+}

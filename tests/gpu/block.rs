@@ -1,0 +1,136 @@
+//! Block-scaled casts on CUDA against the CPU bodies bit for bit (every
+//! tiling, format and input dtype, tails, zero, NaN and inf tiles), and the
+//! block-scaled GEMM (cuBLASLt's 1x128 / 128x128 / rowwise scale modes)
+//! against a float64 product of the decoded operands, with scales that
+//! differ from tile to tile by up to 2^24.
+
+use crate::util::{same, Rng};
+use amp::{block_gemm, BlockTensor, QType, ScaleRule, Tiling};
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+
+test_device!(block_casts, block_casts_cuda);
+test_device!(block_gemm_f64, block_gemm_cuda);
+
+/// `[rows, cols]` normal values times 2^(-12..12), the power changing every
+/// 97 elements (so tiles get scales far apart), and with `specials` a zero
+/// 1 x 128 tile, a NaN and an infinity.
+fn spread(rng: &mut Rng, rows: usize, cols: usize, specials: bool) -> Vec<f32> {
+    let mut v: Vec<f32> = rng
+        .normal(rows * cols)
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| x * 2f32.powi(((i / 97) % 25) as i32 - 12))
+        .collect();
+    if specials && rows * cols > 600 {
+        v[..128.min(cols)].iter_mut().for_each(|x| *x = 0.0);
+        v[300] = f32::NAN;
+        v[rows * cols - 1] = f32::INFINITY;
+    }
+    v
+}
+
+const SHAPES: [(usize, usize); 6] = [
+    (1, 1),
+    (3, 129),
+    (130, 257),
+    (256, 1024),
+    (1000, 4096),
+    (7, 5000),
+];
+const TILINGS: [Tiling; 3] = [Tiling::Vec128, Tiling::Blk128, Tiling::Row];
+
+fn block_casts(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let mut rng = Rng(77);
+    for (rows, cols) in SHAPES {
+        let x = Tensor::from_vec(
+            spread(&mut rng, rows, cols, true),
+            (rows, cols),
+            &Device::Cpu,
+        )?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let xd = x.to_dtype(dtype)?;
+            for tiling in TILINGS {
+                for qtype in [QType::E4M3, QType::E5M2] {
+                    for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
+                        let what = format!("[{rows}, {cols}] {dtype:?} {tiling} {qtype} {rule:?}");
+                        let cpu = BlockTensor::quantize(&xd, qtype, tiling, rule)?;
+                        let gpu = BlockTensor::quantize(&xd.to_device(dev)?, qtype, tiling, rule)?;
+                        ok &= same(&format!("{what} codes"), gpu.data(), cpu.data())?;
+                        ok &= same(&format!("{what} scales"), gpu.scale_inv(), cpu.scale_inv())?;
+                        if let (Some(g), Some(c)) = (gpu.nonfinite(), cpu.nonfinite()) {
+                            ok &= same(&format!("{what} nonfinite"), g, c)?;
+                        }
+                        for out in [DType::F32, DType::BF16, DType::F16] {
+                            ok &= same(
+                                &format!("{what} dequantize {out:?}"),
+                                &gpu.dequantize(out)?,
+                                &cpu.dequantize(out)?,
+                            )?;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    ensure!(ok, "block-scaled casts differ from the CPU");
+    Ok(())
+}
+
+fn block_gemm_f64(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let mut rng = Rng(78);
+    let pairs = [
+        (Tiling::Vec128, Tiling::Blk128),
+        (Tiling::Vec128, Tiling::Vec128),
+        (Tiling::Blk128, Tiling::Vec128),
+        (Tiling::Row, Tiling::Row),
+    ];
+    // (m, k, n): aligned, unaligned, a k that is not a multiple of 128
+    for (m, k, n) in [
+        (256, 512, 384),
+        (1024, 4096, 1024),
+        (100, 72, 40),
+        (333, 1000, 200),
+        (128, 136, 256),
+    ] {
+        let xa = Tensor::from_vec(spread(&mut rng, m, k, false), (m, k), &Device::Cpu)?;
+        let xb = Tensor::from_vec(spread(&mut rng, n, k, false), (n, k), &Device::Cpu)?;
+        for (ta, tb) in pairs {
+            for qa in [QType::E4M3, QType::E5M2] {
+                let a = BlockTensor::quantize(&xa, qa, ta, ScaleRule::PowerOfTwo)?;
+                let b = BlockTensor::quantize(&xb, QType::E4M3, tb, ScaleRule::PowerOfTwo)?;
+                // decoding is exact (power-of-two scales): f64 from the CPU's decode
+                let want = a
+                    .dequantize(DType::F32)?
+                    .to_dtype(DType::F64)?
+                    .matmul(&b.dequantize(DType::F32)?.to_dtype(DType::F64)?.t()?)?;
+                let top = want.abs()?.max_all()?.to_scalar::<f64>()?;
+                let (ad, bd) = (to_dev(&a, dev)?, to_dev(&b, dev)?);
+                for (out, tol) in [(DType::F32, 1e-5), (DType::BF16, 8e-3)] {
+                    let y = block_gemm(&ad, &bd, out)?;
+                    let y = y.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+                    let worst = (&y - &want)?.abs()?.max_all()?.to_scalar::<f64>()? / top;
+                    let pass = worst <= tol;
+                    println!(
+                        "  {m}x{k}x{n} {ta} {qa} x {tb} e4m3 -> {out:?}: max err {worst:.2e} of max |y| {}",
+                        if pass { "ok" } else { "FAIL" }
+                    );
+                    ok &= pass;
+                }
+            }
+        }
+    }
+    ensure!(ok, "block-scaled GEMM beyond tolerance");
+    Ok(())
+}
+
+fn to_dev(t: &BlockTensor, dev: &Device) -> Result<BlockTensor> {
+    Ok(BlockTensor::from_parts(
+        t.data().to_device(dev)?,
+        t.scale_inv().to_device(dev)?,
+        t.qtype(),
+        t.tiling(),
+    )?)
+}
