@@ -85,11 +85,21 @@ fn casts(dev: &Device, cuda: &CudaDevice) -> Result<()> {
             gbs / copy_gbs
         );
     }
-    // wgrad's operand: the transposed source tiled 1 x 128 along the tokens
+    // a Linear's activations: 1 x 128 casts of x and of xᵀ from one read
+    let both = (true, true);
+    let r = ScaleRule::PowerOfTwo;
+    let ms = event_ms(cuda, || {
+        done(BlockTensor::quantize_pair(&x, QType::E4M3, r, both)?)
+    })?;
+    let gbs = 4.0 * nf / (ms * 1e-3) / 1e9;
+    println!(
+        "BENCH block_cast op=quantize_pair_bf16_e4m3_1x128 (codes and transposed codes) ms={ms:.3} gbs={gbs:.0} over_copy={:.2}",
+        gbs / copy_gbs
+    );
     let ms = event_ms(cuda, || done(q(&x.t()?.contiguous()?, Tiling::Vec128)?))?;
     let gbs = 3.0 * nf / (ms * 1e-3) / 1e9;
     println!(
-        "BENCH block_cast op=transpose_then_quantize_bf16_e4m3_1x128 ms={ms:.3} gbs={gbs:.0} over_copy={:.2} (bytes of the cast alone)",
+        "BENCH block_cast op=transpose_then_quantize_bf16_e4m3_1x128 (what the pair replaces) ms={ms:.3} gbs={gbs:.0} over_copy={:.2}",
         gbs / copy_gbs
     );
     let qx = q(&x, Tiling::Vec128)?;

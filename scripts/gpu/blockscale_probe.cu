@@ -3,9 +3,12 @@
 // 1x128 x 1x128, 128x128 x 1x128, rowwise), with nothing of ours around
 // it: the floor our `block_gemm` is compared with (BENCHMARKS.md). Same
 // timing as `cuda_check --block-only`: CUDA events around 30 back-to-back
-// calls after 5, BF16 output, TN layout, no fast accumulation. Scales are
-// 1 (their values do not change the speed; `tests/gpu/block.rs` checks the
-// layouts with scales that differ).
+// calls after 5, BF16 output, TN layout, no fast accumulation. The
+// operands hold pseudo-random values (E4M3 codes of magnitude 1/4 to 4 with
+// random signs; BF16 the same values): constant or zero data draws less
+// power and runs the tensor cores faster than training data does. Scales
+// are 1 (their values do not change the speed; `tests/gpu/block.rs` checks
+// the layouts with scales that differ).
 //
 //   scripts/gpu/build-probe.sh          # here: nvcc 13.0, -lcublasLt
 //   blockscale_probe                    # on the GPU: 8192^3 and the GPT shapes
@@ -24,6 +27,31 @@
             exit(1);                                                                    \
         }                                                                               \
     } while (0)
+
+// A hash of the index: the same pseudo-random data on every run.
+__device__ unsigned mix(size_t i, unsigned seed) {
+    unsigned h = (unsigned)i * 0x9E3779B1u ^ seed;
+    h ^= h >> 15;
+    h *= 0x85EBCA77u;
+    h ^= h >> 13;
+    return h;
+}
+
+// E4M3 codes 0x28..0x47 (1/4 to 3.75) with a random sign bit.
+__global__ void fill_codes(unsigned char* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const unsigned h = mix(i, seed);
+        p[i] = (unsigned char)(0x28 + (h & 0x1F)) | (unsigned char)((h >> 8) & 0x80);
+    }
+}
+
+// BF16 values of the same range: exponent -2..1, random mantissa and sign.
+__global__ void fill_bf16(unsigned short* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const unsigned h = mix(i, seed);
+        p[i] = (unsigned short)(((125u + (h & 3u)) << 7) | ((h >> 4) & 0x7Fu) | ((h >> 8) & 0x8000u));
+    }
+}
 
 static cublasLtHandle_t handle;
 static void* workspace;
@@ -100,11 +128,11 @@ static void shape(const char* name, int m, int k, int n) {
     CUDA_OK(cudaMalloc(&b16, 2 * nb));
     CUDA_OK(cudaMalloc(&d, 2 * (size_t)m * n));
     CUDA_OK(cudaMalloc(&ones, 4 * n_scales));
-    // codes 0x38 (1.0 in E4M3), BF16 0x3F80 (1.0): the speed does not depend on the values
-    CUDA_OK(cudaMemset(a, 0x38, na));
-    CUDA_OK(cudaMemset(b, 0x38, nb));
-    CUDA_OK(cudaMemset(a16, 0, 2 * na));
-    CUDA_OK(cudaMemset(b16, 0, 2 * nb));
+    fill_codes<<<1024, 256>>>((unsigned char*)a, na, 1);
+    fill_codes<<<1024, 256>>>((unsigned char*)b, nb, 2);
+    fill_bf16<<<1024, 256>>>((unsigned short*)a16, na, 1);
+    fill_bf16<<<1024, 256>>>((unsigned short*)b16, nb, 2);
+    CUDA_OK(cudaGetLastError());
     float* host = (float*)malloc(4 * n_scales);
     for (size_t i = 0; i < n_scales; i++) host[i] = 1.0f;
     CUDA_OK(cudaMemcpy(ones, host, 4 * n_scales, cudaMemcpyHostToDevice));

@@ -28,7 +28,8 @@ fn model_scale(amax: f64, max: f64) -> f64 {
     2f64.powi(e.clamp(-126, 127))
 }
 
-/// The model's codes and scale_inv of `x` `[rows, cols]` under `tiling`.
+/// The model's codes and scale_inv of `x` `[rows, cols]` under `tiling`: a
+/// tile holding inf or NaN encodes with scale 1 and stores NaN.
 fn model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, f: Fp8Format) -> (Vec<u8>, Vec<f64>) {
     let (th, tw) = match tiling {
         Tiling::Vec128 => (1, 128),
@@ -48,10 +49,15 @@ fn model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, f: Fp8Format) -> (
     }
     let values = positive_values(f);
     let max = values[values.len() - 1].0;
-    let scales: Vec<f64> = amax
+    let bad: Vec<bool> = amax
         .iter()
         .zip(&nan)
-        .map(|(&a, &n)| if n { 1.0 } else { model_scale(a, max) })
+        .map(|(a, &n)| n || a.is_infinite())
+        .collect();
+    let scales: Vec<f64> = amax
+        .iter()
+        .zip(&bad)
+        .map(|(&a, &b)| if b { 1.0 } else { model_scale(a, max) })
         .collect();
     let mut codes = vec![0u8; rows * cols];
     for r in 0..rows {
@@ -60,7 +66,11 @@ fn model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, f: Fp8Format) -> (
             codes[r * cols + c] = model_encode(&values, (x[r * cols + c] as f64 * s) as f32);
         }
     }
-    (codes, scales.iter().map(|s| 1.0 / s).collect())
+    let inv = scales
+        .iter()
+        .zip(&bad)
+        .map(|(s, &b)| if b { f64::NAN } else { 1.0 / s });
+    (codes, inv.collect())
 }
 
 /// Values spread over 2^-12..2^12 by tile, so that every tile has its own
@@ -92,9 +102,21 @@ fn check_against_model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, qtyp
         .unwrap()
         .to_vec1()
         .unwrap();
-    let got_s: Vec<f64> = got_s.iter().map(|&v| v as f64).collect();
+    // NaN scales are the canonical NaN's bits
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let want_s: Vec<f32> = scale_inv
+        .iter()
+        .map(|&v| {
+            if v.is_nan() {
+                f32::from_bits(0x7FFF_FFFF)
+            } else {
+                v as f32
+            }
+        })
+        .collect();
     assert_eq!(
-        got_s, scale_inv,
+        bits(&got_s),
+        bits(&want_s),
         "{tiling} {qtype} [{rows}, {cols}]: scales"
     );
     // the stored layout is cuBLASLt's (1 x 128: [across][rows]; 128 x 128:
@@ -110,10 +132,14 @@ fn check_against_model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, qtyp
         Tiling::Row => (rows, Box::new(|d, _| d)),
     };
     let mut want = vec![1f32; len];
-    for (i, s) in scale_inv.iter().enumerate() {
-        want[at(i / across, i % across)] = *s as f32;
+    for (i, s) in want_s.iter().enumerate() {
+        want[at(i / across, i % across)] = *s;
     }
-    assert_eq!(stored, want, "{tiling} [{rows}, {cols}]: stored layout");
+    assert_eq!(
+        bits(&stored),
+        bits(&want),
+        "{tiling} [{rows}, {cols}]: stored layout"
+    );
     // dequantize: decode(code) * scale_inv of its tile, exactly
     let y: Vec<f32> = q
         .dequantize(DType::F32)
@@ -215,47 +241,21 @@ fn zero_nan_and_inf_stay_in_their_tile() {
                 .iter()
                 .any(|&(r, c)| r / th == tr && (c / tw).min(sc - 1) == tc)
         };
+        let zero_tile = (0, 0);
         for (tr, row) in s.iter().enumerate() {
             for (tc, &v) in row.iter().enumerate() {
-                if touched(tr, tc) {
-                    assert_eq!(v, 1.0, "{tiling}: tile ({tr}, {tc}) keeps scale 1");
+                if (tr, tc) == zero_tile {
+                    assert_eq!(v, 1.0, "{tiling}: the zero tile keeps scale 1");
+                } else if touched(tr, tc) {
+                    assert!(v.is_nan(), "{tiling}: tile ({tr}, {tc}) holds inf or NaN");
                 } else {
                     assert_eq!(v, s_ref[tr][tc], "{tiling}: tile ({tr}, {tc}) unaffected");
                 }
             }
         }
-        // the non-finite flag: NaN's bits order above inf's
-        let nf: Vec<f32> = q.nonfinite().unwrap().to_vec1().unwrap();
-        assert!(nf[0].is_nan(), "{tiling}: nonfinite {}", nf[0]);
-        let flagged: Vec<f32> = q
-            .flagged()
-            .unwrap()
-            .scale_inv()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert!(
-            flagged.iter().all(|v| v.is_nan()),
-            "{tiling}: every scale NaN"
-        );
-        let clean_nf: Vec<f32> = reference.nonfinite().unwrap().to_vec1().unwrap();
-        assert_eq!(clean_nf, [0.0]);
-        let same: Vec<f32> = reference
-            .flagged()
-            .unwrap()
-            .scale_inv()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let orig: Vec<f32> = reference
-            .scale_inv()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(same, orig, "{tiling}: finite source, scales unchanged");
+        // the tiles with inf or NaN decode to NaN
+        let y: Vec<Vec<f32>> = q.dequantize(DType::F32).unwrap().to_vec2().unwrap();
+        assert!(y[2][130].is_nan() && y[129][259].is_nan(), "{tiling}");
         let codes: Vec<Vec<u8>> = q.data().to_vec2().unwrap();
         assert_eq!(codes[2][130], 0x7F, "NaN encodes to NaN");
         assert_eq!(codes[129][259], 0xFE, "-inf saturates to -448");
@@ -459,4 +459,40 @@ fn bad_inputs_are_named_errors() {
     )
     .unwrap();
     assert_eq!(ok.nbytes(), 12 + 4 * 3);
+}
+
+#[test]
+fn the_pair_cast_is_both_casts() {
+    for (rows, cols) in [(1, 1), (3, 129), (130, 257), (256, 128), (0, 5)] {
+        let x = t(spread(rows, cols, 41), &[rows, cols]);
+        let r = ScaleRule::PowerOfTwo;
+        let (a, b) = BlockTensor::quantize_pair(&x, QType::E5M2, r, (true, true)).unwrap();
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let one = BlockTensor::quantize(&x, QType::E5M2, Tiling::Vec128, r).unwrap();
+        let xt = x.t().unwrap().contiguous().unwrap();
+        let other = BlockTensor::quantize(&xt, QType::E5M2, Tiling::Vec128, r).unwrap();
+        for (got, want, what) in [(&a, &one, "rowwise"), (&b, &other, "transposed")] {
+            let flat = |t: &Tensor| {
+                t.flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            assert_eq!(
+                flat(got.data()),
+                flat(want.data()),
+                "[{rows}, {cols}] {what} codes"
+            );
+            assert_eq!(
+                flat(got.scale_inv()),
+                flat(want.scale_inv()),
+                "[{rows}, {cols}] {what} scales"
+            );
+            assert_eq!(got.shape(), want.shape());
+        }
+        let (none, only_t) = BlockTensor::quantize_pair(&x, QType::E5M2, r, (false, true)).unwrap();
+        assert!(none.is_none() && only_t.is_some());
+    }
 }

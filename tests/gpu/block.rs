@@ -59,8 +59,24 @@ fn block_casts(dev: &Device) -> Result<()> {
                         let gpu = BlockTensor::quantize(&xd.to_device(dev)?, qtype, tiling, rule)?;
                         ok &= same(&format!("{what} codes"), gpu.data(), cpu.data())?;
                         ok &= same(&format!("{what} scales"), gpu.scale_inv(), cpu.scale_inv())?;
-                        if let (Some(g), Some(c)) = (gpu.nonfinite(), cpu.nonfinite()) {
-                            ok &= same(&format!("{what} nonfinite"), g, c)?;
+                        if tiling == Tiling::Vec128 && rule == ScaleRule::PowerOfTwo {
+                            let both = (true, true);
+                            let (c1, c2) = BlockTensor::quantize_pair(&xd, qtype, rule, both)?;
+                            let (g1, g2) =
+                                BlockTensor::quantize_pair(&xd.to_device(dev)?, qtype, rule, both)?;
+                            for (g, c, part) in
+                                [(g1, c1, "pair rowwise"), (g2, c2, "pair transposed")]
+                            {
+                                let (Some(g), Some(c)) = (g, c) else {
+                                    anyhow::bail!("{what} {part}: missing")
+                                };
+                                ok &= same(&format!("{what} {part} codes"), g.data(), c.data())?;
+                                ok &= same(
+                                    &format!("{what} {part} scales"),
+                                    g.scale_inv(),
+                                    c.scale_inv(),
+                                )?;
+                            }
                         }
                         for out in [DType::F32, DType::BF16, DType::F16] {
                             ok &= same(
@@ -108,7 +124,11 @@ fn block_gemm_f64(dev: &Device) -> Result<()> {
                     .matmul(&b.dequantize(DType::F32)?.to_dtype(DType::F64)?.t()?)?;
                 let top = want.abs()?.max_all()?.to_scalar::<f64>()?;
                 let (ad, bd) = (to_dev(&a, dev)?, to_dev(&b, dev)?);
-                for (out, tol) in [(DType::F32, 1e-5), (DType::BF16, 8e-3)] {
+                // F32: Hopper's FP8 tensor cores keep partial sums in less
+                // than f32 (measured 1e-4 to 2.2e-4 of max |y| here, as the
+                // per-tensor GEMM's); a scale in the wrong place is off by
+                // up to 2^24
+                for (out, tol) in [(DType::F32, 1e-3), (DType::BF16, 8e-3)] {
                     let y = block_gemm(&ad, &bd, out)?;
                     let y = y.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
                     let worst = (&y - &want)?.abs()?.max_all()?.to_scalar::<f64>()? / top;

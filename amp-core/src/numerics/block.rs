@@ -28,13 +28,16 @@
 //! # Numerics, per tile
 //! - `amax = max |x|` over the tile (NaN if it holds a NaN);
 //! - `scale = rule.compute(amax, 1, max, margin)` ([`ScaleRule::compute`]):
-//!   a zero, infinite or NaN amax keeps scale 1, as a per-tensor cast with
-//!   no previous scale does. With [`ScaleRule::PowerOfTwo`] (the default,
-//!   Transformer Engine's `power_2_scale`) decoding is exact;
-//! - `code = encode(f32(x) * scale)`, `scale_inv = 1 / scale`.
-//!
-//! So a NaN or an infinity changes its own tile only: the other tiles keep
-//! the scales their own values give.
+//!   a zero amax keeps scale 1, as a per-tensor cast with no previous
+//!   scale does. With [`ScaleRule::PowerOfTwo`] (the default, Transformer
+//!   Engine's `power_2_scale`) decoding is exact;
+//! - `code = encode(f32(x) * scale)`, `scale_inv = 1 / scale`;
+//! - a tile whose amax is inf or NaN is encoded with scale 1 (inf saturates
+//!   to the format's max) and stores `scale_inv` NaN
+//!   ([`CANONICAL_NAN_BITS`](crate::numerics::format::CANONICAL_NAN_BITS)):
+//!   the tile decodes to NaN, and every GEMM output it enters is NaN, so
+//!   overflow is never turned into finite values. The other tiles keep the
+//!   scales their own values give.
 
 use crate::error::{Error, Result};
 use crate::numerics::cast::{with_float, Float};
@@ -140,9 +143,7 @@ pub(crate) fn dims2(op: &'static str, shape: &Shape) -> Result<(usize, usize)> {
     }
 }
 
-/// `(codes, scale_inv, nonfinite)` of a 2-D float tensor: `nonfinite` (one
-/// F32) is 0 while every tile's amax is finite, else the largest
-/// non-finite amax (inf, or NaN). Inputs: x.
+/// `(codes, scale_inv)` of a 2-D float tensor. Inputs: x.
 pub(crate) struct BlockQuantize {
     pub qtype: QType,
     pub tiling: Tiling,
@@ -158,7 +159,7 @@ impl Kernel for BlockQuantize {
         };
         let format = fp8_of(Self::NAME, self.qtype)?;
         let (rows, cols) = dims2(Self::NAME, lx.shape())?;
-        let (codes, scale_inv, nonfinite) = with_float!(Self::NAME, *x, |xs: T| {
+        let (codes, scale_inv) = with_float!(Self::NAME, *x, |xs: T| {
             let xs = slice::<T>(Self::NAME, xs, lx)?;
             Ok::<_, Error>(quantize_tiles(self, format, xs, rows, cols))
         })?;
@@ -166,7 +167,6 @@ impl Kernel for BlockQuantize {
         Ok(vec![
             (CpuStorage::U8(codes), Shape::from((rows, cols))),
             (CpuStorage::F32(scale_inv), Shape::from(sd)),
-            (CpuStorage::F32(vec![nonfinite]), Shape::from(1usize)),
         ])
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
@@ -191,28 +191,21 @@ fn tile_amax<T: Float>(tiling: Tiling, xs: &[T], rows: usize, cols: usize) -> Ve
     amax
 }
 
-/// Codes, the stored `scale_inv` and the non-finite amax (0 if none) of
-/// `xs` (`[rows, cols]`, row-major).
+/// Codes and the stored `scale_inv` of `xs` (`[rows, cols]`, row-major).
 fn quantize_tiles<T: Float>(
     k: &BlockQuantize,
     format: Fp8Format,
     xs: &[T],
     rows: usize,
     cols: usize,
-) -> (Vec<u8>, Vec<f32>, f32) {
+) -> (Vec<u8>, Vec<f32>) {
     let (th, tw) = k.tiling.tile(cols);
     let (_, sc) = k.tiling.tiles(rows, cols);
     let max = format.max();
     let amax = tile_amax(k.tiling, xs, rows, cols);
-    let worst = amax.iter().copied().max().unwrap_or(0);
-    let nonfinite = if worst >= 0x7F80_0000 {
-        f32::from_bits(worst)
-    } else {
-        0.0
-    };
     let scales: Vec<f32> = amax
-        .into_iter()
-        .map(|a| k.rule.compute(f32::from_bits(a), 1.0, max, k.margin))
+        .iter()
+        .map(|&a| k.rule.compute(f32::from_bits(a), 1.0, max, k.margin))
         .collect();
     let mut codes = vec![0u8; xs.len()];
     let mut buf = vec![0f32; tw.min(cols)];
@@ -234,12 +227,80 @@ fn quantize_tiles<T: Float>(
     }
     let (sd_r, sd_c) = k.tiling.scale_dims(rows, cols);
     let mut stored = vec![1f32; sd_r * sd_c];
-    for (i, s) in scales.iter().enumerate() {
+    for (i, (s, a)) in scales.iter().zip(&amax).enumerate() {
+        let inv = if *a >= 0x7F80_0000 {
+            f32::from_bits(crate::numerics::format::CANONICAL_NAN_BITS)
+        } else {
+            1.0 / s
+        };
         stored[k
             .tiling
-            .scale_index(rows, cols, i / sc.max(1), i % sc.max(1))] = 1.0 / s;
+            .scale_index(rows, cols, i / sc.max(1), i % sc.max(1))] = inv;
     }
-    (codes, stored, nonfinite)
+    (codes, stored)
+}
+
+/// 1 x 128 casts of a 2-D float tensor `x` and of `xᵀ` from one read
+/// (each exactly [`BlockQuantize`] of its own source): outputs the
+/// requested ones of `(codes, scale_inv)` (`rowwise`) and `(codes_t,
+/// scale_inv_t)` (`transposed`), in that order. Inputs: x.
+pub(crate) struct BlockQuantizePair {
+    pub qtype: QType,
+    pub rule: ScaleRule,
+    pub margin: u32,
+    pub rowwise: bool,
+    pub transposed: bool,
+}
+
+impl BlockQuantizePair {
+    fn single(&self) -> BlockQuantize {
+        BlockQuantize {
+            qtype: self.qtype,
+            tiling: Tiling::Vec128,
+            rule: self.rule,
+            margin: self.margin,
+        }
+    }
+}
+
+impl Kernel for BlockQuantizePair {
+    const NAME: &'static str = "block_quantize_pair";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(x, lx)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let format = fp8_of(Self::NAME, self.qtype)?;
+        let (rows, cols) = dims2(Self::NAME, lx.shape())?;
+        let k = self.single();
+        let mut out = Vec::new();
+        with_float!(Self::NAME, *x, |xs: T| {
+            let xs = slice::<T>(Self::NAME, xs, lx)?;
+            if self.rowwise {
+                let (codes, scales) = quantize_tiles(&k, format, xs, rows, cols);
+                out.push((CpuStorage::U8(codes), Shape::from((rows, cols))));
+                out.push((
+                    CpuStorage::F32(scales),
+                    Shape::from(Tiling::Vec128.scale_dims(rows, cols)),
+                ));
+            }
+            if self.transposed {
+                let xt: Vec<T> = (0..rows * cols)
+                    .map(|i| xs[(i % rows) * cols + i / rows])
+                    .collect();
+                let (codes, scales) = quantize_tiles(&k, format, &xt, cols, rows);
+                out.push((CpuStorage::U8(codes), Shape::from((cols, rows))));
+                out.push((
+                    CpuStorage::F32(scales),
+                    Shape::from(Tiling::Vec128.scale_dims(cols, rows)),
+                ));
+            }
+            Ok::<_, Error>(())
+        })?;
+        Ok(out)
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::block_quantize_pair(self, inputs)
+    }
 }
 
 /// `decode(code) * scale_inv[tile]` in `dtype`. Inputs: codes, scale_inv.

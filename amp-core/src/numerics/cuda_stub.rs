@@ -194,3 +194,10 @@ pub(crate) fn block_dequantize(
 ) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
+
+pub(crate) fn block_quantize_pair(
+    _: &crate::numerics::block::BlockQuantizePair,
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}

@@ -4,7 +4,9 @@
 
 use crate::error::{Error, Result};
 use crate::numerics::block::Tiling;
-use crate::numerics::block::{check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize};
+use crate::numerics::block::{
+    check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, BlockQuantizePair,
+};
 use crate::numerics::kernel::{arity, launch, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
@@ -37,9 +39,6 @@ pub struct BlockTensor {
     scale_inv: Tensor,
     qtype: QType,
     tiling: Tiling,
-    /// One F32: 0 while the source was finite, else its non-finite amax
-    /// (inf or NaN); 0 for tensors made from parts.
-    nonfinite: Option<Tensor>,
 }
 
 fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
@@ -72,15 +71,58 @@ impl BlockTensor {
             rule,
             margin: 0,
         };
-        let [data, scale_inv, nonfinite] =
-            <[Tensor; 3]>::try_from(launch(&op, &[x])?).map_err(|_| arity(BlockQuantize::NAME))?;
+        let [data, scale_inv] =
+            <[Tensor; 2]>::try_from(launch(&op, &[x])?).map_err(|_| arity(BlockQuantize::NAME))?;
         Ok(Self {
             data,
             scale_inv,
             qtype,
             tiling,
-            nonfinite: Some(nonfinite),
         })
+    }
+
+    /// The 1 x 128 casts of `x` (`rowwise`) and of `xᵀ` (`transposed`,
+    /// tiles of 128 along `x`'s rows: a GEMM reducing over them) from one
+    /// read of `x`; each equals [`quantize`](Self::quantize) of its own
+    /// source. The wgrad operands of a Linear come from here.
+    ///
+    /// # Errors
+    /// As [`quantize`](Self::quantize).
+    pub fn quantize_pair(
+        x: &Tensor,
+        qtype: QType,
+        rule: ScaleRule,
+        (rowwise, transposed): (bool, bool),
+    ) -> Result<(Option<Self>, Option<Self>)> {
+        const OP: &str = BlockQuantizePair::NAME;
+        fp8_of(OP, qtype)?;
+        dims2(OP, x.shape())?;
+        check_float(OP, x)?;
+        let op = BlockQuantizePair {
+            qtype,
+            rule,
+            margin: 0,
+            rowwise,
+            transposed,
+        };
+        let mut out = launch(&op, &[x])?.into_iter();
+        let mut take = |wanted: bool| -> Result<Option<Self>> {
+            if !wanted {
+                return Ok(None);
+            }
+            let (data, scale_inv) = (out.next(), out.next());
+            let (Some(data), Some(scale_inv)) = (data, scale_inv) else {
+                return Err(arity(OP));
+            };
+            Ok(Some(Self {
+                data,
+                scale_inv,
+                qtype,
+                tiling: Tiling::Vec128,
+            }))
+        };
+        let a = take(rowwise)?;
+        Ok((a, take(transposed)?))
     }
 
     /// Wraps codes and scales made elsewhere (a checkpoint, another
@@ -126,35 +168,7 @@ impl BlockTensor {
             scale_inv,
             qtype,
             tiling,
-            nonfinite: None,
         })
-    }
-
-    /// The same codes with every tile's `scale_inv` NaN where the source
-    /// held an inf or a NaN (else unchanged): a saturating cast turns inf
-    /// into the format's max, and this keeps a GEMM of the operand from
-    /// giving finite results from non-finite data (the per-tensor casts'
-    /// flag, `scaling/flag.rs`). One pass over the scales, none over the
-    /// codes.
-    ///
-    /// # Errors
-    /// candle's.
-    pub fn flagged(&self) -> Result<Self> {
-        let Some(nf) = &self.nonfinite else {
-            return Ok(self.clone());
-        };
-        // 0 * 0 + 1 = 1; inf * 0 + 1 and NaN * 0 + 1 are NaN
-        let flag = nf.affine(0.0, 1.0)?;
-        Ok(Self {
-            scale_inv: self.scale_inv.broadcast_mul(&flag)?,
-            ..self.clone()
-        })
-    }
-
-    /// Whether the source held an inf or a NaN: one F32, 0 if not (a host
-    /// read is the caller's choice).
-    pub fn nonfinite(&self) -> Option<&Tensor> {
-        self.nonfinite.as_ref()
     }
 
     /// The value in `dtype` (F32, F16 or BF16).
@@ -201,11 +215,10 @@ impl BlockTensor {
             grid.contiguous()?
         };
         Ok(Self {
-            data: self.data.t()?.contiguous()?,
+            data: crate::numerics::transpose::transpose_2d(&self.data)?,
             scale_inv,
             qtype: self.qtype,
             tiling: self.tiling,
-            nonfinite: self.nonfinite.clone(),
         })
     }
 

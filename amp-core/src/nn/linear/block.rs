@@ -18,9 +18,9 @@
 //! tensor's). The weight gradient leaves in F32, to the sink (which keeps
 //! it per tensor, as under the other recipes) or to candle.
 //!
-//! A non-finite input, weight or output gradient makes every scale of its
-//! operand NaN ([`BlockTensor::flagged`]), so the products are NaN rather
-//! than finite from saturated codes: overflow still skips the step.
+//! A tile holding an inf or a NaN keeps a NaN scale (`numerics/block.rs`),
+//! so the products it enters are NaN rather than finite from saturated
+//! codes: overflow still reaches the loss scaler, which skips the step.
 
 use crate::error::Result;
 use crate::gemm::block::block_gemm;
@@ -35,31 +35,62 @@ fn cast(t: &Tensor, r: &Float8BlockScaling, fwd: bool, tiling: Tiling) -> Result
     } else {
         r.fp8_format.backward()
     };
-    BlockTensor::quantize(&t.contiguous()?, fmt.into(), tiling, r.scale_rule())?.flagged()
+    BlockTensor::quantize(&t.contiguous()?, fmt.into(), tiling, r.scale_rule())
+}
+
+/// The 1 x 128 casts of `t` and of `tᵀ` that are `wanted`.
+fn cast_pair(
+    t: &Tensor,
+    r: &Float8BlockScaling,
+    fwd: bool,
+    wanted: (bool, bool),
+) -> Result<(Option<BlockTensor>, Option<BlockTensor>)> {
+    let fmt = if fwd {
+        r.fp8_format.forward()
+    } else {
+        r.fp8_format.backward()
+    };
+    BlockTensor::quantize_pair(&t.contiguous()?, fmt.into(), r.scale_rule(), wanted)
+}
+
+/// The error of a cast that did not return what was asked of it.
+fn missing() -> crate::error::Error {
+    crate::error::Error::Unsupported {
+        op: "block Linear",
+        what: "a block cast returned no operand".into(),
+    }
 }
 
 /// fprop: `y = x · Wᵀ` in `x`'s dtype, and the operands backward takes
 /// where it keeps them (`keep`: the input's, the weight's): the wgrad
 /// operand `xᵀ` and the dgrad operand `Wᵀ`. `x` is `[tokens, in]`, `w`
-/// `[out, in]` in high precision.
+/// `[out, in]` in high precision. `x` is read once for both of its casts.
 pub(crate) fn forward(
     x: &Tensor,
     w: &Tensor,
     r: &Float8BlockScaling,
     keep: (bool, bool),
 ) -> Result<(Tensor, Option<BlockTensor>, Option<BlockTensor>)> {
-    let xq = cast(x, r, true, r.input_tiling())?;
+    let (xq, x_t) = match r.input_tiling() {
+        Tiling::Vec128 => {
+            let (xq, x_t) = cast_pair(x, r, true, (true, keep.0))?;
+            (xq.ok_or_else(missing)?, x_t)
+        }
+        t => (
+            cast(x, r, true, t)?,
+            keep.0.then(|| wgrad_operand(x, r)).transpose()?,
+        ),
+    };
     let wq = cast(w, r, true, r.weight_tiling())?;
     let y = block_gemm(&xq, &wq, x.dtype())?;
     drop(xq);
-    let x_t = keep.0.then(|| wgrad_operand(x, r)).transpose()?;
     let w_t = keep.1.then(|| dgrad_operand(w, Some(wq), r)).transpose()?;
     Ok((y, x_t, w_t))
 }
 
 /// wgrad's `xᵀ` from `x` `[tokens, in]`: 1 x 128 along the tokens.
 pub(crate) fn wgrad_operand(x: &Tensor, r: &Float8BlockScaling) -> Result<BlockTensor> {
-    cast(&x.t()?, r, true, Tiling::Vec128)
+    cast_pair(x, r, true, (false, true))?.1.ok_or_else(missing)
 }
 
 /// dgrad's `Wᵀ` from `w` `[out, in]`: the fprop cast's blocks transposed
@@ -79,7 +110,8 @@ pub(crate) fn dgrad_operand(
 }
 
 /// dgrad (when `need_dx`, in `x_dtype`) and wgrad (F32) from `dy`
-/// `[tokens, out]` and the forward's `xᵀ` and `Wᵀ`.
+/// `[tokens, out]` and the forward's `xᵀ` and `Wᵀ`; `dy` is read once for
+/// both of its casts.
 pub(crate) fn backward(
     dy: &Tensor,
     (x_t, w_t): (&BlockTensor, &BlockTensor),
@@ -87,13 +119,11 @@ pub(crate) fn backward(
     need_dx: bool,
     x_dtype: DType,
 ) -> Result<(Option<Tensor>, Tensor)> {
-    let dx = if need_dx {
-        let dyq = cast(dy, r, false, r.grad_tiling())?;
-        Some(block_gemm(&dyq, w_t, x_dtype)?)
-    } else {
-        None
+    let (dyq, dy_t) = cast_pair(dy, r, false, (need_dx, true))?;
+    let dx = match dyq {
+        Some(dyq) => Some(block_gemm(&dyq, w_t, x_dtype)?),
+        None => None,
     };
-    let dy_t = cast(&dy.t()?, r, false, Tiling::Vec128)?;
-    let dw = block_gemm(&dy_t, x_t, DType::F32)?;
+    let dw = block_gemm(&dy_t.ok_or_else(missing)?, x_t, DType::F32)?;
     Ok((dx, dw))
 }

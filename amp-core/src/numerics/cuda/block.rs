@@ -1,9 +1,11 @@
 //! Launches of the block-scaled casts (`kernels/block.cu`): codes and
 //! per-tile scales of a 2-D input, and their dequantize.
 
-use super::launch::{block_func, grid, view, THREADS};
+use super::launch::{aligned, block_func, grid, view, THREADS};
 use crate::error::{Error, Result};
-use crate::numerics::block::{check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, Tiling};
+use crate::numerics::block::{
+    check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, BlockQuantizePair, Tiling,
+};
 use crate::numerics::kernel::{arity, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
@@ -24,13 +26,17 @@ fn fmt_name(q: QType) -> &'static str {
 }
 
 /// A device buffer of `n` ones (the scales of tiles no kernel visits: a
-/// tensor with no columns).
+/// tensor with no columns); at least one element (the driver refuses
+/// empty allocations; the shape says how many count).
 fn ones(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
-    let s = dev.cuda_stream().clone_htod(vec![1f32; n].as_slice()).w()?;
+    let s = dev
+        .cuda_stream()
+        .clone_htod(vec![1f32; n.max(1)].as_slice())
+        .w()?;
     Ok(CudaStorage::wrap_cuda_slice(s, dev.clone()))
 }
 
-/// `[codes, scale_inv, nonfinite]` of `[x]`.
+/// `[codes, scale_inv]` of `[x]`.
 pub(crate) fn block_quantize(
     k: &BlockQuantize,
     inputs: &[(&CudaStorage, &Layout)],
@@ -42,22 +48,28 @@ pub(crate) fn block_quantize(
     let fmt = fmt_name(k.qtype);
     fp8_of(OP, k.qtype)?;
     let (rows, cols) = dims2(OP, lx.shape())?;
+    if k.tiling == Tiling::Vec128 {
+        // the tile kernel's rowwise half: 16-byte loads, one read
+        let pair = BlockQuantizePair {
+            qtype: k.qtype,
+            rule: k.rule,
+            margin: k.margin,
+            rowwise: true,
+            transposed: false,
+        };
+        return block_quantize_pair(&pair, inputs);
+    }
     let sd = k.tiling.scale_dims(rows, cols);
     let dev = x.device().clone();
     let codes_shape = Shape::from((rows, cols));
     if rows == 0 || cols == 0 {
-        let codes = dev.alloc_zeros::<u8>(0)?;
-        let nonfinite = dev.alloc_zeros::<f32>(1)?;
+        let codes = dev.alloc_zeros::<u8>(1)?;
         return Ok(vec![
             (
                 CudaStorage::wrap_cuda_slice(codes, dev.clone()),
                 codes_shape,
             ),
             (ones(&dev, sd.0 * sd.1)?, Shape::from(sd)),
-            (
-                CudaStorage::wrap_cuda_slice(nonfinite, dev.clone()),
-                Shape::from(1usize),
-            ),
         ]);
     }
     let too_big = || Error::Unsupported {
@@ -88,9 +100,6 @@ pub(crate) fn block_quantize(
     // SAFETY: the kernels write every code and every scale of a non-empty input.
     let mut codes = unsafe { dev.alloc::<u8>(rows * cols)? };
     let mut scale_inv = unsafe { dev.alloc::<f32>(sd.0 * sd.1)? };
-    // the bits of a non-finite tile amax (the kernel's atomicMax on u32
-    // bits, read here as the F32 they are), 0 while every tile is finite
-    let mut nonfinite = dev.alloc_zeros::<f32>(1)?;
     let stream = dev.cuda_stream();
     let (name, cfg) = match k.tiling {
         Tiling::Blk128 => {
@@ -131,7 +140,6 @@ pub(crate) fn block_quantize(
             b.arg(&xv)
                 .arg(&mut codes)
                 .arg(&mut scale_inv)
-                .arg(&mut nonfinite)
                 .arg(&r32)
                 .arg(&c32);
             if k.tiling == Tiling::Blk128 {
@@ -149,7 +157,6 @@ pub(crate) fn block_quantize(
         DType::BF16 => go!(bf16),
         _ => go!(f16),
     }
-    let nonfinite = CudaStorage::wrap_cuda_slice(nonfinite, dev.clone());
     Ok(vec![
         (
             CudaStorage::wrap_cuda_slice(codes, dev.clone()),
@@ -159,7 +166,6 @@ pub(crate) fn block_quantize(
             CudaStorage::wrap_cuda_slice(scale_inv, dev.clone()),
             Shape::from(sd),
         ),
-        (nonfinite, Shape::from(1usize)),
     ])
 }
 
@@ -209,7 +215,7 @@ pub(crate) fn block_dequantize(
     macro_rules! go {
         ($t:ty) => {{
             // SAFETY: the kernel writes every element.
-            let mut out = unsafe { dev.alloc::<$t>(n)? };
+            let mut out = unsafe { dev.alloc::<$t>(n.max(1))? };
             if n > 0 {
                 let mut b = stream.launch_builder(&f);
                 b.arg(&qv)
@@ -233,4 +239,131 @@ pub(crate) fn block_dequantize(
         _ => go!(f16),
     };
     Ok(vec![(out, lq.shape().clone())])
+}
+
+/// The requested `[codes, scale_inv]`, `[codes_t, scale_inv_t]` of `[x]`
+/// (see [`BlockQuantizePair`]).
+pub(crate) fn block_quantize_pair(
+    k: &BlockQuantizePair,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Outputs> {
+    const OP: &str = BlockQuantizePair::NAME;
+    let [(x, lx)] = inputs else {
+        return Err(arity(OP));
+    };
+    fp8_of(OP, k.qtype)?;
+    let (rows, cols) = dims2(OP, lx.shape())?;
+    let dev = x.device().clone();
+    let sd = Tiling::Vec128.scale_dims(rows, cols);
+    let sd_t = Tiling::Vec128.scale_dims(cols, rows);
+    let too_big = || Error::Unsupported {
+        op: OP,
+        what: format!("a [{rows}, {cols}] input (indices beyond i32, or 65535 x 128 rows)"),
+    };
+    let (r32, c32) = (
+        i32::try_from(rows).map_err(|_| too_big())?,
+        i32::try_from(cols).map_err(|_| too_big())?,
+    );
+    let (down, across) = (rows.div_ceil(128), cols.div_ceil(128));
+    if down > 65_535 {
+        return Err(too_big());
+    }
+    let n = rows * cols;
+    // SAFETY: the kernel writes every code and scale of a non-empty input;
+    // an empty one gets its (empty, or all-1) scales below.
+    let alloc = |len: usize| -> Result<_> { Ok(unsafe { dev.alloc::<u8>(len.max(1))? }) };
+    let mut codes = if k.rowwise { Some(alloc(n)?) } else { None };
+    let mut codes_t = if k.transposed { Some(alloc(n)?) } else { None };
+    let mut scales = if k.rowwise {
+        Some(unsafe { dev.alloc::<f32>((sd.0 * sd.1).max(1))? })
+    } else {
+        None
+    };
+    let mut scales_t = if k.transposed {
+        Some(unsafe { dev.alloc::<f32>((sd_t.0 * sd_t.1).max(1))? })
+    } else {
+        None
+    };
+    if n > 0 {
+        let tname = match x.dtype() {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            got => {
+                return Err(Error::DType {
+                    op: OP,
+                    expected: "F32, F16 or BF16",
+                    got,
+                })
+            }
+        };
+        let f = block_func(
+            &dev,
+            &format!("block_quantize_pair_{tname}_{}", fmt_name(k.qtype)),
+        )?;
+        let rule: i32 = match k.rule {
+            ScaleRule::Te => 0,
+            ScaleRule::PowerOfTwo => 1,
+        };
+        let max = k.qtype.max();
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(across).map_err(|_| too_big())?,
+                down as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = dev.cuda_stream();
+        let null = 0u64;
+        let vec_t = i32::from(rows % 4 == 0);
+        macro_rules! go {
+            ($t:ty) => {{
+                let xv = view::<$t>(OP, x, lx)?;
+                let per_load = 16 / std::mem::size_of::<$t>();
+                let vec = i32::from(aligned(&xv, &dev) && cols % per_load == 0);
+                let mut b = stream.launch_builder(&f);
+                b.arg(&xv).arg(&r32).arg(&c32);
+                match (&mut codes, &mut scales) {
+                    (Some(c), Some(s)) => b.arg(c).arg(s),
+                    _ => b.arg(&null).arg(&null),
+                };
+                match (&mut codes_t, &mut scales_t) {
+                    (Some(c), Some(s)) => b.arg(c).arg(s),
+                    _ => b.arg(&null).arg(&null),
+                };
+                b.arg(&rule).arg(&k.margin).arg(&max).arg(&vec).arg(&vec_t);
+                // SAFETY: arguments match the kernel's parameters (block.cu).
+                unsafe { b.launch(cfg) }.w()?;
+            }};
+        }
+        match x.dtype() {
+            DType::F32 => go!(f32),
+            DType::BF16 => go!(bf16),
+            _ => go!(f16),
+        }
+    }
+    let wrap = |c| CudaStorage::wrap_cuda_slice(c, dev.clone());
+    let mut out = Vec::new();
+    // an empty input's scales: 1 (rows with no columns still have theirs)
+    let fill = |s: Option<_>, len: usize| -> Result<CudaStorage> {
+        if n == 0 {
+            ones(&dev, len)
+        } else {
+            s.map(|s| CudaStorage::wrap_cuda_slice(s, dev.clone()))
+                .ok_or_else(|| arity(OP))
+        }
+    };
+    if k.rowwise {
+        let c = codes.ok_or_else(|| arity(OP))?;
+        out.push((wrap(c), Shape::from((rows, cols))));
+        out.push((fill(scales, sd.0 * sd.1)?, Shape::from(sd)));
+    }
+    if k.transposed {
+        let c = codes_t.ok_or_else(|| arity(OP))?;
+        out.push((wrap(c), Shape::from((cols, rows))));
+        out.push((fill(scales_t, sd_t.0 * sd_t.1)?, Shape::from(sd_t)));
+    }
+    Ok(out)
 }

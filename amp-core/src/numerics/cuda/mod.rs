@@ -61,7 +61,7 @@ pub(crate) mod pool;
 mod scalars;
 pub(crate) mod transpose;
 
-pub(crate) use block::{block_dequantize, block_quantize};
+pub(crate) use block::{block_dequantize, block_quantize, block_quantize_pair};
 pub(crate) use bucket::{
     bucket_amax, bucket_concat, bucket_copy, bucket_decode_sum, bucket_max, bucket_quantize,
     bucket_requantize, bucket_scales,
