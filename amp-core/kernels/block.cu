@@ -137,7 +137,9 @@ BLOCK_QUANTIZE(f16, __half, e4m3, 0)
 BLOCK_QUANTIZE(f16, __half, e5m2, 1)
 
 // 1 x 128 casts of x [rows, cols] and of its transpose from one read: one
-// block of 256 threads per 128 x 128 tile of x. Each thread loads 16-byte
+// block of PAIR_THREADS threads per 128 x 128 tile of x (512: 32 values a
+// thread in registers, so that two blocks fit an SM and loads stay in
+// flight while the other block computes). Each thread loads 16-byte
 // vectors (V elements: 8 BF16/FP16, 4 F32) of LPR lanes per tile row; the
 // rows' amaxes reduce over those lanes, the columns' over the thread's rows,
 // the warp's row groups and the 8 warps (shared memory). Either output may
@@ -148,6 +150,8 @@ BLOCK_QUANTIZE(f16, __half, e5m2, 1)
 //   memory and written out a row of xᵀ per warp, 4 bytes a lane.
 // `vec`: x's address and cols allow 16-byte loads (else element loads);
 // `vec_t`: codes_t's address and rows allow 4-byte stores.
+#define PAIR_THREADS 512
+
 template <typename T, int FMT>
 __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, uint8_t* __restrict__ codes,
                                    float* __restrict__ scale_inv, uint8_t* __restrict__ codes_t,
@@ -156,9 +160,10 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     constexpr int V = 16 / sizeof(T);
     constexpr int LPR = 128 / V;
     constexpr int RPW = 32 / LPR;
-    constexpr int STEPS = 128 / (8 * RPW);
+    constexpr int W = PAIR_THREADS / 32;
+    constexpr int STEPS = 128 / (W * RPW);
     constexpr int ST = 132;  // staging row stride: 33 words, odd
-    __shared__ uint32_t s_col[8][128];
+    __shared__ uint32_t s_col[W][128];
     __shared__ float s_scale_t[128];
     __shared__ __align__(16) uint8_t s_t[128 * ST];
     const int tc = blockIdx.x, tr = blockIdx.y;
@@ -171,7 +176,7 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     for (int j = 0; j < V; j++) col_amax[j] = 0;
 #pragma unroll
     for (int i = 0; i < STEPS; i++) {
-        const int rl = (i * 8 + w) * RPW + sub;
+        const int rl = (i * W + w) * RPW + sub;
         const int r = tr * 128 + rl;
         const T* src = x + (size_t)r * cols + c0;
         if (vec && r < rows && c0 + V <= cols) {
@@ -229,7 +234,7 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     if (threadIdx.x < 128) {
         uint32_t m = 0;
 #pragma unroll
-        for (int k = 0; k < 8; k++) m = max(m, s_col[k][threadIdx.x]);
+        for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
         const float s = compute_scale(rule, __uint_as_float(m), 1.0f, fmt_max, margin);
         s_scale_t[threadIdx.x] = s;
         const int c = tc * 128 + threadIdx.x;
@@ -238,7 +243,7 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < STEPS; i++) {
-        const int rl = (i * 8 + w) * RPW + sub;
+        const int rl = (i * W + w) * RPW + sub;
 #pragma unroll
         for (int k = 0; k < V / 4; k++) {
             const uint32_t word = encode4<FMT>(&v[i][4 * k], &s_scale_t[cl + 4 * k]);
@@ -249,7 +254,7 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     __syncthreads();
     // row cc of the tile's xᵀ block: codes_t[tc * 128 + cc][tr * 128 ..]
     const int r0 = tr * 128;
-    for (int q = threadIdx.x; q < 128 * 32; q += 256) {
+    for (int q = threadIdx.x; q < 128 * 32; q += PAIR_THREADS) {
         const int cc = q >> 5, word = q & 31;
         const int c = tc * 128 + cc, rr = r0 + word * 4;
         if (c >= cols || rr >= rows) continue;
@@ -264,7 +269,7 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
 }
 
 #define BLOCK_QUANTIZE_PAIR(TN, T, FN, FMT)                                                            \
-    extern "C" __global__ void __launch_bounds__(256) block_quantize_pair_##TN##_##FN(                 \
+    extern "C" __global__ void __launch_bounds__(PAIR_THREADS) block_quantize_pair_##TN##_##FN(        \
         const T* x, int rows, int cols, uint8_t* codes, float* si, uint8_t* codes_t, float* si_t,      \
         int rule, unsigned margin, float fmt_max, int vec, int vec_t) {                                \
         quantize_pair_impl<T, FMT>(x, rows, cols, codes, si, codes_t, si_t, rule, margin, fmt_max, vec, \

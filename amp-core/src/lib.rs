@@ -51,7 +51,7 @@ mod numerics;
 mod scaling;
 
 pub use error::{Error, Result};
-pub use gemm::block::{block_gemm, supported_tilings};
+pub use gemm::block::{block_gemm, block_gemm_fused, supported_tilings};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
 pub use numerics::block::{Tiling, TILE as BLOCK_TILE};
 pub use numerics::bucket::{

@@ -5,12 +5,13 @@
 //! differ from tile to tile by up to 2^24.
 
 use crate::util::{same, Rng};
-use amp::{block_gemm, BlockTensor, QType, ScaleRule, Tiling};
+use amp::{block_gemm, block_gemm_fused, BlockTensor, Epilogue, QType, ScaleRule, Tiling};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 
 test_device!(block_casts, block_casts_cuda);
 test_device!(block_gemm_f64, block_gemm_cuda);
+test_device!(block_epilogue, block_epilogue_cuda);
 
 /// `[rows, cols]` normal values times 2^(-12..12), the power changing every
 /// 97 elements (so tiles get scales far apart), and with `specials` a zero
@@ -153,4 +154,43 @@ fn to_dev(t: &BlockTensor, dev: &Device) -> Result<BlockTensor> {
         t.qtype(),
         t.tiling(),
     )?)
+}
+
+/// The BF16 bias and residual in cuBLASLt's epilogue against the CPU's F32
+/// product and adds (one rounding each; the accumulation order differs).
+fn block_epilogue(dev: &Device) -> Result<()> {
+    let mut rng = Rng(79);
+    let mut ok = true;
+    for (m, k, n) in [(256, 512, 384), (1024, 1024, 3072)] {
+        let xa = Tensor::from_vec(rng.normal(m * k), (m, k), &Device::Cpu)?;
+        let xb = Tensor::from_vec(rng.normal(n * k), (n, k), &Device::Cpu)?;
+        let bias = Tensor::from_vec(rng.normal(n), n, &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let res =
+            Tensor::from_vec(rng.normal(m * n), (m, n), &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let a = BlockTensor::quantize(&xa, QType::E4M3, Tiling::Vec128, ScaleRule::PowerOfTwo)?;
+        let b = BlockTensor::quantize(&xb, QType::E4M3, Tiling::Blk128, ScaleRule::PowerOfTwo)?;
+        let epi = |bias, residual| Epilogue { bias, residual };
+        let want = block_gemm_fused(&a, &b, DType::BF16, epi(Some(&bias), Some(&res)))?;
+        let (bd, rd) = (bias.to_device(dev)?, res.to_device(dev)?);
+        let y = block_gemm_fused(
+            &to_dev(&a, dev)?,
+            &to_dev(&b, dev)?,
+            DType::BF16,
+            epi(Some(&bd), Some(&rd)),
+        )?;
+        let f = |t: &Tensor| {
+            t.to_device(&Device::Cpu)
+                .and_then(|t| t.to_dtype(DType::F64))
+        };
+        let top = f(&want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        let worst = (f(&y)? - f(&want)?)?.abs()?.max_all()?.to_scalar::<f64>()? / top;
+        let pass = worst <= 8e-3;
+        println!(
+            "  epilogue {m}x{k}x{n}: max err {worst:.2e} of max |y| {}",
+            if pass { "ok" } else { "FAIL" }
+        );
+        ok &= pass;
+    }
+    ensure!(ok, "block GEMM epilogue beyond tolerance");
+    Ok(())
 }

@@ -22,6 +22,7 @@
 //! accumulation, the only freedom the GPU has too.
 
 use crate::error::{Error, Result};
+use crate::gemm::Epilogue;
 use crate::numerics::block::Tiling;
 use crate::scaling::block::BlockTensor;
 use candle_core::{DType, Tensor};
@@ -84,11 +85,65 @@ fn check(a: &BlockTensor, b: &BlockTensor, out_dtype: DType) -> Result<()> {
 pub fn block_gemm(a: &BlockTensor, b: &BlockTensor, out_dtype: DType) -> Result<Tensor> {
     check(a, b, out_dtype)?;
     if a.device().is_cuda() {
-        if let Some(y) = super::cublaslt::block_gemm(a, b, out_dtype)? {
+        if let Some(y) = super::cublaslt::block_gemm(a, b, out_dtype, Epilogue::default())? {
             return Ok(y);
         }
     }
     reference(a, b, out_dtype)
+}
+
+/// `round_out((A · Bᵀ + residual) + bias)`: [`block_gemm`] with the
+/// addends of [`fp8_gemm_fused`](super::fp8_gemm_fused) added before the
+/// output's one rounding, in cuBLASLt's epilogue where it takes them (BF16
+/// output, bias and residual, every dimension a multiple of 16), else as
+/// the F32 product and the two adds.
+///
+/// # Errors
+/// As [`block_gemm`]; [`Error::Shape`] for a bias that is not `[n]` or a
+/// residual that is not `[m, n]`.
+pub fn block_gemm_fused(
+    a: &BlockTensor,
+    b: &BlockTensor,
+    out_dtype: DType,
+    epi: Epilogue<'_>,
+) -> Result<Tensor> {
+    if epi.bias.is_none() && epi.residual.is_none() {
+        return block_gemm(a, b, out_dtype);
+    }
+    check(a, b, out_dtype)?;
+    let (m, k) = (a.shape().dims()[0], a.shape().dims()[1]);
+    let n = b.shape().dims()[0];
+    for (t, want) in [(epi.bias, vec![n]), (epi.residual, vec![m, n])] {
+        if let Some(t) = t {
+            if t.dims() != want.as_slice() {
+                return Err(Error::Shape {
+                    op: OP,
+                    lhs: t.shape().clone(),
+                    rhs: want.into(),
+                });
+            }
+        }
+    }
+    let bf16 = |t: Option<&Tensor>| t.is_none_or(|t| t.dtype() == DType::BF16);
+    let aligned = m % 16 == 0 && n % 16 == 0 && k % 16 == 0;
+    if a.device().is_cuda()
+        && out_dtype == DType::BF16
+        && bf16(epi.bias)
+        && bf16(epi.residual)
+        && aligned
+    {
+        if let Some(y) = super::cublaslt::block_gemm(a, b, out_dtype, epi)? {
+            return Ok(y);
+        }
+    }
+    let mut y = block_gemm(a, b, DType::F32)?;
+    if let Some(r) = epi.residual {
+        y = (y + r.to_dtype(DType::F32)?)?;
+    }
+    if let Some(bias) = epi.bias {
+        y = y.broadcast_add(&bias.to_dtype(DType::F32)?)?;
+    }
+    Ok(y.to_dtype(out_dtype)?)
 }
 
 /// The decode-and-multiply reference (see the module docs).

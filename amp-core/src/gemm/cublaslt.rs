@@ -94,7 +94,10 @@ pub(super) fn address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
 
 /// A BF16 addend's address, 16-byte aligned (a copy into fresh storage
 /// where the tensor's own is not, as cuBLASLt wants for C and the bias).
-fn addend(t: Option<&Tensor>, stream: &Arc<CudaStream>) -> Result<(Option<Tensor>, u64)> {
+pub(super) fn addend(
+    t: Option<&Tensor>,
+    stream: &Arc<CudaStream>,
+) -> Result<(Option<Tensor>, u64)> {
     let Some(t) = t else {
         return Ok((None, 0));
     };

@@ -22,9 +22,10 @@
 //! multiple of 128 makes a short last tile, as on the CPU; padding `k`
 //! to 16 adds no tile.
 
-use super::cublaslt::{address, alignment, pad, run};
+use super::cublaslt::{addend, address, alignment, pad, run};
 use super::plan::{context, PlanKey, OP};
 use crate::error::{Error, Result};
+use crate::gemm::Epilogue;
 use crate::numerics::block::Tiling;
 use crate::numerics::format::Fp8Format;
 use crate::scaling::block::BlockTensor;
@@ -80,8 +81,15 @@ fn gemm_scales(
 
 /// The block-scaled GEMM in cuBLASLt, or `None` where it has no kernel for
 /// the operands (E5M2 x E5M2): the caller then runs the reference.
-/// Operands as `block_gemm` checked them.
-pub(crate) fn block_gemm(a: &BlockTensor, b: &BlockTensor, out: DType) -> Result<Option<Tensor>> {
+/// Operands as `block_gemm` checked them; an epilogue (a BF16 bias through
+/// `CUBLASLT_EPILOGUE_BIAS`, a BF16 residual as C with beta 1) only with
+/// BF16 output and `m`, `n`, `k` multiples of 16 (the caller checks).
+pub(crate) fn block_gemm(
+    a: &BlockTensor,
+    b: &BlockTensor,
+    out: DType,
+    epi: Epilogue<'_>,
+) -> Result<Option<Tensor>> {
     let (Some(fa), Some(fb)) = (a.qtype().fp8(), b.qtype().fp8()) else {
         return Ok(None);
     };
@@ -107,6 +115,16 @@ pub(crate) fn block_gemm(a: &BlockTensor, b: &BlockTensor, out: DType) -> Result
     let stream = ctx.stream.clone();
     // cuBLASLt's A is our b, its B our a.
     let (sa, sb) = (gemm_scales(b, np, &stream)?, gemm_scales(a, mp, &stream)?);
+    let padded = (mp, np) != (m, n) || kp != k;
+    if padded && (epi.bias.is_some() || epi.residual.is_some()) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("an epilogue on a padded block GEMM (m={m} n={n} k={k})"),
+        });
+    }
+    // kept alive until the GEMM is queued
+    let (_bias, bias_ptr) = addend(epi.bias, &stream)?;
+    let (_res, c_ptr) = addend(epi.residual, &stream)?;
     let scales = (address(&sa, &stream)?, address(&sb, &stream)?);
     let (a_ptr, b_ptr) = (address(&ad, &stream)?, address(&bd, &stream)?);
     let key = PlanKey {
@@ -117,13 +135,18 @@ pub(crate) fn block_gemm(a: &BlockTensor, b: &BlockTensor, out: DType) -> Result
         fb,
         out,
         fast: false,
-        bias: false,
-        c: false,
-        align: [alignment(b_ptr), alignment(a_ptr), 256, 256],
+        bias: epi.bias.is_some(),
+        c: epi.residual.is_some(),
+        align: [
+            alignment(b_ptr),
+            alignment(a_ptr),
+            alignment(c_ptr),
+            alignment(bias_ptr),
+        ],
         modes: [mode(b.tiling()), mode(a.tiling())],
     };
     if !ctx.plans.contains_key(&key) {
-        let plan = ctx.plan(key, scales, 0)?;
+        let plan = ctx.plan(key, scales, bias_ptr)?;
         ctx.plans.insert(key, plan);
     }
     let ctx = &*ctx;
@@ -143,9 +166,9 @@ pub(crate) fn block_gemm(a: &BlockTensor, b: &BlockTensor, out: DType) -> Result
         )?;
     }
     let storage = match out {
-        DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, None), mp * np)?,
-        DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr, None), mp * np)?,
-        _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr, None), mp * np)?,
+        DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
+        DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
+        _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
     };
     // the scales stay alive until the GEMM is queued on the stream
     drop((sa, sb));

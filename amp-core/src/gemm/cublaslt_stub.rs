@@ -19,7 +19,8 @@ pub(crate) fn fp8_gemm(
 pub(crate) fn block_gemm(
     _: &crate::scaling::block::BlockTensor,
     _: &crate::scaling::block::BlockTensor,
-    _: candle_core::DType,
-) -> Result<Option<candle_core::Tensor>> {
+    _: DType,
+    _: super::Epilogue<'_>,
+) -> Result<Option<Tensor>> {
     Err(Error::NotCompiled("cuda"))
 }

@@ -23,7 +23,8 @@
 //! codes: overflow still reaches the loss scaler, which skips the step.
 
 use crate::error::Result;
-use crate::gemm::block::block_gemm;
+use crate::gemm::block::{block_gemm, block_gemm_fused};
+use crate::gemm::Epilogue;
 use crate::numerics::block::Tiling;
 use crate::numerics::recipe::Float8BlockScaling;
 use crate::scaling::block::BlockTensor;
@@ -61,15 +62,17 @@ fn missing() -> crate::error::Error {
     }
 }
 
-/// fprop: `y = x · Wᵀ` in `x`'s dtype, and the operands backward takes
-/// where it keeps them (`keep`: the input's, the weight's): the wgrad
-/// operand `xᵀ` and the dgrad operand `Wᵀ`. `x` is `[tokens, in]`, `w`
-/// `[out, in]` in high precision. `x` is read once for both of its casts.
+/// fprop: `y = x · Wᵀ` in `x`'s dtype (with `epi`'s addends, see
+/// [`block_gemm_fused`]), and the operands backward takes where it keeps
+/// them (`keep`: the input's, the weight's): the wgrad operand `xᵀ` and the
+/// dgrad operand `Wᵀ`. `x` is `[tokens, in]`, `w` `[out, in]` in high
+/// precision. `x` is read once for both of its casts.
 pub(crate) fn forward(
     x: &Tensor,
     w: &Tensor,
     r: &Float8BlockScaling,
     keep: (bool, bool),
+    epi: Epilogue<'_>,
 ) -> Result<(Tensor, Option<BlockTensor>, Option<BlockTensor>)> {
     let (xq, x_t) = match r.input_tiling() {
         Tiling::Vec128 => {
@@ -82,7 +85,7 @@ pub(crate) fn forward(
         ),
     };
     let wq = cast(w, r, true, r.weight_tiling())?;
-    let y = block_gemm(&xq, &wq, x.dtype())?;
+    let y = block_gemm_fused(&xq, &wq, x.dtype(), epi)?;
     drop(xq);
     let w_t = keep.1.then(|| dgrad_operand(w, Some(wq), r)).transpose()?;
     Ok((y, x_t, w_t))

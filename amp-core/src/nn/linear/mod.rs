@@ -590,8 +590,23 @@ impl Linear {
         // takes, both before the output's one rounding).
         let (y, in_gemm, block_saved) = if let Some(r) = &block {
             let keep = (origin.is_none(), w_origin.is_none());
-            let (y, x_t, w_t) = block::forward(x, &w_native()?, r, keep)?;
-            (y, false, Some((x_t, w_t)))
+            // bias and residual in the GEMM's epilogue with BF16 activations,
+            // as the per-tensor path below
+            let fused = x.dtype() == DType::BF16 && (self.bias.is_some() || residual.is_some());
+            let bias = match &self.bias {
+                Some(b) if fused => Some(b.detach().reshape(out_dim)?.to_dtype(DType::BF16)?),
+                _ => None,
+            };
+            let res = match residual {
+                Some(r) if fused => Some(r.detach().reshape(((), out_dim))?),
+                _ => None,
+            };
+            let epi = Epilogue {
+                bias: bias.as_ref(),
+                residual: res.as_ref(),
+            };
+            let (y, x_t, w_t) = block::forward(x, &w_native()?, r, keep, epi)?;
+            (y, fused, Some((x_t, w_t)))
         } else {
             let (y, in_gemm) = match (&xq, &wq) {
                 // A saturating cast hides inf: a non-finite input amax makes the

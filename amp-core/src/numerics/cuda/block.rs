@@ -312,7 +312,8 @@ pub(crate) fn block_quantize_pair(
                 down as u32,
                 1,
             ),
-            block_dim: (256, 1, 1),
+            // PAIR_THREADS in block.cu
+            block_dim: (512, 1, 1),
             shared_mem_bytes: 0,
         };
         let stream = dev.cuda_stream();
