@@ -164,7 +164,11 @@ pub(crate) fn block_gemm(
             A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
             &scales.1,
         )?;
+        if epi.bias.is_some() {
+            super::plan::set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
+        }
     }
+    let c = epi.residual.is_some().then_some(c_ptr);
     let storage = match out {
         DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
         DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
