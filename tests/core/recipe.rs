@@ -2,8 +2,8 @@
 //! errors that name the field.
 
 use amp::{
-    AmaxComputeAlgo, CoreError as Error, CurrentScaling, DelayedScaling, Format,
-    OverrideLinearPrecision, ScaleRule, MAX_AMAX_HISTORY_LEN,
+    AmaxComputeAlgo, CoreError as Error, CurrentScaling, DelayedScaling, Float8BlockScaling,
+    Format, OverrideLinearPrecision, ScaleRule, Tiling, MAX_AMAX_HISTORY_LEN,
 };
 
 fn field_of(e: &Error) -> &str {
@@ -159,4 +159,41 @@ fn amax_history_len_is_bounded_everywhere() {
         assert_eq!(field_of(&e), "amax_history_len", "{len}: {e}");
     }
     assert!(amp::ScalingMeta::new(amp::QType::E4M3, MAX_AMAX_HISTORY_LEN, &dev).is_ok());
+}
+
+#[test]
+fn block_scaling_takes_te_names_and_refuses_what_hopper_cannot_run() {
+    let d = Float8BlockScaling::default();
+    // TE's defaults: E4M3, 1D inputs and gradients, 2D weights, powers of two
+    assert_eq!(d.fp8_format, Format::E4M3);
+    assert_eq!(
+        (
+            d.x_block_scaling_dim,
+            d.w_block_scaling_dim,
+            d.grad_block_scaling_dim
+        ),
+        (1, 2, 1)
+    );
+    assert!(d.power_2_scale);
+    assert_eq!(d.scale_rule(), ScaleRule::PowerOfTwo);
+    let t = Float8BlockScaling::from_toml(
+        "fp8_format = \"HYBRID\"\nw_block_scaling_dim = 1\npower_2_scale = false",
+    )
+    .unwrap();
+    assert_eq!(t.fp8_format, Format::Hybrid);
+    assert_eq!(t.weight_tiling(), Tiling::Vec128);
+    assert_eq!(t.scale_rule(), ScaleRule::Te);
+    let back = Float8BlockScaling::from_json(&t.to_json().unwrap()).unwrap();
+    assert_eq!(back, t);
+    for (text, field) in [
+        (r#"{"x_block_scaling_dim": 2}"#, "x_block_scaling_dim"),
+        (r#"{"grad_block_scaling_dim": 2}"#, "grad_block_scaling_dim"),
+        (r#"{"w_block_scaling_dim": 3}"#, "w_block_scaling_dim"),
+        (r#"{"fp8_format": "E5M2"}"#, "fp8_format"),
+        (r#"{"power_2_scale": "yes"}"#, "power_2_scale"),
+        (r#"{"block_len": 64}"#, "block_len"),
+    ] {
+        let e = Float8BlockScaling::from_json(text).unwrap_err();
+        assert_eq!(field_of(&e), field, "{text}: {e}");
+    }
 }

@@ -40,6 +40,12 @@ fn delayed() -> Compute {
     }
 }
 
+fn block() -> Compute {
+    Compute::Fp8Block {
+        recipe: Default::default(),
+    }
+}
+
 fn tmp(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("amp-gpt-{}-{name}", std::process::id()))
 }
@@ -55,6 +61,7 @@ fn every_level_learns_and_reports() -> anyhow::Result<()> {
         (Level::O1, delayed()),
         (Level::O2, current()),
         (Level::O3, current()),
+        (Level::O2, block()),
     ];
     for (level, compute) in runs {
         let s = train(&quick(level, compute.clone(), 30), &corpus)?;
@@ -347,6 +354,10 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
             "recipe",
         ),
         (vec!["--recipe", "/nonexistent/recipe.toml"], "recipe"),
+        (
+            vec!["--compute", "fp8-block", "--recipe", "/nonexistent/b.toml"],
+            "recipe",
+        ),
         (vec!["--compare", "O0,O1", "--save", "x"], "compare"),
         (vec!["--bogus"], "bogus"),
         // more threads than cores used to run ~150x slower without a word
