@@ -7,7 +7,7 @@
 
 use crate::{budget, data, launch, model, report, train};
 use amp::levels::{Compute, ExportDType, Level};
-use amp::{CurrentScaling, DelayedScaling, Float8BlockScaling};
+use amp::{CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::{CommandFactory, Parser, ValueEnum};
@@ -22,6 +22,8 @@ enum ComputeArg {
     Fp8Delayed,
     /// Block scaling: 1 x 128 tiles and 128 x 128 weight blocks (TE's Float8BlockScaling).
     Fp8Block,
+    /// Rowwise scaling: one scale per row of each operand (torchao's rowwise recipe).
+    Fp8Rowwise,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -39,8 +41,9 @@ struct Args {
     /// Compute path of the matrix products [default: native at O0, fp8-current above].
     #[arg(long, value_enum)]
     compute: Option<ComputeArg>,
-    /// Transformer Engine recipe (JSON or TOML): DelayedScaling (implies
-    /// fp8-delayed), or Float8BlockScaling with --compute fp8-block.
+    /// Recipe (JSON or TOML): Transformer Engine's DelayedScaling (implies
+    /// fp8-delayed), Float8BlockScaling with --compute fp8-block, or the
+    /// rowwise recipe with --compute fp8-rowwise.
     #[arg(long)]
     recipe: Option<PathBuf>,
     /// Model size (`crate::model::SIZES`; GPT: tiny, 125m, 350m, 760m, 1.3b,
@@ -231,6 +234,12 @@ fn compute_for(args: &Args, level: Level) -> Compute {
                 Err(e) => usage(format!("--recipe {}: {e}", path.display())),
             };
         }
+        if args.compute == Some(ComputeArg::Fp8Rowwise) {
+            return match Float8RowwiseScaling::from_path(path) {
+                Ok(recipe) => Compute::Fp8Rowwise { recipe },
+                Err(e) => usage(format!("--recipe {}: {e}", path.display())),
+            };
+        }
         return match DelayedScaling::from_path(path) {
             Ok(recipe) => Compute::Fp8Delayed { recipe },
             Err(e) => usage(format!("--recipe {}: {e}", path.display())),
@@ -246,6 +255,9 @@ fn compute_for(args: &Args, level: Level) -> Compute {
         },
         Some(ComputeArg::Fp8Block) => Compute::Fp8Block {
             recipe: Float8BlockScaling::default(),
+        },
+        Some(ComputeArg::Fp8Rowwise) => Compute::Fp8Rowwise {
+            recipe: Float8RowwiseScaling::default(),
         },
         None if level == Level::O0 => Compute::Native,
         None => Compute::Fp8Current {
@@ -298,10 +310,13 @@ pub fn main() -> Result<()> {
     if args.recipe.is_some()
         && !matches!(
             args.compute,
-            None | Some(ComputeArg::Fp8Delayed | ComputeArg::Fp8Block)
+            None | Some(ComputeArg::Fp8Delayed | ComputeArg::Fp8Block | ComputeArg::Fp8Rowwise)
         )
     {
-        usage("--recipe goes with --compute fp8-delayed (DelayedScaling) or fp8-block (Float8BlockScaling)");
+        usage(
+            "--recipe goes with --compute fp8-delayed (DelayedScaling), fp8-block \
+             (Float8BlockScaling) or fp8-rowwise",
+        );
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         usage(format!("--lr {}: must be finite and positive", args.lr));

@@ -20,6 +20,7 @@ pub fn compute_name(c: &Compute) -> &'static str {
         Compute::Fp8Current { .. } => "fp8-current",
         Compute::Fp8Delayed { .. } => "fp8-delayed",
         Compute::Fp8Block { .. } => "fp8-block",
+        Compute::Fp8Rowwise { .. } => "fp8-rowwise",
     }
 }
 

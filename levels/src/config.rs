@@ -4,7 +4,7 @@
 use crate::level::Level;
 use amp_core::config::Validate;
 use amp_core::nn::ComputeMode;
-use amp_core::{CurrentScaling, DelayedScaling, Float8BlockScaling};
+use amp_core::{CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling};
 use amp_optim::LossScaling;
 use serde::{Deserialize, Serialize};
 
@@ -31,11 +31,22 @@ pub enum Compute {
     /// (Transformer Engine's `Float8BlockScaling`, DeepSeek-V3). The
     /// levels' own FP8 tensors stay per tensor under it: the weight
     /// gradients on the wire and in the optimizer, O3's stored FP8 weights
-    /// (the block GEMM recasts them per block, losslessly).
+    /// (the block GEMM recasts them per block, losslessly). Neither keeps
+    /// scaling state in a checkpoint: a run resumes into any compute path,
+    /// and one saved under delayed scaling resumes here only with its
+    /// state converted away (as into fp8-current).
     Fp8Block {
         /// The recipe.
         #[serde(default)]
         recipe: Float8BlockScaling,
+    },
+    /// FP8 with one scale per row of each operand (torchao's `rowwise`
+    /// recipe); the levels' own FP8 tensors stay per tensor, as under
+    /// [`Compute::Fp8Block`].
+    Fp8Rowwise {
+        /// The recipe.
+        #[serde(default)]
+        recipe: Float8RowwiseScaling,
     },
 }
 
@@ -59,6 +70,7 @@ impl Compute {
             Self::Fp8Current { recipe } => ComputeMode::Fp8Current(recipe.clone()),
             Self::Fp8Delayed { recipe } => ComputeMode::Fp8Delayed(recipe.clone()),
             Self::Fp8Block { recipe } => ComputeMode::Fp8Block(recipe.clone()),
+            Self::Fp8Rowwise { recipe } => ComputeMode::Fp8Rowwise(recipe.clone()),
         }
     }
 }
@@ -287,6 +299,7 @@ impl Validate for AmpConfig {
             Compute::Fp8Current { recipe } => recipe.validate()?,
             Compute::Fp8Delayed { recipe } => recipe.validate()?,
             Compute::Fp8Block { recipe } => recipe.validate()?,
+            Compute::Fp8Rowwise { recipe } => recipe.validate()?,
         }
         if let Some(n) = self.max_grad_norm {
             if !(n > 0.0 && n.is_finite()) {

@@ -108,8 +108,9 @@ pub fn randt(shape: &[usize], seed: u64, scale: f32) -> Tensor {
 }
 
 /// The compute modes a fused layer is checked in: native, MS-AMP current
-/// scaling, TE delayed scaling (a history of 4), TE block scaling.
-pub fn modes() -> [ComputeMode; 4] {
+/// scaling, TE delayed scaling (a history of 4), TE block scaling,
+/// torchao's rowwise scaling.
+pub fn modes() -> [ComputeMode; 5] {
     [
         ComputeMode::Native,
         ComputeMode::Fp8Current(Default::default()),
@@ -118,6 +119,7 @@ pub fn modes() -> [ComputeMode; 4] {
             ..Default::default()
         }),
         ComputeMode::Fp8Block(Default::default()),
+        ComputeMode::Fp8Rowwise(Default::default()),
     ]
 }
 

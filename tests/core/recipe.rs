@@ -197,3 +197,19 @@ fn block_scaling_takes_te_names_and_refuses_what_hopper_cannot_run() {
         assert_eq!(field_of(&e), field, "{text}: {e}");
     }
 }
+
+#[test]
+fn rowwise_scaling_refuses_e5m2_forward_and_unknown_fields() {
+    let r = amp::Float8RowwiseScaling::from_json(r#"{"fp8_format": "HYBRID"}"#).unwrap();
+    assert_eq!(r.fp8_format, Format::Hybrid);
+    for (text, field) in [
+        (r#"{"fp8_format": "E5M2"}"#, "fp8_format"),
+        (
+            r#"{"scaling_granularity": "axiswise"}"#,
+            "scaling_granularity",
+        ),
+    ] {
+        let e = amp::Float8RowwiseScaling::from_json(text).unwrap_err();
+        assert_eq!(field_of(&e), field, "{text}: {e}");
+    }
+}

@@ -62,6 +62,12 @@ fn every_level_learns_and_reports() -> anyhow::Result<()> {
         (Level::O2, current()),
         (Level::O3, current()),
         (Level::O2, block()),
+        (
+            Level::O1,
+            Compute::Fp8Rowwise {
+                recipe: Default::default(),
+            },
+        ),
     ];
     for (level, compute) in runs {
         let s = train(&quick(level, compute.clone(), 30), &corpus)?;

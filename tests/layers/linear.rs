@@ -89,6 +89,19 @@ fn fp8_forward_and_gradients_within_the_format_bounds() {
             E4M3_EPS,
         ),
         (
+            "rowwise E4M3",
+            ComputeMode::Fp8Rowwise(Default::default()),
+            E4M3_EPS,
+        ),
+        (
+            "rowwise HYBRID",
+            ComputeMode::Fp8Rowwise(amp::Float8RowwiseScaling {
+                fp8_format: Format::Hybrid,
+                ..Default::default()
+            }),
+            E5M2_EPS,
+        ),
+        (
             "block HYBRID, 1x128 weights",
             ComputeMode::Fp8Block(Float8BlockScaling {
                 fp8_format: Format::Hybrid,

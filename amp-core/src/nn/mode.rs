@@ -1,7 +1,9 @@
 //! Compute modes and the `fp8_autocast` scope (Transformer Engine's
 //! `fp8_autocast(enabled, fp8_recipe)`).
 
-use crate::numerics::recipe::{CurrentScaling, DelayedScaling, Float8BlockScaling};
+use crate::numerics::recipe::{
+    CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling,
+};
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,6 +25,9 @@ pub enum ComputeMode {
     /// operand (TE's `Float8BlockScaling`, DeepSeek-V3's recipe; see
     /// `nn/linear/block.rs`).
     Fp8Block(Float8BlockScaling),
+    /// FP8 with one scale per row of each operand along the reduced
+    /// dimension (torchao's `rowwise` recipe).
+    Fp8Rowwise(Float8RowwiseScaling),
 }
 
 thread_local! {

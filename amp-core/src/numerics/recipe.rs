@@ -1,6 +1,6 @@
 //! Scaling recipes: MS-AMP's current scaling, Transformer Engine's
-//! `DelayedScaling` and `Float8BlockScaling`, with TE's field names and
-//! defaults, serde (JSON, TOML).
+//! `DelayedScaling` and `Float8BlockScaling` with TE's field names and
+//! defaults, torchao's rowwise scaling; serde (JSON, TOML).
 //!
 //! ```
 //! use amp_core::{DelayedScaling, Format, AmaxComputeAlgo};
@@ -377,6 +377,97 @@ impl Validate for Float8BlockScaling {
     }
 }
 
+/// Rowwise scaling (torchao's `rowwise` recipe): one scale per row of each
+/// GEMM operand along the dimension the GEMM reduces (a token's features,
+/// a weight's output channel; in backward, per output feature and per
+/// token), cuBLASLt's `OUTER_VEC_32F` scales on Hopper.
+///
+/// ```
+/// use amp_core::{Float8RowwiseScaling, Format};
+/// let r = Float8RowwiseScaling::from_toml("power_2_scale = true")?;
+/// assert_eq!(r.fp8_format, Format::E4M3);
+/// # Ok::<(), amp_core::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Float8RowwiseScaling {
+    /// FP8 formats of the forward and backward passes (E4M3 both ways by
+    /// default, as torchao's recipe; HYBRID puts gradients in E5M2).
+    pub fp8_format: Format,
+    /// Power-of-two scales (torchao's `round_scales_to_power_of_2`, the
+    /// default); off takes `max / amax` itself.
+    pub power_2_scale: bool,
+}
+
+impl Default for Float8RowwiseScaling {
+    fn default() -> Self {
+        Self {
+            fp8_format: Format::E4M3,
+            power_2_scale: true,
+        }
+    }
+}
+
+impl Validate for Float8RowwiseScaling {
+    fn validate(&self) -> Result<()> {
+        if self.fp8_format == Format::E5M2 {
+            return Err(Error::Config {
+                field: "fp8_format".into(),
+                reason: "E5M2 in the forward pass is not supported: use E4M3 or HYBRID".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The tiles each GEMM operand of a Linear is cast in, with the formats
+/// and the scale rule: what the block recipes come to (`nn/linear/block.rs`
+/// runs it).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct TileRecipe {
+    pub fp8_format: Format,
+    pub rule: ScaleRule,
+    /// fprop's input `x`.
+    pub input: crate::numerics::block::Tiling,
+    /// fprop's and dgrad's weight.
+    pub weight: crate::numerics::block::Tiling,
+    /// dgrad's output gradient `dy`.
+    pub grad: crate::numerics::block::Tiling,
+    /// wgrad's two operands, `dyᵀ` and `xᵀ` (tiled along the tokens).
+    pub wgrad: crate::numerics::block::Tiling,
+}
+
+impl From<&Float8BlockScaling> for TileRecipe {
+    fn from(r: &Float8BlockScaling) -> Self {
+        Self {
+            fp8_format: r.fp8_format,
+            rule: r.scale_rule(),
+            input: r.input_tiling(),
+            weight: r.weight_tiling(),
+            grad: r.grad_tiling(),
+            wgrad: crate::numerics::block::Tiling::Vec128,
+        }
+    }
+}
+
+impl From<&Float8RowwiseScaling> for TileRecipe {
+    fn from(r: &Float8RowwiseScaling) -> Self {
+        use crate::numerics::block::Tiling::Row;
+        Self {
+            fp8_format: r.fp8_format,
+            rule: if r.power_2_scale {
+                ScaleRule::PowerOfTwo
+            } else {
+                ScaleRule::Te
+            },
+            input: Row,
+            weight: Row,
+            grad: Row,
+            wgrad: Row,
+        }
+    }
+}
+
 macro_rules! config_io {
     ($t:ty) => {
         impl $t {
@@ -421,6 +512,7 @@ macro_rules! config_io {
 config_io!(DelayedScaling);
 config_io!(CurrentScaling);
 config_io!(Float8BlockScaling);
+config_io!(Float8RowwiseScaling);
 
 impl FromAmax {
     /// Current scaling by `recipe`'s rule and margin.

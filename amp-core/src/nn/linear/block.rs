@@ -1,6 +1,8 @@
 //! The Linear's GEMMs under block scaling (`ComputeMode::Fp8Block`,
-//! Transformer Engine's `Float8BlockScaling`): every operand cast with one
-//! scale per tile, as TE and DeepSeek-V3 lay them out:
+//! Transformer Engine's `Float8BlockScaling`) and rowwise scaling
+//! (`ComputeMode::Fp8Rowwise`, torchao's recipe: every tile below a whole
+//! row along the reduced dimension): every operand cast with one scale per
+//! tile, as TE and DeepSeek-V3 lay them out:
 //!
 //! | GEMM | `a` (tiles along the reduced dim) | `b` |
 //! |---|---|---|
@@ -26,32 +28,43 @@ use crate::error::Result;
 use crate::gemm::block::{block_gemm, block_gemm_fused};
 use crate::gemm::Epilogue;
 use crate::numerics::block::Tiling;
-use crate::numerics::recipe::Float8BlockScaling;
+use crate::numerics::recipe::TileRecipe;
+use crate::numerics::transpose::transpose_2d;
 use crate::scaling::block::BlockTensor;
 use candle_core::{DType, Tensor};
 
-fn cast(t: &Tensor, r: &Float8BlockScaling, fwd: bool, tiling: Tiling) -> Result<BlockTensor> {
-    let fmt = if fwd {
-        r.fp8_format.forward()
+fn fmt(r: &TileRecipe, fwd: bool) -> crate::numerics::qtype::QType {
+    if fwd {
+        r.fp8_format.forward().into()
     } else {
-        r.fp8_format.backward()
-    };
-    BlockTensor::quantize(&t.contiguous()?, fmt.into(), tiling, r.scale_rule())
+        r.fp8_format.backward().into()
+    }
 }
 
-/// The 1 x 128 casts of `t` and of `tᵀ` that are `wanted`.
+fn cast(t: &Tensor, r: &TileRecipe, fwd: bool, tiling: Tiling) -> Result<BlockTensor> {
+    BlockTensor::quantize(&t.contiguous()?, fmt(r, fwd), tiling, r.rule)
+}
+
+/// The casts of `t` in `tiling` and of `tᵀ` in the wgrad tiling that are
+/// `wanted`: from one read of `t` where both are 1 x 128, else one cast
+/// each (`tᵀ` through the tiled transpose).
 fn cast_pair(
     t: &Tensor,
-    r: &Float8BlockScaling,
+    r: &TileRecipe,
     fwd: bool,
+    tiling: Tiling,
     wanted: (bool, bool),
 ) -> Result<(Option<BlockTensor>, Option<BlockTensor>)> {
-    let fmt = if fwd {
-        r.fp8_format.forward()
-    } else {
-        r.fp8_format.backward()
-    };
-    BlockTensor::quantize_pair(&t.contiguous()?, fmt.into(), r.scale_rule(), wanted)
+    let t = t.contiguous()?;
+    if tiling == Tiling::Vec128 && r.wgrad == Tiling::Vec128 {
+        return BlockTensor::quantize_pair(&t, fmt(r, fwd), r.rule, wanted);
+    }
+    let a = wanted.0.then(|| cast(&t, r, fwd, tiling)).transpose()?;
+    let b = wanted
+        .1
+        .then(|| cast(&transpose_2d(&t)?, r, fwd, r.wgrad))
+        .transpose()?;
+    Ok((a, b))
 }
 
 /// The error of a cast that did not return what was asked of it.
@@ -66,63 +79,55 @@ fn missing() -> crate::error::Error {
 /// [`block_gemm_fused`]), and the operands backward takes where it keeps
 /// them (`keep`: the input's, the weight's): the wgrad operand `xᵀ` and the
 /// dgrad operand `Wᵀ`. `x` is `[tokens, in]`, `w` `[out, in]` in high
-/// precision. `x` is read once for both of its casts.
+/// precision. `x` is read once for both of its 1 x 128 casts.
 pub(crate) fn forward(
     x: &Tensor,
     w: &Tensor,
-    r: &Float8BlockScaling,
+    r: &TileRecipe,
     keep: (bool, bool),
     epi: Epilogue<'_>,
 ) -> Result<(Tensor, Option<BlockTensor>, Option<BlockTensor>)> {
-    let (xq, x_t) = match r.input_tiling() {
-        Tiling::Vec128 => {
-            let (xq, x_t) = cast_pair(x, r, true, (true, keep.0))?;
-            (xq.ok_or_else(missing)?, x_t)
-        }
-        t => (
-            cast(x, r, true, t)?,
-            keep.0.then(|| wgrad_operand(x, r)).transpose()?,
-        ),
-    };
-    let wq = cast(w, r, true, r.weight_tiling())?;
-    let y = block_gemm_fused(&xq, &wq, x.dtype(), epi)?;
-    drop(xq);
+    let (xq, x_t) = cast_pair(x, r, true, r.input, (true, keep.0))?;
+    let wq = cast(w, r, true, r.weight)?;
+    let y = block_gemm_fused(&xq.ok_or_else(missing)?, &wq, x.dtype(), epi)?;
     let w_t = keep.1.then(|| dgrad_operand(w, Some(wq), r)).transpose()?;
     Ok((y, x_t, w_t))
 }
 
-/// wgrad's `xᵀ` from `x` `[tokens, in]`: 1 x 128 along the tokens.
-pub(crate) fn wgrad_operand(x: &Tensor, r: &Float8BlockScaling) -> Result<BlockTensor> {
-    cast_pair(x, r, true, (false, true))?.1.ok_or_else(missing)
+/// wgrad's `xᵀ` from `x` `[tokens, in]`: tiled along the tokens.
+pub(crate) fn wgrad_operand(x: &Tensor, r: &TileRecipe) -> Result<BlockTensor> {
+    cast_pair(x, r, true, r.input, (false, true))?
+        .1
+        .ok_or_else(missing)
 }
 
 /// dgrad's `Wᵀ` from `w` `[out, in]`: the fprop cast's blocks transposed
-/// (cast here when not given), or a 1 x 128 cast of `Wᵀ`.
+/// (cast here when not given), or a cast of `Wᵀ` in the weight's tiling.
 pub(crate) fn dgrad_operand(
     w: &Tensor,
     fprop: Option<BlockTensor>,
-    r: &Float8BlockScaling,
+    r: &TileRecipe,
 ) -> Result<BlockTensor> {
-    match r.weight_tiling() {
+    match r.weight {
         Tiling::Blk128 => match fprop {
             Some(wq) => wq.t(),
             None => cast(w, r, true, Tiling::Blk128)?.t(),
         },
-        t => cast(&w.t()?, r, true, t),
+        t => cast(&transpose_2d(&w.contiguous()?)?, r, true, t),
     }
 }
 
 /// dgrad (when `need_dx`, in `x_dtype`) and wgrad (F32) from `dy`
 /// `[tokens, out]` and the forward's `xᵀ` and `Wᵀ`; `dy` is read once for
-/// both of its casts.
+/// both of its 1 x 128 casts.
 pub(crate) fn backward(
     dy: &Tensor,
     (x_t, w_t): (&BlockTensor, &BlockTensor),
-    r: &Float8BlockScaling,
+    r: &TileRecipe,
     need_dx: bool,
     x_dtype: DType,
 ) -> Result<(Option<Tensor>, Tensor)> {
-    let (dyq, dy_t) = cast_pair(dy, r, false, (need_dx, true))?;
+    let (dyq, dy_t) = cast_pair(dy, r, false, r.grad, (need_dx, true))?;
     let dx = match dyq {
         Some(dyq) => Some(block_gemm(&dyq, w_t, x_dtype)?),
         None => None,

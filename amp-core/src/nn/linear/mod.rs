@@ -21,6 +21,7 @@ use super::precomputed::Precomputed;
 use super::selective;
 use crate::error::{Error, Result};
 use crate::gemm::{fp8_gemm_fused, fp8_gemm_with, Epilogue};
+use crate::numerics::recipe::TileRecipe;
 use crate::scaling::flag::flagged_by_amax;
 use crate::scaling::sink::GradSink;
 use crate::scaling::weight::{Weight, WeightSlot};
@@ -519,9 +520,17 @@ impl Linear {
                 false,
                 r.fp8_format,
             ),
+            ComputeMode::Fp8Rowwise(r) => (
+                Scaling::Current(Default::default()),
+                false,
+                false,
+                false,
+                r.fp8_format,
+            ),
         };
         let block = match mode {
-            ComputeMode::Fp8Block(r) => Some(r.clone()),
+            ComputeMode::Fp8Block(r) => Some(TileRecipe::from(r)),
+            ComputeMode::Fp8Rowwise(r) => Some(TileRecipe::from(r)),
             _ => None,
         };
         let step = current_step();

@@ -144,7 +144,7 @@ impl Saved {
     /// forward's input dtype, which its operands were cast from).
     fn block_operand(
         &self,
-        r: &crate::numerics::recipe::Float8BlockScaling,
+        r: &crate::numerics::recipe::TileRecipe,
         dtype: DType,
     ) -> Result<std::borrow::Cow<'_, crate::scaling::block::BlockTensor>> {
         use std::borrow::Cow;
@@ -190,9 +190,9 @@ pub(crate) struct Plan {
     pub wgrad: bool,
     pub bwd_format: Fp8Format,
     pub scaling: Scaling,
-    /// Block scaling: the GEMMs of `linear/block.rs` on [`Saved::Block`]
-    /// operands (the flags above unused).
-    pub block: Option<crate::numerics::recipe::Float8BlockScaling>,
+    /// Block or rowwise scaling: the GEMMs of `linear/block.rs` on
+    /// [`Saved::Block`] operands (the flags above unused).
+    pub block: Option<crate::numerics::recipe::TileRecipe>,
 }
 
 /// The autograd node. Its forward returns the output computed before the op
