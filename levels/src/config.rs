@@ -31,10 +31,12 @@ pub enum Compute {
     /// (Transformer Engine's `Float8BlockScaling`, DeepSeek-V3). The
     /// levels' own FP8 tensors stay per tensor under it: the weight
     /// gradients on the wire and in the optimizer, O3's stored FP8 weights
-    /// (the block GEMM recasts them per block, losslessly). Neither keeps
-    /// scaling state in a checkpoint: a run resumes into any compute path,
-    /// and one saved under delayed scaling resumes here only with its
-    /// state converted away (as into fp8-current).
+    /// (the block cast reads the FP16 master where a rank holds it whole,
+    /// else the gathered FP8 weight, which recasts per block losslessly).
+    /// This and [`Compute::Fp8Rowwise`] keep no scaling state in a
+    /// checkpoint: a run resumes into any compute path, and one saved under
+    /// delayed scaling resumes here only with its state converted away (as
+    /// into fp8-current).
     Fp8Block {
         /// The recipe.
         #[serde(default)]

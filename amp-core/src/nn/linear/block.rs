@@ -14,11 +14,16 @@
 //! cast of its own from the high-precision `x` (as TE's "columnwise" copy,
 //! not a transpose of the forward's codes, which would quantize twice),
 //! made in the forward and kept for backward instead of `x`. The weight's
-//! source is its master in high precision (F32, or an FP16 or FP8 stored
-//! weight decoded: an O3 weight's per-tensor E4M3 codes recast per block
-//! lose nothing, every tile scale being a power of two at least the
-//! tensor's). The weight gradient leaves in F32, to the sink (which keeps
-//! it per tensor, as under the other recipes) or to candle.
+//! source is its master in high precision (F32, or the FP16 master
+//! decoded, O3's on one rank included; O3 across ranks, whose master is
+//! sharded, decodes the gathered per-tensor E4M3 weight, and its codes
+//! recast per block lose nothing: every block's power-of-two scale is at
+//! least the tensor's). The weight gradient leaves in F32, to the sink
+//! (which keeps it per tensor, as under the other recipes) or to candle.
+//!
+//! Rowwise scaling runs the same three GEMMs with whole-row tiles; its
+//! transposed operands (`Wᵀ`, `dyᵀ`, `xᵀ`) go through the tiled transpose
+//! and a cast each (the one-read pair is 1 x 128's).
 //!
 //! A tile holding an inf or a NaN keeps a NaN scale (`numerics/block.rs`),
 //! so the products it enters are NaN rather than finite from saturated
