@@ -136,7 +136,9 @@ BLOCK_QUANTIZE(bf16, __nv_bfloat16, e5m2, 1)
 BLOCK_QUANTIZE(f16, __half, e4m3, 0)
 BLOCK_QUANTIZE(f16, __half, e5m2, 1)
 
-// 1 x 128 casts of x [rows, cols] and of its transpose from one read: one
+// 1 x 128 casts (or, given row_amax and col_amax, whole-row casts: torchao's
+// rowwise, the amaxes from block_rowcol_amax) of x [rows, cols] and of its
+// transpose from one read of x: one
 // block of PAIR_THREADS threads per 128 x 128 tile of x (512: 32 values a
 // thread in registers, so that two blocks fit an SM and loads stay in
 // flight while the other block computes). Each thread loads 16-byte
@@ -152,11 +154,32 @@ BLOCK_QUANTIZE(f16, __half, e5m2, 1)
 // `vec_t`: codes_t's address and rows allow 4-byte stores.
 #define PAIR_THREADS 512
 
+// V = 16 / sizeof(T) elements of row r from column c0 as f32: one 16-byte
+// load where `vec` and the row holds them all, else element by element;
+// 0 outside the tensor.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* __restrict__ x, int r, int rows, int cols, int c0, int vec,
+                                         float* out) {
+    constexpr int V = 16 / sizeof(T);
+    const T* src = x + (size_t)r * cols + c0;
+    if (vec && r < rows && c0 + V <= cols) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+        const T* xs = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int j = 0; j < V; j++) out[j] = to_f32(xs[j]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j++) out[j] = (r < rows && c0 + j < cols) ? to_f32(src[j]) : 0.0f;
+    }
+}
+
+
 template <typename T, int FMT>
 __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, uint8_t* __restrict__ codes,
                                    float* __restrict__ scale_inv, uint8_t* __restrict__ codes_t,
-                                   float* __restrict__ scale_inv_t, int rule, unsigned margin, float fmt_max,
-                                   int vec, int vec_t) {
+                                   float* __restrict__ scale_inv_t, const uint32_t* __restrict__ row_amax,
+                                   const uint32_t* __restrict__ col_amax, int rule, unsigned margin,
+                                   float fmt_max, int vec, int vec_t) {
     constexpr int V = 16 / sizeof(T);
     constexpr int LPR = 128 / V;
     constexpr int RPW = 32 / LPR;
@@ -178,16 +201,7 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     for (int i = 0; i < STEPS; i++) {
         const int rl = (i * W + w) * RPW + sub;
         const int r = tr * 128 + rl;
-        const T* src = x + (size_t)r * cols + c0;
-        if (vec && r < rows && c0 + V <= cols) {
-            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
-            const T* xs = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (int j = 0; j < V; j++) v[i][j] = to_f32(xs[j]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < V; j++) v[i][j] = (r < rows && c0 + j < cols) ? to_f32(src[j]) : 0.0f;
-        }
+        load_vec<T>(x, r, rows, cols, c0, vec, v[i]);
         uint32_t m = 0;
 #pragma unroll
         for (int j = 0; j < V; j++) {
@@ -196,8 +210,12 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
             col_amax[j] = max(col_amax[j], a);
         }
         if (codes) {
+            if (row_amax) {
+                m = r < rows ? row_amax[r] : 0u;
+            } else {
 #pragma unroll
-            for (int o = LPR / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+                for (int o = LPR / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+            }
             const float s = compute_scale(rule, __uint_as_float(m), 1.0f, fmt_max, margin);
             if (r < rows) {
                 uint8_t* dst = codes + (size_t)r * cols + c0;
@@ -217,7 +235,8 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
                     for (int j = 0; j < V; j++)
                         if (c0 + j < cols) dst[j] = Fmt<FMT>::encode(v[i][j] * s);
                 }
-                if (cl == 0) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(m, s);
+                if (cl == 0 && !row_amax) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(m, s);
+                if (cl == 0 && row_amax && tc == 0) scale_inv[r] = tile_scale_inv(m, s);
             }
         }
     }
@@ -232,13 +251,18 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     }
     __syncthreads();
     if (threadIdx.x < 128) {
+        const int c = tc * 128 + threadIdx.x;
         uint32_t m = 0;
+        if (col_amax) {
+            m = c < cols ? col_amax[c] : 0u;
+        } else {
 #pragma unroll
-        for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
+            for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
+        }
         const float s = compute_scale(rule, __uint_as_float(m), 1.0f, fmt_max, margin);
         s_scale_t[threadIdx.x] = s;
-        const int c = tc * 128 + threadIdx.x;
-        if (c < cols) scale_inv_t[(size_t)tr * cols + c] = tile_scale_inv(m, s);
+        if (c < cols && !col_amax) scale_inv_t[(size_t)tr * cols + c] = tile_scale_inv(m, s);
+        if (c < cols && col_amax && tr == 0) scale_inv_t[c] = tile_scale_inv(m, s);
     }
     __syncthreads();
 #pragma unroll
@@ -271,9 +295,10 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
 #define BLOCK_QUANTIZE_PAIR(TN, T, FN, FMT)                                                            \
     extern "C" __global__ void __launch_bounds__(PAIR_THREADS) block_quantize_pair_##TN##_##FN(        \
         const T* x, int rows, int cols, uint8_t* codes, float* si, uint8_t* codes_t, float* si_t,      \
-        int rule, unsigned margin, float fmt_max, int vec, int vec_t) {                                \
-        quantize_pair_impl<T, FMT>(x, rows, cols, codes, si, codes_t, si_t, rule, margin, fmt_max, vec, \
-                                   vec_t);                                                             \
+        const uint32_t* row_amax, const uint32_t* col_amax, int rule, unsigned margin, float fmt_max,  \
+        int vec, int vec_t) {                                                                          \
+        quantize_pair_impl<T, FMT>(x, rows, cols, codes, si, codes_t, si_t, row_amax, col_amax, rule,  \
+                                   margin, fmt_max, vec, vec_t);                                       \
     }
 BLOCK_QUANTIZE_PAIR(f32, float, e4m3, 0)
 BLOCK_QUANTIZE_PAIR(f32, float, e5m2, 1)
@@ -281,6 +306,70 @@ BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e4m3, 0)
 BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e5m2, 1)
 BLOCK_QUANTIZE_PAIR(f16, __half, e4m3, 0)
 BLOCK_QUANTIZE_PAIR(f16, __half, e5m2, 1)
+
+// The amaxes of every row and every column of x [rows, cols] (bits, NaN
+// above inf), for the rowwise pair: one block per 128 x 128 tile folds its
+// part into row_amax and col_amax (zeroed) with one atomic max a row and a
+// column.
+template <typename T>
+__device__ void rowcol_amax_impl(const T* __restrict__ x, int rows, int cols, uint32_t* __restrict__ row_amax,
+                                 uint32_t* __restrict__ col_amax, int vec) {
+    constexpr int V = 16 / sizeof(T);
+    constexpr int LPR = 128 / V;
+    constexpr int RPW = 32 / LPR;
+    constexpr int W = PAIR_THREADS / 32;
+    constexpr int STEPS = 128 / (W * RPW);
+    __shared__ uint32_t s_col[W][128];
+    const int tc = blockIdx.x, tr = blockIdx.y;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int sub = lane / LPR, cl = (lane % LPR) * V;
+    const int c0 = tc * 128 + cl;
+    uint32_t cm[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) cm[j] = 0;
+#pragma unroll
+    for (int i = 0; i < STEPS; i++) {
+        const int r = tr * 128 + (i * W + w) * RPW + sub;
+        float v[V];
+        load_vec<T>(x, r, rows, cols, c0, vec, v);
+        uint32_t m = 0;
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            const uint32_t a = abs_bits(v[j]);
+            m = max(m, a);
+            cm[j] = max(cm[j], a);
+        }
+#pragma unroll
+        for (int o = LPR / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if (cl == 0 && r < rows) atomicMax(&row_amax[r], m);
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++)
+#pragma unroll
+        for (int o = LPR; o < 32; o <<= 1) cm[j] = max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], o));
+    if (sub == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j++) s_col[w][cl + j] = cm[j];
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
+        const int c = tc * 128 + threadIdx.x;
+        if (c < cols) atomicMax(&col_amax[c], m);
+    }
+}
+
+#define ROWCOL_AMAX(TN, T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(PAIR_THREADS)                                         \
+        block_rowcol_amax_##TN(const T* x, int rows, int cols, uint32_t* row_amax, uint32_t* col_amax, \
+                               int vec) {                                                              \
+        rowcol_amax_impl<T>(x, rows, cols, row_amax, col_amax, vec);                                   \
+    }
+ROWCOL_AMAX(f32, float)
+ROWCOL_AMAX(bf16, __nv_bfloat16)
+ROWCOL_AMAX(f16, __half)
 
 // decode(code) * scale_inv[tile], grid-stride over the elements; tile (down,
 // across) keeps its scale at down * s_down + across * s_across.

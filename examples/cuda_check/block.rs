@@ -89,11 +89,31 @@ fn casts(dev: &Device, cuda: &CudaDevice) -> Result<()> {
     let both = (true, true);
     let r = ScaleRule::PowerOfTwo;
     let ms = event_ms(cuda, || {
-        done(BlockTensor::quantize_pair(&x, QType::E4M3, r, both)?)
+        done(BlockTensor::quantize_pair(
+            &x,
+            QType::E4M3,
+            Tiling::Vec128,
+            r,
+            both,
+        )?)
     })?;
     let gbs = 4.0 * nf / (ms * 1e-3) / 1e9;
     println!(
         "BENCH block_cast op=quantize_pair_bf16_e4m3_1x128 (codes and transposed codes) ms={ms:.3} gbs={gbs:.0} over_copy={:.2}",
+        gbs / copy_gbs
+    );
+    let ms = event_ms(cuda, || {
+        done(BlockTensor::quantize_pair(
+            &x,
+            QType::E4M3,
+            Tiling::Row,
+            r,
+            both,
+        )?)
+    })?;
+    let gbs = 4.0 * nf / (ms * 1e-3) / 1e9;
+    println!(
+        "BENCH block_cast op=quantize_pair_bf16_e4m3_rowwise (codes and transposed codes, two reads) ms={ms:.3} gbs={gbs:.0} over_copy={:.2}",
         gbs / copy_gbs
     );
     let ms = event_ms(cuda, || done(q(&x.t()?.contiguous()?, Tiling::Vec128)?))?;

@@ -12,6 +12,17 @@ use amp::{
 use candle_core::{DType, Device, Tensor};
 use common::{model_encode, positive_values, randn, t};
 
+/// A tensor's elements, flattened.
+trait Flat {
+    fn flat<T: candle_core::WithDType>(&self) -> Vec<T>;
+}
+
+impl Flat for Tensor {
+    fn flat<T: candle_core::WithDType>(&self) -> Vec<T> {
+        self.flatten_all().unwrap().to_vec1().unwrap()
+    }
+}
+
 /// The model of one tile's scale: the largest power of two `s` with
 /// `amax * s <= max`, 1 where the amax is zero or not finite.
 fn model_scale(amax: f64, max: f64) -> f64 {
@@ -93,15 +104,9 @@ fn check_against_model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, qtyp
     )
     .expect("quantize");
     let (codes, scale_inv) = model(x, rows, cols, tiling, f);
-    let got: Vec<u8> = q.data().flatten_all().unwrap().to_vec1().unwrap();
+    let got: Vec<u8> = q.data().flat();
     assert_eq!(got, codes, "{tiling} {qtype} [{rows}, {cols}]: codes");
-    let got_s: Vec<f32> = q
-        .tile_scales()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let got_s: Vec<f32> = q.tile_scales().unwrap().flat();
     // NaN scales are the canonical NaN's bits
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let want_s: Vec<f32> = scale_inv
@@ -122,7 +127,7 @@ fn check_against_model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, qtyp
     // the stored layout is cuBLASLt's (1 x 128: [across][rows]; 128 x 128:
     // [down][across padded to 4], padding 1; rowwise: [rows])
     let across = tiling.tiles(rows, cols).1;
-    let stored: Vec<f32> = q.scale_inv().flatten_all().unwrap().to_vec1().unwrap();
+    let stored: Vec<f32> = q.scale_inv().flat();
     let (len, at): (usize, Box<dyn Fn(usize, usize) -> usize>) = match tiling {
         Tiling::Vec128 => (across * rows, Box::new(|d, a| a * rows + d)),
         Tiling::Blk128 => {
@@ -141,13 +146,7 @@ fn check_against_model(x: &[f32], rows: usize, cols: usize, tiling: Tiling, qtyp
         "{tiling} [{rows}, {cols}]: stored layout"
     );
     // dequantize: decode(code) * scale_inv of its tile, exactly
-    let y: Vec<f32> = q
-        .dequantize(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let y: Vec<f32> = q.dequantize(DType::F32).unwrap().flat();
     let (th, tw) = tiling.tile(cols);
     let sc = tiling.tiles(rows, cols).1;
     for r in 0..rows {
@@ -187,17 +186,11 @@ fn every_input_dtype_casts_its_own_values() {
     let x = spread(4, 200, 3);
     for dtype in [DType::F16, DType::BF16] {
         let xd = t(x.clone(), &[4, 200]).to_dtype(dtype).unwrap();
-        let back: Vec<f32> = xd
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let back: Vec<f32> = xd.to_dtype(DType::F32).unwrap().flat();
         let q =
             BlockTensor::quantize(&xd, QType::E4M3, Tiling::Vec128, ScaleRule::PowerOfTwo).unwrap();
         let (codes, _) = model(&back, 4, 200, Tiling::Vec128, Fp8Format::E4M3);
-        let got: Vec<u8> = q.data().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<u8> = q.data().flat();
         assert_eq!(got, codes, "{dtype:?}");
     }
 }
@@ -283,13 +276,7 @@ fn one_outlier_costs_only_its_tile() {
     // per tensor: the scale fits 10^4 into 448 (2^-5), and the rest falls
     // into E4M3's subnormals, where the spacing is 2^-9
     let (pt, _) = ScalingTensor::quantize(&xt, QType::E4M3, &CurrentScaling::default()).unwrap();
-    let y: Vec<f32> = pt
-        .dequantize(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let y: Vec<f32> = pt.dequantize(DType::F32).unwrap().flat();
     let rest: Vec<usize> = (0..n).filter(|&i| i != 5).collect();
     let eps = 0.125; // E4M3's machine epsilon, 2^-3
     let worse = rest.iter().filter(|&&i| rel(&y, i) > eps).count();
@@ -302,13 +289,7 @@ fn one_outlier_costs_only_its_tile() {
     assert!(flushed > 0, "per tensor flushes some of the rest to zero");
     // 1 x 128 tiles: every other tile within half an ulp (2^-4) of each value
     let q = BlockTensor::quantize(&xt, QType::E4M3, Tiling::Vec128, ScaleRule::PowerOfTwo).unwrap();
-    let y: Vec<f32> = q
-        .dequantize(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let y: Vec<f32> = q.dequantize(DType::F32).unwrap().flat();
     for i in 128..n {
         assert!(rel(&y, i) <= 0.0625, "block: [{i}] {} vs {}", y[i], x[i]);
     }
@@ -320,14 +301,8 @@ fn model_gemm(a: &BlockTensor, b: &BlockTensor) -> Vec<f64> {
     let decode = |q: &BlockTensor| -> Vec<f64> {
         let f = q.qtype().fp8().unwrap();
         let (rows, cols) = q.shape().dims2().unwrap();
-        let codes: Vec<u8> = q.data().flatten_all().unwrap().to_vec1().unwrap();
-        let s: Vec<f32> = q
-            .tile_scales()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let codes: Vec<u8> = q.data().flat();
+        let s: Vec<f32> = q.tile_scales().unwrap().flat();
         let (th, tw) = q.tiling().tile(cols);
         let sc = q.tiling().tiles(rows, cols).1;
         let values = positive_values(f);
@@ -371,12 +346,7 @@ fn block_gemm_matches_float64() {
     ] {
         let a = BlockTensor::quantize(&xa, QType::E4M3, ta, ScaleRule::PowerOfTwo).unwrap();
         let b = BlockTensor::quantize(&xb, QType::E4M3, tb, ScaleRule::PowerOfTwo).unwrap();
-        let y: Vec<f32> = block_gemm(&a, &b, DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let y: Vec<f32> = block_gemm(&a, &b, DType::F32).unwrap().flat();
         let want = model_gemm(&a, &b);
         // f32 accumulation over k = 300 terms: bound by the sum of |terms|
         let norm: f64 = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
@@ -390,22 +360,8 @@ fn block_gemm_matches_float64() {
         if tb == Tiling::Blk128 {
             let bt = b.t().unwrap();
             assert_eq!(bt.shape().dims(), [k, n]);
-            let back: Vec<f32> = bt
-                .t()
-                .unwrap()
-                .dequantize(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let orig: Vec<f32> = b
-                .dequantize(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let back: Vec<f32> = bt.t().unwrap().dequantize(DType::F32).unwrap().flat();
+            let orig: Vec<f32> = b.dequantize(DType::F32).unwrap().flat();
             assert_eq!(back, orig, "128x128 blocks transpose exactly");
         }
     }
@@ -466,33 +422,32 @@ fn the_pair_cast_is_both_casts() {
     for (rows, cols) in [(1, 1), (3, 129), (130, 257), (256, 128), (0, 5)] {
         let x = t(spread(rows, cols, 41), &[rows, cols]);
         let r = ScaleRule::PowerOfTwo;
-        let (a, b) = BlockTensor::quantize_pair(&x, QType::E5M2, r, (true, true)).unwrap();
-        let (a, b) = (a.unwrap(), b.unwrap());
-        let one = BlockTensor::quantize(&x, QType::E5M2, Tiling::Vec128, r).unwrap();
-        let xt = x.t().unwrap().contiguous().unwrap();
-        let other = BlockTensor::quantize(&xt, QType::E5M2, Tiling::Vec128, r).unwrap();
-        for (got, want, what) in [(&a, &one, "rowwise"), (&b, &other, "transposed")] {
-            let flat = |t: &Tensor| {
-                t.flatten_all()
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-            };
-            assert_eq!(
-                flat(got.data()),
-                flat(want.data()),
-                "[{rows}, {cols}] {what} codes"
-            );
-            assert_eq!(
-                flat(got.scale_inv()),
-                flat(want.scale_inv()),
-                "[{rows}, {cols}] {what} scales"
-            );
-            assert_eq!(got.shape(), want.shape());
+        for tiling in [Tiling::Vec128, Tiling::Row] {
+            let (a, b) =
+                BlockTensor::quantize_pair(&x, QType::E5M2, tiling, r, (true, true)).unwrap();
+            let (a, b) = (a.unwrap(), b.unwrap());
+            let one = BlockTensor::quantize(&x, QType::E5M2, tiling, r).unwrap();
+            let xt = x.t().unwrap().contiguous().unwrap();
+            let other = BlockTensor::quantize(&xt, QType::E5M2, tiling, r).unwrap();
+            for (got, want, what) in [(&a, &one, "rowwise"), (&b, &other, "transposed")] {
+                assert_eq!(
+                    got.data().flat::<u8>(),
+                    want.data().flat::<u8>(),
+                    "[{rows}, {cols}] {what} codes"
+                );
+                assert_eq!(
+                    got.scale_inv().flat::<f32>(),
+                    want.scale_inv().flat::<f32>(),
+                    "[{rows}, {cols}] {what} scales"
+                );
+                assert_eq!(got.shape(), want.shape());
+            }
+            let (none, only_t) =
+                BlockTensor::quantize_pair(&x, QType::E5M2, tiling, r, (false, true)).unwrap();
+            assert!(none.is_none() && only_t.is_some());
         }
-        let (none, only_t) = BlockTensor::quantize_pair(&x, QType::E5M2, r, (false, true)).unwrap();
-        assert!(none.is_none() && only_t.is_some());
+        assert!(
+            BlockTensor::quantize_pair(&x, QType::E5M2, Tiling::Blk128, r, (true, true)).is_err()
+        );
     }
 }

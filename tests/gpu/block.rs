@@ -60,11 +60,17 @@ fn block_casts(dev: &Device) -> Result<()> {
                         let gpu = BlockTensor::quantize(&xd.to_device(dev)?, qtype, tiling, rule)?;
                         ok &= same(&format!("{what} codes"), gpu.data(), cpu.data())?;
                         ok &= same(&format!("{what} scales"), gpu.scale_inv(), cpu.scale_inv())?;
-                        if tiling == Tiling::Vec128 && rule == ScaleRule::PowerOfTwo {
+                        if tiling != Tiling::Blk128 && rule == ScaleRule::PowerOfTwo {
                             let both = (true, true);
-                            let (c1, c2) = BlockTensor::quantize_pair(&xd, qtype, rule, both)?;
-                            let (g1, g2) =
-                                BlockTensor::quantize_pair(&xd.to_device(dev)?, qtype, rule, both)?;
+                            let (c1, c2) =
+                                BlockTensor::quantize_pair(&xd, qtype, tiling, rule, both)?;
+                            let (g1, g2) = BlockTensor::quantize_pair(
+                                &xd.to_device(dev)?,
+                                qtype,
+                                tiling,
+                                rule,
+                                both,
+                            )?;
                             for (g, c, part) in
                                 [(g1, c1, "pair rowwise"), (g2, c2, "pair transposed")]
                             {

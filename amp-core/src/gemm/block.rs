@@ -50,29 +50,12 @@ fn check(a: &BlockTensor, b: &BlockTensor, out_dtype: DType) -> Result<()> {
             ),
         });
     }
-    let (ad, bd) = (a.shape().dims(), b.shape().dims());
-    if ad[1] != bd[1] {
-        return Err(Error::Shape {
-            op: OP,
-            lhs: a.shape().clone(),
-            rhs: b.shape().clone(),
-        });
-    }
-    if !a.device().same_device(b.device()) {
-        return Err(Error::Device {
-            op: OP,
-            lhs: a.device().location(),
-            rhs: b.device().location(),
-        });
-    }
-    if !matches!(out_dtype, DType::F32 | DType::BF16 | DType::F16) {
-        return Err(Error::DType {
-            op: OP,
-            expected: "F32, BF16 or F16",
-            got: out_dtype,
-        });
-    }
-    Ok(())
+    super::check_pair(
+        OP,
+        (a.shape(), a.device()),
+        (b.shape(), b.device()),
+        out_dtype,
+    )
 }
 
 /// `A · Bᵀ` of two block-scaled FP8 tensors (see the module docs), returned
@@ -100,7 +83,8 @@ pub fn block_gemm(a: &BlockTensor, b: &BlockTensor, out_dtype: DType) -> Result<
 ///
 /// # Errors
 /// As [`block_gemm`]; [`Error::Shape`] for a bias that is not `[n]` or a
-/// residual that is not `[m, n]`.
+/// residual that is not `[m, n]`, [`Error::DType`] for a non-float addend,
+/// [`Error::Device`] for one on another device.
 pub fn block_gemm_fused(
     a: &BlockTensor,
     b: &BlockTensor,
@@ -113,17 +97,7 @@ pub fn block_gemm_fused(
     check(a, b, out_dtype)?;
     let (m, k) = (a.shape().dims()[0], a.shape().dims()[1]);
     let n = b.shape().dims()[0];
-    for (t, want) in [(epi.bias, vec![n]), (epi.residual, vec![m, n])] {
-        if let Some(t) = t {
-            if t.dims() != want.as_slice() {
-                return Err(Error::Shape {
-                    op: OP,
-                    lhs: t.shape().clone(),
-                    rhs: want.into(),
-                });
-            }
-        }
-    }
+    super::check_epilogue(OP, &epi, (m, n), a.device())?;
     let bf16 = |t: Option<&Tensor>| t.is_none_or(|t| t.dtype() == DType::BF16);
     let aligned = m % 16 == 0 && n % 16 == 0 && k % 16 == 0;
     if a.device().is_cuda()

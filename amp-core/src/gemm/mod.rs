@@ -87,26 +87,77 @@ fn check_operands(a: &ScalingTensor, b: &ScalingTensor, out_dtype: DType) -> Res
             });
         }
     }
-    if a.shape().dims()[1] != b.shape().dims()[1] {
+    check_pair(
+        OP,
+        (a.shape(), a.device()),
+        (b.shape(), b.device()),
+        out_dtype,
+    )
+}
+
+/// What every GEMM here checks of its two 2-D operands `[m, k]`, `[n, k]`:
+/// the same `k`, one device, an F32, BF16 or F16 output.
+pub(crate) fn check_pair(
+    op: &'static str,
+    (sa, da): (&candle_core::Shape, &candle_core::Device),
+    (sb, db): (&candle_core::Shape, &candle_core::Device),
+    out_dtype: DType,
+) -> Result<()> {
+    if sa.dims()[1] != sb.dims()[1] {
         return Err(Error::Shape {
-            op: OP,
-            lhs: a.shape().clone(),
-            rhs: b.shape().clone(),
+            op,
+            lhs: sa.clone(),
+            rhs: sb.clone(),
         });
     }
-    if !a.device().same_device(b.device()) {
+    if !da.same_device(db) {
         return Err(Error::Device {
-            op: OP,
-            lhs: a.device().location(),
-            rhs: b.device().location(),
+            op,
+            lhs: da.location(),
+            rhs: db.location(),
         });
     }
     if !matches!(out_dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(Error::DType {
-            op: OP,
+            op,
             expected: "F32, BF16 or F16",
             got: out_dtype,
         });
+    }
+    Ok(())
+}
+
+/// The addends of an epilogue: a bias `[n]` and a residual `[m, n]`, of a
+/// float dtype, on `device`.
+pub(crate) fn check_epilogue(
+    op: &'static str,
+    epi: &Epilogue<'_>,
+    (m, n): (usize, usize),
+    device: &candle_core::Device,
+) -> Result<()> {
+    let checks = [(epi.bias, vec![n]), (epi.residual, vec![m, n])];
+    for (t, want) in checks.iter().filter_map(|(t, w)| t.map(|t| (t, w))) {
+        if t.dims() != want.as_slice() {
+            return Err(Error::Shape {
+                op,
+                lhs: t.shape().clone(),
+                rhs: want.clone().into(),
+            });
+        }
+        if !t.dtype().is_float() {
+            return Err(Error::DType {
+                op,
+                expected: "a float bias or residual",
+                got: t.dtype(),
+            });
+        }
+        if !t.device().same_device(device) {
+            return Err(Error::Device {
+                op,
+                lhs: device.location(),
+                rhs: t.device().location(),
+            });
+        }
     }
     Ok(())
 }
@@ -193,30 +244,7 @@ pub fn fp8_gemm_fused(
     }
     check_operands(a, b, out_dtype)?;
     let (m, n) = (a.shape().dims()[0], b.shape().dims()[0]);
-    let checks = [(epi.bias, vec![n]), (epi.residual, vec![m, n])];
-    for (t, want) in checks.iter().filter_map(|(t, w)| t.map(|t| (t, w))) {
-        if t.dims() != want.as_slice() {
-            return Err(Error::Shape {
-                op: OP,
-                lhs: t.shape().clone(),
-                rhs: want.clone().into(),
-            });
-        }
-        if !t.dtype().is_float() {
-            return Err(Error::DType {
-                op: OP,
-                expected: "a float bias or residual",
-                got: t.dtype(),
-            });
-        }
-        if !t.device().same_device(a.device()) {
-            return Err(Error::Device {
-                op: OP,
-                lhs: a.device().location(),
-                rhs: t.device().location(),
-            });
-        }
-    }
+    check_epilogue(OP, &epi, (m, n), a.device())?;
     let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
     let in_lt = |t: Option<&Tensor>| t.is_none_or(|t| t.dtype() == DType::BF16);
     if a.device().is_cuda()

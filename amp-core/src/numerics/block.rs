@@ -240,12 +240,15 @@ fn quantize_tiles<T: Float>(
     (codes, stored)
 }
 
-/// 1 x 128 casts of a 2-D float tensor `x` and of `xᵀ` from one read
-/// (each exactly [`BlockQuantize`] of its own source): outputs the
-/// requested ones of `(codes, scale_inv)` (`rowwise`) and `(codes_t,
-/// scale_inv_t)` (`transposed`), in that order. Inputs: x.
+/// The casts of a 2-D float tensor `x` and of `xᵀ` in 1 x 128 tiles or by
+/// rows (`tiling`: [`Tiling::Vec128`] or [`Tiling::Row`]) from one read of
+/// `x` (two for rows: the amaxes of every row and column first), each
+/// exactly [`BlockQuantize`] of its own source: outputs the requested ones
+/// of `(codes, scale_inv)` (`rowwise`) and `(codes_t, scale_inv_t)`
+/// (`transposed`), in that order. Inputs: x.
 pub(crate) struct BlockQuantizePair {
     pub qtype: QType,
+    pub tiling: Tiling,
     pub rule: ScaleRule,
     pub margin: u32,
     pub rowwise: bool,
@@ -256,9 +259,21 @@ impl BlockQuantizePair {
     fn single(&self) -> BlockQuantize {
         BlockQuantize {
             qtype: self.qtype,
-            tiling: Tiling::Vec128,
+            tiling: self.tiling,
             rule: self.rule,
             margin: self.margin,
+        }
+    }
+
+    /// 1 x 128 or rows: the pairs the kernels make.
+    pub(crate) fn check(&self) -> Result<()> {
+        if matches!(self.tiling, Tiling::Vec128 | Tiling::Row) {
+            Ok(())
+        } else {
+            Err(Error::Unsupported {
+                op: Self::NAME,
+                what: format!("a {} pair (1x128 or rowwise only)", self.tiling),
+            })
         }
     }
 }
@@ -270,6 +285,7 @@ impl Kernel for BlockQuantizePair {
             return Err(arity(Self::NAME));
         };
         let format = fp8_of(Self::NAME, self.qtype)?;
+        self.check()?;
         let (rows, cols) = dims2(Self::NAME, lx.shape())?;
         let k = self.single();
         let mut out = Vec::new();
@@ -280,7 +296,7 @@ impl Kernel for BlockQuantizePair {
                 out.push((CpuStorage::U8(codes), Shape::from((rows, cols))));
                 out.push((
                     CpuStorage::F32(scales),
-                    Shape::from(Tiling::Vec128.scale_dims(rows, cols)),
+                    Shape::from(self.tiling.scale_dims(rows, cols)),
                 ));
             }
             if self.transposed {
@@ -291,7 +307,7 @@ impl Kernel for BlockQuantizePair {
                 out.push((CpuStorage::U8(codes), Shape::from((cols, rows))));
                 out.push((
                     CpuStorage::F32(scales),
-                    Shape::from(Tiling::Vec128.scale_dims(cols, rows)),
+                    Shape::from(self.tiling.scale_dims(cols, rows)),
                 ));
             }
             Ok::<_, Error>(())

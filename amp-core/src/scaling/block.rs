@@ -10,6 +10,7 @@ use crate::numerics::block::{
 use crate::numerics::kernel::{arity, launch, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
+use crate::scaling::tensor::check_float;
 use candle_core::{DType, Device, Shape, Tensor};
 
 /// A 2-D FP8 tensor scaled per tile: `data` holds the codes `[rows, cols]`
@@ -41,17 +42,6 @@ pub struct BlockTensor {
     tiling: Tiling,
 }
 
-fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
-    match x.dtype() {
-        DType::F32 | DType::F16 | DType::BF16 => Ok(()),
-        got => Err(Error::DType {
-            op,
-            expected: "F32, F16 or BF16",
-            got,
-        }),
-    }
-}
-
 impl BlockTensor {
     /// Casts a 2-D float tensor (F32, F16, BF16) to `qtype` (E4M3 or E5M2)
     /// with one scale per tile, each from its tile's amax by `rule` (see
@@ -81,16 +71,19 @@ impl BlockTensor {
         })
     }
 
-    /// The 1 x 128 casts of `x` (`rowwise`) and of `xᵀ` (`transposed`,
-    /// tiles of 128 along `x`'s rows: a GEMM reducing over them) from one
-    /// read of `x`; each equals [`quantize`](Self::quantize) of its own
-    /// source. The wgrad operands of a Linear come from here.
+    /// The casts of `x` (`rowwise`) and of `xᵀ` (`transposed`, tiles along
+    /// `x`'s rows: a GEMM reducing over them) in 1 x 128 tiles or by rows
+    /// (`tiling`: [`Tiling::Vec128`] or [`Tiling::Row`]) from one read of
+    /// `x` (two by rows); each equals [`quantize`](Self::quantize) of its
+    /// own source. The wgrad operands of a Linear come from here.
     ///
     /// # Errors
-    /// As [`quantize`](Self::quantize).
+    /// As [`quantize`](Self::quantize); [`Error::Unsupported`] for another
+    /// tiling.
     pub fn quantize_pair(
         x: &Tensor,
         qtype: QType,
+        tiling: Tiling,
         rule: ScaleRule,
         (rowwise, transposed): (bool, bool),
     ) -> Result<(Option<Self>, Option<Self>)> {
@@ -100,11 +93,13 @@ impl BlockTensor {
         check_float(OP, x)?;
         let op = BlockQuantizePair {
             qtype,
+            tiling,
             rule,
             margin: 0,
             rowwise,
             transposed,
         };
+        op.check()?;
         let mut out = launch(&op, &[x])?.into_iter();
         let mut take = |wanted: bool| -> Result<Option<Self>> {
             if !wanted {
@@ -118,7 +113,7 @@ impl BlockTensor {
                 data,
                 scale_inv,
                 qtype,
-                tiling: Tiling::Vec128,
+                tiling,
             }))
         };
         let a = take(rowwise)?;

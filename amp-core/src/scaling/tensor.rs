@@ -39,7 +39,8 @@ pub(crate) fn one_pass_t(to: QType, rows: usize, cols: usize, device: &Device) -
     to != QType::F16 && (!device.is_cuda() || crate::numerics::cuda::cast_t::fits(rows, cols))
 }
 
-fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
+/// A cast's source must be F32, F16 or BF16.
+pub(crate) fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
     match x.dtype() {
         DType::F32 | DType::F16 | DType::BF16 => Ok(()),
         got => Err(Error::DType {

@@ -22,8 +22,8 @@
 //! (which keeps it per tensor, as under the other recipes) or to candle.
 //!
 //! Rowwise scaling runs the same three GEMMs with whole-row tiles; its
-//! transposed operands (`Wᵀ`, `dyᵀ`, `xᵀ`) go through the tiled transpose
-//! and a cast each (the one-read pair is 1 x 128's).
+//! pairs (`x` and `xᵀ`, `W` and `Wᵀ`, `dy` and `dyᵀ`) read the source
+//! twice: every row's and column's amax first, then both casts.
 //!
 //! A tile holding an inf or a NaN keeps a NaN scale (`numerics/block.rs`),
 //! so the products it enters are NaN rather than finite from saturated
@@ -51,8 +51,8 @@ fn cast(t: &Tensor, r: &TileRecipe, fwd: bool, tiling: Tiling) -> Result<BlockTe
 }
 
 /// The casts of `t` in `tiling` and of `tᵀ` in the wgrad tiling that are
-/// `wanted`: from one read of `t` where both are 1 x 128, else one cast
-/// each (`tᵀ` through the tiled transpose).
+/// `wanted`: from one read of `t` where both are 1 x 128 (two where both
+/// are rows), else one cast each (`tᵀ` through the tiled transpose).
 fn cast_pair(
     t: &Tensor,
     r: &TileRecipe,
@@ -61,8 +61,8 @@ fn cast_pair(
     wanted: (bool, bool),
 ) -> Result<(Option<BlockTensor>, Option<BlockTensor>)> {
     let t = t.contiguous()?;
-    if tiling == Tiling::Vec128 && r.wgrad == Tiling::Vec128 {
-        return BlockTensor::quantize_pair(&t, fmt(r, fwd), r.rule, wanted);
+    if tiling == r.wgrad && matches!(tiling, Tiling::Vec128 | Tiling::Row) {
+        return BlockTensor::quantize_pair(&t, fmt(r, fwd), tiling, r.rule, wanted);
     }
     let a = wanted.0.then(|| cast(&t, r, fwd, tiling)).transpose()?;
     let b = wanted
@@ -93,9 +93,24 @@ pub(crate) fn forward(
     epi: Epilogue<'_>,
 ) -> Result<(Tensor, Option<BlockTensor>, Option<BlockTensor>)> {
     let (xq, x_t) = cast_pair(x, r, true, r.input, (true, keep.0))?;
-    let wq = cast(w, r, true, r.weight)?;
+    let (wq, w_t) = match r.weight {
+        Tiling::Blk128 => {
+            let wq = cast(w, r, true, Tiling::Blk128)?;
+            let w_t = keep.1.then(|| wq.t()).transpose()?;
+            (wq, w_t)
+        }
+        // W and Wᵀ in the same tiles: one read of W where they pair
+        t => {
+            let w = w.contiguous()?;
+            let (wq, w_t) = if matches!(t, Tiling::Vec128 | Tiling::Row) {
+                BlockTensor::quantize_pair(&w, fmt(r, true), t, r.rule, (true, keep.1))?
+            } else {
+                (Some(cast(&w, r, true, t)?), None)
+            };
+            (wq.ok_or_else(missing)?, w_t)
+        }
+    };
     let y = block_gemm_fused(&xq.ok_or_else(missing)?, &wq, x.dtype(), epi)?;
-    let w_t = keep.1.then(|| dgrad_operand(w, Some(wq), r)).transpose()?;
     Ok((y, x_t, w_t))
 }
 
@@ -106,18 +121,17 @@ pub(crate) fn wgrad_operand(x: &Tensor, r: &TileRecipe) -> Result<BlockTensor> {
         .ok_or_else(missing)
 }
 
-/// dgrad's `Wᵀ` from `w` `[out, in]`: the fprop cast's blocks transposed
-/// (cast here when not given), or a cast of `Wᵀ` in the weight's tiling.
-pub(crate) fn dgrad_operand(
-    w: &Tensor,
-    fprop: Option<BlockTensor>,
-    r: &TileRecipe,
-) -> Result<BlockTensor> {
+/// dgrad's `Wᵀ` from `w` `[out, in]` (cast again in backward under
+/// `nn::selective`): the 128 x 128 blocks transposed, or the cast of `Wᵀ`
+/// in the weight's tiling.
+pub(crate) fn dgrad_operand(w: &Tensor, r: &TileRecipe) -> Result<BlockTensor> {
     match r.weight {
-        Tiling::Blk128 => match fprop {
-            Some(wq) => wq.t(),
-            None => cast(w, r, true, Tiling::Blk128)?.t(),
-        },
+        Tiling::Blk128 => cast(w, r, true, Tiling::Blk128)?.t(),
+        t if matches!(t, Tiling::Vec128 | Tiling::Row) => {
+            BlockTensor::quantize_pair(&w.contiguous()?, fmt(r, true), t, r.rule, (false, true))?
+                .1
+                .ok_or_else(missing)
+        }
         t => cast(&transpose_2d(&w.contiguous()?)?, r, true, t),
     }
 }

@@ -153,7 +153,7 @@ impl Saved {
             Self::BlockFrom { from, weight } => {
                 let v = from.value(dtype)?;
                 Ok(Cow::Owned(if *weight {
-                    super::block::dgrad_operand(&v, None, r)?
+                    super::block::dgrad_operand(&v, r)?
                 } else {
                     super::block::wgrad_operand(&v, r)?
                 }))

@@ -25,6 +25,28 @@ fn fmt_name(q: QType) -> &'static str {
     }
 }
 
+/// The kernels' code of a scale rule (`compute_scale` in codec.cuh).
+fn rule_code(rule: ScaleRule) -> i32 {
+    match rule {
+        ScaleRule::Te => 0,
+        ScaleRule::PowerOfTwo => 1,
+    }
+}
+
+/// The kernel-name spelling of an input dtype (F32, BF16, F16).
+fn input_name(op: &'static str, d: DType) -> Result<&'static str> {
+    match d {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        got => Err(Error::DType {
+            op,
+            expected: "F32, F16 or BF16",
+            got,
+        }),
+    }
+}
+
 /// A device buffer of `n` ones (the scales of tiles no kernel visits: a
 /// tensor with no columns); at least one element (the driver refuses
 /// empty allocations; the shape says how many count).
@@ -48,10 +70,11 @@ pub(crate) fn block_quantize(
     let fmt = fmt_name(k.qtype);
     fp8_of(OP, k.qtype)?;
     let (rows, cols) = dims2(OP, lx.shape())?;
-    if k.tiling == Tiling::Vec128 {
-        // the tile kernel's rowwise half: 16-byte loads, one read
+    if matches!(k.tiling, Tiling::Vec128 | Tiling::Row) {
+        // the tile kernel's rowwise half: 16-byte loads, one read (two for rows)
         let pair = BlockQuantizePair {
             qtype: k.qtype,
+            tiling: k.tiling,
             rule: k.rule,
             margin: k.margin,
             rowwise: true,
@@ -80,23 +103,9 @@ pub(crate) fn block_quantize(
         i32::try_from(rows).map_err(|_| too_big())?,
         i32::try_from(cols).map_err(|_| too_big())?,
     );
-    let rule: i32 = match k.rule {
-        ScaleRule::Te => 0,
-        ScaleRule::PowerOfTwo => 1,
-    };
+    let rule = rule_code(k.rule);
     let max = k.qtype.max();
-    let tname = match x.dtype() {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        got => {
-            return Err(Error::DType {
-                op: OP,
-                expected: "F32, F16 or BF16",
-                got,
-            })
-        }
-    };
+    let tname = input_name(OP, x.dtype())?;
     // SAFETY: the kernels write every code and every scale of a non-empty input.
     let mut codes = unsafe { dev.alloc::<u8>(rows * cols)? };
     let mut scale_inv = unsafe { dev.alloc::<f32>(sd.0 * sd.1)? };
@@ -252,10 +261,11 @@ pub(crate) fn block_quantize_pair(
         return Err(arity(OP));
     };
     fp8_of(OP, k.qtype)?;
+    k.check()?;
     let (rows, cols) = dims2(OP, lx.shape())?;
     let dev = x.device().clone();
-    let sd = Tiling::Vec128.scale_dims(rows, cols);
-    let sd_t = Tiling::Vec128.scale_dims(cols, rows);
+    let sd = k.tiling.scale_dims(rows, cols);
+    let sd_t = k.tiling.scale_dims(cols, rows);
     let too_big = || Error::Unsupported {
         op: OP,
         what: format!("a [{rows}, {cols}] input (indices beyond i32, or 65535 x 128 rows)"),
@@ -285,26 +295,12 @@ pub(crate) fn block_quantize_pair(
         None
     };
     if n > 0 {
-        let tname = match x.dtype() {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            got => {
-                return Err(Error::DType {
-                    op: OP,
-                    expected: "F32, F16 or BF16",
-                    got,
-                })
-            }
-        };
+        let tname = input_name(OP, x.dtype())?;
         let f = block_func(
             &dev,
             &format!("block_quantize_pair_{tname}_{}", fmt_name(k.qtype)),
         )?;
-        let rule: i32 = match k.rule {
-            ScaleRule::Te => 0,
-            ScaleRule::PowerOfTwo => 1,
-        };
+        let rule = rule_code(k.rule);
         let max = k.qtype.max();
         let cfg = LaunchConfig {
             grid_dim: (
@@ -319,11 +315,27 @@ pub(crate) fn block_quantize_pair(
         let stream = dev.cuda_stream();
         let null = 0u64;
         let vec_t = i32::from(rows % 4 == 0);
+        // rows: every row's and column's amax first (bits, atomic max)
+        let mut amaxes = if k.tiling == Tiling::Row {
+            Some((dev.alloc_zeros::<u32>(rows)?, dev.alloc_zeros::<u32>(cols)?))
+        } else {
+            None
+        };
+        let fa = match &amaxes {
+            Some(_) => Some(block_func(&dev, &format!("block_rowcol_amax_{tname}"))?),
+            None => None,
+        };
         macro_rules! go {
             ($t:ty) => {{
                 let xv = view::<$t>(OP, x, lx)?;
                 let per_load = 16 / std::mem::size_of::<$t>();
                 let vec = i32::from(aligned(&xv, &dev) && cols % per_load == 0);
+                if let (Some(fa), Some((ra, ca))) = (&fa, &mut amaxes) {
+                    let mut b = stream.launch_builder(fa);
+                    b.arg(&xv).arg(&r32).arg(&c32).arg(ra).arg(ca).arg(&vec);
+                    // SAFETY: arguments match the kernel's parameters (block.cu).
+                    unsafe { b.launch(cfg) }.w()?;
+                }
                 let mut b = stream.launch_builder(&f);
                 b.arg(&xv).arg(&r32).arg(&c32);
                 match (&mut codes, &mut scales) {
@@ -333,6 +345,10 @@ pub(crate) fn block_quantize_pair(
                 match (&mut codes_t, &mut scales_t) {
                     (Some(c), Some(s)) => b.arg(c).arg(s),
                     _ => b.arg(&null).arg(&null),
+                };
+                match &amaxes {
+                    Some((ra, ca)) => b.arg(ra).arg(ca),
+                    None => b.arg(&null).arg(&null),
                 };
                 b.arg(&rule).arg(&k.margin).arg(&max).arg(&vec).arg(&vec_t);
                 // SAFETY: arguments match the kernel's parameters (block.cu).
