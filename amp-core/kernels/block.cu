@@ -194,9 +194,9 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
     const int sub = lane / LPR, cl = (lane % LPR) * V;
     const int c0 = tc * 128 + cl;
     float v[STEPS][V];
-    uint32_t col_amax[V];
+    uint32_t cm[V];
 #pragma unroll
-    for (int j = 0; j < V; j++) col_amax[j] = 0;
+    for (int j = 0; j < V; j++) cm[j] = 0;
 #pragma unroll
     for (int i = 0; i < STEPS; i++) {
         const int rl = (i * W + w) * RPW + sub;
@@ -207,7 +207,7 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
         for (int j = 0; j < V; j++) {
             const uint32_t a = abs_bits(v[i][j]);
             m = max(m, a);
-            col_amax[j] = max(col_amax[j], a);
+            cm[j] = max(cm[j], a);
         }
         if (codes) {
             if (row_amax) {
@@ -244,10 +244,10 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
 #pragma unroll
     for (int j = 0; j < V; j++)
 #pragma unroll
-        for (int o = LPR; o < 32; o <<= 1) col_amax[j] = max(col_amax[j], __shfl_xor_sync(0xFFFFFFFFu, col_amax[j], o));
+        for (int o = LPR; o < 32; o <<= 1) cm[j] = max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], o));
     if (sub == 0) {
 #pragma unroll
-        for (int j = 0; j < V; j++) s_col[w][cl + j] = col_amax[j];
+        for (int j = 0; j < V; j++) s_col[w][cl + j] = cm[j];
     }
     __syncthreads();
     if (threadIdx.x < 128) {
