@@ -118,7 +118,7 @@ pub(super) fn addend(
 
 /// The alignment of a device address that cuBLASLt's preferences speak of:
 /// the largest power of two up to 256 dividing it.
-pub(super) fn alignment(at: u64) -> u32 {
+fn alignment(at: u64) -> u32 {
     if at == 0 {
         256
     } else {
@@ -158,8 +158,6 @@ pub(crate) fn fp8_gemm(
     let m = a.shape().dims2()?.0;
     let n = b.shape().dims2()?.0;
     let (ad, bd) = (pad(a.data())?, pad(b.data())?);
-    let (mp, kp) = ad.dims2()?;
-    let np = bd.dims2()?.0;
     let ctx = context(dev)?;
     let mut ctx = ctx.lock().map_err(|_| Error::Poisoned { op: OP })?;
     let stream = ctx.stream.clone();
@@ -178,82 +176,128 @@ pub(crate) fn fp8_gemm(
         }
         scales = (slots, slots + 16);
     }
-    let padded = (mp, np) != (m, n) || kp != a.shape().dims2()?.1;
-    if padded && (epi.bias.is_some() || epi.residual.is_some()) {
-        return Err(Error::Unsupported {
-            op: OP,
-            what: format!("an epilogue on a padded GEMM (m={m} n={n})"),
-        });
-    }
-    // kept alive until the GEMM is queued
-    let (_bias, bias_ptr) = addend(epi.bias, &stream)?;
-    let (_res, c_ptr) = addend(epi.residual, &stream)?;
-    let a_ptr = address(&ad, &stream)?;
-    let b_ptr = address(&bd, &stream)?;
-    let key = PlanKey {
-        m: mp,
-        n: np,
-        k: kp,
-        fa,
-        fb,
+    let k = a.shape().dims2()?.1;
+    let g = Planned {
+        ad: &ad,
+        bd: &bd,
+        mn: (m, n),
+        k,
+        formats: (fa, fb),
         out,
         fast: fast_accum,
-        bias: epi.bias.is_some(),
-        c: epi.residual.is_some(),
-        // cuBLASLt's A is our b
-        align: [
-            alignment(b_ptr),
-            alignment(a_ptr),
-            alignment(c_ptr),
-            alignment(bias_ptr),
-        ],
         modes: [0, 0],
+        scales,
     };
-    if !ctx.plans.contains_key(&key) {
-        let plan = ctx.plan(key, scales, bias_ptr)?;
-        ctx.plans.insert(key, plan);
-    }
-    let ctx = &*ctx;
-    let plan = ctx.plans.get(&key).ok_or(Error::Poisoned { op: OP })?;
-    // SAFETY: the plan's descriptor is only used under the context's lock.
-    unsafe {
-        use sys::cublasLtMatmulDescAttributes_t as A;
-        set_attr(
-            plan.desc,
-            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-            &scales.0,
-        )?;
-        set_attr(
-            plan.desc,
-            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-            &scales.1,
-        )?;
-        if epi.bias.is_some() {
-            set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
+    g.launch(&mut ctx, dev, epi)
+}
+
+/// A GEMM ready for cuBLASLt: the padded codes (`ad` our `a`, `bd` our
+/// `b`), the unpadded `(m, n)` and `k`, the formats, output, fast
+/// accumulation, scale modes and the scale pointers (cuBLASLt's A's, B's).
+pub(super) struct Planned<'a> {
+    pub(super) ad: &'a Tensor,
+    pub(super) bd: &'a Tensor,
+    pub(super) mn: (usize, usize),
+    pub(super) k: usize,
+    pub(super) formats: (Fp8Format, Fp8Format),
+    pub(super) out: DType,
+    pub(super) fast: bool,
+    pub(super) modes: [u8; 2],
+    pub(super) scales: (u64, u64),
+}
+
+impl Planned<'_> {
+    /// The plan of this shape (made once and cached), its pointers set,
+    /// the output allocated and the GEMM queued; the output cut back to
+    /// `[m, n]`. An epilogue only without padding.
+    pub(super) fn launch(
+        &self,
+        ctx: &mut LtContext,
+        dev: &CudaDevice,
+        epi: Epilogue<'_>,
+    ) -> Result<Tensor> {
+        let stream = ctx.stream.clone();
+        let (m, n) = self.mn;
+        let (mp, kp) = self.ad.dims2()?;
+        let np = self.bd.dims2()?.0;
+        let padded = (mp, np) != (m, n) || kp != self.k;
+        if padded && (epi.bias.is_some() || epi.residual.is_some()) {
+            return Err(Error::Unsupported {
+                op: OP,
+                what: format!("an epilogue on a padded GEMM (m={m} n={n} k={})", self.k),
+            });
         }
-    }
-    let c = (epi.residual.is_some()).then_some(c_ptr);
-    let storage = match out {
-        DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
-        DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
-        _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
-    };
-    let y = Tensor::from_storage(
-        Storage::Cuda(storage),
-        (mp, np),
-        candle_core::op::BackpropOp::none(),
-        false,
-    );
-    if (mp, np) == (m, n) {
-        Ok(y)
-    } else {
-        Ok(y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?)
+        // kept alive until the GEMM is queued
+        let (_bias, bias_ptr) = addend(epi.bias, &stream)?;
+        let (_res, c_ptr) = addend(epi.residual, &stream)?;
+        let a_ptr = address(self.ad, &stream)?;
+        let b_ptr = address(self.bd, &stream)?;
+        let key = PlanKey {
+            m: mp,
+            n: np,
+            k: kp,
+            fa: self.formats.0,
+            fb: self.formats.1,
+            out: self.out,
+            fast: self.fast,
+            bias: epi.bias.is_some(),
+            c: epi.residual.is_some(),
+            // cuBLASLt's A is our b
+            align: [
+                alignment(b_ptr),
+                alignment(a_ptr),
+                alignment(c_ptr),
+                alignment(bias_ptr),
+            ],
+            modes: self.modes,
+        };
+        let scales = self.scales;
+        if !ctx.plans.contains_key(&key) {
+            let plan = ctx.plan(key, scales, bias_ptr)?;
+            ctx.plans.insert(key, plan);
+        }
+        let ctx = &*ctx;
+        let plan = ctx.plans.get(&key).ok_or(Error::Poisoned { op: OP })?;
+        // SAFETY: the plan's descriptor is only used under the context's lock.
+        unsafe {
+            use sys::cublasLtMatmulDescAttributes_t as A;
+            set_attr(
+                plan.desc,
+                A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &scales.0,
+            )?;
+            set_attr(
+                plan.desc,
+                A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &scales.1,
+            )?;
+            if epi.bias.is_some() {
+                set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
+            }
+        }
+        let c = (epi.residual.is_some()).then_some(c_ptr);
+        let storage = match self.out {
+            DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
+            DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
+            _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
+        };
+        let y = Tensor::from_storage(
+            Storage::Cuda(storage),
+            (mp, np),
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        if (mp, np) == (m, n) {
+            Ok(y)
+        } else {
+            Ok(y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?)
+        }
     }
 }
 
 /// Allocates the output and launches the plan's GEMM on the stream; `c`
 /// (a residual of D's shape and type) is added with beta = 1.
-pub(super) fn run<T: candle_core::cuda_backend::CudaDType + driver::DeviceRepr>(
+fn run<T: candle_core::cuda_backend::CudaDType + driver::DeviceRepr>(
     ctx: &LtContext,
     plan: &Plan,
     dev: &CudaDevice,

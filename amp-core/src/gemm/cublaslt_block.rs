@@ -22,8 +22,8 @@
 //! multiple of 128 makes a short last tile, as on the CPU; padding `k`
 //! to 16 adds no tile.
 
-use super::cublaslt::{addend, address, alignment, pad, run};
-use super::plan::{context, PlanKey, OP};
+use super::cublaslt::{address, pad, Planned};
+use super::plan::{context, OP};
 use crate::error::{Error, Result};
 use crate::gemm::Epilogue;
 use crate::numerics::block::Tiling;
@@ -31,8 +31,7 @@ use crate::numerics::format::Fp8Format;
 use crate::scaling::block::BlockTensor;
 use candle_core::cuda_backend::cudarc::cublaslt::sys;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
-use candle_core::{DType, Device, Storage, Tensor};
-use half::{bf16, f16};
+use candle_core::{DType, Device, Tensor};
 
 /// cuBLASLt's scale mode of an operand tiled so.
 fn mode(t: Tiling) -> u8 {
@@ -108,83 +107,27 @@ pub(crate) fn block_gemm(
         return Ok(None);
     }
     let (ad, bd) = (pad(a.data())?, pad(b.data())?);
-    let (mp, kp) = ad.dims2()?;
-    let np = bd.dims2()?.0;
+    let (mp, np) = (ad.dims2()?.0, bd.dims2()?.0);
     let ctx = context(dev)?;
     let mut ctx = ctx.lock().map_err(|_| Error::Poisoned { op: OP })?;
     let stream = ctx.stream.clone();
     // cuBLASLt's A is our b, its B our a.
     let (sa, sb) = (gemm_scales(b, np, &stream)?, gemm_scales(a, mp, &stream)?);
-    let padded = (mp, np) != (m, n) || kp != k;
-    if padded && (epi.bias.is_some() || epi.residual.is_some()) {
-        return Err(Error::Unsupported {
-            op: OP,
-            what: format!("an epilogue on a padded block GEMM (m={m} n={n} k={k})"),
-        });
-    }
-    // kept alive until the GEMM is queued
-    let (_bias, bias_ptr) = addend(epi.bias, &stream)?;
-    let (_res, c_ptr) = addend(epi.residual, &stream)?;
     let scales = (address(&sa, &stream)?, address(&sb, &stream)?);
-    let (a_ptr, b_ptr) = (address(&ad, &stream)?, address(&bd, &stream)?);
-    let key = PlanKey {
-        m: mp,
-        n: np,
-        k: kp,
-        fa,
-        fb,
+    let g = Planned {
+        ad: &ad,
+        bd: &bd,
+        mn: (m, n),
+        k,
+        formats: (fa, fb),
         out,
+        // cuBLASLt refuses fast accumulation with the block scale modes
         fast: false,
-        bias: epi.bias.is_some(),
-        c: epi.residual.is_some(),
-        align: [
-            alignment(b_ptr),
-            alignment(a_ptr),
-            alignment(c_ptr),
-            alignment(bias_ptr),
-        ],
         modes: [mode(b.tiling()), mode(a.tiling())],
+        scales,
     };
-    if !ctx.plans.contains_key(&key) {
-        let plan = ctx.plan(key, scales, bias_ptr)?;
-        ctx.plans.insert(key, plan);
-    }
-    let ctx = &*ctx;
-    let plan = ctx.plans.get(&key).ok_or(Error::Poisoned { op: OP })?;
-    // SAFETY: the plan's descriptor is only used under the context's lock.
-    unsafe {
-        use sys::cublasLtMatmulDescAttributes_t as A;
-        super::plan::set_attr(
-            plan.desc,
-            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-            &scales.0,
-        )?;
-        super::plan::set_attr(
-            plan.desc,
-            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-            &scales.1,
-        )?;
-        if epi.bias.is_some() {
-            super::plan::set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
-        }
-    }
-    let c = epi.residual.is_some().then_some(c_ptr);
-    let storage = match out {
-        DType::BF16 => run::<bf16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
-        DType::F16 => run::<f16>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
-        _ => run::<f32>(ctx, plan, dev, (a_ptr, b_ptr, c), mp * np)?,
-    };
+    let y = g.launch(&mut ctx, dev, epi)?;
     // the scales stay alive until the GEMM is queued on the stream
     drop((sa, sb));
-    let y = Tensor::from_storage(
-        Storage::Cuda(storage),
-        (mp, np),
-        candle_core::op::BackpropOp::none(),
-        false,
-    );
-    Ok(Some(if (mp, np) == (m, n) {
-        y
-    } else {
-        y.narrow(0, 0, m)?.narrow(1, 0, n)?.contiguous()?
-    }))
+    Ok(Some(y))
 }
