@@ -154,6 +154,29 @@ BLOCK_QUANTIZE(f16, __half, e5m2, 1)
 // `vec_t`: codes_t's address and rows allow 4-byte stores.
 #define PAIR_THREADS 512
 
+// The tile's column amaxes: each thread's partials `cm` (its V columns over
+// its rows) folded over the warp's row groups and the W warps; after the
+// call, thread t < 128 reads column t's amax from `tile_col_amax`'s result.
+template <int V, int LPR, int W>
+__device__ __forceinline__ uint32_t tile_col_amax(uint32_t* cm, uint32_t (*s_col)[128], int w, int sub, int cl) {
+#pragma unroll
+    for (int j = 0; j < V; j++)
+#pragma unroll
+        for (int o = LPR; o < 32; o <<= 1) cm[j] = max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], o));
+    if (sub == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j++) s_col[w][cl + j] = cm[j];
+    }
+    __syncthreads();
+    uint32_t m = 0;
+    if (threadIdx.x < 128) {
+#pragma unroll
+        for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
+    }
+    return m;
+}
+
+
 // V = 16 / sizeof(T) elements of row r from column c0 as f32: one 16-byte
 // load where `vec` and the row holds them all, else element by element;
 // 0 outside the tensor.
@@ -241,24 +264,10 @@ __device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, 
         }
     }
     if (!codes_t) return;
-#pragma unroll
-    for (int j = 0; j < V; j++)
-#pragma unroll
-        for (int o = LPR; o < 32; o <<= 1) cm[j] = max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], o));
-    if (sub == 0) {
-#pragma unroll
-        for (int j = 0; j < V; j++) s_col[w][cl + j] = cm[j];
-    }
-    __syncthreads();
+    const uint32_t folded = tile_col_amax<V, LPR, W>(cm, s_col, w, sub, cl);
     if (threadIdx.x < 128) {
         const int c = tc * 128 + threadIdx.x;
-        uint32_t m = 0;
-        if (col_amax) {
-            m = c < cols ? col_amax[c] : 0u;
-        } else {
-#pragma unroll
-            for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
-        }
+        const uint32_t m = col_amax ? (c < cols ? col_amax[c] : 0u) : folded;
         const float s = compute_scale(rule, __uint_as_float(m), 1.0f, fmt_max, margin);
         s_scale_t[threadIdx.x] = s;
         if (c < cols && !col_amax) scale_inv_t[(size_t)tr * cols + c] = tile_scale_inv(m, s);
@@ -343,22 +352,9 @@ __device__ void rowcol_amax_impl(const T* __restrict__ x, int rows, int cols, ui
         for (int o = LPR / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
         if (cl == 0 && r < rows) atomicMax(&row_amax[r], m);
     }
-#pragma unroll
-    for (int j = 0; j < V; j++)
-#pragma unroll
-        for (int o = LPR; o < 32; o <<= 1) cm[j] = max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], o));
-    if (sub == 0) {
-#pragma unroll
-        for (int j = 0; j < V; j++) s_col[w][cl + j] = cm[j];
-    }
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        uint32_t m = 0;
-#pragma unroll
-        for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
-        const int c = tc * 128 + threadIdx.x;
-        if (c < cols) atomicMax(&col_amax[c], m);
-    }
+    const uint32_t m = tile_col_amax<V, LPR, W>(cm, s_col, w, sub, cl);
+    const int c = tc * 128 + threadIdx.x;
+    if (threadIdx.x < 128 && c < cols) atomicMax(&col_amax[c], m);
 }
 
 #define ROWCOL_AMAX(TN, T)                                                                             \
