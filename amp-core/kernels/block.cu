@@ -5,11 +5,9 @@
 //   compute_scale(rule, amax, 1, max, margin), code = encode(f32(x) * scale),
 //   scale_inv = 1 / scale (IEEE division, as the CPU's f32 `1.0 / s`).
 //
-// - 1 x tw tiles (1 x 128, or one tile per row): one warp per tile. For 1 x
-//   128 each lane keeps its four values in registers (elements lane + 32 j:
-//   every load and store of the warp is coalesced), so the input is read
-//   once; rows longer than 128 (rowwise) are read twice, the second time
-//   mostly from L2.
+// - 1 x 128 tiles and rows: the pair kernel below (a 128 x 128 tile of x
+//   per block, the casts of x and of xᵀ from one read; rows after a pass
+//   for every row's and column's amax).
 // - 128 x 128 blocks: one block of 256 threads per tile, 64 values a thread
 //   in registers: warp w holds rows w + 8 i, lane l columns l + 32 j.
 //
@@ -17,9 +15,10 @@
 // and is not stored. A tile whose amax is inf or NaN is encoded with scale
 // 1 and stores scale_inv NaN (the canonical bits): it decodes to NaN, and
 // so does every GEMM output it enters (tile_scale_inv).
-// The scales go where cuBLASLt reads them (numerics/block.rs, "The scales' layout"): a 1 x tw tile (r, tc) at
-// tc * rows + r; a 128 x 128 block (tr, tc) at tr * ld + tc, ld the tiles
-// across padded to 4, the padding written 1 by the block of column 0.
+// The scales go where cuBLASLt reads them (numerics/block.rs, "The scales'
+// layout"): a 1 x 128 tile (r, tc) at tc * rows + r, a row's at r; a
+// 128 x 128 block (tr, tc) at tr * ld + tc, ld the tiles across padded to
+// 4, the padding written 1 by the block of column 0.
 #include "cast.cuh"
 
 // The stored scale_inv of a tile: 1 / s, NaN where the amax is not finite.
@@ -40,43 +39,6 @@ __device__ __forceinline__ uint32_t encode4(const float* v, const float* s) {
 __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
     return v;
-}
-
-template <typename T, int FMT>
-__device__ void quantize_rows_impl(const T* __restrict__ x, uint8_t* __restrict__ codes,
-                                   float* __restrict__ scale_inv, int rows, int cols, int tw, int rule, unsigned margin, float fmt_max) {
-    const int tiles_per_row = (cols + tw - 1) / tw;
-    const long long tile = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (tile >= (long long)rows * tiles_per_row) return;  // the whole warp
-    const int r = (int)(tile / tiles_per_row), tc = (int)(tile % tiles_per_row);
-    const int c0 = tc * tw, len = min(tw, cols - c0);
-    const T* src = x + (size_t)r * cols + c0;
-    uint8_t* dst = codes + (size_t)r * cols + c0;
-    uint32_t amax = 0;
-    if (tw == 128) {
-        float v[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int c = lane + 32 * j;
-            v[j] = c < len ? to_f32(src[c]) : 0.0f;
-            amax = max(amax, abs_bits(v[j]));
-        }
-        amax = warp_max(amax);
-        const float s = compute_scale(rule, __uint_as_float(amax), 1.0f, fmt_max, margin);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int c = lane + 32 * j;
-            if (c < len) dst[c] = Fmt<FMT>::encode(v[j] * s);
-        }
-        if (lane == 0) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(amax, s);
-        return;
-    }
-    for (int c = lane; c < len; c += 32) amax = max(amax, abs_bits(to_f32(src[c])));
-    amax = warp_max(amax);
-    const float s = compute_scale(rule, __uint_as_float(amax), 1.0f, fmt_max, margin);
-    for (int c = lane; c < len; c += 32) dst[c] = Fmt<FMT>::encode(to_f32(src[c]) * s);
-    if (lane == 0) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(amax, s);
 }
 
 template <typename T, int FMT>
@@ -119,11 +81,6 @@ __device__ void quantize_blocks_impl(const T* __restrict__ x, uint8_t* __restric
 }
 
 #define BLOCK_QUANTIZE(TN, T, FN, FMT)                                                                 \
-    extern "C" __global__ void block_quantize_rows_##TN##_##FN(                                       \
-        const T* x, uint8_t* codes, float* si, int rows, int cols, int tw, int rule,                   \
-        unsigned margin, float fmt_max) {                                                              \
-        quantize_rows_impl<T, FMT>(x, codes, si, rows, cols, tw, rule, margin, fmt_max);               \
-    }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) block_quantize_blocks_##TN##_##FN(               \
         const T* x, uint8_t* codes, float* si, int rows, int cols, int ld, int rule,                   \
         unsigned margin, float fmt_max) {                                                              \

@@ -1,7 +1,7 @@
 //! Launches of the block-scaled casts (`kernels/block.cu`): codes and
 //! per-tile scales of a 2-D input, and their dequantize.
 
-use super::launch::{aligned, block_func, grid, view, THREADS};
+use super::launch::{aligned, block_func, grid, view};
 use crate::error::{Error, Result};
 use crate::numerics::block::{
     check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, BlockQuantizePair, Tiling,
@@ -110,37 +110,21 @@ pub(crate) fn block_quantize(
     let mut codes = unsafe { dev.alloc::<u8>(rows * cols)? };
     let mut scale_inv = unsafe { dev.alloc::<f32>(sd.0 * sd.1)? };
     let stream = dev.cuda_stream();
-    let (name, cfg) = match k.tiling {
-        Tiling::Blk128 => {
-            if sd.0 > 65_535 {
-                return Err(too_big());
-            }
-            let across = k.tiling.tiles(rows, cols).1;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    u32::try_from(across).map_err(|_| too_big())?,
-                    sd.0 as u32,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (format!("block_quantize_blocks_{tname}_{fmt}"), cfg)
-        }
-        Tiling::Vec128 | Tiling::Row => {
-            let tiles = sd.0 * sd.1; // one a row and tile across
-            let warps = THREADS as usize / 32;
-            let blocks = u32::try_from(tiles.div_ceil(warps)).map_err(|_| too_big())?;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (format!("block_quantize_rows_{tname}_{fmt}"), cfg)
-        }
+    // 128 x 128 blocks (1 x 128 and rows went to the pair kernel above)
+    if sd.0 > 65_535 {
+        return Err(too_big());
+    }
+    let across = k.tiling.tiles(rows, cols).1;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32::try_from(across).map_err(|_| too_big())?,
+            sd.0 as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     };
-    let f = block_func(&dev, &name)?;
-    let tw = i32::try_from(k.tiling.tile(cols).1).map_err(|_| too_big())?;
+    let f = block_func(&dev, &format!("block_quantize_blocks_{tname}_{fmt}"))?;
     let ld = i32::try_from(sd.1).map_err(|_| too_big())?;
     macro_rules! go {
         ($t:ty) => {{
@@ -150,13 +134,11 @@ pub(crate) fn block_quantize(
                 .arg(&mut codes)
                 .arg(&mut scale_inv)
                 .arg(&r32)
-                .arg(&c32);
-            if k.tiling == Tiling::Blk128 {
-                b.arg(&ld);
-            } else {
-                b.arg(&tw);
-            }
-            b.arg(&rule).arg(&k.margin).arg(&max);
+                .arg(&c32)
+                .arg(&ld)
+                .arg(&rule)
+                .arg(&k.margin)
+                .arg(&max);
             // SAFETY: arguments match the kernel's parameters (block.cu).
             unsafe { b.launch(cfg) }.w()?;
         }};
