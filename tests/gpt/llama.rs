@@ -156,7 +156,7 @@ fn the_llama_memory_estimate_is_within_12_percent_of_the_measured_peak() -> anyh
             "--batch",
             "8",
             "--seq",
-            "64",
+            "96",
             "--eval-batches",
             "1",
         ];
