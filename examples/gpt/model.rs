@@ -365,6 +365,7 @@ mod budget_tests {
             native,
             gpu: true,
             lean: false,
+            fp8_moments: false,
         }
     }
 

@@ -125,6 +125,8 @@ pub struct Run {
     /// The optimizer's lean step (`--lean-step`): one parameter's new
     /// states at a time beside the old, not all of them.
     pub lean: bool,
+    /// Both Adam moments in FP8 (`--fp8-moments`, O2 and O3).
+    pub fp8_moments: bool,
 }
 
 /// What a run of a model of shape `g` at `level` needs (see the module's
@@ -134,7 +136,12 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     let (b, s) = (r.batch as f64, r.seq as f64);
     let linear = g.linear as f64;
     let other = (g.params as f64 - linear).max(0.0);
-    let per_linear = level.predicted_bytes_per_linear_param(r.shards.max(1));
+    let policy = if r.fp8_moments {
+        level.policy().with_fp8_moments()
+    } else {
+        level.policy()
+    };
+    let per_linear = policy.predicted_bytes_per_linear_param(r.shards.max(1));
     let persistent = linear * per_linear + other * 16.0;
     // every state but the gradient (F32 at O0, FP8 above), written anew
     let grad_bytes = if level == Level::O0 { 4.0 } else { 1.0 };

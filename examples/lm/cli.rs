@@ -194,6 +194,11 @@ struct Args {
     /// only this fits the memory estimate.
     #[arg(long)]
     lean_step: bool,
+    /// At O2 and O3, both Adam moments in FP8: the second one as E4M3 codes
+    /// of its square root instead of FP16 (`AmpConfig::fp8_moments`; one
+    /// byte a parameter less). With --compare, O0 and O1 are run as always.
+    #[arg(long)]
+    fp8_moments: bool,
     /// CPU threads for candle's kernels, at most the cores [default: half the cores, at least 1].
     /// candle's pool waits in a spin loop, so a thread per core runs far
     /// slower as soon as anything else uses a core.
@@ -224,6 +229,12 @@ fn usage(msg: impl std::fmt::Display) -> ! {
     Args::command()
         .error(clap::error::ErrorKind::ValueValidation, msg)
         .exit()
+}
+
+/// `--fp8-moments` for one run: O2 and O3 only (a single run at O0 or O1
+/// is refused before this; under `--compare` they run as always).
+fn fp8_moments_for(args: &Args, level: Level) -> bool {
+    args.fp8_moments && matches!(level, Level::O2 | Level::O3)
 }
 
 fn compute_for(args: &Args, level: Level) -> Compute {
@@ -430,6 +441,7 @@ pub fn main() -> Result<()> {
         overlap: !args.no_overlap,
         bf16_wire: args.bf16_wire,
         lean_step: args.lean_step,
+        fp8_moments: args.fp8_moments,
         recompute: args.recompute,
         telemetry: args.telemetry.map(|n| (n, args.out.clone())),
         timing_skip: args.timing_skip,
@@ -440,6 +452,9 @@ pub fn main() -> Result<()> {
         event_tracking: args.event_tracking,
         ..Default::default()
     };
+    if args.fp8_moments && levels.iter().all(|l| matches!(l, Level::O0 | Level::O1)) {
+        usage("--fp8-moments needs O2 or O3: O0 and O1 keep F32 Adam moments");
+    }
     if levels.len() > 1 && (base.save.is_some() || base.export.is_some() || base.resume.is_some()) {
         usage("--save, --resume and --export take one run: leave them out of --compare");
     }
@@ -479,6 +494,7 @@ pub fn main() -> Result<()> {
             level,
             compute: compute_for(&args, level),
             progress: base.progress && rank == 0,
+            fp8_moments: fp8_moments_for(&args, level),
             ..base.clone()
         };
         let s = match &group {
@@ -579,6 +595,7 @@ fn check_memory(
                     compute: compute_for(args, level),
                     device: device.clone(),
                     lean_step: lean,
+                    fp8_moments: fp8_moments_for(args, level),
                     ..base.clone()
                 };
                 (level, train::memory_estimate(&cfg, g, world))

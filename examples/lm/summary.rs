@@ -130,6 +130,8 @@ pub struct Summary {
     /// The optimizer read each step's outcome before it updated, keeping
     /// no second copy of the states (`--lean-step`, or chosen to fit).
     pub lean_step: bool,
+    /// Both Adam moments in FP8 (`--fp8-moments`).
+    pub fp8_moments: bool,
     /// Bytes this rank sent to other ranks per step (gradient averaging,
     /// and at O3 the weight gathers).
     pub wire_bytes_per_step: f64,

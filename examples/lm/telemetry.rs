@@ -1,5 +1,7 @@
 //! `--telemetry N`: every N steps (and the first and last), each Linear's
-//! FP8 casts of that step (`amp::nn::set_telemetry`) as rows of
+//! FP8 casts of that step (`amp::nn::set_telemetry`) and its weight's new
+//! Adam moments where they are low-bit (`exp_avg`, `exp_avg_sq`:
+//! `LowBitAdamW::take_moment_telemetry`) as rows of
 //! `telemetry-{level}-{compute}.jsonl` in `--out` (step, layer, role,
 //! amax, scale, saturated, flushed, elements, relative error), and the
 //! `.svg` beside it: per role a heat map of
@@ -8,6 +10,7 @@
 //! step.
 
 use crate::model::Model;
+use amp::levels::AmpOptimizer;
 use amp::nn::{CastRecord, TELEMETRY_ROLES};
 use anyhow::{anyhow, Context, Result};
 use plotters::prelude::*;
@@ -46,6 +49,39 @@ pub fn collect(model: &Model, done: u64) -> Result<Vec<Row>> {
         }
     }
     Ok(rows)
+}
+
+/// The roles of the optimizer's records: a Linear weight's two moments.
+pub const MOMENT_ROLES: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+
+/// Every role a row can have, in the plot's column order.
+fn roles() -> Vec<&'static str> {
+    TELEMETRY_ROLES
+        .iter()
+        .chain(&MOMENT_ROLES)
+        .copied()
+        .collect()
+}
+
+/// The moments' records the optimizer kept during step `done`, of the
+/// model's Linear weights (`{layer}.weight`), taken.
+pub fn collect_moments(model: &Model, opt: &mut AmpOptimizer, done: u64) -> Vec<Row> {
+    let records = opt.inner_mut().take_moment_telemetry();
+    let mut rows = Vec::new();
+    for (name, _) in model.linears() {
+        let weight = format!("{name}.weight");
+        for r in records.iter().filter(|r| r.name == weight) {
+            for (role, cast) in MOMENT_ROLES.iter().zip([r.exp_avg, r.exp_avg_sq]) {
+                rows.push(Row {
+                    step: done,
+                    layer: name.clone(),
+                    role,
+                    cast,
+                });
+            }
+        }
+    }
+    rows
 }
 
 /// `{stem}.jsonl` and `{stem}.svg` in `dir`; returns the first's path.
@@ -110,21 +146,22 @@ fn heat_maps(rows: &[Row], path: &Path) -> Result<()> {
             layers.push(&r.layer);
         }
     }
-    let root = SVGBackend::new(path, (1600, 900)).into_drawing_area();
+    let root = SVGBackend::new(path, (2100, 900)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
     let root = root
         .titled(
-            "FP8 casts per Linear (rows, forward order) and step (columns): \
+            "FP8 casts and Adam moments per Linear (rows, forward order) and step (columns): \
              log10 relative error (top, -4 blue .. 0 red), log10 share saturated or \
              flushed (bottom, -6 .. 0; white: none)",
             ("sans-serif", 16),
         )
         .map_err(plot_err)?;
-    let columns = root.split_evenly((2, TELEMETRY_ROLES.len()));
-    for (i, role) in TELEMETRY_ROLES.iter().enumerate() {
+    let roles = roles();
+    let columns = root.split_evenly((2, roles.len()));
+    for (i, role) in roles.iter().enumerate() {
         for (row, (area, lo, hi)) in [
             (&columns[i], -4.0, 0.0),
-            (&columns[TELEMETRY_ROLES.len() + i], -6.0, 0.0),
+            (&columns[roles.len() + i], -6.0, 0.0),
         ]
         .into_iter()
         .enumerate()

@@ -99,6 +99,8 @@ pub struct TrainConfig {
     /// The optimizer reads the step's outcome before it updates
     /// (`AmpConfig::lean_step`).
     pub lean_step: bool,
+    /// Both Adam moments in FP8 (`AmpConfig::fp8_moments`; O2 and O3).
+    pub fp8_moments: bool,
     /// Which activations the blocks recompute in backward.
     pub recompute: crate::recompute::Recompute,
     /// Precision telemetry every this many steps, written into this
@@ -144,6 +146,7 @@ impl Default for TrainConfig {
             overlap: true,
             bf16_wire: false,
             lean_step: false,
+            fp8_moments: false,
             recompute: crate::recompute::Recompute::None,
             telemetry: None,
             timing_skip: 0,
@@ -260,6 +263,7 @@ pub fn train_rank(
         overlap_backward: cfg.overlap,
         bf16_wire: cfg.bf16_wire,
         lean_step: cfg.lean_step,
+        fp8_moments: cfg.fp8_moments,
         ..Default::default()
     };
     let adam = AdamWConfig {
@@ -424,6 +428,11 @@ pub fn train_rank(
         if record {
             amp::nn::set_telemetry(false);
             telemetry_rows.extend(crate::telemetry::collect(&model, step + 1)?);
+            telemetry_rows.extend(crate::telemetry::collect_moments(
+                &model,
+                &mut opt,
+                step + 1,
+            ));
         }
         if let StepOutcome::Skipped = stepped.outcome {
             skipped += 1;
@@ -587,6 +596,7 @@ pub fn train_rank(
             && amp::nn::flash_attention_enabled(),
         recompute: cfg.recompute,
         lean_step: cfg.lean_step,
+        fp8_moments: cfg.fp8_moments,
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         comm_exposed_ms: (!comm_exposed_ms.is_empty()).then(|| median_max(&comm_exposed_ms).0),
         comm_gather_ms: (!comm_gather_ms.is_empty()).then(|| median_max(&comm_gather_ms).0),
@@ -617,6 +627,7 @@ pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::bu
         native: matches!(cfg.compute, Compute::Native),
         gpu: cfg.device.is_cuda(),
         lean: cfg.lean_step,
+        fp8_moments: cfg.fp8_moments,
     };
     crate::budget::estimate(&g.shape(), cfg.level, &run)
 }

@@ -136,6 +136,12 @@ pub struct AmpConfig {
     /// moments during the step, for one wait of the host a step. The same
     /// values either way. Default off.
     pub lean_step: bool,
+    /// At O2 and O3, both Adam moments in FP8: the second one as the E4M3
+    /// codes of its square root (`StateFormat::E4M3Sqrt`) instead of FP16,
+    /// one byte a parameter less (O2 5 bytes a Linear parameter, O3
+    /// 2 + 4/N; docs/ARCHITECTURE.md, "FP8 moments"). O0 and O1 keep F32
+    /// moments: there it is a config error. Default off.
+    pub fp8_moments: bool,
 }
 
 impl Default for AmpConfig {
@@ -151,6 +157,7 @@ impl Default for AmpConfig {
             overlap_backward: true,
             bf16_wire: false,
             lean_step: false,
+            fp8_moments: false,
         }
     }
 }
@@ -170,6 +177,7 @@ struct AmpConfigFields {
     overlap_backward: bool,
     bf16_wire: bool,
     lean_step: bool,
+    fp8_moments: bool,
 }
 
 impl Default for AmpConfigFields {
@@ -186,6 +194,7 @@ impl Default for AmpConfigFields {
             overlap_backward: d.overlap_backward,
             bf16_wire: d.bf16_wire,
             lean_step: d.lean_step,
+            fp8_moments: d.fp8_moments,
         }
     }
 }
@@ -203,6 +212,7 @@ impl From<AmpConfigFields> for AmpConfig {
             overlap_backward: f.overlap_backward,
             bf16_wire: f.bf16_wire,
             lean_step: f.lean_step,
+            fp8_moments: f.fp8_moments,
         }
     }
 }
@@ -248,6 +258,17 @@ impl AmpConfig {
     /// Whether a Linear weight is kept in high precision.
     pub fn is_high_precision(&self, name: &str) -> bool {
         self.high_precision.iter().any(|p| matches(p, name))
+    }
+
+    /// The storage of every tensor class: the level's table, with
+    /// [`fp8_moments`](Self::fp8_moments) applied.
+    pub fn policy(&self) -> crate::level::Policy {
+        let p = self.level.policy();
+        if self.fp8_moments {
+            p.with_fp8_moments()
+        } else {
+            p
+        }
     }
 
     /// Whether a parameter keeps F32 moments.
@@ -307,6 +328,15 @@ impl Validate for AmpConfig {
             if !(n > 0.0 && n.is_finite()) {
                 return bad("max_grad_norm", format!("{n} must be finite and > 0"));
             }
+        }
+        if self.fp8_moments && matches!(self.level, Level::O0 | Level::O1) {
+            return bad(
+                "fp8_moments",
+                format!(
+                    "{} keeps F32 Adam moments: FP8 moments need O2 or O3",
+                    self.level
+                ),
+            );
         }
         if !(self.bucket_mb > 0.0 && self.bucket_mb <= MAX_BUCKET_MB) {
             return bad(

@@ -491,7 +491,7 @@ pub(crate) fn initialize_with(
         }
     }
     claim(varmap)?;
-    let policy = config.level.policy();
+    let policy = config.policy();
     let sink = GradSink::new();
     let mut vars: Vec<(String, candle_core::Var)> = {
         let data = varmap

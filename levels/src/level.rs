@@ -91,7 +91,28 @@ impl Level {
     /// `ranks` ranks, derived from the storages (scales not counted):
     /// O0 16, O1 11, O2 6, O3 2 + 5/N.
     pub fn predicted_bytes_per_linear_param(self, ranks: usize) -> f64 {
-        let p = self.policy();
+        self.policy().predicted_bytes_per_linear_param(ranks)
+    }
+}
+
+impl Policy {
+    /// This policy with the second Adam moment in FP8 wherever the first
+    /// one is FP8 (`AmpConfig::fp8_moments`): E4M3 square roots
+    /// ([`StateFormat::E4M3Sqrt`]) instead of FP16. F32 moments stay F32.
+    pub const fn with_fp8_moments(mut self) -> Self {
+        if matches!(self.linear_moments.0, StateFormat::E4M3) {
+            self.linear_moments.1 = StateFormat::E4M3Sqrt;
+        }
+        if matches!(self.other_moments.0, StateFormat::E4M3) {
+            self.other_moments.1 = StateFormat::E4M3Sqrt;
+        }
+        self
+    }
+
+    /// Persistent bytes per Linear parameter this policy predicts on
+    /// `ranks` ranks, derived from the storages (scales not counted).
+    pub fn predicted_bytes_per_linear_param(&self, ranks: usize) -> f64 {
+        let p = self;
         let shard = if p.sharded {
             1.0 / ranks.max(1) as f64
         } else {
@@ -118,7 +139,7 @@ pub fn state_bytes(f: StateFormat) -> f64 {
     match f {
         StateFormat::F32 => 4.0,
         StateFormat::F16 => 2.0,
-        StateFormat::E4M3 | StateFormat::E5M2 => 1.0,
+        StateFormat::E4M3 | StateFormat::E5M2 | StateFormat::E4M3Sqrt => 1.0,
     }
 }
 

@@ -75,7 +75,7 @@ fn split_weight(w: &Weight) -> Result<(usize, usize)> {
 fn state(s: &State) -> (usize, usize) {
     match s {
         State::F32(t) => (t.elem_count() * 4, 0),
-        State::Scaled(t) => split(t),
+        State::Scaled(t) | State::Sqrt(t) => split(t),
     }
 }
 
@@ -170,7 +170,8 @@ impl MemoryReport {
             bytes: b,
             measured_bytes_per_linear_param: per_linear as f64 / linear_params.max(1) as f64,
             predicted_bytes_per_linear_param: ctx
-                .level()
+                .config()
+                .policy()
                 .predicted_bytes_per_linear_param(if shards.is_empty() { 1 } else { ctx.world }),
             ratio_to_o0: None,
         })

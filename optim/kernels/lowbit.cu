@@ -32,7 +32,7 @@
 // each stream once.
 //
 // The element codecs (decode and encode of each stream kind K_E4M3, K_E5M2,
-// K_F16, K_F32 with amp-core's saturating round-to-nearest-even casts, one
+// K_F16, K_F32 (and K_E4M3_SQRT's roots, below, as K_E4M3) with amp-core's saturating round-to-nearest-even casts, one
 // element at a time and packed), the format constants and the
 // power-of-two scale rule are amp-core's, shared with the cast kernels.
 #include "../../amp-core/kernels/codec.cuh"
@@ -63,10 +63,51 @@ __device__ __forceinline__ void adam_mv(const Adam& k, float g, float& m, float&
     m = __fadd_rn(m, __fmul_rn(k.one_minus_beta1, __fsub_rn(g, m)));
     v = __fadd_rn(__fmul_rn(v, k.beta2), __fmul_rn(__fmul_rn(k.one_minus_beta2, g), g));
 }
-__device__ __forceinline__ void adam_p(const Adam& k, float& p, float m, float v) {
+// The weight's update from m and r = sqrt(v) (the square root the CPU's
+// AdamStep::update takes, computed once: adam_p's bits).
+__device__ __forceinline__ void adam_p_root(const Adam& k, float& p, float m, float r) {
     p = __fsub_rn(p, __fmul_rn(p, k.lr_wd));
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2_sqrt), k.eps);
+    const float denom = __fadd_rn(__fdiv_rn(r, k.bc2_sqrt), k.eps);
     p = __fadd_rn(p, __fmul_rn(-k.step_size, __fdiv_rn(m, denom)));
+}
+__device__ __forceinline__ void adam_p(const Adam& k, float& p, float m, float v) {
+    adam_p_root(k, p, m, __fsqrt_rn(v));
+}
+
+// A v stream of this kind holds the second moment's square roots as E4M3
+// (StateFormat::E4M3Sqrt): decoded roots are squared before adam_mv, the
+// new v's root is what the amax, the scale and the codes are taken from,
+// rounded stochastically to the codes (a positive root never to zero).
+// Its codec is K_E4M3's.
+#define K_E4M3_SQRT 4
+__device__ __forceinline__ int codec_kind(int kind) { return kind == K_E4M3_SQRT ? K_E4M3 : kind; }
+// random_bits and stochastic_root of optim/src/state.rs, operation by
+// operation: a root rounded stochastically to E4M3's grid at `scale`, at
+// least the smallest code (exact results: the encode rounds nothing).
+__device__ __forceinline__ uint32_t mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    return h ^ (h >> 16);
+}
+__device__ __forceinline__ uint32_t random_bits(size_t i, uint32_t salt) {
+    return mix32((uint32_t)i ^ mix32((uint32_t)((unsigned long long)i >> 32) ^ mix32(salt)));
+}
+__device__ __forceinline__ float stochastic_root(float r, float scale, size_t i, uint32_t salt) {
+    const float y = __fmul_rn(r, scale);
+    if (!(y > 0.0f && y <= 3.402823466e38f)) return r;
+    const uint32_t bits = random_bits(i, salt);
+    float rounded;
+    if (y < 1.0f / 64.0f) {
+        const float t = __fmul_rn(y, 512.0f);
+        const float u = __fmul_rn((float)(bits >> 8), 1.0f / 16777216.0f);
+        rounded = __fdiv_rn(floorf(__fadd_rn(t, u)), 512.0f);
+    } else {
+        rounded = __uint_as_float((__float_as_uint(y) + (bits >> 12)) & ~0xFFFFFu);
+    }
+    // a positive root stays positive, whatever it rounded to
+    return fmaxf(__fdiv_rn(rounded, scale), __fdiv_rn(1.0f / 512.0f, scale));
 }
 
 #include "groups.cuh"
@@ -83,6 +124,7 @@ struct Streams {
     const void *w, *g, *m, *v;
     const float *w_si, *g_si, *m_si, *v_si;
     int wk, gk, mk, vk;
+    uint32_t salt;  // stochastic rounding of K_E4M3_SQRT roots
 };
 
 struct Outs {
@@ -119,7 +161,7 @@ template <int GS>
 __device__ __forceinline__ Raw4 load_group(const Streams& s, size_t gi, Need nd) {
     const uint4 z = make_uint4(0, 0, 0, 0);
     return {nd.w ? load_any<GS>(s.w, s.wk, gi) : z, load_any<GS>(s.g, s.gk, gi),
-            nd.m ? load_any<GS>(s.m, s.mk, gi) : z, nd.v ? load_any<GS>(s.v, s.vk, gi) : z};
+            nd.m ? load_any<GS>(s.m, s.mk, gi) : z, nd.v ? load_any<GS>(s.v, codec_kind(s.vk), gi) : z};
 }
 
 // Update one group from its raw inputs; write the outputs `e` selects; fold
@@ -139,22 +181,35 @@ __device__ __forceinline__ void update_group(const Streams& s, const Adam& k, co
                                              const Outs& o, const Enc& e, size_t gi, float& wa, float& ma,
                                              float& va) {
     float p[GS], g[GS], m[GS], v[GS];
+    const bool sq = s.vk == K_E4M3_SQRT;
     decode_any<GS>(r.w, s.wk, si[0], p);
     decode_any<GS>(r.g, s.gk, si[1], g);
     decode_any<GS>(r.m, s.mk, si[2], m);
-    decode_any<GS>(r.v, s.vk, si[3], v);
+    decode_any<GS>(r.v, codec_kind(s.vk), si[3], v);
     const Need nd = needs(e);
 #pragma unroll
     for (int j = 0; j < GS; j++) {
+        if (sq) v[j] = __fmul_rn(v[j], v[j]);
         adam_mv(k, g[j], m[j], v[j]);
-        if (nd.w) adam_p(k, p[j], m[j], v[j]);
+        if (sq) {
+            v[j] = __fsqrt_rn(v[j]);
+            if (nd.w) adam_p_root(k, p[j], m[j], v[j]);
+        } else if (nd.w) {
+            adam_p(k, p[j], m[j], v[j]);
+        }
         wa = amax_fold(wa, p[j]);
         ma = amax_fold(ma, m[j]);
         va = amax_fold(va, v[j]);
     }
     if (e.ww) store_any<GS>(o.w, s.wk, e.w, gi, p);
     if (e.wm) store_any<GS>(o.m, s.mk, e.m, gi, m);
-    if (e.wv) store_any<GS>(o.v, s.vk, e.v, gi, v);
+    if (e.wv) {
+        if (sq) {
+#pragma unroll
+            for (int j = 0; j < GS; j++) v[j] = stochastic_root(v[j], e.v, gi * GS + j, s.salt);
+        }
+        store_any<GS>(o.v, codec_kind(s.vk), e.v, gi, v);
+    }
     if (e.wc) store_any<GS>(o.copy, K_E4M3, e.copy, gi, p);
 }
 
@@ -166,15 +221,22 @@ __device__ __forceinline__ void update_one(const Streams& s, const Adam& k, cons
     float p = nd.w ? load(s.w, s.wk, si[0], i) : 0.0f;
     const float g = load(s.g, s.gk, si[1], i);
     float m = nd.m ? load(s.m, s.mk, si[2], i) : 0.0f;
-    float v = nd.v ? load(s.v, s.vk, si[3], i) : 0.0f;
+    const bool sq = s.vk == K_E4M3_SQRT;
+    float v = nd.v ? load(s.v, codec_kind(s.vk), si[3], i) : 0.0f;
+    if (sq) v = __fmul_rn(v, v);
     adam_mv(k, g, m, v);
-    if (nd.w) adam_p(k, p, m, v);
+    if (sq) {
+        v = __fsqrt_rn(v);
+        if (nd.w) adam_p_root(k, p, m, v);
+    } else if (nd.w) {
+        adam_p(k, p, m, v);
+    }
     wa = amax_fold(wa, p);
     ma = amax_fold(ma, m);
     va = amax_fold(va, v);
     if (e.ww) store(o.w, s.wk, e.w, i, p);
     if (e.wm) store(o.m, s.mk, e.m, i, m);
-    if (e.wv) store(o.v, s.vk, e.v, i, v);
+    if (e.wv) store(o.v, codec_kind(s.vk), e.v, i, sq ? stochastic_root(v, e.v, i, s.salt) : v);
     if (e.wc) store(o.copy, K_E4M3, e.copy, i, p);
 }
 
@@ -242,7 +304,7 @@ __device__ void step_impl(Streams s0, Adam k, size_t n, int vec, const float* co
                           Grid gr) {
     if (isnan(k.grad_mul)) return;
     const Streams s = fixed<WK, GK, MK, VK>(s0);
-    const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(s.vk, *s.v_si),
+    const Enc e = {prev_scale(s.wk, *s.w_si), prev_scale(s.mk, *s.m_si), prev_scale(codec_kind(s.vk), *s.v_si),
                    o.copy ? prev_scale(K_E4M3, *copy_si) : 1.0f, true, true, true, o.copy != nullptr};
     float fw = 0.0f, fm = 0.0f, fv = 0.0f;
     sweep<INFLIGHT(WK, GK, MK, VK), GROUP(WK, GK, MK, VK)>(s, k, n, vec, o, e, fw, fm, fv, gr);
@@ -284,7 +346,8 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
     const Streams s = fixed<WK, GK, MK, VK>(s0);
     const float wsi = *s.w_si, msi = *s.m_si, vsi = *s.v_si;
     const float wa = __uint_as_float(amax[0]), ma = __uint_as_float(amax[1]), va = __uint_as_float(amax[2]);
-    const float ws = out_scale(s.wk, wa, wsi), ms = out_scale(s.mk, ma, msi), vs = out_scale(s.vk, va, vsi);
+    const int vc = codec_kind(s.vk);
+    const float ws = out_scale(s.wk, wa, wsi), ms = out_scale(s.mk, ma, msi), vs = out_scale(vc, va, vsi);
     const float cs = pow2_scale(wa, 1.0f, E4M3_MAX);
     if (gr.block == 0 && threadIdx.x == 0) {
         const float scale[4] = {ws, ms, vs, cs}, amaxes[4] = {wa, ma, va, wa};
@@ -295,7 +358,7 @@ __device__ void fix_impl(Streams s0, Adam k, size_t n, int vec, const float* cop
         }
     }
     const Enc e = {ws, ms, vs, cs, ws != prev_scale(s.wk, wsi), ms != prev_scale(s.mk, msi),
-                   vs != prev_scale(s.vk, vsi), o.copy != nullptr && cs != prev_scale(K_E4M3, *copy_si)};
+                   vs != prev_scale(vc, vsi), o.copy != nullptr && cs != prev_scale(K_E4M3, *copy_si)};
     if (!(e.ww || e.wm || e.wv || e.wc)) return;
     float a = 0.0f, b = 0.0f, c = 0.0f;
     sweep<INFLIGHT(WK, GK, MK, VK), GROUP(WK, GK, MK, VK)>(s, k, n, vec, o, e, a, b, c, gr);
@@ -349,6 +412,8 @@ LOWBIT(2002, K_F16, K_E4M3, K_E4M3, K_F16)
 LOWBIT(2033, K_F16, K_E4M3, K_F32, K_F32)
 LOWBIT(3302, K_F32, K_F32, K_E4M3, K_F16)
 LOWBIT(3333, K_F32, K_F32, K_F32, K_F32)
+LOWBIT(2004, K_F16, K_E4M3, K_E4M3, K_E4M3_SQRT)
+LOWBIT(3304, K_F32, K_F32, K_E4M3, K_E4M3_SQRT)
 
 #include "sumsq.cuh"
 #include "clip.cuh"

@@ -70,8 +70,18 @@ const STEP_BLOCKS_PER_SM: usize = 4;
 /// (`lowbit_one_*`: 64 elements a thread at most), both passes in it: the
 /// biases and LayerNorm parameters of a GPT, a launch each instead of two.
 const ONE_BLOCK_MAX: usize = 16384;
-/// Stream kinds (w, g, m, v) with a kernel of their own in lowbit.cu.
-const FIXED_KINDS: [[i32; 4]; 4] = [[2, 0, 0, 2], [2, 0, 3, 3], [3, 3, 0, 2], [3, 3, 3, 3]];
+/// Stream kinds (w, g, m, v) with a kernel of their own in lowbit.cu (4:
+/// E4M3 square roots, `K_E4M3_SQRT`).
+const FIXED_KINDS: [[i32; 4]; 6] = [
+    [2, 0, 0, 2],
+    [2, 0, 3, 3],
+    [3, 3, 0, 2],
+    [3, 3, 3, 3],
+    [2, 0, 0, 4],
+    [3, 3, 0, 4],
+];
+/// The v stream's kind where it holds E4M3 square roots.
+pub(crate) const K_E4M3_SQRT: i32 = 4;
 /// Scale, scale_inv and amax: the one-element outputs of each stream.
 pub(crate) const META_PER_STREAM: usize = 3;
 
@@ -189,8 +199,11 @@ pub(crate) struct Streams {
     pub data: [u64; 4],
     pub scale_inv: [u64; 4],
     pub kinds: [i32; 4],
+    /// Stochastic rounding's salt of a `K_E4M3_SQRT` v stream.
+    pub salt: u32,
 }
-// SAFETY: plain old data laid out as the C struct (8 pointers, 4 ints).
+// SAFETY: plain old data laid out as the C struct (8 pointers, 4 ints, a
+// u32; repr(C) pads both alike).
 unsafe impl DeviceRepr for Streams {}
 
 /// `Adam` of lowbit.cu.
@@ -241,6 +254,7 @@ pub(crate) fn lowbit_step(
         data: [0; 4],
         scale_inv: [0; 4],
         kinds: [0; 4],
+        salt: 0,
     };
     for (i, ((s, l), (si, lsi))) in [(w, lw), (g, lg), (m, lm), (v, lv)]
         .into_iter()
@@ -251,6 +265,13 @@ pub(crate) fn lowbit_step(
         streams.data[i] = address(OP, s, l, dtype, &dev)?;
         streams.scale_inv[i] = scalar_address(OP, si, lsi, &dev)?;
         streams.kinds[i] = kd;
+    }
+    if let Some(salt) = k.v_sqrt {
+        if k.v != Some(QType::E4M3) {
+            return Err(bad(OP, "square roots are stored in E4M3"));
+        }
+        streams.kinds[3] = K_E4M3_SQRT;
+        streams.salt = salt;
     }
     let gmul = scalar_address(OP, gm, lgm, &dev)?;
     let c = k.k.constants();

@@ -3,11 +3,12 @@
 //! with the launch, and a CUDA block per descriptor.
 
 use crate::cuda::{
-    address, bad, func, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams, META_PER_STREAM,
-    THREADS,
+    address, bad, func, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams, K_E4M3_SQRT,
+    META_PER_STREAM, THREADS,
 };
 use crate::fused::META_LEN;
 use crate::multi::{buffer_index, meta_at, LowBitMulti, MomentPlaces, BUFFER_DTYPES, MULTI_MAX};
+use amp_core::QType;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -125,7 +126,7 @@ pub(crate) fn lowbit_multi(
     let gmul = scalar_address(OP, gm, lgm, &dev)?;
     let mut ns = Vec::with_capacity(count);
     let mut dtypes = Vec::with_capacity(count);
-    for ((_, [_, m, v]), p) in k.steps.iter().zip(params.chunks(8)) {
+    for ((_, [_, m, v], _), p) in k.steps.iter().zip(params.chunks(8)) {
         ns.push(small(OP, p[0].1)?);
         dtypes.push([kind(*m).1, kind(*v).1]);
     }
@@ -141,7 +142,9 @@ pub(crate) fn lowbit_multi(
     let mut meta = unsafe { dev.alloc::<f32>(META_LEN * count)? };
     let meta_base = meta.device_ptr_mut(&stream).0;
     let mut descs = Vec::with_capacity(count);
-    for (i, (((step, qs), p), n)) in k.steps.iter().zip(params.chunks(8)).zip(&ns).enumerate() {
+    for (i, (((step, qs, roots), p), n)) in
+        k.steps.iter().zip(params.chunks(8)).zip(&ns).enumerate()
+    {
         let [(w, lw), (ws, lws), (g, lg), (gs, lgs), (m, lm), (ms, lms), (v, lv), (vs, lvs)] = p
         else {
             return Err(bad(OP, "wrong number of inputs"));
@@ -160,7 +163,15 @@ pub(crate) fn lowbit_multi(
             data: [0; 4],
             scale_inv: [0; 4],
             kinds: kinds.map(|k| k.0),
+            salt: 0,
         };
+        if let Some(salt) = *roots {
+            if qs[2] != Some(QType::E4M3) {
+                return Err(bad(OP, "square roots are stored in E4M3"));
+            }
+            s.kinds[3] = K_E4M3_SQRT;
+            s.salt = salt;
+        }
         for (j, ((x, lx), (xs, lxs))) in [(w, lw), (g, lg), (m, lm), (v, lv)]
             .into_iter()
             .zip([(ws, lws), (gs, lgs), (ms, lms), (vs, lvs)])

@@ -8,6 +8,7 @@
 //! tensor, so it cannot run in the first pass.
 
 use crate::adamw::AdamStep;
+use crate::state::stochastic_root;
 use amp_core::kernel::{scalar, slice, Kernel};
 use amp_core::{QType, ScaleRule};
 use candle_core::{CpuStorage, Layout, Shape};
@@ -46,6 +47,13 @@ pub(crate) struct LowBitStep<'a> {
     pub m: Q,
     pub v: Q,
     pub fp8_copy: bool,
+    /// `Some(salt)`: the v stream holds the square roots of the second
+    /// moment ([`StateFormat::E4M3Sqrt`](crate::StateFormat::E4M3Sqrt),
+    /// `v` is E4M3): decoded roots are squared before the update, the new
+    /// v's roots are what its amax and scale are taken from, and they are
+    /// rounded stochastically ([`stochastic_root`], its random bits from
+    /// the element's index and `salt`) before they are encoded.
+    pub v_sqrt: Option<u32>,
     /// CUDA only: an F32 weight is updated in the weight input's storage
     /// (no weight output); the CPU body refuses it.
     pub w_in_place: bool,
@@ -89,12 +97,24 @@ fn amax_bits(xs: &[f32]) -> u32 {
 
 /// Encodes an f32 stream into `q` with a fresh power-of-two scale from its
 /// amax (keeping `prev_scale` where the amax is 0 or not finite): the data
-/// and its scale, 1 / scale and amax.
-fn encode(q: Q, values: &[f32], amax: f32, prev_scale: f32) -> (CpuStorage, [f32; 3]) {
+/// and its scale, 1 / scale and amax. With `roots` (a salt), the values
+/// are square roots, first rounded by [`stochastic_root`].
+fn encode(
+    q: Q,
+    values: &mut [f32],
+    amax: f32,
+    prev_scale: f32,
+    roots: Option<u32>,
+) -> (CpuStorage, [f32; 3]) {
     let Some(qtype) = q else {
         return (CpuStorage::F32(values.to_vec()), [1.0, 1.0, amax]);
     };
     let scale = ScaleRule::PowerOfTwo.compute(amax, prev_scale, qtype.max(), 0);
+    if let Some(salt) = roots {
+        for (i, r) in values.iter_mut().enumerate() {
+            *r = stochastic_root(*r, scale, i as u64, salt);
+        }
+    }
     (
         encode_with(qtype, values, scale),
         [scale, 1.0 / scale, amax],
@@ -190,7 +210,18 @@ impl LowBitStep<'_> {
             decode(OP, self.g, g, lg, g_si, at, gb)?;
             decode(OP, self.m, m, lm, m_si, at, mb)?;
             decode(OP, self.v, v, lv, v_si, at, vb)?;
+            if self.v_sqrt.is_some() {
+                for r in vb.iter_mut() {
+                    *r *= *r;
+                }
+            }
             self.k.update(wb, gb, grad_mul, mb, vb);
+            if self.v_sqrt.is_some() {
+                // the update's own sqrt(v), bit for bit
+                for v in vb.iter_mut() {
+                    *v = v.sqrt();
+                }
+            }
             wa = wa.max(amax_bits(wb));
             ma = ma.max(amax_bits(mb));
             va = va.max(amax_bits(vb));
@@ -201,19 +232,18 @@ impl LowBitStep<'_> {
         let (wa, ma, va) = (f32::from_bits(wa), f32::from_bits(ma), f32::from_bits(va));
         let mut meta = vec![0f32; META_LEN];
         let mut out = Vec::with_capacity(5);
-        let (wn, mn, vn): (&[f32], &[f32], &[f32]) = (wn, mn, vn);
         if self.fp8_copy {
-            let (data, m) = encode(Some(QType::E4M3), wn, wa, 1.0);
+            let (data, m) = encode(Some(QType::E4M3), wn, wa, 1.0, None);
             meta[9..12].copy_from_slice(&m);
             out.push((data, shape.clone()));
         }
         let streams = [
-            (0, self.w, wn, wa, prev(w_si)),
-            (1, self.m, mn, ma, prev(m_si)),
-            (2, self.v, vn, va, prev(v_si)),
+            (0, self.w, wn, wa, prev(w_si), None),
+            (1, self.m, mn, ma, prev(m_si), None),
+            (2, self.v, vn, va, prev(v_si), self.v_sqrt),
         ];
-        for (j, q, values, amax, prev) in streams {
-            let (data, m) = encode(q, values, amax, prev);
+        for (j, q, values, amax, prev, roots) in streams {
+            let (data, m) = encode(q, values, amax, prev, roots);
             meta[3 * j..3 * j + 3].copy_from_slice(&m);
             out.push((data, shape.clone()));
         }
@@ -287,7 +317,7 @@ mod tests {
             })
             .collect();
         let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let out = encode(Some(QType::F16), &xs, amax, 1.0);
+        let out = encode(Some(QType::F16), &mut xs.clone(), amax, 1.0, None);
         let CpuStorage::F16(ours) = &out.0 else {
             panic!("F16 out")
         };

@@ -62,6 +62,7 @@ mod multi;
 mod schedule;
 mod state;
 mod step;
+mod telemetry;
 mod update;
 
 pub use adamw::{AdamStep, AdamW, AdamWConfig};
@@ -73,3 +74,4 @@ pub use lowbit::{LowBitAdamW, LowBitAdamWConfig, ParamState, StepOutcome};
 pub use schedule::{Constant, LrSchedule, WarmupCosine};
 pub use state::{State, StateFormat};
 pub use step::ReduceNorm;
+pub use telemetry::MomentRecord;

@@ -93,6 +93,8 @@ pub struct LowBitAdamW {
     /// Steps skipped so far (a non-finite gradient).
     pub(crate) skipped: u64,
     pub(crate) scratch: std::sync::Mutex<Vec<f32>>,
+    /// The moments' telemetry of the steps taken while it recorded.
+    pub(crate) moment_records: Vec<crate::telemetry::MomentRecord>,
 }
 
 impl LowBitAdamW {
@@ -153,6 +155,7 @@ impl LowBitAdamW {
             step: 0,
             skipped: 0,
             scratch: std::sync::Mutex::new(Vec::new()),
+            moment_records: Vec::new(),
         })
     }
 

@@ -51,13 +51,14 @@ impl SumSqMulti {
 
 /// Steps of many parameters whose weights are F32 and updated in place
 /// (CUDA only: the CPU body cannot write an input): per parameter its
-/// constants and the kinds of its gradient, m and v. Inputs per parameter
+/// constants, the kinds of its gradient, m and v, and where v holds
+/// square roots their rounding's salt ([`LowBitStep::v_sqrt`](crate::fused::LowBitStep)). Inputs per parameter
 /// weight, its scale_inv, gradient, scale_inv, m, scale_inv, v, scale_inv;
 /// then the gradient multiplier. Outputs: the U8, F16 and F32 buffers that
 /// hold every m and v at [`MomentPlaces`], then the meta slots,
 /// [`META_LEN`] a parameter (as `LowBitStep` orders them).
 pub(crate) struct LowBitMulti {
-    pub steps: Vec<(AdamStep, [Q; 3])>,
+    pub steps: Vec<(AdamStep, [Q; 3], Option<u32>)>,
 }
 
 impl LowBitMulti {

@@ -15,8 +15,8 @@ use crate::multi::{
 };
 use crate::state::State;
 use crate::update::{
-    f32_stream, gathered, kernel_error, scaled_stream, state_stream, to_state, update_param,
-    updates_in_place, Ones,
+    f32_stream, gathered, kernel_error, root_salt, scaled_stream, state_stream, to_state,
+    update_param, updates_in_place, Ones,
 };
 use amp_core::kernel::launch;
 use amp_core::Weight;
@@ -220,6 +220,7 @@ impl LowBitAdamW {
             })
             .collect::<Result<_>>()?;
         let step_before = self.step;
+        let records_before = self.moment_records.len();
         let updated = self.update_all(grads, plan, &grad_mul, &mut ones);
         let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
             .map_err(|_| kernel_error("clipping outcome"))?;
@@ -231,6 +232,7 @@ impl LowBitAdamW {
             return Ok(StepOutcome::Applied { grad_norm });
         }
         self.step = step_before;
+        self.moment_records.truncate(records_before);
         for (p, (w, m, v, step)) in self.params.iter_mut().zip(before) {
             if !matches!(w, Weight::F32(_)) {
                 p.slot.replace(w)?;
@@ -359,7 +361,12 @@ impl LowBitAdamW {
                 batch.push((i, k));
                 continue;
             }
+            let before = crate::telemetry::before(p, g, grad_mul)?;
             update_param(p, g, k, grad_mul, &self.scratch, ones)?;
+            if let Some(b) = before {
+                let record = crate::telemetry::after(p, b, &self.config.adam, p.step)?;
+                self.moment_records.push(record);
+            }
         }
         if !batch.is_empty() {
             self.update_batch(grads, &batch, grad_mul, ones)?;
@@ -389,7 +396,7 @@ impl LowBitAdamW {
             let v = state_stream(&p.exp_avg_sq, ones)?;
             let w = f32_stream(var.as_tensor(), ones)?;
             let g = f32_stream(g, ones)?;
-            steps.push((k, [g.2, m.2, v.2]));
+            steps.push((k, [g.2, m.2, v.2], root_salt(p)));
             shapes.push(var.shape().clone());
             streams.extend([w.0, w.1, g.0, g.1, m.0, m.1, v.0, v.1]);
         }
@@ -404,11 +411,11 @@ impl LowBitAdamW {
         let dtypes: Vec<[DType; 2]> = kernel
             .steps
             .iter()
-            .map(|(_, [_, m, v])| [storage_dtype(*m), storage_dtype(*v)])
+            .map(|(_, [_, m, v], _)| [storage_dtype(*m), storage_dtype(*v)])
             .collect();
         let ns: Vec<usize> = shapes.iter().map(|s| s.elem_count()).collect();
         let places = MomentPlaces::new(&dtypes, &ns);
-        for (j, (&(i, _), (_, [_, mq, vq]))) in batch.iter().zip(&kernel.steps).enumerate() {
+        for (j, (&(i, _), (_, [_, mq, vq], roots))) in batch.iter().zip(&kernel.steps).enumerate() {
             let p = &mut self.params[i];
             let shape = &shapes[j];
             let meta = meta.narrow(0, meta_at(j), META_LEN)?;
@@ -419,8 +426,8 @@ impl LowBitAdamW {
             let v = buffers[buffer_index(vd)]
                 .narrow(0, vo, ns[j])?
                 .reshape(shape)?;
-            p.exp_avg = to_state(*mq, &m, &meta, 1)?;
-            p.exp_avg_sq = to_state(*vq, &v, &meta, 2)?;
+            p.exp_avg = to_state(*mq, false, &m, &meta, 1)?;
+            p.exp_avg_sq = to_state(*vq, roots.is_some(), &v, &meta, 2)?;
         }
         Ok(())
     }

@@ -46,8 +46,23 @@ pub(crate) fn scaled_stream(t: &ScalingTensor) -> Stream {
 pub(crate) fn state_stream(s: &State, ones: &mut Ones) -> Result<Stream> {
     match s {
         State::F32(t) => f32_stream(t, ones),
-        State::Scaled(t) => Ok(scaled_stream(t)),
+        State::Scaled(t) | State::Sqrt(t) => Ok(scaled_stream(t)),
     }
+}
+
+/// Where `p`'s second moment is stored as square roots, the salt of this
+/// step's stochastic rounding: its name's hash and its step count, so no
+/// two steps and no two parameters round alike (and a resumed run rounds
+/// as the run it continues).
+pub(crate) fn root_salt(p: &ParamState) -> Option<u32> {
+    if !matches!(p.exp_avg_sq, State::Sqrt(_)) {
+        return None;
+    }
+    // FNV-1a: stable across runs and builds, unlike std's hasher
+    let name = p.name.bytes().fold(0x811C_9DC5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    Some(name ^ (p.step as u32).wrapping_mul(0x9E37_79B9) ^ ((p.step >> 32) as u32))
 }
 
 pub(crate) fn kernel_error(what: &str) -> Error {
@@ -77,13 +92,17 @@ fn rebuild(
     })
 }
 
+/// A moment rebuilt from the kernel's outputs; `roots`: the stream holds
+/// square roots ([`State::Sqrt`]).
 pub(crate) fn to_state(
     q: Option<QType>,
+    roots: bool,
     data: &Tensor,
     meta: &Tensor,
     slot: usize,
 ) -> Result<State> {
     Ok(match rebuild(q, data, meta, slot)? {
+        Ok(t) if roots => State::Sqrt(t),
         Ok(t) => State::Scaled(t),
         Err(t) => State::F32(t),
     })
@@ -147,6 +166,7 @@ pub(crate) fn update_param(
         m: m.2,
         v: v.2,
         fp8_copy,
+        v_sqrt: root_salt(p),
         w_in_place,
     };
     let mut inputs = vec![&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1, grad_mul];
@@ -162,8 +182,9 @@ pub(crate) fn update_param(
     let [mo, vo] = data else {
         return Err(kernel_error("kernel outputs"));
     };
-    p.exp_avg = to_state(m.2, mo, meta, 1)?;
-    p.exp_avg_sq = to_state(v.2, vo, meta, 2)?;
+    let roots = kernel.v_sqrt.is_some();
+    p.exp_avg = to_state(m.2, false, mo, meta, 1)?;
+    p.exp_avg_sq = to_state(v.2, roots, vo, meta, 2)?;
     match (weight, wo) {
         (Weight::F32(_), []) => {}
         (Weight::F32(var), [t]) => var.set(&t.reshape(var.shape())?.to_dtype(var.dtype())?)?,

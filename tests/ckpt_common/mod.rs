@@ -38,6 +38,17 @@ pub fn build_in(
     level: Level,
     comm: Option<Arc<dyn Communicator>>,
 ) -> (Model, AmpContext, AmpOptimizer) {
+    build_with(width, level, comm, false)
+}
+
+/// [`build_in`], with both Adam moments in FP8 (`AmpConfig::fp8_moments`)
+/// where `fp8_moments`.
+pub fn build_with(
+    width: usize,
+    level: Level,
+    comm: Option<Arc<dyn Communicator>>,
+    fp8_moments: bool,
+) -> (Model, AmpContext, AmpOptimizer) {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let model = Model {
@@ -81,6 +92,7 @@ pub fn build_in(
             backoff_factor: 0.5,
             growth_interval: 2,
         },
+        fp8_moments,
         ..Default::default()
     };
     let adam = AdamWConfig {

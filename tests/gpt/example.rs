@@ -56,22 +56,37 @@ fn every_level_learns_and_reports() -> anyhow::Result<()> {
     // Every level, and each compute path at least once ("TE path only",
     // O0 + fp8-delayed, is the determinism test's run; the resume test
     // runs delayed scaling at O3).
+    // O3 also with both Adam moments in FP8 (`--fp8-moments`).
     let runs = [
-        (Level::O0, Compute::Native),
-        (Level::O1, delayed()),
-        (Level::O2, current()),
-        (Level::O3, current()),
-        (Level::O2, block()),
+        (Level::O0, Compute::Native, false),
+        (Level::O1, delayed(), false),
+        (Level::O2, current(), false),
+        (Level::O3, current(), false),
+        (Level::O3, current(), true),
+        (Level::O2, block(), false),
         (
             Level::O1,
             Compute::Fp8Rowwise {
                 recipe: Default::default(),
             },
+            false,
         ),
     ];
-    for (level, compute) in runs {
-        let s = train(&quick(level, compute.clone(), 30), &corpus)?;
-        let tag = format!("{level} {}", train::compute_name(&compute));
+    for (level, compute, fp8_moments) in runs {
+        let cfg = TrainConfig {
+            fp8_moments,
+            ..quick(level, compute.clone(), 30)
+        };
+        let s = train(&cfg, &corpus)?;
+        let tag = format!(
+            "{level} {} fp8 moments {fp8_moments}",
+            train::compute_name(&compute)
+        );
+        assert_eq!(s.fp8_moments, fp8_moments, "{tag}");
+        if fp8_moments {
+            // one rank: 2 + 4 instead of 2 + 5
+            assert_eq!(s.predicted_bytes_per_linear_param, 6.0, "{tag}");
+        }
         // ln(256) = 5.55 at the start; bytes of English text sit near 2.5 nats
         // once the model knows the letters' frequencies.
         assert!(
@@ -365,6 +380,7 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
             "recipe",
         ),
         (vec!["--compare", "O0,O1", "--save", "x"], "compare"),
+        (vec!["--level", "O1", "--fp8-moments"], "O2 or O3"),
         (vec!["--bogus"], "bogus"),
         // more threads than cores used to run ~150x slower without a word
         (vec!["--threads", "100000"], "cores"),

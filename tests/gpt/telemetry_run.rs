@@ -1,5 +1,6 @@
 //! `--telemetry N` on the tiny GPT: the records of every Linear and role
-//! at the steps it names, as JSON lines and a plot.
+//! (its casts and its weight's Adam moments) at the steps it names, as
+//! JSON lines and a plot.
 
 use crate::data;
 use crate::train;
@@ -23,6 +24,7 @@ fn telemetry_records_every_linear_and_role_at_its_steps() -> anyhow::Result<()> 
         eval_every: 100,
         eval_batches: 1,
         telemetry: Some((3, dir.clone())),
+        fp8_moments: true,
         ..Default::default()
     };
     train(&cfg, &data::Corpus::bundled())?;
@@ -35,11 +37,19 @@ fn telemetry_records_every_linear_and_role_at_its_steps() -> anyhow::Result<()> 
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()?;
     // steps 1 (the first), 3 and 6 (the last); 4 blocks x 4 Linears and the
-    // head; input, weight, output gradient and weight gradient each
+    // head; input, weight, output gradient and weight gradient each, and
+    // the weight's two moments
     let mut steps: Vec<u64> = rows.iter().filter_map(|r| r["step"].as_u64()).collect();
     steps.dedup();
     assert_eq!(steps, [1, 3, 6]);
-    assert_eq!(rows.len(), 3 * 17 * 4, "{jsonl}");
+    assert_eq!(rows.len(), 3 * 17 * 6, "{jsonl}");
+    for role in ["exp_avg", "exp_avg_sq"] {
+        assert_eq!(
+            rows.iter().filter(|r| r["role"] == role).count(),
+            3 * 17,
+            "{role}"
+        );
+    }
     for r in &rows {
         let (role, layer) = (
             r["role"].as_str().unwrap_or(""),
@@ -47,7 +57,7 @@ fn telemetry_records_every_linear_and_role_at_its_steps() -> anyhow::Result<()> 
         );
         let rel = r["rel_err"].as_f64().unwrap_or(f64::NAN);
         assert!(rel.is_finite() && rel < 0.25, "{r}");
-        if role == "weight" && layer == "h.0.mlp.c_fc" {
+        if (role == "weight" || role.starts_with("exp_avg")) && layer == "h.0.mlp.c_fc" {
             assert_eq!(r["total"], 128 * 512);
         }
         assert!(r["amax"].as_f64().is_some_and(|a| a > 0.0), "{r}");

@@ -93,7 +93,7 @@ fn weight_parts(w: &Weight) -> Result<Vec<Tensor>> {
 fn state_parts(s: &State) -> Vec<Tensor> {
     match s {
         State::F32(t) => vec![t.clone()],
-        State::Scaled(t) => scaled_parts(t),
+        State::Scaled(t) | State::Sqrt(t) => scaled_parts(t),
     }
 }
 
@@ -183,6 +183,7 @@ fn combinations(dev: &Device, rng: &mut Rng, shape: (usize, usize)) -> Result<()
             for (mf, vf) in [
                 (StateFormat::F32, StateFormat::F32),
                 (StateFormat::E4M3, StateFormat::F16),
+                (StateFormat::E4M3, StateFormat::E4M3Sqrt),
             ] {
                 let what = format!(
                     "lowbit {wk:?} grad {} m {mf:?} v {vf:?}{}",
@@ -318,6 +319,7 @@ fn many_params(dev: &Device) -> Result<()> {
     for (mf, vf) in [
         (StateFormat::E4M3, StateFormat::F16),
         (StateFormat::F32, StateFormat::F32),
+        (StateFormat::E4M3, StateFormat::E4M3Sqrt),
     ] {
         let mut slots = Vec::new();
         for &(n, kind, _) in &params {

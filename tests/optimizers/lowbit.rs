@@ -167,7 +167,7 @@ fn snapshot(opt: &LowBitAdamW) -> Vec<u8> {
         for st in [&p.exp_avg, &p.exp_avg_sq] {
             match st {
                 State::F32(t) => bytes(t, &mut out),
-                State::Scaled(s) => scaled(s, &mut out),
+                State::Scaled(s) | State::Sqrt(s) => scaled(s, &mut out),
             }
         }
     }

@@ -56,6 +56,60 @@ pub struct CastRecord {
     pub rel_err: f64,
 }
 
+impl CastRecord {
+    /// The record of `q` as a cast of `source` (F32 values of the same
+    /// element count), measured here: the source's amax, `q`'s scale, the
+    /// elements of `source` beyond the format's range at that scale
+    /// (saturated), the non-zero ones `q` holds as zero (flushed), and the
+    /// relative error of `q`'s values. For casts that keep no statistics
+    /// of their own, such as the optimizer's moments; reads to the host.
+    ///
+    /// # Errors
+    /// Element counts that differ; candle's.
+    pub fn measure(q: &ScalingTensor, source: &Tensor) -> Result<Self> {
+        let x = source.to_dtype(DType::F32)?.flatten_all()?;
+        let back = q.dequantize(DType::F32)?.flatten_all()?;
+        if x.elem_count() != back.elem_count() {
+            return Err(Error::Unsupported {
+                op: "CastRecord::measure",
+                what: format!(
+                    "{} source elements for {} codes",
+                    x.elem_count(),
+                    back.elem_count()
+                ),
+            });
+        }
+        let scale = q.meta().scale().flatten_all()?.to_vec1::<f32>()?;
+        let scale = scale.first().copied().unwrap_or(1.0);
+        let (xs, bs) = (x.to_vec1::<f32>()?, back.to_vec1::<f32>()?);
+        let limit = q.qtype().max();
+        let (mut amax, mut saturated, mut flushed) = (0f32, 0u64, 0u64);
+        let (mut err_sq, mut src_sq) = (0f64, 0f64);
+        for (&s, &b) in xs.iter().zip(&bs) {
+            amax = if s.is_nan() { s } else { amax.max(s.abs()) };
+            saturated += u64::from((s * scale).abs() > limit);
+            flushed += u64::from(s != 0.0 && b == 0.0);
+            err_sq += (f64::from(b) - f64::from(s)).powi(2);
+            src_sq += f64::from(s).powi(2);
+        }
+        let rel_err = if src_sq > 0.0 {
+            (err_sq / src_sq).sqrt()
+        } else if err_sq == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        Ok(Self {
+            amax,
+            scale,
+            saturated,
+            flushed,
+            total: xs.len() as u64,
+            rel_err,
+        })
+    }
+}
+
 /// One cast's record on the device, until read.
 #[derive(Debug, Clone)]
 pub(crate) struct Pending {

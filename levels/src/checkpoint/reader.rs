@@ -1,6 +1,7 @@
 //! Reading a checkpoint: every tensor checked for presence, dtype and
 //! shape, and remembered, so that the caller can refuse extra tensors.
 
+use super::save::root_name;
 use super::{err, not_a_param};
 use crate::error::Result;
 use amp_core::{QType, ScalingMeta, ScalingTensor, Weight};
@@ -165,7 +166,17 @@ impl<'a> Reader<'a> {
             },
         };
         let m = self.state(&format!("{}.__exp_avg", p.name), &p.exp_avg)?;
-        let v = self.state(&format!("{}.__exp_avg_sq", p.name), &p.exp_avg_sq)?;
+        let v_name = format!("{}.__exp_avg_sq", p.name);
+        let roots_stored = self.st.tensor(&root_name(&v_name)).is_ok();
+        let v = match (&p.exp_avg_sq, roots_stored) {
+            (State::Sqrt(t), true) => State::Sqrt(self.scaled(&root_name(&v_name), t)?),
+            (State::Sqrt(_), false) | (_, true) => {
+                // saved with FP16 (F32) v and read as roots, or the other way
+                let v = self.second_moment(&v_name, p.exp_avg_sq.shape())?;
+                State::encode(p.exp_avg_sq.format(), &v)?
+            }
+            (like, false) => self.state(&v_name, like)?,
+        };
         Ok((weight, m, v))
     }
 
@@ -191,8 +202,19 @@ impl<'a> Reader<'a> {
             self.value(name, shape)?
         };
         let m = self.value(&format!("{name}.__exp_avg"), shape)?;
-        let v = self.value(&format!("{name}.__exp_avg_sq"), shape)?;
+        let v = self.second_moment(&format!("{name}.__exp_avg_sq"), shape)?;
         Ok([value, m, v])
+    }
+
+    /// A second moment's F32 values, stored as values or as square roots
+    /// (under [`root_name`]).
+    fn second_moment(&mut self, name: &str, shape: &Shape) -> Result<Tensor> {
+        let roots = root_name(name);
+        if self.st.tensor(&roots).is_ok() {
+            Ok(self.value(&roots, shape)?.sqr()?)
+        } else {
+            self.value(name, shape)
+        }
     }
 
     /// Fails naming the first tensor of the file that nothing read.
@@ -217,6 +239,7 @@ impl<'a> Reader<'a> {
         Ok(match like {
             State::F32(t) => State::F32(self.plain(name, t.shape())?),
             State::Scaled(t) => State::Scaled(self.scaled(name, t)?),
+            State::Sqrt(t) => State::Sqrt(self.scaled(&root_name(name), t)?),
         })
     }
 }

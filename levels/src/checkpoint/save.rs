@@ -271,10 +271,17 @@ fn put_scaled(out: &mut BTreeMap<String, Raw>, name: &str, t: &ScalingTensor) ->
     put_meta(out, name, t.meta())
 }
 
+/// Where a moment stored as square roots ([`State::Sqrt`]) is saved: a
+/// name of its own, so that no reader takes the roots for the values.
+pub(crate) fn root_name(name: &str) -> String {
+    format!("{name}_root")
+}
+
 fn put_state(out: &mut BTreeMap<String, Raw>, name: &str, s: &State) -> Result<()> {
     match s {
         State::F32(t) => put(out, name.to_string(), t, None),
         State::Scaled(t) => put_scaled(out, name, t),
+        State::Sqrt(t) => put_scaled(out, &root_name(name), t),
     }
 }
 

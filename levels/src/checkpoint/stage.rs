@@ -211,12 +211,7 @@ fn check_values(path: &Path, name: &str, w: &Weight, m: &State, v: &State) -> Re
     if let Weight::Fp8 { weight, .. } = w {
         finite(name.to_string(), &weight.dequantize(DType::F32)?)?;
     }
-    let state = |s: &State| -> Result<Tensor> {
-        Ok(match s {
-            State::F32(t) => t.clone(),
-            State::Scaled(t) => t.dequantize(DType::F32)?,
-        })
-    };
+    let state = |s: &State| -> Result<Tensor> { Ok(s.values()?) };
     finite(format!("{name}.__exp_avg"), &state(m)?)?;
     let v = state(v)?;
     finite(format!("{name}.__exp_avg_sq"), &v)?;
