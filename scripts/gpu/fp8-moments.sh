@@ -7,7 +7,7 @@
 # with FP8 moments, paired by seed (the bundled corpus, `--batch 16 --seq
 # 512`, PARITY_STEPS steps). The optimizer's CPU = CUDA checks for the
 # format are in the GPU tests (run-tests.sh, `optim`).
-# CARRY (default .carry/moments) holds gpt.gz. Env: SIZES (350m 1.3b),
+# CARRY (default .carry/moments) holds gpt.gz. Env: SIZES (350m 1.3b; empty: none),
 # STEPS (20), SKIP (5), SEEDS (11 12 13), PARITY_STEPS (600; 0: none).
 #
 #   bash scripts/gpu/fp8-moments.sh .carry/moments
@@ -16,7 +16,7 @@ CARRY=${1:-.carry/moments}
 source "$(dirname "$0")/lib.sh"
 unpack gpt; need gpt
 facts
-for size in ${SIZES:-350m 1.3b}; do
+for size in ${SIZES-350m 1.3b}; do
   for moments in "" "--fp8-moments"; do
     label="gpt_${size}_O2${moments:+_fp8_moments}"
     # shellcheck disable=SC2086 # $moments is one flag or none

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# parity.sh [CARRY]: loss parity of the FP8 paths with O0 on the GPU, as a
+# table (issue 23): the GPT example at 125M on the whole King James text
+# (CARRY/kjv.txt, from parity-corpus.sh; 4.3 MB of bytes, 90% to train),
+# `--batch 16 --seq 512 --steps STEPS --lr 1e-3 --warmup 60 --activations
+# bf16` (600 steps: 1.3 epochs), every RUN for every SEED. Each FP8 run is
+# paired with O0 of the same seed: the mean of the paired differences of
+# the validation loss and its standard error, and whether the mean is
+# within 0.5% and within 2 standard errors of zero. JSON lines (with the
+# validation curves) in $OUT/parity.jsonl, the curves (mean over seeds)
+# in $OUT/parity.svg (parity_plot.py); parity_table.py and parity_plot.py
+# also take the lines of several calls, concatenated.
+# Env: SEEDS (1 2 3 4 5), STEPS (600), RUNS (a list of LEVEL:COMPUTE[:fp8m];
+# default O0 and O2 with each FP8 path and with FP8 moments), EVAL_EVERY
+# (100). CARRY (default .carry/parity) holds gpt.gz and kjv.txt.
+#
+#   SEEDS="1 2 3" bash scripts/gpu/parity.sh .carry/parity
+set -uo pipefail
+CARRY=${1:-.carry/parity}
+source "$(dirname "$0")/lib.sh"
+unpack gpt; need gpt
+[ -f "$CARRY/kjv.txt" ] || { echo "missing $CARRY/kjv.txt (scripts/gpu/parity-corpus.sh)" >&2; exit 2; }
+facts
+RUNS=${RUNS:-"O0:native O2:fp8-current O2:fp8-delayed O2:fp8-block O2:fp8-rowwise O2:fp8-current:fp8m"}
+: > "$OUT/parity.jsonl"
+for seed in ${SEEDS:-1 2 3 4 5}; do
+  for r in $RUNS; do
+    IFS=: read -r level compute moments <<< "$r"
+    flag=""; [ "$moments" = "fp8m" ] && flag="--fp8-moments"
+    # shellcheck disable=SC2086 # $flag is one flag or none
+    timeout 300 "$BIN/gpt" --device cuda --size 125m --data "$CARRY/kjv.txt" --batch 16 --seq 512 \
+      --steps "${STEPS:-600}" --lr 1e-3 --warmup 60 --activations bf16 --eval-every "${EVAL_EVERY:-100}" \
+      --seed "$seed" --level "$level" --compute "$compute" $flag --json 2>"$OUT/err.log" | grep '^{' \
+      | python3 -c "
+import json, sys
+j = json.loads(sys.stdin.read())
+print(json.dumps({'seed': $seed, 'run': '$r', 'val_loss': j['val_loss'], 'skipped': j['skipped_steps'],
+                  'tokens_per_s': j['tokens_per_s_median'], 'val_curve': j['val_curve']}))" \
+      >> "$OUT/parity.jsonl" || { echo "$r seed $seed failed:"; tail -3 "$OUT/err.log"; }
+    tail -1 "$OUT/parity.jsonl" | cut -c1-120
+  done
+done
+python3 "$HERE/parity_table.py" "$OUT/parity.jsonl"
+python3 "$HERE/parity_plot.py" "$OUT/parity.jsonl" "$OUT/parity.svg"
