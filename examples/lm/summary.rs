@@ -155,8 +155,8 @@ pub struct Summary {
     /// (step, training loss) of every step of this run.
     #[serde(skip)]
     pub train_curve: Vec<(u64, f32)>,
-    /// (step, validation loss).
-    #[serde(skip)]
+    /// (step, validation loss) of every evaluation (in the JSON line: a
+    /// few points, for plots of several runs).
     pub val_curve: Vec<(u64, f32)>,
     #[serde(skip)]
     pub memory: Option<MemoryReport>,

@@ -35,7 +35,7 @@ for seed in ${SEEDS:-1 2 3 4 5}; do
 import json, sys
 j = json.loads(sys.stdin.read())
 print(json.dumps({'seed': $seed, 'run': '$r', 'val_loss': j['val_loss'], 'skipped': j['skipped_steps'],
-                  'tokens_per_s': j['tokens_per_s_median'], 'val_curve': j['val_curve']}))" \
+                  'tokens_per_s': j['tokens_per_s_median'], 'val_curve': j.get('val_curve', [])}))" \
       >> "$OUT/parity.jsonl" || { echo "$r seed $seed failed:"; tail -3 "$OUT/err.log"; }
     tail -1 "$OUT/parity.jsonl" | cut -c1-120
   done
