@@ -8,6 +8,7 @@ use crate::grad::{Grad, Grads};
 use crate::loss_scaler::{LossScaler, LossScaling};
 use crate::schedule::{Constant, LrSchedule};
 use crate::state::{State, StateFormat};
+use crate::telemetry::MomentRecord;
 use amp_core::GradSink;
 use amp_core::{Weight, WeightSlot};
 use candle_core::{backprop::GradStore, Tensor};
@@ -94,7 +95,7 @@ pub struct LowBitAdamW {
     pub(crate) skipped: u64,
     pub(crate) scratch: std::sync::Mutex<Vec<f32>>,
     /// The moments' telemetry of the steps taken while it recorded.
-    pub(crate) moment_records: Vec<crate::telemetry::MomentRecord>,
+    pub(crate) moment_records: Vec<MomentRecord>,
 }
 
 impl LowBitAdamW {
@@ -187,6 +188,14 @@ impl LowBitAdamW {
     pub fn with_schedule(mut self, schedule: impl LrSchedule + 'static) -> Self {
         self.schedule = Box::new(schedule);
         self
+    }
+
+    /// The moments' records of the steps taken while telemetry recorded
+    /// (`amp_core::nn::set_telemetry`: each new low-bit moment measured
+    /// against its F32 value, see [`MomentRecord`]), oldest first; taking
+    /// them empties the list. Skipped steps leave none.
+    pub fn take_moment_telemetry(&mut self) -> Vec<MomentRecord> {
+        std::mem::take(&mut self.moment_records)
     }
 
     /// The parameters with their moments (for checkpoints and reports).

@@ -14,6 +14,7 @@ use crate::multi::{
     buffer_index, meta_at, storage_dtype, LowBitMulti, MomentPlaces, SumSqMulti, MULTI_MAX,
 };
 use crate::state::State;
+use crate::telemetry;
 use crate::update::{
     f32_stream, gathered, kernel_error, root_salt, scaled_stream, state_stream, to_state,
     update_param, updates_in_place, Ones,
@@ -361,10 +362,11 @@ impl LowBitAdamW {
                 batch.push((i, k));
                 continue;
             }
-            let before = crate::telemetry::before(p, g, grad_mul)?;
+            let before = telemetry::before([&p.exp_avg, &p.exp_avg_sq], g, grad_mul)?;
             update_param(p, g, k, grad_mul, &self.scratch, ones)?;
             if let Some(b) = before {
-                let record = crate::telemetry::after(p, b, &self.config.adam, p.step)?;
+                let moments = [&p.exp_avg, &p.exp_avg_sq];
+                let record = telemetry::after(&p.name, moments, b, &self.config.adam, p.step)?;
                 self.moment_records.push(record);
             }
         }

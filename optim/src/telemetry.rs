@@ -11,7 +11,6 @@
 use crate::adamw::AdamWConfig;
 use crate::error::Result;
 use crate::grad::Grad;
-use crate::lowbit::{LowBitAdamW, ParamState};
 use crate::state::State;
 use amp_core::nn::CastRecord;
 use candle_core::Tensor;
@@ -37,34 +36,36 @@ pub(crate) struct Before {
     g: Tensor,
 }
 
-/// The moments and the scaled gradient before `p`'s update, where
-/// telemetry records and both moments are low-bit.
-pub(crate) fn before(p: &ParamState, g: &Grad, grad_mul: &Tensor) -> Result<Option<Before>> {
+/// The moments `[m, v]` and the scaled gradient before a parameter's
+/// update, where telemetry records and both moments are low-bit.
+pub(crate) fn before([m, v]: [&State; 2], g: &Grad, grad_mul: &Tensor) -> Result<Option<Before>> {
     let low_bit = |s: &State| !matches!(s, State::F32(_));
-    if !amp_core::nn::telemetry_enabled() || !low_bit(&p.exp_avg) || !low_bit(&p.exp_avg_sq) {
+    if !amp_core::nn::telemetry_enabled() || !low_bit(m) || !low_bit(v) {
         return Ok(None);
     }
     Ok(Some(Before {
-        m: p.exp_avg.values()?,
-        v: p.exp_avg_sq.values()?,
+        m: m.values()?,
+        v: v.values()?,
         g: g.to_f32()?.broadcast_mul(grad_mul)?,
     }))
 }
 
-/// The record of `p`'s new moments, after its update.
+/// The record of parameter `name`'s new moments `[m, v]`, after its
+/// update (its `step`-th).
 pub(crate) fn after(
-    p: &ParamState,
+    name: &str,
+    [m, v]: [&State; 2],
     b: Before,
     adam: &AdamWConfig,
     step: u64,
 ) -> Result<MomentRecord> {
-    let m = ((b.m * adam.beta1)? + (&b.g * (1.0 - adam.beta1))?)?;
-    let v = ((b.v * adam.beta2)? + (b.g.sqr()? * (1.0 - adam.beta2))?)?;
+    let m_f32 = ((b.m * adam.beta1)? + (&b.g * (1.0 - adam.beta1))?)?;
+    let v_f32 = ((b.v * adam.beta2)? + (b.g.sqr()? * (1.0 - adam.beta2))?)?;
     Ok(MomentRecord {
-        name: p.name.clone(),
+        name: name.to_string(),
         step,
-        exp_avg: measure(&p.exp_avg, &m)?,
-        exp_avg_sq: measure(&p.exp_avg_sq, &v)?,
+        exp_avg: measure(m, &m_f32)?,
+        exp_avg_sq: measure(v, &v_f32)?,
     })
 }
 
@@ -82,13 +83,4 @@ fn measure(s: &State, values: &Tensor) -> Result<CastRecord> {
             rel_err: 0.0,
         },
     })
-}
-
-impl LowBitAdamW {
-    /// The moments' records of the steps taken while telemetry recorded
-    /// (see the module's documentation), oldest first; taking them empties
-    /// the list. Skipped steps leave none.
-    pub fn take_moment_telemetry(&mut self) -> Vec<MomentRecord> {
-        std::mem::take(&mut self.moment_records)
-    }
 }

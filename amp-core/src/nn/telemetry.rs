@@ -92,13 +92,7 @@ impl CastRecord {
             err_sq += (f64::from(b) - f64::from(s)).powi(2);
             src_sq += f64::from(s).powi(2);
         }
-        let rel_err = if src_sq > 0.0 {
-            (err_sq / src_sq).sqrt()
-        } else if err_sq == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        };
+        let rel_err = rel_err(err_sq, src_sq);
         Ok(Self {
             amax,
             scale,
@@ -107,6 +101,18 @@ impl CastRecord {
             total: xs.len() as u64,
             rel_err,
         })
+    }
+}
+
+/// `sqrt(err_sq / src_sq)`: 0 for an all-zero source cast to zeros,
+/// infinite for an all-zero source cast to anything else.
+fn rel_err(err_sq: f64, src_sq: f64) -> f64 {
+    if src_sq > 0.0 {
+        (err_sq / src_sq).sqrt()
+    } else if err_sq == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
     }
 }
 
@@ -151,13 +157,7 @@ impl Pending {
             f64::from(first(&self.err_sq)?),
             f64::from(first(&self.src_sq)?),
         );
-        let rel_err = if s > 0.0 {
-            (e / s).sqrt()
-        } else if e == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        };
+        let rel_err = rel_err(e, s);
         Ok(CastRecord {
             amax: first(&self.meta.amax()?)?,
             scale: first(self.meta.scale())?,
