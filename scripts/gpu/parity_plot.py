@@ -11,7 +11,7 @@ for r in rows:
     for step, loss in r["val_curve"]:
         runs.setdefault(r["run"], {}).setdefault(step, []).append(loss)
 curves = {run: sorted((s, statistics.mean(v)) for s, v in pts.items()) for run, pts in runs.items()}
-steps = [s for c in curves.values() for s, _ in c]
+steps = [s for c in curves.values() for s, _ in c[1:]] or [0, 1]
 losses = [l for c in curves.values() for _, l in c[1:]] or [0.0, 1.0]
 x0, x1 = min(steps, default=0), max(steps, default=1)
 y0, y1 = min(losses), max(losses)
