@@ -195,6 +195,9 @@ impl State {
 /// ([`root_floor`]), as the step writes them.
 fn encode_roots(values: &Tensor) -> Result<ScalingTensor> {
     let roots = values.to_dtype(DType::F32)?.sqrt()?;
+    if roots.elem_count() == 0 {
+        return Ok(ScalingTensor::quantize(&roots, QType::E4M3, &CurrentScaling::default())?.0);
+    }
     let amax = roots.abs()?.max_all()?.to_scalar::<f32>()?;
     let scale = amp_core::ScaleRule::PowerOfTwo.compute(amax, 1.0, QType::E4M3.max(), 0);
     let floored: Vec<f32> = flat(&roots)?
@@ -219,6 +222,25 @@ mod tests {
         f.decode_scaled_slice(&code, 1.0, &mut back)
             .expect("one code");
         back[0] == y
+    }
+
+    #[test]
+    fn root_states_encode_values_as_their_roots() -> Result<()> {
+        let dev = Device::Cpu;
+        let empty = State::zeros(StateFormat::E4M3Sqrt, &Shape::from(0), &dev)?;
+        assert_eq!(
+            (empty.format(), empty.to_vec()?.len()),
+            (StateFormat::E4M3Sqrt, 0)
+        );
+        let v = [0.0f32, 1e-30, 0.25, 4.0, 9.0];
+        let s = State::encode(StateFormat::E4M3Sqrt, &Tensor::new(&v, &dev)?)?;
+        let back = s.to_vec()?;
+        // 0.25, 4 and 9 are squares of codes; the tiny value is lifted to
+        // the smallest code (2^-9 / scale, squared), never zero
+        assert_eq!([back[0], back[2], back[3], back[4]], [0.0, 0.25, 4.0, 9.0]);
+        assert!(back[1] > 0.0 && back[1] < 1e-4, "{back:?}");
+        assert_eq!(s.values()?.to_vec1::<f32>()?, back);
+        Ok(())
     }
 
     #[test]
