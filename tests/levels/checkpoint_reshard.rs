@@ -11,10 +11,10 @@ use crate::common;
 
 use amp::comm::{run_ranks_each, run_ranks_with, shard_range, Communicator, InProcessConfig};
 use amp::levels::{shard_files, AmpOptimizer, Level};
-use amp::optim::{ParamState, State};
+use amp::optim::{ParamState, State, StateFormat};
 use amp::{CurrentScaling, QType, ScalingTensor, Weight};
 use candle_core::{DType, Device, Tensor};
-use ckpt_common::{build_in, contents, tmp, train, with_metadata};
+use ckpt_common::{build_in, build_with, contents, tmp, train, with_metadata};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -223,10 +223,16 @@ fn the_same_world_size_resumes_bit_exactly() {
         amp.load(&path, &mut opt).unwrap();
         amp.save(&again, &opt).unwrap();
     });
-    for r in 0..2 {
+    assert_same_rank_files(&path, &again, 2);
+}
+
+/// The rank files of two saves of `world` ranks hold the same tensors and
+/// metadata but for the save id.
+fn assert_same_rank_files(path: &Path, again: &Path, world: usize) {
+    for r in 0..world {
         let (a, b) = (
-            shard_files(&path).unwrap()[r].clone(),
-            shard_files(&again).unwrap()[r].clone(),
+            shard_files(path).unwrap()[r].clone(),
+            shard_files(again).unwrap()[r].clone(),
         );
         // (the metadata's order in the file is a HashMap's; each save has
         // an id of its own, the same in all its rank files)
@@ -244,6 +250,34 @@ fn the_same_world_size_resumes_bit_exactly() {
             "rank {r}'s file differs after load and save"
         );
     }
+}
+
+#[test]
+fn fp8_moments_shards_resume_exactly_and_reshard() {
+    let (path, again) = (tmp("fp8m.safetensors"), tmp("fp8m-again.safetensors"));
+    on_ranks(Some(2), |comm| {
+        let (m, amp, mut opt) = build_with(WIDTH, Level::O3, comm, true);
+        train(&m, &amp, &mut opt, 0..3);
+        amp.save(&path, &opt).unwrap();
+    });
+    on_ranks(Some(2), |comm| {
+        let (_, amp, mut opt) = build_with(WIDTH, Level::O3, comm, true);
+        amp.load(&path, &mut opt).unwrap();
+        amp.save(&again, &opt).unwrap();
+    });
+    assert_same_rank_files(&path, &again, 2);
+    // three ranks: each shard's roots from the saved ranges, and it trains
+    let losses = on_ranks(Some(3), |comm| {
+        let (m, amp, mut opt) = build_with(WIDTH, Level::O3, comm, true);
+        amp.load(&path, &mut opt).unwrap();
+        for p in opt.inner().params() {
+            if p.exp_avg.format() == StateFormat::E4M3 {
+                assert_eq!(p.exp_avg_sq.format(), StateFormat::E4M3Sqrt, "{}", p.name);
+            }
+        }
+        train(&m, &amp, &mut opt, 3..5)
+    });
+    assert!(losses.iter().flatten().all(|l| l.is_finite()), "{losses:?}");
 }
 
 /// Loads `path` into a model of `width` on `world` ranks (`None`: one
