@@ -65,3 +65,46 @@ fn records_follow_the_casts_and_cost_nothing_when_off() {
     // taken: a second read finds nothing
     assert!(layer.take_telemetry().unwrap().iter().all(Option::is_none));
 }
+
+#[test]
+fn block_scaled_casts_record_too_and_keep_an_outlier_local() {
+    // the outlier input of the test above through 1 x 128 tiles: its tile
+    // holds the outlier, the other tiles keep E4M3's precision and flush
+    // nothing (a 256-wide input: two tiles a row)
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let layer = nn::linear(256, 128, vb.pp("l")).unwrap();
+    let mut v = common::randn(4 * 256, 7)
+        .iter()
+        .map(|x| x * 1e-5)
+        .collect::<Vec<f32>>();
+    v[7] = 10.0;
+    let x = Var::from_tensor(&Tensor::from_vec(v, (4, 256), &Device::Cpu).unwrap()).unwrap();
+    set_telemetry(true);
+    {
+        let _s = fp8_autocast(true, ComputeMode::Fp8Block(Default::default()));
+        let y = layer.forward(x.as_tensor()).unwrap();
+        (y * randt(&[4, 128], 8, 1.0))
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+    }
+    set_telemetry(false);
+    let [input, weight, grad_out, _] = layer.take_telemetry().unwrap();
+    let (input, weight, grad_out) = (input.unwrap(), weight.unwrap(), grad_out.unwrap());
+    assert_eq!(
+        (input.total, weight.total, grad_out.total),
+        (1024, 32768, 512)
+    );
+    assert_eq!(input.amax, 10.0);
+    // the outlier's tile: 119 values beside it, flushed there; the other
+    // seven tiles flush nothing
+    assert!(input.flushed > 0 && input.flushed < 128, "{input:?}");
+    for r in [input, weight, grad_out] {
+        assert_eq!(r.saturated, 0, "{r:?}");
+        assert!(r.scale > 0.0 && r.rel_err < 1.0 / 16.0, "{r:?}");
+    }
+    assert_eq!((weight.flushed, grad_out.flushed), (0, 0));
+}

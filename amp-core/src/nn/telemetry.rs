@@ -8,6 +8,7 @@
 //! cast pays one thread-local read.
 
 use crate::error::{Error, Result};
+use crate::scaling::block::BlockTensor;
 use crate::scaling::meta::ScalingMeta;
 use crate::scaling::tensor::ScalingTensor;
 use candle_core::{DType, Tensor};
@@ -67,11 +68,57 @@ impl CastRecord {
     /// # Errors
     /// Element counts that differ; candle's.
     pub fn measure(q: &ScalingTensor, source: &Tensor) -> Result<Self> {
+        let scale = q.meta().scale().flatten_all()?.to_vec1::<f32>()?;
+        let scale = scale.first().copied().unwrap_or(1.0);
+        Self::of_values(
+            "CastRecord::measure",
+            &q.dequantize(DType::F32)?,
+            source,
+            scale,
+            Some(q.qtype().max()),
+        )
+    }
+
+    /// The record of a block- or rowwise-scaled cast `b` of `source`: as
+    /// [`measure`](Self::measure), `scale` the smallest of its tiles'
+    /// (the one of the tile that holds the amax); nothing saturates, each
+    /// tile's scale coming from its own amax (a tile holding inf or NaN
+    /// decodes to NaN). Reads to the host.
+    ///
+    /// # Errors
+    /// Element counts that differ; candle's.
+    pub fn measure_block(b: &BlockTensor, source: &Tensor) -> Result<Self> {
+        let scale = b
+            .tile_scales()?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .fold(0f32, f32::max);
+        let scale = if scale > 0.0 { 1.0 / scale } else { 1.0 };
+        Self::of_values(
+            "CastRecord::measure_block",
+            &b.dequantize(DType::F32)?,
+            source,
+            scale,
+            None,
+        )
+    }
+
+    /// The record of `decoded` as a cast of `source` at `scale`; `limit`:
+    /// the format's largest value, where a scale beyond it saturates.
+    fn of_values(
+        op: &'static str,
+        decoded: &Tensor,
+        source: &Tensor,
+        scale: f32,
+        limit: Option<f32>,
+    ) -> Result<Self> {
         let x = source.to_dtype(DType::F32)?.flatten_all()?;
-        let back = q.dequantize(DType::F32)?.flatten_all()?;
+        let back = decoded.flatten_all()?;
         if x.elem_count() != back.elem_count() {
             return Err(Error::Unsupported {
-                op: "CastRecord::measure",
+                op,
                 what: format!(
                     "{} source elements for {} codes",
                     x.elem_count(),
@@ -79,27 +126,23 @@ impl CastRecord {
                 ),
             });
         }
-        let scale = q.meta().scale().flatten_all()?.to_vec1::<f32>()?;
-        let scale = scale.first().copied().unwrap_or(1.0);
         let (xs, bs) = (x.to_vec1::<f32>()?, back.to_vec1::<f32>()?);
-        let limit = q.qtype().max();
         let (mut amax, mut saturated, mut flushed) = (0f32, 0u64, 0u64);
         let (mut err_sq, mut src_sq) = (0f64, 0f64);
         for (&s, &b) in xs.iter().zip(&bs) {
             amax = if s.is_nan() { s } else { amax.max(s.abs()) };
-            saturated += u64::from((s * scale).abs() > limit);
+            saturated += u64::from(limit.is_some_and(|l| (s * scale).abs() > l));
             flushed += u64::from(s != 0.0 && b == 0.0);
             err_sq += (f64::from(b) - f64::from(s)).powi(2);
             src_sq += f64::from(s).powi(2);
         }
-        let rel_err = rel_err(err_sq, src_sq);
         Ok(Self {
             amax,
             scale,
             saturated,
             flushed,
             total: xs.len() as u64,
-            rel_err,
+            rel_err: rel_err(err_sq, src_sq),
         })
     }
 }
@@ -116,13 +159,18 @@ fn rel_err(err_sq: f64, src_sq: f64) -> f64 {
     }
 }
 
-/// One cast's record on the device, until read.
+/// One cast's record until read: a per-tensor cast's on the device (its
+/// metadata and two sums), or a block-scaled cast's, measured when it was
+/// cast ([`CastRecord::measure_block`]).
 #[derive(Debug, Clone)]
-pub(crate) struct Pending {
-    meta: ScalingMeta,
-    total: usize,
-    err_sq: Tensor,
-    src_sq: Tensor,
+pub(crate) enum Pending {
+    Device {
+        meta: ScalingMeta,
+        total: usize,
+        err_sq: Tensor,
+        src_sq: Tensor,
+    },
+    Ready(CastRecord),
 }
 
 impl Pending {
@@ -131,7 +179,7 @@ impl Pending {
         let x = source.to_dtype(DType::F32)?;
         let back = q.dequantize(DType::F32)?.reshape(x.shape())?;
         let err = (back - &x)?;
-        Ok(Self {
+        Ok(Self::Device {
             meta: q.meta().clone(),
             total: x.elem_count(),
             err_sq: err.sqr()?.sum_all()?,
@@ -139,8 +187,22 @@ impl Pending {
         })
     }
 
+    /// The record of the block-scaled `b`, cast from `source`.
+    pub(crate) fn of_block(b: &BlockTensor, source: &Tensor) -> Result<Self> {
+        Ok(Self::Ready(CastRecord::measure_block(b, source)?))
+    }
+
     /// Reads it back (host reads: telemetry, not for the training step).
     pub(crate) fn read(&self) -> Result<CastRecord> {
+        let (meta, total, err_sq, src_sq) = match self {
+            Self::Ready(r) => return Ok(*r),
+            Self::Device {
+                meta,
+                total,
+                err_sq,
+                src_sq,
+            } => (meta, total, err_sq, src_sq),
+        };
         let first = |t: &Tensor| -> Result<f32> {
             t.to_dtype(DType::F32)?
                 .flatten_all()?
@@ -152,19 +214,15 @@ impl Pending {
                     what: "an empty scale or amax".into(),
                 })
         };
-        let stats = self.meta.last_cast_stats()?.unwrap_or_default();
-        let (e, s) = (
-            f64::from(first(&self.err_sq)?),
-            f64::from(first(&self.src_sq)?),
-        );
-        let rel_err = rel_err(e, s);
+        let stats = meta.last_cast_stats()?.unwrap_or_default();
+        let (e, s) = (f64::from(first(err_sq)?), f64::from(first(src_sq)?));
         Ok(CastRecord {
-            amax: first(&self.meta.amax()?)?,
-            scale: first(self.meta.scale())?,
+            amax: first(&meta.amax()?)?,
+            scale: first(meta.scale())?,
             saturated: stats.saturated,
             flushed: stats.flushed,
-            total: self.total as u64,
-            rel_err,
+            total: *total as u64,
+            rel_err: rel_err(e, s),
         })
     }
 }

@@ -32,6 +32,8 @@
 use crate::error::Result;
 use crate::gemm::block::{block_gemm, block_gemm_fused};
 use crate::gemm::Epilogue;
+use crate::nn::linear::layer_scaling::{record_block, LastCasts, Role};
+use crate::nn::telemetry::telemetry_enabled;
 use crate::numerics::block::Tiling;
 use crate::numerics::recipe::TileRecipe;
 use crate::numerics::transpose::transpose_2d;
@@ -91,6 +93,7 @@ pub(crate) fn forward(
     r: &TileRecipe,
     keep: (bool, bool),
     epi: Epilogue<'_>,
+    casts: &LastCasts,
 ) -> Result<(Tensor, Option<BlockTensor>, Option<BlockTensor>)> {
     let (xq, x_t) = cast_pair(x, r, true, r.input, (true, keep.0))?;
     let (wq, w_t) = match r.weight {
@@ -110,7 +113,10 @@ pub(crate) fn forward(
             (wq.ok_or_else(missing)?, w_t)
         }
     };
-    let y = block_gemm_fused(&xq.ok_or_else(missing)?, &wq, x.dtype(), epi)?;
+    let xq = xq.ok_or_else(missing)?;
+    record_block(casts, Role::Input as usize, &xq, x)?;
+    record_block(casts, Role::Weight as usize, &wq, w)?;
+    let y = block_gemm_fused(&xq, &wq, x.dtype(), epi)?;
     Ok((y, x_t, w_t))
 }
 
@@ -145,8 +151,18 @@ pub(crate) fn backward(
     r: &TileRecipe,
     need_dx: bool,
     x_dtype: DType,
+    casts: &LastCasts,
 ) -> Result<(Option<Tensor>, Tensor)> {
     let (dyq, dy_t) = cast_pair(dy, r, false, r.grad, (need_dx, true))?;
+    let slot = Role::GradOutput as usize;
+    match (&dyq, &dy_t) {
+        (Some(q), _) => record_block(casts, slot, q, dy)?,
+        // wgrad alone: dyᵀ's cast, against dyᵀ (only while telemetry records)
+        (None, Some(t)) if telemetry_enabled() => {
+            record_block(casts, slot, t, &transpose_2d(&dy.contiguous()?)?)?
+        }
+        _ => {}
+    }
     let dx = match dyq {
         Some(dyq) => Some(block_gemm(&dyq, w_t, x_dtype)?),
         None => None,

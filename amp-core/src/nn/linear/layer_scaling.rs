@@ -7,6 +7,7 @@ use crate::nn::telemetry::{telemetry_enabled, Pending};
 use crate::numerics::format::Fp8Format;
 use crate::numerics::qtype::QType;
 use crate::numerics::recipe::{CurrentScaling, DelayedScaling};
+use crate::scaling::block::BlockTensor;
 use crate::scaling::meta::ScalingMeta;
 use crate::scaling::tensor::ScalingTensor;
 use candle_core::Tensor;
@@ -124,12 +125,29 @@ pub(crate) fn record(
     if !telemetry_enabled() {
         return Ok(());
     }
-    let pending = Pending::of(q, &source()?)?;
+    store(casts, slot, Pending::of(q, &source()?)?)
+}
+
+fn store(casts: &LastCasts, slot: usize, pending: Pending) -> Result<()> {
     casts
         .lock()
         .map_err(|_| Error::Poisoned { op: "telemetry" })?
         .records[slot] = Some(pending);
     Ok(())
+}
+
+/// Keeps the block-scaled `b`'s record (cast from `source`) in slot
+/// `slot` of `casts` while telemetry records; nothing otherwise.
+pub(crate) fn record_block(
+    casts: &LastCasts,
+    slot: usize,
+    b: &BlockTensor,
+    source: &Tensor,
+) -> Result<()> {
+    if !telemetry_enabled() {
+        return Ok(());
+    }
+    store(casts, slot, Pending::of_block(b, source)?)
 }
 
 /// What a cast reads: a tensor, or a scaling tensor's value (a weight

@@ -614,7 +614,7 @@ impl Linear {
                 bias: bias.as_ref(),
                 residual: res.as_ref(),
             };
-            let (y, x_t, w_t) = block::forward(x, &w_native()?, r, keep, epi)?;
+            let (y, x_t, w_t) = block::forward(x, &w_native()?, r, keep, epi, &self.casts)?;
             (y, fused, Some((x_t, w_t)))
         } else {
             let (y, in_gemm) = match (&xq, &wq) {

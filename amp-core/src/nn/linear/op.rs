@@ -251,7 +251,8 @@ impl Fp8LinearOp {
         if let Some(r) = &p.block {
             let xt = self.x_saved.block_operand(r, self.x_dtype)?;
             let wt = self.w_saved.block_operand(r, self.x_dtype)?;
-            let (dx, dw) = super::block::backward(&dy, (&xt, &wt), r, need_dx, self.x_dtype)?;
+            let (dx, dw) =
+                super::block::backward(&dy, (&xt, &wt), r, need_dx, self.x_dtype, &self.casts)?;
             return self.weight_grad(dx, dw);
         }
         let (dyq, dyq_t) = if p.dgrad || p.wgrad {
