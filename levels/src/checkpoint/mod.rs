@@ -5,7 +5,8 @@
 //! tensor before anything changes.
 //!
 //! Names: a parameter `p` is stored as `p` (its working storage), `p.__master`
-//! (O3), `p.__exp_avg`, `p.__exp_avg_sq`; a scaled tensor `t` adds
+//! (O3), `p.__exp_avg`, `p.__exp_avg_sq` (`p.__exp_avg_sq_root` where the
+//! second moment is stored as square roots, [`root_name`]); a scaled tensor `t` adds
 //! `t.__scale`, `t.__scale_inv`, `t.__amax_history`; a layer's delayed-scaling
 //! metas are `w.__fp8_meta.{input,weight,grad_output}` with the same
 //! suffixes.
@@ -58,6 +59,13 @@ pub(crate) const FORMAT: &str = "candle-amp-checkpoint";
 pub(crate) const INDEX_FORMAT: &str = "candle-amp-checkpoint-index";
 /// The format version this build writes and reads.
 pub(crate) const VERSION: &str = "1";
+
+/// Where a moment stored as square roots (`State::Sqrt`, FP8 moments) is
+/// saved: `p.__exp_avg_sq` becomes `p.__exp_avg_sq_root`, a name of its
+/// own, so that no reader takes the roots for the values.
+pub(crate) fn root_name(name: &str) -> String {
+    format!("{name}_root")
+}
 /// A layer's delayed-scaling metas, in order.
 pub(crate) const ROLES: [&str; 3] = ["input", "weight", "grad_output"];
 

@@ -1,8 +1,7 @@
 //! Reading a checkpoint: every tensor checked for presence, dtype and
 //! shape, and remembered, so that the caller can refuse extra tensors.
 
-use super::save::root_name;
-use super::{err, not_a_param};
+use super::{err, not_a_param, root_name};
 use crate::error::Result;
 use amp_core::{QType, ScalingMeta, ScalingTensor, Weight};
 use amp_optim::State;

@@ -6,7 +6,7 @@ use super::agree::{agree, exchange};
 use super::header::data_crc32;
 use super::header::{slices, zero_tag};
 use super::index::{generation_path, remove_superseded, FileEntry, Index};
-use super::{err, not_a_param, write_atomic, FORMAT, ROLES, VERSION};
+use super::{err, not_a_param, root_name, write_atomic, FORMAT, ROLES, VERSION};
 use crate::context::{AmpContext, AmpOptimizer};
 use crate::distributed::{self, Group};
 use crate::error::Result;
@@ -269,12 +269,6 @@ fn put_meta(out: &mut BTreeMap<String, Raw>, name: &str, m: &ScalingMeta) -> Res
 fn put_scaled(out: &mut BTreeMap<String, Raw>, name: &str, t: &ScalingTensor) -> Result<()> {
     put(out, name.to_string(), t.data(), Some(t.qtype()))?;
     put_meta(out, name, t.meta())
-}
-
-/// Where a moment stored as square roots ([`State::Sqrt`]) is saved: a
-/// name of its own, so that no reader takes the roots for the values.
-pub(crate) fn root_name(name: &str) -> String {
-    format!("{name}_root")
 }
 
 fn put_state(out: &mut BTreeMap<String, Raw>, name: &str, s: &State) -> Result<()> {
