@@ -206,6 +206,26 @@ pub(crate) struct Streams {
 // u32; repr(C) pads both alike).
 unsafe impl DeviceRepr for Streams {}
 
+impl Streams {
+    /// Where `roots` (the rounding's salt) is given, the v stream (of
+    /// storage `v`) holds E4M3 square roots: its kind and salt.
+    pub(crate) fn roots(
+        &mut self,
+        op: &'static str,
+        v: Q,
+        roots: Option<u32>,
+    ) -> amp_core::Result<()> {
+        if let Some(salt) = roots {
+            if v != Some(QType::E4M3) {
+                return Err(bad(op, "square roots are stored in E4M3"));
+            }
+            self.kinds[3] = K_E4M3_SQRT;
+            self.salt = salt;
+        }
+        Ok(())
+    }
+}
+
 /// `Adam` of lowbit.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -266,13 +286,7 @@ pub(crate) fn lowbit_step(
         streams.scale_inv[i] = scalar_address(OP, si, lsi, &dev)?;
         streams.kinds[i] = kd;
     }
-    if let Some(salt) = k.v_sqrt {
-        if k.v != Some(QType::E4M3) {
-            return Err(bad(OP, "square roots are stored in E4M3"));
-        }
-        streams.kinds[3] = K_E4M3_SQRT;
-        streams.salt = salt;
-    }
+    streams.roots(OP, k.v, k.v_sqrt)?;
     let gmul = scalar_address(OP, gm, lgm, &dev)?;
     let c = k.k.constants();
     // grad_mul (the last field) is read from `gmul` by the kernels

@@ -3,12 +3,11 @@
 //! with the launch, and a CUDA block per descriptor.
 
 use crate::cuda::{
-    address, bad, func, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams, K_E4M3_SQRT,
-    META_PER_STREAM, THREADS,
+    address, bad, func, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams, META_PER_STREAM,
+    THREADS,
 };
 use crate::fused::META_LEN;
 use crate::multi::{buffer_index, meta_at, LowBitMulti, MomentPlaces, BUFFER_DTYPES, MULTI_MAX};
-use amp_core::QType;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -165,13 +164,7 @@ pub(crate) fn lowbit_multi(
             kinds: kinds.map(|k| k.0),
             salt: 0,
         };
-        if let Some(salt) = *roots {
-            if qs[2] != Some(QType::E4M3) {
-                return Err(bad(OP, "square roots are stored in E4M3"));
-            }
-            s.kinds[3] = K_E4M3_SQRT;
-            s.salt = salt;
-        }
+        s.roots(OP, qs[2], *roots)?;
         for (j, ((x, lx), (xs, lxs))) in [(w, lw), (g, lg), (m, lm), (v, lv)]
             .into_iter()
             .zip([(ws, lws), (gs, lgs), (ms, lms), (vs, lvs)])
