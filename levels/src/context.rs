@@ -97,8 +97,10 @@ impl AmpContext {
         self.config.level
     }
 
-    /// The Linear layers found among the parameters (converted unless kept in
-    /// high precision).
+    /// The Linear layers that compute in the config's path: those the level
+    /// converted, and those tied to a weight of another name (an output
+    /// head sharing the embedding), which keep their F32 weight. Layers
+    /// kept in high precision are not among them.
     pub fn linears(&self) -> &[Linear] {
         &self.linears
     }
@@ -515,25 +517,19 @@ pub(crate) fn initialize_with(
             }
         };
         let layer = registered_linear(var.as_tensor().id());
+        // A Linear over a weight the map knows under another name (a head
+        // tied to the embedding): the weight has another use, so it keeps
+        // its F32 storage and F32 gradient, which candle sums over both
+        // uses; its product still runs in the config's path (Transformer
+        // Engine's path with an F32 weight), unless kept high precision.
+        let tied = layer.as_ref().is_some_and(|l| l.name() != name);
         match layer {
-            Some(layer) if !config.is_high_precision(&name) => {
+            Some(layer) if !tied && !config.is_high_precision(&name) => {
                 let slot = layer.weight_slot().clone();
-                let converts = policy.linear_weight != WeightStorage::F32
-                    || policy.linear_grad != GradStorage::F32;
                 if !matches!(&*slot.read()?, Weight::F32(_)) {
                     return Err(Error::Config {
                         field: name,
                         reason: "this Linear weight was converted by an earlier initialize: build the model anew".into(),
-                    });
-                }
-                if converts && layer.name() != name {
-                    return Err(Error::Config {
-                        field: name.clone(),
-                        reason: format!(
-                            "the Linear layer `{}` uses this weight under another name (a tied weight): \
-                             keep it in high precision (`high_precision`) or untie it",
-                            layer.name()
-                        ),
                     });
                 }
                 let value = var.as_tensor();
@@ -571,8 +567,16 @@ pub(crate) fn initialize_with(
             }
             other => {
                 if let Some(layer) = other {
-                    layer.set_high_precision(true);
+                    let high = !tied
+                        || config.is_high_precision(&name)
+                        || config.is_high_precision(layer.name());
+                    layer.set_high_precision(high);
                     layer.set_grad_sink(None)?;
+                    if !high {
+                        // its scaling state is saved and restored with the
+                        // converted layers'
+                        linears.push(layer);
+                    }
                 }
                 let (m, v) = moments(policy.other_moments);
                 params.push((name, WeightSlot::new(Weight::F32(var)), m, v));

@@ -15,3 +15,4 @@ mod fp8_moments;
 mod fuzz_inputs;
 mod owned;
 mod report;
+mod tied;
