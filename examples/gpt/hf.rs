@@ -12,16 +12,18 @@
 //! | `h.{i}.mlp.c_fc.weight` | `[d, 4d]` (in, out) | transposed: `[4d, d]` |
 //! | `h.{i}.mlp.c_proj.weight` | `[4d, d]` (in, out) | transposed: `[d, 4d]` |
 //! | `h.{i}.*.bias` | `[out]` | the same |
-//! | `lm_head.weight` | `[vocab, d]` (`nn.Linear`) | `lm_head.weight`; `wte` when tied or absent |
+//! | `lm_head.weight` | `[vocab, d]` (`nn.Linear`) | none when tied (the head reads `wte`); else `lm_head.weight`, a copy of `wte` where absent |
 //!
 //! Loading ignores the attention-mask buffers older checkpoints carry
 //! (`h.{i}.attn.bias`, `h.{i}.attn.masked_bias`) and refuses any other
 //! tensor it does not know, a missing one, a wrong shape, and a
 //! configuration this model does not compute (another activation, layer
-//! norm epsilon or attention scaling). The export writes
-//! `tie_word_embeddings: false` (this model trains `lm_head` apart from
-//! `wte`) and trims the vocabulary back to `vocab_out` (the loaded
-//! config's, where the model pads it, e.g. 50257 of 50304).
+//! norm epsilon or attention scaling). A tied checkpoint
+//! (`tie_word_embeddings`, `transformers`' default for GPT-2) makes a tied
+//! model unless the run unties it (`--tie-embeddings false`: the head
+//! starts as a copy of `wte`). The export writes the model's tying and
+//! trims the vocabulary back to `vocab_out` (the loaded config's, where
+//! the model pads it, e.g. 50257 of 50304).
 
 use crate::model::GptConfig;
 use anyhow::{bail, Context, Result};
@@ -141,6 +143,7 @@ pub fn model_config(hf: &HfConfig, vocab: usize, _seq: usize) -> GptConfig {
         n_embd: hf.n_embd,
         vocab: hf.vocab_size.max(vocab),
         ctx: hf.n_positions,
+        tied: hf.tie_word_embeddings,
     }
 }
 
@@ -175,13 +178,8 @@ pub fn load_into(dir: &Path, hf: &HfConfig, cfg: &GptConfig, varmap: &VarMap) ->
         }
         tensors.insert(k, v);
     }
-    if hf.tie_word_embeddings || !tensors.contains_key("lm_head.weight") {
-        let wte = tensors
-            .get("wte.weight")
-            .with_context(|| format!("{name}: no wte.weight"))?
-            .clone();
-        tensors.insert("lm_head.weight".into(), wte);
-    }
+    let tying = (hf.tie_word_embeddings, cfg.tied);
+    crate::hf_io::head_tensor(&mut tensors, "wte.weight", tying, &name.to_string())?;
     let data = varmap
         .data()
         .lock()
@@ -264,7 +262,7 @@ pub fn write_dir(
         "attn_pdrop": 0.0,
         "initializer_range": 0.02,
         "scale_attn_weights": true,
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": cfg.tied,
         "torch_dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
     });
     crate::hf_io::write_dir(dir, &out, &config)

@@ -6,7 +6,8 @@
 //! Parameter names follow GPT-2 (`wte`, `wpe`, `h.{i}.ln_1`,
 //! `h.{i}.attn.c_attn`, `h.{i}.attn.c_proj`, `h.{i}.ln_2`, `h.{i}.mlp.c_fc`,
 //! `h.{i}.mlp.c_proj`, `ln_f`, `lm_head`), so an export reads like a GPT-2
-//! checkpoint. Linear weights are `[out, in]` (`nn.Linear`'s layout, which
+//! checkpoint. The head has its own weight unless the config ties it to
+//! `wte` (GPT-2's own checkpoints are tied). Linear weights are `[out, in]` (`nn.Linear`'s layout, which
 //! `candle_nn::linear` reads); Hugging Face's GPT-2 `Conv1D` stores the
 //! transpose.
 
@@ -41,6 +42,9 @@ pub struct GptConfig {
     pub vocab: usize,
     /// Context length (learned positions).
     pub ctx: usize,
+    /// The head is `wte` (GPT-2's tied embeddings) instead of a weight of
+    /// its own.
+    pub tied: bool,
 }
 
 /// The sizes by name: `tiny` trains on two CPU cores in minutes; the others
@@ -75,6 +79,7 @@ impl GptConfig {
             n_embd,
             vocab,
             ctx,
+            tied: false,
         })
     }
 
@@ -92,7 +97,8 @@ impl GptConfig {
         let d = self.n_embd;
         let block =
             2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
-        (self.vocab + self.ctx) * d + self.n_layer * block + 2 * d + d * self.vocab
+        let head = if self.tied { 0 } else { d * self.vocab };
+        (self.vocab + self.ctx) * d + self.n_layer * block + 2 * d + head
     }
 
     /// Training FLOPs per token at sequence length `seq`: `6 N + 12 layers
@@ -210,12 +216,20 @@ impl Gpt {
                 })
             })
             .collect::<Result<_>>()?;
+        let wte = emb(cfg.vocab, "wte")?;
+        let lm_head = if cfg.tied {
+            // `initialize` keeps a tied weight F32 (its lookup and the
+            // head's product both train it)
+            Linear::new("lm_head.weight", wte.clone(), None)?
+        } else {
+            nn::linear_no_bias(d, cfg.vocab, vb.pp("lm_head"))?
+        };
         Ok(Self {
-            wte: emb(cfg.vocab, "wte")?,
+            wte,
             wpe: emb(cfg.ctx, "wpe")?,
             blocks,
             ln_f: nn::layer_norm(d, LN_EPS, vb.pp("ln_f"))?,
-            lm_head: nn::linear_no_bias(d, cfg.vocab, vb.pp("lm_head"))?,
+            lm_head,
             cfg,
             act: DType::F32,
             recompute: Recompute::None,

@@ -12,16 +12,19 @@
 //! | `layers.{i}.mlp.{gate,up}_proj.weight` | `[f, d]` twice | stacked: `layers.{i}.mlp.fc1.weight` |
 //! | `layers.{i}.mlp.down_proj.weight` | `[d, f]` | `layers.{i}.mlp.fc2.weight` |
 //! | `norm.weight` | `[d]` | `norm.weight` |
-//! | `lm_head.weight` (no prefix) | `[vocab, d]` | `lm_head.weight`; `embed_tokens` when tied or absent |
+//! | `lm_head.weight` (no prefix) | `[vocab, d]` | none when tied (the head reads `embed.weight`); else `lm_head.weight`, a copy of `embed_tokens` where absent |
 //!
 //! Every Linear is `nn.Linear` (`[out, in]`, this model's layout); q and
 //! k are in the `rotate_half` order `transformers` uses (its own
 //! checkpoints are; Meta's original ones are permuted by its converter).
 //! Loading refuses an unknown tensor, a missing one, a wrong shape, and a
 //! configuration this model does not compute (another activation, biases
-//! on the projections, a RoPE scaling other than Llama 3's). The export
-//! writes `tie_word_embeddings: false` (this model trains `lm_head` apart
-//! from the embedding) and trims the vocabulary back to `vocab_out`.
+//! on the projections, a RoPE scaling other than Llama 3's). A tied
+//! checkpoint (`tie_word_embeddings: true`, as Llama-3.2-1B's; `false` is
+//! `transformers`' default for Llama) makes a tied model unless the run
+//! unties it (`--tie-embeddings false`: the head starts as a copy of the
+//! embedding). The export writes the model's tying and trims the
+//! vocabulary back to `vocab_out`.
 
 use crate::model::LlamaConfig;
 use amp::nn::RopeScaling;
@@ -164,6 +167,7 @@ pub fn model_config(hf: &HfConfig, vocab: usize, seq: usize) -> LlamaConfig {
         // checked by read_config
         rope_scaling: scaling("config.json", &hf.rope_scaling).ok().flatten(),
         norm_eps: hf.rms_norm_eps,
+        tied: hf.tie_word_embeddings,
     }
 }
 
@@ -219,13 +223,13 @@ pub fn load_into(dir: &Path, hf: &HfConfig, cfg: &LlamaConfig, varmap: &VarMap) 
         .into_iter()
         .filter(|(k, _)| !k.ends_with("rotary_emb.inv_freq"))
         .collect();
-    if hf.tie_word_embeddings || !tensors.contains_key("lm_head.weight") {
-        let e = tensors
-            .get("model.embed_tokens.weight")
-            .with_context(|| format!("{name}: no model.embed_tokens.weight"))?
-            .clone();
-        tensors.insert("lm_head.weight".into(), e);
-    }
+    let tying = (hf.tie_word_embeddings, cfg.tied);
+    crate::hf_io::head_tensor(
+        &mut tensors,
+        "model.embed_tokens.weight",
+        tying,
+        &name.to_string(),
+    )?;
     let data = varmap
         .data()
         .lock()
@@ -316,7 +320,7 @@ pub fn write_dir(
         "hidden_act": "silu",
         "attention_bias": false,
         "mlp_bias": false,
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": cfg.tied,
         "initializer_range": 0.02,
         "torch_dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
     });

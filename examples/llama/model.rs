@@ -10,7 +10,8 @@
 //! `layers.{i}.mlp.layer_norm.weight`, `layers.{i}.mlp.fc1.weight`
 //! (`gate_proj` then `up_proj` stacked), `layers.{i}.mlp.fc2.weight`
 //! (`down_proj`), `norm.weight`, `lm_head.weight`. The head is trained
-//! apart from the embedding (untied).
+//! apart from the embedding unless the config ties them (then there is no
+//! `lm_head.weight`: the head's product reads `embed.weight`).
 
 use crate::recompute::{CoreResult, Recompute};
 use amp::nn::{self, Activation, LayerNorm, LayerNormMLP, Linear, MlpForm, RopeScaling};
@@ -53,6 +54,9 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// RMSNorm's epsilon.
     pub norm_eps: f64,
+    /// The head is the embedding (`tie_word_embeddings`, as Llama-3.2-1B)
+    /// instead of a weight of its own.
+    pub tied: bool,
 }
 
 /// The sizes by name: (name, layers, heads, kv heads, width, inner width).
@@ -97,6 +101,7 @@ impl LlamaConfig {
                 original_max_position_embeddings: 8192,
             }),
             norm_eps: 1e-5,
+            tied: false,
         })
     }
 
@@ -119,13 +124,16 @@ impl LlamaConfig {
     /// Parameters in all.
     pub fn params(&self) -> usize {
         let d = self.dim;
-        self.n_layer * (self.layer_linear() + 2 * d) + d + 2 * self.vocab * d
+        let tables = if self.tied { 1 } else { 2 };
+        self.n_layer * (self.layer_linear() + 2 * d) + d + tables * self.vocab * d
     }
 
     /// Training FLOPs per token at sequence length `seq`: `6 N + 12 layers
-    /// width seq`, `N` every parameter but the embedding (a lookup).
+    /// width seq`, `N` every parameter but the embedding (a lookup; a tied
+    /// table counts once, as the head's product).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
-        let n = (self.params() - self.vocab * self.dim) as f64;
+        let lookup = if self.tied { 0 } else { self.vocab * self.dim };
+        let n = (self.params() - lookup) as f64;
         6.0 * n + 12.0 * (self.n_layer * self.dim * seq) as f64
     }
 
@@ -249,11 +257,19 @@ impl Llama {
                 })
             })
             .collect::<Result<_>>()?;
+        let embed = vb.pp("embed").get((cfg.vocab, d), "weight")?;
+        let lm_head = if cfg.tied {
+            // `initialize` keeps a tied weight F32 (its lookup and the
+            // head's product both train it)
+            Linear::new("lm_head.weight", embed.clone(), None)?
+        } else {
+            nn::linear_no_bias(d, cfg.vocab, vb.pp("lm_head"))?
+        };
         Ok(Self {
-            embed: vb.pp("embed").get((cfg.vocab, d), "weight")?,
+            embed,
             blocks,
             norm: nn::rms_norm(d, cfg.norm_eps, vb.pp("norm"))?,
-            lm_head: nn::linear_no_bias(d, cfg.vocab, vb.pp("lm_head"))?,
+            lm_head,
             cfg,
             act: DType::F32,
             recompute: Recompute::None,

@@ -116,6 +116,14 @@ struct Args {
     /// shape replaces --size; --vocab may pad its vocabulary).
     #[arg(long)]
     init_from: Option<PathBuf>,
+    /// The output head is the token embedding (`--tie-embeddings`, as GPT-2
+    /// and Llama-3.2-1B) or a weight of its own (`--tie-embeddings false`).
+    /// Default: as --init-from's config.json says (`tie_word_embeddings`),
+    /// else untied. A tied weight stays F32 at every level; the head's
+    /// product still runs in the compute path (--high-precision keeps it
+    /// out).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    tie_embeddings: Option<bool>,
     /// Export the trained model as a Hugging Face directory of the
     /// architecture (`model.safetensors` in its names and layouts,
     /// `config.json`), which `transformers` loads.
@@ -363,6 +371,7 @@ pub fn main() -> Result<()> {
         vocab: vocab as usize,
         seq: args.seq as usize,
         init_from: args.init_from.clone(),
+        tie_embeddings: args.tie_embeddings,
         ..Default::default()
     })
     .model()
@@ -424,6 +433,7 @@ pub fn main() -> Result<()> {
         save_every: args.save_every,
         resume: args.resume.clone(),
         init_from: args.init_from.clone(),
+        tie_embeddings: args.tie_embeddings,
         export: args.export.clone().map(|p| {
             let dtype = match args.export_dtype {
                 ExportArg::F32 => ExportDType::F32,

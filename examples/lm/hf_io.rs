@@ -1,11 +1,46 @@
-//! What both examples' Hugging Face modules (`hf.rs`) do alike: the
-//! embedding's and head's rows padded past a checkpoint's vocabulary on
-//! load, and a directory of `model.safetensors` and `config.json` written
-//! on export.
+//! What both examples' Hugging Face modules (`hf.rs`) do alike: the head
+//! tied or not on load, the embedding's and head's rows padded past a
+//! checkpoint's vocabulary, and a directory of `model.safetensors` and
+//! `config.json` written on export.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
+use std::collections::HashMap;
 use std::path::Path;
+
+/// Makes a checkpoint's `tensors` hold what the model's head reads, as
+/// `transformers` does: a tied model (`model_tied`) reads no
+/// `lm_head.weight` (a copy a tied checkpoint carries is dropped); an
+/// untied one reads the checkpoint's own, or a copy of the embedding
+/// `embed_key` where the checkpoint is tied (`hf_tied`) or has none.
+///
+/// # Errors
+/// A tied model over a checkpoint with a head of its own (its weights
+/// would be lost), no embedding to copy; both name the file `name`.
+pub fn head_tensor(
+    tensors: &mut HashMap<String, Tensor>,
+    embed_key: &str,
+    (hf_tied, model_tied): (bool, bool),
+    name: &str,
+) -> Result<()> {
+    const HEAD: &str = "lm_head.weight";
+    if model_tied {
+        if !hf_tied && tensors.contains_key(HEAD) {
+            bail!(
+                "{name}: the checkpoint trains `{HEAD}` apart from the embedding \
+                 (tie_word_embeddings false): tying them would drop it"
+            );
+        }
+        tensors.remove(HEAD);
+    } else if hf_tied || !tensors.contains_key(HEAD) {
+        let e = tensors
+            .get(embed_key)
+            .with_context(|| format!("{name}: no {embed_key}"))?
+            .clone();
+        tensors.insert(HEAD.into(), e);
+    }
+    Ok(())
+}
 
 /// A checkpoint's `[vocab, width]` table `t` as the model's variable `var`
 /// (`ours`, in file `name`) holds it: the rows past the checkpoint's

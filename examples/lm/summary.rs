@@ -36,6 +36,8 @@ pub struct Summary {
     pub size: String,
     pub params: usize,
     pub linear_params: usize,
+    /// The head is the embedding (`--tie-embeddings`).
+    pub tied_embeddings: bool,
     /// The model's vocabulary (the embedding's rows).
     pub vocab: usize,
     pub steps: u64,

@@ -16,7 +16,7 @@ use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -74,6 +74,10 @@ pub struct TrainConfig {
     /// Start from this Hugging Face directory of the architecture (`model.safetensors`,
     /// `config.json`; its shape replaces `size`, `vocab` pads its vocabulary).
     pub init_from: Option<PathBuf>,
+    /// Tie the head to the embedding (`Some(true)`), keep them apart
+    /// (`Some(false)`: a tied checkpoint's head starts as a copy), or as
+    /// the `init_from` checkpoint says (`None`; untied without one).
+    pub tie_embeddings: Option<bool>,
     /// Export the trained weights as a Hugging Face directory here.
     pub export: Option<(PathBuf, ExportDType)>,
     /// Tokens to generate at the end.
@@ -135,6 +139,7 @@ impl Default for TrainConfig {
             save_every: None,
             resume: None,
             init_from: None,
+            tie_embeddings: None,
             export: None,
             sample: 0,
             codec: Default::default(),
@@ -163,6 +168,21 @@ impl TrainConfig {
     /// # Errors
     /// An unknown size; an unreadable or unsupported checkpoint config.
     pub fn model(&self) -> Result<(Config, Option<HfConfig>)> {
+        let (mut shape, hf) = self.shape()?;
+        match (self.tie_embeddings, &hf) {
+            (Some(true), Some(h)) if !h.tie_word_embeddings => bail!(
+                "{} trains its head apart from the embedding (tie_word_embeddings \
+                 false): --tie-embeddings would drop the head",
+                self.init_from.as_deref().unwrap_or(Path::new("")).display()
+            ),
+            (Some(tied), _) => shape.tied = tied,
+            (None, _) => {}
+        }
+        Ok((shape, hf))
+    }
+
+    /// [`Self::model`] before the run's tying.
+    fn shape(&self) -> Result<(Config, Option<HfConfig>)> {
         Ok(match &self.init_from {
             Some(dir) => {
                 let hf = hf::read_config(dir)?;
@@ -553,6 +573,7 @@ pub fn train_rank(
         size: cfg.size.clone(),
         params: gcfg.params(),
         linear_params: report.linear_params,
+        tied_embeddings: gcfg.tied,
         vocab: gcfg.vocab,
         steps: end,
         batch: cfg.batch,

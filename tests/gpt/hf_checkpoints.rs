@@ -134,27 +134,63 @@ fn a_loaded_checkpoint_trains_and_exports_in_its_own_layout() -> Result<()> {
         assert_eq!(e.dims(), t.dims(), "{name}");
         assert_eq!(e.dtype(), t.dtype(), "{name}");
     }
-    // untied now, trimmed back to the checkpoint's vocabulary
-    assert_eq!(exported["lm_head.weight"].dims(), [300, 32]);
+    // tied as the checkpoint is (GPT-2's default): no head of its own
+    assert!(!exported.contains_key("lm_head.weight"));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
     assert_eq!(config["vocab_size"], 300);
     assert_eq!(config["n_positions"], 64);
-    assert_eq!(config["tie_word_embeddings"], false);
+    assert_eq!(config["tie_word_embeddings"], true);
     assert!(!out.join(".amp-export.safetensors").exists());
+    // untied on request: the head starts as wte and trains apart,
+    // trimmed back to the checkpoint's vocabulary
+    let untied = d.join("export-untied");
+    let cfg = TrainConfig {
+        tie_embeddings: Some(false),
+        export: Some((untied.clone(), ExportDType::F32)),
+        ..cfg
+    };
+    train(&cfg, &corpus)?;
+    let exported = candle_core::safetensors::load(untied.join("model.safetensors"), &Device::Cpu)?;
+    assert_eq!(exported["lm_head.weight"].dims(), [300, 32]);
+    let head = exported["lm_head.weight"].flatten_all()?.to_vec1::<f32>()?;
+    let wte = exported["transformer.wte.weight"]
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    assert_ne!(head, wte, "two steps move them apart");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(untied.join("config.json"))?)?;
+    assert_eq!(config["tie_word_embeddings"], false);
+    // that export, loaded back: untied, and tying it is refused (the head
+    // would be lost)
+    let tie = TrainConfig {
+        init_from: Some(untied.clone()),
+        tie_embeddings: Some(true),
+        export: None,
+        ..cfg.clone()
+    };
+    let e = format!("{:#}", train(&tie, &corpus).unwrap_err());
+    assert!(e.contains("tie_word_embeddings false"), "{e}");
+    let again = TrainConfig {
+        tie_embeddings: None,
+        ..tie
+    };
+    assert!(!again.model()?.0.tied);
     Ok(())
 }
 
 #[test]
 fn an_export_computes_the_loss_the_run_reported() -> Result<()> {
     let corpus = data::Corpus::bundled();
-    for (level, dtype, tol) in [
-        (Level::O0, ExportDType::F32, 1e-4),
-        (Level::O2, ExportDType::BF16, 0.05),
+    for (level, dtype, tol, tied) in [
+        (Level::O0, ExportDType::F32, 1e-4, false),
+        (Level::O2, ExportDType::BF16, 0.05, false),
+        (Level::O2, ExportDType::F32, 1e-4, true),
     ] {
-        let out = dir(&format!("export-{level}"))?;
+        let out = dir(&format!("export-{level}-{tied}"))?;
         let cfg = TrainConfig {
             level,
+            tie_embeddings: Some(tied),
             compute: Compute::Native,
             steps: 5,
             batch: 8,

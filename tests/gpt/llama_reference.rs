@@ -263,12 +263,18 @@ fn llama_import_and_export_match_an_independent_forward() -> Result<()> {
         (ours - want).abs() < 1e-4 * want,
         "ours {ours}, reference {want}"
     );
-    // the export (untied head, this model's rows split back) reads the same
+    // the export (tied as the source, this model's rows split back) reads
+    // the same
     let again = Reference::load(&out)?.loss(&x, &y)?;
     assert!(
         (again - want).abs() < 1e-6 * want,
         "exported {again}, source {want}"
     );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json"))?)?;
+    assert_eq!(config["tie_word_embeddings"], true);
+    let exported = candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu)?;
+    assert!(!exported.contains_key("lm_head.weight"));
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

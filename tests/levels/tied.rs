@@ -179,3 +179,40 @@ fn a_tied_head_beside_converted_layers_learns_and_resumes_exactly() {
         assert_eq!(resumed, straight[4..], "{level}: resume is exact");
     }
 }
+
+#[test]
+fn a_tied_gradient_in_fp8_is_the_native_one_within_the_format() {
+    // the table's gradient (lookup + head) through the FP8 head against
+    // the native product, before any level: the same model, two scopes
+    let (m, _varmap) = model(true);
+    for fused in [false, true] {
+        let grad = |mode: nn::ComputeMode| {
+            let l = {
+                let _s = nn::fp8_autocast(true, mode);
+                if fused {
+                    let (x, y) = tokens(0);
+                    let h = nn::embedding(&x, &m.wte).unwrap();
+                    nn::linear_cross_entropy(&h, None, &m.head, &y).unwrap()
+                } else {
+                    loss(&m, 0).unwrap()
+                }
+            };
+            let g = l.backward().unwrap();
+            g.get(&m.wte)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let native = grad(nn::ComputeMode::Native);
+        let fp8 = grad(nn::ComputeMode::Fp8Current(Default::default()));
+        let (mut num, mut den) = (0f64, 0f64);
+        for (a, b) in native.iter().zip(&fp8) {
+            num += f64::from(a - b).powi(2);
+            den += f64::from(*a).powi(2);
+        }
+        let rel = (num / den).sqrt();
+        assert!(rel < 0.1, "fused {fused}: relative L2 difference {rel}");
+    }
+}
