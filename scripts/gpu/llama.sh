@@ -3,8 +3,9 @@
 # same shape in one device call (issue: Llama-style models). Our Llama at
 # each LEVEL (8 x 2048 by default, BF16 activations; O0 native BF16
 # products, the others fp8-current), then torch_llama.py eager and
-# compiled BF16 with a head of its own (the example's parameter set; TIED=1
-# ties it as Llama-3.2-1B does).
+# compiled BF16, both with a head of their own (TIED=1: both tie it to the
+# embedding, as Llama-3.2-1B does: --tie-embeddings here, torch_llama.py's
+# default there).
 # CARRY (default .carry/gpu) holds llama.gz. Env: STEPS (20), SKIP (5),
 # LEVELS (O0 O2), BATCH (8), SEQ (2048), VOCAB (128256), TORCH (1),
 # TORCH_MODES (bf16,bf16-compile), TORCH_CK (0; 1: eager BF16 with
@@ -18,12 +19,13 @@ source "$(dirname "$0")/lib.sh"
 unpack llama; need llama
 facts
 B=${BATCH:-8}; S=${SEQ:-2048}; V=${VOCAB:-128256}
+tie=; [ "${TIED:-0}" = 1 ] && tie=--tie-embeddings
 for lv in ${LEVELS:-O0 O2}; do
   compute=fp8-current; [ "$lv" = O0 ] && compute=native
-  label="llama_${size}_${lv}$(echo ${EXTRA:-} | tr -d ' ')"
+  label="llama_${size}_${lv}${tie:+_tied}$(echo ${EXTRA:-} | tr -d ' ')"
   timeout 400 "$BIN/llama" --device cuda --size "$size" --vocab "$V" --batch "$B" --seq "$S" \
     --steps "${STEPS:-20}" --timing-skip "${SKIP:-5}" --eval-every 1000 --eval-batches 1 --level "$lv" \
-    --compute "$compute" --activations bf16 ${EXTRA:-} --json > "$OUT/$label.log" 2>&1
+    --compute "$compute" --activations bf16 $tie ${EXTRA:-} --json > "$OUT/$label.log" 2>&1
   echo "rc=$? $(show "$OUT/$label.log" "$label")"; grep -iE "^error|panick|needs about" "$OUT/$label.log" | head -3
 done
 [ "${TORCH:-1}" = 1 ] || exit 0
