@@ -7,11 +7,15 @@
 use crate::ckpt_common::{contents, tmp};
 use crate::common::randn;
 
-use amp::levels::{initialize, AmpConfig, AmpContext, AmpOptimizer, Compute, Level};
+use amp::comm::{run_ranks_with, Communicator, InProcessConfig};
+use amp::levels::{
+    initialize, initialize_distributed, AmpConfig, AmpContext, AmpOptimizer, Compute, Level,
+};
 use amp::nn::{self, Linear};
 use amp::optim::AdamWConfig;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use std::sync::Arc;
 
 const VOCAB: usize = 24;
 const WIDTH: usize = 16;
@@ -50,7 +54,10 @@ fn tokens(step: u64) -> (Tensor, Tensor) {
 }
 
 fn loss(m: &Tied, step: u64) -> amp::levels::Result<Tensor> {
-    let (x, y) = tokens(step);
+    loss_on(m, tokens(step))
+}
+
+fn loss_on(m: &Tied, (x, y): (Tensor, Tensor)) -> amp::levels::Result<Tensor> {
     let mut h = nn::embedding(&x, &m.wte)?;
     if let Some(fc) = &m.fc {
         h = (&h + fc.forward(&h)?.tanh()?)?;
@@ -64,6 +71,17 @@ fn start(
     level: Level,
     compute: Compute,
     high: &[&str],
+) -> (Tied, VarMap, AmpContext, AmpOptimizer) {
+    start_in(with_fc, level, compute, high, None)
+}
+
+/// [`start`] as one rank of a data-parallel group, or alone.
+fn start_in(
+    with_fc: bool,
+    level: Level,
+    compute: Compute,
+    high: &[&str],
+    comm: Option<Arc<dyn Communicator>>,
 ) -> (Tied, VarMap, AmpContext, AmpOptimizer) {
     let (m, varmap) = model(with_fc);
     let cfg = AmpConfig {
@@ -80,7 +98,10 @@ fn start(
         lr: 1e-2,
         ..Default::default()
     };
-    let (ctx, opt) = initialize(&varmap, adam, cfg).unwrap();
+    let (ctx, opt) = match comm {
+        Some(c) => initialize_distributed(&varmap, adam, cfg, c).unwrap(),
+        None => initialize(&varmap, adam, cfg).unwrap(),
+    };
     (m, varmap, ctx, opt)
 }
 
@@ -214,5 +235,62 @@ fn a_tied_gradient_in_fp8_is_the_native_one_within_the_format() {
         }
         let rel = (num / den).sqrt();
         assert!(rel < 0.1, "fused {fused}: relative L2 difference {rel}");
+    }
+}
+
+#[test]
+fn a_tied_gradient_is_reduced_over_ranks_as_one_rank_sees_it() {
+    // two ranks, each on half of every batch, against one rank on the
+    // whole: the tied table's F32 gradient (lookup + head) averaged over
+    // the ranks is the whole batch's; every rank holds the same table
+    let halves = |step: u64, part: Option<usize>| {
+        let (x, y) = tokens(step);
+        match part {
+            None => (x, y),
+            Some(r) => (
+                x.narrow(0, 16 * r, 16).unwrap(),
+                y.narrow(0, 16 * r, 16).unwrap(),
+            ),
+        }
+    };
+    for level in [Level::O0, Level::O2, Level::O3] {
+        let compute = if level == Level::O0 {
+            Compute::Native
+        } else {
+            current()
+        };
+        let train = |comm: Option<Arc<dyn Communicator>>| {
+            let rank = comm.as_ref().map(|c| c.rank());
+            let (m, _v, ctx, mut opt) = start_in(true, level, compute.clone(), &[], comm);
+            let losses: Vec<f32> = (0..6)
+                .map(|s| {
+                    let out = ctx.step(&mut opt, || loss_on(&m, halves(s, rank))).unwrap();
+                    out.loss.to_scalar::<f32>().unwrap()
+                })
+                .collect();
+            let wte = m.wte.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (losses, wte)
+        };
+        let (alone, want) = train(None);
+        let ranks = run_ranks_with(2, &InProcessConfig::default(), |comm| {
+            Ok::<_, amp::comm::Error>(train(Some(Arc::new(comm))))
+        })
+        .unwrap();
+        assert_eq!(ranks[0].1, ranks[1].1, "{level}: the table is replicated");
+        let max_diff = want
+            .iter()
+            .zip(&ranks[0].1)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // O0: the same sums in another order; O2 and O3: FP8 products of
+        // half the tokens, and the converted fc's FP8 gradient reduction
+        let tol = if level == Level::O0 { 1e-6 } else { 5e-3 };
+        assert!(max_diff < tol, "{level}: the table differs by {max_diff}");
+        assert!(
+            ranks[0].0[5] < ranks[0].0[0],
+            "{level}: learns {:?}",
+            ranks[0].0
+        );
+        assert!(alone[5] < alone[0]);
     }
 }
