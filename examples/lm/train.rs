@@ -320,8 +320,20 @@ pub fn train_rank(
         total: cfg.steps,
     });
     if let Some(path) = &cfg.resume {
-        amp.load(path, &mut opt)
-            .with_context(|| format!("resuming from {}", path.display()))?;
+        amp.load(path, &mut opt).with_context(|| {
+            // a head tied or not is the likeliest mismatch of two runs of
+            // one size
+            let head = if gcfg.tied {
+                "tied to the embedding (--tie-embeddings)"
+            } else {
+                "a weight of its own"
+            };
+            format!(
+                "resuming from {} (this model's head is {head}: the run that saved it \
+                 must have built the same)",
+                path.display()
+            )
+        })?;
     }
     // the batches consumed so far: applied and skipped steps alike, so a
     // resumed run neither repeats a batch nor runs more than --steps
