@@ -103,6 +103,54 @@ fn a_gpt2_checkpoint_loads_with_its_values() -> Result<()> {
 }
 
 #[test]
+fn a_tied_checkpoint_loads_tied_whatever_its_file_carries() -> Result<()> {
+    let d = dir("tied")?;
+    let mut t = synthetic(&d, "gelu_new")?;
+    let cfg = hf::read_config(&d)?;
+    assert!(cfg.tie_word_embeddings, "GPT-2's default");
+    let gcfg = hf::model_config(&cfg, 300, 64);
+    assert!(gcfg.tied);
+    // some writers keep the tied head's copy in the file: dropped on load
+    t.insert("lm_head.weight".into(), t["wte.weight"].clone());
+    candle_core::safetensors::save(&t, d.join("model.safetensors"))?;
+    let (gpt, varmap) = model::build(gcfg, 3, &Device::Cpu)?;
+    assert!(!varmap.data().lock().unwrap().contains_key("lm_head.weight"));
+    hf::load_into(&d, &cfg, &gcfg, &varmap)?;
+    let x = tokens()?;
+    let diff = (gpt.forward(&x)? - Reference::load(&d)?.logits(&x)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert!(diff <= 1e-4, "logits differ by {diff}");
+    // a checkpoint whose config unties a head of its own: a tied model
+    // would drop it, and says so
+    let mut untied = cfg.clone();
+    untied.tie_word_embeddings = false;
+    let other = (t["wte.weight"].clone() * 0.5)?;
+    t.insert("lm_head.weight".into(), other);
+    candle_core::safetensors::save(&t, d.join("model.safetensors"))?;
+    let (_, varmap) = model::build(gcfg, 3, &Device::Cpu)?;
+    let e = format!(
+        "{:#}",
+        hf::load_into(&d, &untied, &gcfg, &varmap).unwrap_err()
+    );
+    assert!(e.contains("tying them would drop it"), "{e}");
+    // and an untied model reads it
+    let ucfg = hf::model_config(&untied, 300, 64);
+    let (_, varmap) = model::build(ucfg, 3, &Device::Cpu)?;
+    hf::load_into(&d, &untied, &ucfg, &varmap)?;
+    let head = varmap.data().lock().unwrap()["lm_head.weight"]
+        .as_tensor()
+        .clone();
+    let want = t["lm_head.weight"].to_dtype(DType::F32)?;
+    assert_eq!(
+        head.flatten_all()?.to_vec1::<f32>()?,
+        want.flatten_all()?.to_vec1::<f32>()?
+    );
+    Ok(())
+}
+
+#[test]
 fn a_loaded_checkpoint_trains_and_exports_in_its_own_layout() -> Result<()> {
     let d = dir("roundtrip")?;
     let input = synthetic(&d, "gelu_new")?;
