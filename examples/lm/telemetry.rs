@@ -64,12 +64,23 @@ fn roles() -> Vec<&'static str> {
 }
 
 /// The moments' records the optimizer kept during step `done`, of the
-/// model's Linear weights (`{layer}.weight`), taken.
-pub fn collect_moments(model: &Model, opt: &mut AmpOptimizer, done: u64) -> Vec<Row> {
+/// model's Linear weights (`{layer}.weight`, or for a layer in `tied`, the
+/// weight it shares: a tied head's rows are the embedding's moments),
+/// taken.
+pub fn collect_moments(
+    model: &Model,
+    opt: &mut AmpOptimizer,
+    tied: &[(String, String)],
+    done: u64,
+) -> Vec<Row> {
     let records = opt.inner_mut().take_moment_telemetry();
     let mut rows = Vec::new();
     for (name, _) in model.linears() {
-        let weight = format!("{name}.weight");
+        let layer_weight = format!("{name}.weight");
+        let weight = tied
+            .iter()
+            .find(|(l, _)| *l == layer_weight)
+            .map_or(layer_weight.clone(), |(_, w)| w.clone());
         for r in records.iter().filter(|r| r.name == weight) {
             for (role, cast) in MOMENT_ROLES.iter().zip([r.exp_avg, r.exp_avg_sq]) {
                 rows.push(Row {

@@ -16,7 +16,7 @@ use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -169,14 +169,10 @@ impl TrainConfig {
     /// An unknown size; an unreadable or unsupported checkpoint config.
     pub fn model(&self) -> Result<(Config, Option<HfConfig>)> {
         let (mut shape, hf) = self.shape()?;
-        match (self.tie_embeddings, &hf) {
-            (Some(true), Some(h)) if !h.tie_word_embeddings => bail!(
-                "{} trains its head apart from the embedding (tie_word_embeddings \
-                 false): --tie-embeddings would drop the head",
-                self.init_from.as_deref().unwrap_or(Path::new("")).display()
-            ),
-            (Some(tied), _) => shape.tied = tied,
-            (None, _) => {}
+        // (tying an untied checkpoint is refused on load where its file
+        // has a head of its own: `hf_io::head_tensor`)
+        if let Some(tied) = self.tie_embeddings {
+            shape.tied = tied;
         }
         Ok((shape, hf))
     }
@@ -320,20 +316,19 @@ pub fn train_rank(
         total: cfg.steps,
     });
     if let Some(path) = &cfg.resume {
-        amp.load(path, &mut opt).with_context(|| {
-            // a head tied or not is the likeliest mismatch of two runs of
-            // one size
-            let head = if gcfg.tied {
-                "tied to the embedding (--tie-embeddings)"
-            } else {
-                "a weight of its own"
-            };
-            format!(
-                "resuming from {} (this model's head is {head}: the run that saved it \
-                 must have built the same)",
-                path.display()
-            )
-        })?;
+        if let Err(e) = amp.load(path, &mut opt) {
+            let mut msg = format!("resuming from {}", path.display());
+            if e.to_string().contains("lm_head.weight") {
+                // a head tied in one run and not in the other
+                let head = if gcfg.tied {
+                    "tied to the embedding (--tie-embeddings)"
+                } else {
+                    "a weight of its own (--tie-embeddings false)"
+                };
+                msg += &format!(" (this model's head is {head}; the saving run's was not)");
+            }
+            return Err(anyhow::Error::from(e).context(msg));
+        }
     }
     // the batches consumed so far: applied and skipped steps alike, so a
     // resumed run neither repeats a batch nor runs more than --steps
@@ -463,6 +458,7 @@ pub fn train_rank(
             telemetry_rows.extend(crate::telemetry::collect_moments(
                 &model,
                 &mut opt,
+                amp.tied(),
                 step + 1,
             ));
         }

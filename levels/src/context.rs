@@ -75,13 +75,16 @@ pub(crate) trait DataParallel: std::fmt::Debug {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
-/// What `initialize` set up: the config, the Linear layers it converted and
-/// the sink their FP8 weight gradients go to.
+/// What `initialize` set up: the config, the Linear layers that compute in
+/// its path (those it converted, and those tied to a weight of another
+/// name) and the sink their FP8 weight gradients go to.
 #[derive(Debug)]
 pub struct AmpContext {
     pub(crate) config: AmpConfig,
     pub(crate) linears: Vec<Linear>,
     pub(crate) linear_names: Vec<String>,
+    /// Tied layers: (the layer's name, the name of the weight it shares).
+    pub(crate) tied: Vec<(String, String)>,
     /// Data-parallel ranks (1 without a group).
     pub(crate) world: usize,
 }
@@ -103,6 +106,14 @@ impl AmpContext {
     /// kept in high precision are not among them.
     pub fn linears(&self) -> &[Linear] {
         &self.linears
+    }
+
+    /// The Linear layers built over a weight the `VarMap` knows under
+    /// another name (a head tied to the embedding), as (layer, weight)
+    /// names: kept F32 at every level. A layer here that was not meant to
+    /// be tied was built with a name other than its weight's.
+    pub fn tied(&self) -> &[(String, String)] {
+        &self.tied
     }
 
     /// Opens the config's compute scope for one step's forward (and the
@@ -445,6 +456,9 @@ fn claim(varmap: &candle_nn::VarMap) -> Result<()> {
 /// FP8 gradients, and builds the optimizer over all parameters with the
 /// level's moment formats. A converted weight leaves the `VarMap` (its F32
 /// copy is freed). The model's code does not change between levels.
+/// Layers kept in high precision (`AmpConfig::high_precision`) and layers
+/// tied to a weight of another name ([`AmpContext::tied`]: an output head
+/// sharing the embedding) keep their F32 weight.
 ///
 /// # Errors
 /// [`Error::Core`] for a bad config, the optimizer's for bad
@@ -508,6 +522,7 @@ pub(crate) fn initialize_with(
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let mut params = Vec::with_capacity(vars.len());
     let (mut linears, mut linear_names, mut removed) = (vec![], vec![], vec![]);
+    let mut tied_names = vec![];
     for (name, var) in vars {
         let moments = |(m, v): (StateFormat, StateFormat)| {
             if config.keeps_f32_moments(&name) {
@@ -567,6 +582,9 @@ pub(crate) fn initialize_with(
             }
             other => {
                 if let Some(layer) = other {
+                    if tied {
+                        tied_names.push((layer.name().to_string(), name.clone()));
+                    }
                     let high = !tied
                         || config.is_high_precision(&name)
                         || config.is_high_precision(layer.name());
@@ -604,6 +622,7 @@ pub(crate) fn initialize_with(
         config,
         linears,
         linear_names: linear_names.clone(),
+        tied: tied_names,
         world,
     };
     Ok((

@@ -54,6 +54,10 @@ pub struct MemoryReport {
     /// Persistent total relative to the same model at O0, once a baseline
     /// is given ([`with_baseline`](Self::with_baseline)).
     pub ratio_to_o0: Option<f64>,
+    /// Linear layers tied to a weight of another name, kept F32 and counted
+    /// among the other parameters: (layer, weight) names
+    /// ([`AmpContext::tied`]).
+    pub tied: Vec<(String, String)>,
 }
 
 fn split(t: &ScalingTensor) -> (usize, usize) {
@@ -148,7 +152,13 @@ impl MemoryReport {
         }
         for layer in ctx.linears() {
             if let Some(s) = layer.scaling_state()? {
-                linear_meta += s.input.nbytes() + s.weight.nbytes() + s.grad_output.nbytes();
+                let meta = s.input.nbytes() + s.weight.nbytes() + s.grad_output.nbytes();
+                if ctx.tied.iter().any(|(l, _)| l == layer.name()) {
+                    // a tied layer's weight counts among the other parameters
+                    b.scaling_metadata += meta;
+                } else {
+                    linear_meta += meta;
+                }
             }
             b.activations_saved += layer.saved_bytes()?;
         }
@@ -174,6 +184,7 @@ impl MemoryReport {
                 .policy()
                 .predicted_bytes_per_linear_param(if shards.is_empty() { 1 } else { ctx.world }),
             ratio_to_o0: None,
+            tied: ctx.tied().to_vec(),
         })
     }
 
@@ -224,6 +235,12 @@ impl std::fmt::Display for MemoryReport {
             "memory at {} ({} linear, {} other parameters)",
             self.level, self.linear_params, self.other_params
         )?;
+        for (layer, weight) in &self.tied {
+            writeln!(
+                f,
+                "  tied: {layer} is {weight} (F32, among the other parameters)"
+            )?;
+        }
         for (name, v) in [
             ("linear weights", b.linear_weights),
             ("master weights", b.master_weights),

@@ -175,6 +175,21 @@ fn a_tied_head_beside_converted_layers_learns_and_resumes_exactly() {
         }
         assert!(ctx.is_linear("fc.weight") && !ctx.is_linear("wte.weight"));
         assert_eq!(ctx.linears().len(), 2, "{level}: fc and the head");
+        let tied = [("head.weight".to_string(), "wte.weight".to_string())];
+        assert_eq!(ctx.tied(), tied);
+        let report = ctx.memory_report(&opt).unwrap();
+        assert_eq!(report.linear_params, WIDTH * WIDTH, "{level}: fc only");
+        assert_eq!(
+            report.other_params,
+            VOCAB * WIDTH,
+            "{level}: the table once"
+        );
+        assert!(
+            report
+                .to_string()
+                .contains("tied: head.weight is wte.weight"),
+            "{report}"
+        );
         let (straight, _) = run(&m, &ctx, &mut opt, 0..8);
         assert!(straight[7] < straight[0] * 0.9, "{level}: {straight:?}");
         // halfway through, saved and resumed into a fresh model: the
