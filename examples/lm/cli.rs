@@ -42,8 +42,9 @@ struct Args {
     #[arg(long, value_enum)]
     compute: Option<ComputeArg>,
     /// Recipe (JSON or TOML): Transformer Engine's DelayedScaling (implies
-    /// fp8-delayed), Float8BlockScaling with --compute fp8-block, or the
-    /// rowwise recipe with --compute fp8-rowwise.
+    /// fp8-delayed), current scaling's (margin, fp8_format, scale_rule) with
+    /// --compute fp8-current, Float8BlockScaling with --compute fp8-block,
+    /// or the rowwise recipe with --compute fp8-rowwise.
     #[arg(long)]
     recipe: Option<PathBuf>,
     /// Model size (`crate::model::SIZES`; GPT: tiny, 125m, 350m, 760m, 1.3b,
@@ -259,6 +260,12 @@ fn compute_for(args: &Args, level: Level) -> Compute {
                 Err(e) => usage(format!("--recipe {}: {e}", path.display())),
             };
         }
+        if args.compute == Some(ComputeArg::Fp8Current) {
+            return match CurrentScaling::from_path(path) {
+                Ok(recipe) => Compute::Fp8Current { recipe },
+                Err(e) => usage(format!("--recipe {}: {e}", path.display())),
+            };
+        }
         return match DelayedScaling::from_path(path) {
             Ok(recipe) => Compute::Fp8Delayed { recipe },
             Err(e) => usage(format!("--recipe {}: {e}", path.display())),
@@ -329,12 +336,17 @@ pub fn main() -> Result<()> {
     if args.recipe.is_some()
         && !matches!(
             args.compute,
-            None | Some(ComputeArg::Fp8Delayed | ComputeArg::Fp8Block | ComputeArg::Fp8Rowwise)
+            None | Some(
+                ComputeArg::Fp8Current
+                    | ComputeArg::Fp8Delayed
+                    | ComputeArg::Fp8Block
+                    | ComputeArg::Fp8Rowwise
+            )
         )
     {
         usage(
-            "--recipe goes with --compute fp8-delayed (DelayedScaling), fp8-block \
-             (Float8BlockScaling) or fp8-rowwise",
+            "--recipe goes with --compute fp8-current (CurrentScaling), fp8-delayed \
+             (DelayedScaling), fp8-block (Float8BlockScaling) or fp8-rowwise",
         );
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {

@@ -376,6 +376,10 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
         ),
         (vec!["--recipe", "/nonexistent/recipe.toml"], "recipe"),
         (
+            vec!["--compute", "native", "--recipe", "r.toml"],
+            "recipe goes with",
+        ),
+        (
             vec!["--compute", "fp8-block", "--recipe", "/nonexistent/b.toml"],
             "recipe",
         ),
@@ -390,6 +394,35 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
+    // a current-scaling recipe with fp8-current (it used to be read as a
+    // delayed one, silently switching the path)
+    let recipe = tmp("current-e4m3.toml");
+    std::fs::write(&recipe, "fp8_format = \"E4M3\"\nmargin = 1\n")?;
+    let recipe = recipe.to_string_lossy().to_string();
+    let out = std::process::Command::new(&bin)
+        .args([
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--eval-batches",
+            "1",
+        ])
+        .args([
+            "--level",
+            "O2",
+            "--compute",
+            "fp8-current",
+            "--recipe",
+            &recipe,
+            "--json",
+        ])
+        .output()?;
+    let line = String::from_utf8_lossy(&out.stdout);
+    let run: serde_json::Value = serde_json::from_str(line.lines().last().unwrap_or(""))?;
+    assert_eq!(run["compute"], "fp8-current", "{line}");
     // a size that cannot fit used to allocate for tens of seconds and
     // abort; run under a 4 GiB address-space limit, so that if the check
     // ever lets it through the child fails fast instead of filling the
