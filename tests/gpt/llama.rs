@@ -55,10 +55,10 @@ fn the_tiny_llama_learns_at_every_level_within_2_percent_of_o0() -> anyhow::Resu
     let runs = run(&bin, &args)?;
     anyhow::ensure!(runs.len() == 4, "{} runs", runs.len());
     // and with the head tied to the embedding (Llama-3.2-1B's way): O2
-    // within 2% of O0's own tied model. Seed 1: at seed 0 the tied model
-    // sits on the unigram plateau (about 3.2) for 100 steps or more under
-    // FP8 products at any level, under native ones for 20 (BENCHMARKS.md,
-    // "tied embeddings")
+    // within 2% of O0's own tied model. Seed 1: at seed 0 this short tied
+    // run sits on the unigram plateau (about 3.2) for a time that any
+    // perturbation changes, native products included (lr 2.8e-3 instead of
+    // 3e-3 keeps O0 there for 80 steps; BENCHMARKS.md, "tied embeddings")
     let mut tied = QUICK.to_vec();
     tied.extend(["--compare", "O0,O2", "--tie-embeddings", "--seed", "1"]);
     let tied = run(&bin, &tied)?;
