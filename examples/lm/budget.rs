@@ -13,7 +13,10 @@
 //!   `--recompute` leaves it: `selective` casts the codes again and
 //!   recomputes materialized attention's probabilities in backward, `full`
 //!   keeps each block's input and one block at a time; with native products
-//!   (O0) what candle's graph keeps, as measured (65 bytes per token, width
+//!   the same with each GEMM's input kept at the activations' width instead
+//!   of its codes and the weights' copies in the activations' dtype (none
+//!   where that is F32 at O0: the weight itself), except for candle's graph
+//!   (O0 on CUDA): what it keeps, as measured (65 bytes per token, width
 //!   and layer at BF16);
 //! - one block's backward at work (its gradients, 16 activations' widths
 //!   per token, and where attention is materialized the probabilities'
@@ -72,9 +75,9 @@ pub struct Shape {
     pub codes: (usize, usize),
     /// The block's Linear weights' FP8 copies (bytes; GPT 12 d²).
     pub weight_codes: usize,
-    /// What a block keeps per token with native products (O0: candle's
-    /// graph around the fused ops), elements at the activations' width
-    /// (GPT 33 d, measured).
+    /// What a block keeps per token with native products through candle's
+    /// graph (O0 on CUDA), elements at the activations' width (GPT 33 d,
+    /// measured).
     pub native_kept: usize,
 }
 
@@ -118,8 +121,11 @@ pub struct Run {
     pub flash: bool,
     /// What the blocks recompute in backward.
     pub recompute: Recompute,
-    /// The Linears' products are candle's (native compute, O0).
+    /// Native products (no FP8 casts).
     pub native: bool,
+    /// Native products through candle's graph (O0 on CUDA) rather than
+    /// the layers' op.
+    pub native_graph: bool,
     /// On a GPU (the optimizer's second copy of the states).
     pub gpu: bool,
     /// The optimizer's lean step (`--lean-step`): one parameter's new
@@ -155,7 +161,7 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     let a = r.act_bytes as f64;
     let selective = r.recompute == Recompute::Selective;
     // what one block keeps for backward, per token
-    let per_token = if r.native {
+    let per_token = if r.native_graph {
         // candle's graph, as measured (GPT: on an H100 at 8 x 1024, BF16
         // activations, 65 bytes per token, width and layer at O0, 1.3B)
         g.native_kept as f64 * a
@@ -172,11 +178,13 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
             g.materialized_kept as f64 * a
         };
         // the FP8 codes of the GEMMs' inputs: cast again under
-        // `selective`, except a materialized attention's output
-        let codes = match (selective, r.flash) {
-            (false, _) => g.codes.0 as f64,
-            (true, false) => g.codes.1 as f64,
-            (true, true) => 0.0,
+        // `selective`, except a materialized attention's output; native
+        // products keep the inputs themselves
+        let codes = match (r.native, selective, r.flash) {
+            (true, _, _) => g.codes.0 as f64 * a,
+            (false, false, _) => g.codes.0 as f64,
+            (false, true, false) => g.codes.1 as f64,
+            (false, true, true) => 0.0,
         };
         kept + attention + codes
     };
@@ -188,7 +196,13 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     }
     // the weights' FP8 copies, kept from each Linear's forward to its
     // backward (cast again under `selective`; O3 keeps its FP8 weights)
-    let weight_copies = if r.native || selective || level == Level::O3 {
+    let weight_copies = if r.native_graph || (r.native && level == Level::O0 && a == 4.0) {
+        // candle's graph; an F32 weight that is its own native copy
+        0.0
+    } else if r.native {
+        // the weights in the activations' dtype
+        g.weight_codes as f64 * a
+    } else if selective || level == Level::O3 {
         0.0
     } else {
         g.weight_codes as f64

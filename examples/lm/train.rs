@@ -654,6 +654,9 @@ pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::bu
         flash,
         recompute: cfg.recompute,
         native: matches!(cfg.compute, Compute::Native),
+        native_graph: matches!(cfg.compute, Compute::Native)
+            && cfg.level == Level::O0
+            && cfg.device.is_cuda(),
         gpu: cfg.device.is_cuda(),
         lean: cfg.lean_step,
         fp8_moments: cfg.fp8_moments,

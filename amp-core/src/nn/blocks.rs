@@ -38,7 +38,7 @@ pub fn causal_self_attention(
         norm: Some(norm),
         ..Default::default()
     };
-    if qkv.runs_own_op()? && proj.runs_own_op()? {
+    if qkv.runs_own_op(h)? && proj.runs_own_op(h)? {
         let res_grad = fused::ResidualGrad::default();
         let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
         let (y, token, from, kept) = fused::causal_attention_handed(&x, &token, &from, heads)?;
@@ -82,7 +82,7 @@ pub fn rope_self_attention(
         norm: Some(norm),
         ..Default::default()
     };
-    if qkv.runs_own_op()? && proj.runs_own_op()? {
+    if qkv.runs_own_op(h)? && proj.runs_own_op(h)? {
         let res_grad = fused::ResidualGrad::default();
         let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
         let (y, token, to) = fused::rope_attention_handed(&x, &token, &from, heads, tables)?;
@@ -140,7 +140,7 @@ pub fn pre_norm_mlp_with(
         ..Default::default()
     };
     let res = residual.then_some(h);
-    if fc1.runs_own_op()? && fc2.runs_own_op()? {
+    if fc1.runs_own_op(h)? && fc2.runs_own_op(h)? {
         let res_grad = res.map(|_| fused::ResidualGrad::default());
         let (m, token, from) = fc1.forward_handing(h, normed, res_grad.clone())?;
         return fc2.forward_from(&m, (token, from), Some(act), res, res_grad, false);
@@ -176,7 +176,7 @@ pub fn linear_cross_entropy(
         norm,
         ..Default::default()
     };
-    if head.runs_own_op()? {
+    if head.runs_own_op(h)? {
         let (logits, token, from) = head.forward_handing(h, normed, None)?;
         return fused::cross_entropy_handed(&logits, &token, &from, targets);
     }

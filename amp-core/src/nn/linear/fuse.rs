@@ -155,7 +155,7 @@ impl Linear {
         let act = fuse.activation;
         let (weight, out_dim, mode) = self.prepare_for(x, act)?;
         self.check_residual(x, out_dim, fuse.residual)?;
-        let own_op = Self::own_op(&mode, &weight);
+        let own_op = Self::own_op(&mode, &weight, x);
         let (normed, handoff) = Self::normed(fuse.norm, x, own_op && act.is_none(), None)?;
         let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
@@ -182,10 +182,10 @@ impl Linear {
         }
     }
 
-    /// Whether the layer runs its own op in the current mode (FP8 modes,
-    /// low-bit weights): the condition for handing tensors to and from it.
-    pub(crate) fn runs_own_op(&self) -> Result<bool> {
-        Ok(Self::own_op(&self.mode(), &*self.weight.read()?))
+    /// Whether the layer runs its own op on `x` in the current mode (see
+    /// `own_op`): the condition for handing tensors to and from it.
+    pub(crate) fn runs_own_op(&self, x: &Tensor) -> Result<bool> {
+        Ok(Self::own_op(&self.mode(), &*self.weight.read()?, x))
     }
 
     /// [`forward_with`](Self::forward_with) whose output is handed on:

@@ -37,8 +37,9 @@ pub use layer_scaling::LayerScaling;
 
 /// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.
 ///
-/// Outside an FP8 scope (or with a native mode) an F32 weight runs candle's
-/// own matmul. In an FP8 mode: fprop casts the input and weight to E4M3
+/// Outside an FP8 scope (or with a native mode) an F32 weight's product is
+/// native: on the CPU in the input's dtype through the layer's op, as in
+/// the FP8 modes; on CUDA candle's matmul in BF16. In an FP8 mode: fprop casts the input and weight to E4M3
 /// (forward format), dgrad and wgrad cast the output gradient to the
 /// backward format (E5M2 under HYBRID), each GEMM accumulates in f32; the
 /// input is kept for backward as FP8 only. The weight gradient goes to the
@@ -367,10 +368,19 @@ impl Linear {
         }
     }
 
-    /// Whether the layer runs its own op in `mode` (FP8 modes, low-bit
-    /// weights) rather than candle's ops (native compute, F32 weight).
-    pub(super) fn own_op(mode: &ComputeMode, weight: &Weight) -> bool {
-        !matches!((mode, weight), (ComputeMode::Native, Weight::F32(_)))
+    /// Whether the layer runs its own op in `mode` on `x` rather than
+    /// candle's ops: in the FP8 modes and for low-bit weights, and on the
+    /// CPU for native products of an F32 weight too (the op's fused forms
+    /// take the LayerNorm before, the activation, the residual and the
+    /// hand-offs: the same values, 11% faster and 30% less kept for the
+    /// tiny GPT at O0; BENCHMARKS.md "O0 through the layers' op"). On CUDA
+    /// such products stay candle's (BF16, as PyTorch autocast) until the
+    /// op's native path is measured there.
+    pub(super) fn own_op(mode: &ComputeMode, weight: &Weight, x: &Tensor) -> bool {
+        match (mode, weight) {
+            (ComputeMode::Native, Weight::F32(_)) => !x.device().is_cuda(),
+            _ => true,
+        }
     }
 
     /// The forward pass; see the type's docs.
@@ -383,7 +393,7 @@ impl Linear {
     pub fn try_forward(&self, x: &Tensor) -> Result<Tensor> {
         let (weight, out_dim, mode) = self.prepare(x)?;
         let y = match (&mode, &weight) {
-            (ComputeMode::Native, Weight::F32(var)) => {
+            (ComputeMode::Native, Weight::F32(var)) if !Self::own_op(&mode, &weight, x) => {
                 *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
                     op: "Linear::forward",
                 })? = 0;
@@ -468,6 +478,12 @@ impl Linear {
                 op: "Linear::forward",
             })?
             .clone();
+        // a native product of an F32 weight hands its gradient to candle's
+        // GradStore whatever sink is set, as candle's own ops did
+        let sink = match (mode, weight) {
+            (ComputeMode::Native, Weight::F32(_)) => None,
+            _ => sink,
+        };
         // The residual goes into the op where the weight's gradient goes to
         // the sink (the residual takes the weight's argument slot) and it is
         // tracked (else the op might not be built, and the sink not fed);
