@@ -394,8 +394,8 @@ fn cli_bad_input_exits_2_and_json_line() -> anyhow::Result<()> {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
-    // a current-scaling recipe with fp8-current (it used to be read as a
-    // delayed one, silently switching the path)
+    // a current-scaling recipe with fp8-current (refused before: only the
+    // delayed, block and rowwise recipes were read)
     let recipe = tmp("current-e4m3.toml");
     std::fs::write(&recipe, "fp8_format = \"E4M3\"\nmargin = 1\n")?;
     let recipe = recipe.to_string_lossy().to_string();
