@@ -1,6 +1,7 @@
 //! Hugging Face GPT-2 checkpoints in and out (`--init-from DIR`,
-//! `--export DIR`): a directory of `model.safetensors` and `config.json`
-//! as `transformers`' `GPT2LMHeadModel.save_pretrained` writes it.
+//! `--export DIR`): a directory of `model.safetensors` (on load, or the
+//! shards of `model.safetensors.index.json`) and `config.json` as
+//! `transformers`' `GPT2LMHeadModel.save_pretrained` writes it.
 //!
 //! | Hugging Face (`transformer.` prefix optional on load) | shape | this model |
 //! |---|---|---|
@@ -27,7 +28,7 @@
 
 use crate::model::GptConfig;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::VarMap;
 use std::collections::HashMap;
 use std::path::Path;
@@ -161,15 +162,13 @@ fn conv1d(name: &str) -> bool {
 }
 
 /// Sets every variable of `varmap` (a model of shape `cfg`, from
-/// [`model_config`]) from `DIR/model.safetensors`.
+/// [`model_config`]) from `DIR/model.safetensors` or its shards
+/// (`crate::hf_io::read_tensors`).
 ///
 /// # Errors
 /// A missing, unknown or misshapen tensor (the error names it and the file).
 pub fn load_into(dir: &Path, hf: &HfConfig, cfg: &GptConfig, varmap: &VarMap) -> Result<()> {
-    let path = dir.join("model.safetensors");
-    let name = path.display();
-    let raw = candle_core::safetensors::load(&path, &Device::Cpu)
-        .with_context(|| format!("{name}: cannot read"))?;
+    let (name, raw) = crate::hf_io::read_tensors(dir)?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     for (k, v) in raw {
         let k = k.strip_prefix("transformer.").unwrap_or(&k).to_string();

@@ -1,6 +1,7 @@
 //! Hugging Face Llama checkpoints in and out (`--init-from DIR`,
-//! `--export DIR`): a directory of `model.safetensors` and `config.json`
-//! as `transformers`' `LlamaForCausalLM.save_pretrained` writes it.
+//! `--export DIR`): a directory of `model.safetensors` (on load, or the
+//! shards of `model.safetensors.index.json`) and `config.json` as
+//! `transformers`' `LlamaForCausalLM.save_pretrained` writes it.
 //!
 //! | Hugging Face (`model.` prefix) | shape | this model |
 //! |---|---|---|
@@ -29,7 +30,7 @@
 use crate::model::LlamaConfig;
 use amp::nn::RopeScaling;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::VarMap;
 use std::collections::HashMap;
 use std::path::Path;
@@ -211,15 +212,14 @@ fn sources(ours: &str) -> Vec<String> {
 }
 
 /// Sets every variable of `varmap` (a model of shape `cfg`, from
-/// [`model_config`]) from `DIR/model.safetensors`.
+/// [`model_config`]) from `DIR/model.safetensors` or its shards
+/// (`crate::hf_io::read_tensors`).
 ///
 /// # Errors
 /// A missing, unknown or misshapen tensor (the error names it and the file).
 pub fn load_into(dir: &Path, hf: &HfConfig, cfg: &LlamaConfig, varmap: &VarMap) -> Result<()> {
-    let path = dir.join("model.safetensors");
-    let name = path.display();
-    let mut tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&path, &Device::Cpu)
-        .with_context(|| format!("{name}: cannot read"))?
+    let (name, raw) = crate::hf_io::read_tensors(dir)?;
+    let mut tensors: HashMap<String, Tensor> = raw
         .into_iter()
         .filter(|(k, _)| !k.ends_with("rotary_emb.inv_freq"))
         .collect();

@@ -1,12 +1,80 @@
-//! What both examples' Hugging Face modules (`hf.rs`) do alike: the head
-//! tied or not on load, the embedding's and head's rows padded past a
-//! checkpoint's vocabulary, and a directory of `model.safetensors` and
-//! `config.json` written on export.
+//! What both examples' Hugging Face modules (`hf.rs`) do alike: a
+//! checkpoint's tensors read from one `model.safetensors` or from the
+//! shards its `model.safetensors.index.json` names, the head tied or not on
+//! load, the embedding's and head's rows padded past a checkpoint's
+//! vocabulary, and a directory of `model.safetensors` and `config.json`
+//! written on export.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use std::collections::HashMap;
 use std::path::Path;
+
+/// Every tensor of the Hugging Face checkpoint in `dir`, on the CPU in its
+/// stored dtype: `model.safetensors`, or where there is none the shards
+/// that `model.safetensors.index.json` maps the tensors to (as
+/// `save_pretrained` writes a model above its shard size). Returns the
+/// file that names them, for messages.
+///
+/// # Errors
+/// Neither file (a PyTorch `.bin` checkpoint is named as such); an
+/// unreadable or malformed index; a shard outside `dir`, unreadable, or
+/// without a tensor the index maps to it; a tensor in two shards.
+pub fn read_tensors(dir: &Path) -> Result<(String, HashMap<String, Tensor>)> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        let name = single.display().to_string();
+        let t = candle_core::safetensors::load(&single, &Device::Cpu)
+            .with_context(|| format!("{name}: cannot read"))?;
+        return Ok((name, t));
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let name = index.display().to_string();
+    if !index.exists() {
+        let bin = dir.join("pytorch_model.bin").exists();
+        bail!(
+            "{}: no model.safetensors or model.safetensors.index.json{}",
+            dir.display(),
+            if bin {
+                " (a PyTorch .bin checkpoint: save it again with safe_serialization=True)"
+            } else {
+                ""
+            }
+        );
+    }
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: std::collections::BTreeMap<String, String>,
+    }
+    let text = std::fs::read_to_string(&index).with_context(|| format!("{name}: cannot read"))?;
+    let index: Index =
+        serde_json::from_str(&text).with_context(|| format!("{name}: not a safetensors index"))?;
+    let mut by_file: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for (tensor, file) in &index.weight_map {
+        let plain = Path::new(file)
+            .file_name()
+            .is_some_and(|f| f == std::ffi::OsStr::new(file));
+        if !plain || file == ".." {
+            bail!("{name}: shard `{file}` of `{tensor}` is not a file in the directory");
+        }
+        by_file.entry(file).or_default().push(tensor);
+    }
+    let mut tensors = HashMap::new();
+    for (file, wanted) in by_file {
+        let path = dir.join(file);
+        let mut shard = candle_core::safetensors::load(&path, &Device::Cpu)
+            .with_context(|| format!("{}: cannot read (a shard {name} names)", path.display()))?;
+        for tensor in wanted {
+            let t = shard.remove(tensor).with_context(|| {
+                format!("{}: no `{tensor}`, which {name} maps to it", path.display())
+            })?;
+            if tensors.insert(tensor.to_string(), t).is_some() {
+                bail!("{name}: `{tensor}` is in two shards");
+            }
+        }
+    }
+    Ok((name, tensors))
+}
 
 /// Makes a checkpoint's `tensors` hold what the model's head reads, as
 /// `transformers` does: a tied model (`model_tied`) reads no

@@ -151,6 +151,71 @@ fn a_tied_checkpoint_loads_tied_whatever_its_file_carries() -> Result<()> {
 }
 
 #[test]
+fn a_sharded_checkpoint_loads_as_its_one_file_does() -> Result<()> {
+    // as save_pretrained writes a model above its shard size: the tensors
+    // in two files and model.safetensors.index.json mapping each to its file
+    let d = dir("sharded")?;
+    let t = synthetic(&d, "gelu_new")?;
+    let x = tokens()?;
+    let want = Reference::load(&d)?.logits(&x)?;
+    std::fs::remove_file(d.join("model.safetensors"))?;
+    let mut names: Vec<&String> = t.keys().collect();
+    names.sort();
+    let half = names.len() / 2;
+    let mut map = serde_json::Map::new();
+    for (i, part) in [&names[..half], &names[half..]].iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let shard: HashMap<String, Tensor> =
+            part.iter().map(|n| ((*n).clone(), t[*n].clone())).collect();
+        candle_core::safetensors::save(&shard, d.join(&file))?;
+        for n in part.iter() {
+            map.insert((*n).clone(), file.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
+    let index_path = d.join("model.safetensors.index.json");
+    std::fs::write(&index_path, index.to_string())?;
+    let cfg = hf::read_config(&d)?;
+    let gcfg = hf::model_config(&cfg, 300, 64);
+    let (gpt, varmap) = model::build(gcfg, 3, &Device::Cpu)?;
+    hf::load_into(&d, &cfg, &gcfg, &varmap)?;
+    let diff = (gpt.forward(&x)? - &want)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert!(diff <= 1e-4, "logits differ by {diff}");
+    // what a broken index says
+    let load = || -> String {
+        let (_, vm) = model::build(gcfg, 3, &Device::Cpu).expect("builds");
+        match hf::load_into(&d, &cfg, &gcfg, &vm) {
+            Ok(()) => "(no error)".into(),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+    let mut bad = index.clone();
+    bad["weight_map"]["wpe.weight"] = "model-00001-of-00002.safetensors".into();
+    std::fs::write(&index_path, bad.to_string())?;
+    let e = load();
+    assert!(
+        e.contains("no `wpe.weight`") && e.contains("model-00001"),
+        "{e}"
+    );
+    bad["weight_map"]["wpe.weight"] = "../elsewhere.safetensors".into();
+    std::fs::write(&index_path, bad.to_string())?;
+    assert!(load().contains("not a file in the directory"), "{}", load());
+    std::fs::write(&index_path, "{\"weight_map\": 3}")?;
+    assert!(load().contains("not a safetensors index"), "{}", load());
+    std::fs::remove_file(&index_path)?;
+    std::fs::write(d.join("pytorch_model.bin"), b"not read")?;
+    let e = load();
+    assert!(
+        e.contains("no model.safetensors") && e.contains("safe_serialization"),
+        "{e}"
+    );
+    Ok(())
+}
+
+#[test]
 fn a_loaded_checkpoint_trains_and_exports_in_its_own_layout() -> Result<()> {
     let d = dir("roundtrip")?;
     let input = synthetic(&d, "gelu_new")?;
