@@ -74,6 +74,10 @@ pub struct HfConfig {
     /// Whether `lm_head` is the embedding.
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// The head dimension where the config states it (this model's is
+    /// `hidden_size / num_attention_heads`).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
 }
 
 impl HfConfig {
@@ -142,6 +146,13 @@ pub fn read_config(dir: &Path) -> Result<HfConfig> {
         bail!(
             "{name}: hidden_size {} over {h} heads and {kv} key/value heads: not a model this \
              Llama computes (an even head dimension, key/value heads dividing the heads)",
+            c.hidden_size
+        );
+    }
+    if let Some(hd) = c.head_dim.filter(|&hd| hd * h != c.hidden_size) {
+        bail!(
+            "{name}: head_dim {hd} is not hidden_size {} over {h} heads: this Llama's \
+             projections are as wide as the model",
             c.hidden_size
         );
     }

@@ -278,3 +278,54 @@ fn llama_import_and_export_match_an_independent_forward() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+#[test]
+fn llama_configs_this_model_does_not_compute_are_refused() -> Result<()> {
+    let Some(bin) = crate::llama::llama_bin() else {
+        eprintln!("skipped: target/*/examples/llama not built");
+        return Ok(());
+    };
+    let dir = std::env::temp_dir().join(format!("amp-llama-{}-configs", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    write_checkpoint(&dir)?;
+    let good: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    for (field, value, says) in [
+        ("head_dim", serde_json::json!(DIM / HEADS / 2), "head_dim"),
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
+        ("attention_bias", serde_json::json!(true), "biases"),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+            "yarn",
+        ),
+    ] {
+        let mut c = good.clone();
+        c[field] = value;
+        std::fs::write(dir.join("config.json"), c.to_string())?;
+        let out = std::process::Command::new(&bin)
+            .args(["--init-from", dir.to_str().unwrap_or("d"), "--steps", "1"])
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{field}: {err}");
+        assert!(err.contains(says), "{field}: {err}");
+    }
+    // a stated head_dim that agrees is fine
+    let mut c = good.clone();
+    c["head_dim"] = serde_json::json!(DIM / HEADS);
+    std::fs::write(dir.join("config.json"), c.to_string())?;
+    let args = [
+        "--init-from",
+        dir.to_str().unwrap_or("d"),
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+    ];
+    crate::llama::run(
+        &bin,
+        &[&args[..], &["--seq", "16", "--eval-batches", "1"]].concat(),
+    )?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
