@@ -162,6 +162,12 @@ struct Args {
     /// running flash attention (the comparison runs of BENCHMARKS.md).
     #[arg(long)]
     no_flash: bool,
+    /// On CUDA with BF16 activations, O0's products (and high-precision
+    /// layers') through the layers' op with its fused neighbours, as on the
+    /// CPU, instead of candle's matmul and graph (off until measured on a
+    /// GPU; the same values on the CPU).
+    #[arg(long)]
+    native_op: bool,
     /// On CUDA, keep cudarc's two CUDA events per allocation (off by
     /// default: candle's stream and NCCL's fenced stream never wait on
     /// them; for A/B runs).
@@ -333,6 +339,7 @@ pub fn main() -> Result<()> {
     std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     amp::nn::set_flash_attention(!args.no_flash);
+    amp::nn::set_native_op_on_cuda(args.native_op);
     if args.recipe.is_some()
         && !matches!(
             args.compute,

@@ -656,7 +656,8 @@ pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::bu
         native: matches!(cfg.compute, Compute::Native),
         native_graph: matches!(cfg.compute, Compute::Native)
             && cfg.level == Level::O0
-            && cfg.device.is_cuda(),
+            && cfg.device.is_cuda()
+            && !(amp::nn::native_op_on_cuda() && cfg.activations != DType::F32),
         gpu: cfg.device.is_cuda(),
         lean: cfg.lean_step,
         fp8_moments: cfg.fp8_moments,

@@ -71,6 +71,7 @@ mod casts;
 mod codecs;
 mod fused;
 mod gemm;
+mod native_op;
 mod optim;
 mod rope;
 mod selective;

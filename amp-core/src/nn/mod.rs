@@ -58,7 +58,10 @@ pub use fused::{
     causal_attention, causal_attention_qkv, cross_entropy, embedding, flash_attention_enabled,
     flash_head_dim, gelu, rope, rope_tables, set_flash_attention, swiglu, Activation, RopeScaling,
 };
-pub use linear::{linear, linear_b, linear_no_bias, registered_linear, Fuse, LayerScaling, Linear};
+pub use linear::{
+    linear, linear_b, linear_no_bias, native_op_on_cuda, registered_linear, set_native_op_on_cuda,
+    Fuse, LayerScaling, Linear,
+};
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use recompute::recompute;

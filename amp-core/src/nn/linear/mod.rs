@@ -374,11 +374,14 @@ impl Linear {
     /// take the LayerNorm before, the activation, the residual and the
     /// hand-offs: the same values, 11% faster and 30% less kept for the
     /// tiny GPT at O0; BENCHMARKS.md "O0 through the layers' op"). On CUDA
-    /// such products stay candle's (BF16, as PyTorch autocast) until the
-    /// op's native path is measured there.
+    /// such products stay candle's (BF16, as PyTorch autocast) unless
+    /// [`set_native_op_on_cuda`] turns the op on for 16-bit inputs, until
+    /// the op's native path is measured there.
     pub(super) fn own_op(mode: &ComputeMode, weight: &Weight, x: &Tensor) -> bool {
         match (mode, weight) {
-            (ComputeMode::Native, Weight::F32(_)) => !x.device().is_cuda(),
+            (ComputeMode::Native, Weight::F32(_)) => {
+                !x.device().is_cuda() || (native_op_on_cuda() && x.dtype() != DType::F32)
+            }
             _ => true,
         }
     }
@@ -845,6 +848,21 @@ pub fn linear_b(
         format!("{}.weight", vb.prefix())
     };
     Linear::new(name, w, b)
+}
+
+static NATIVE_OP_ON_CUDA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// On CUDA, native products of F32 weights (O0, high-precision layers) on
+/// BF16 or F16 inputs through the layers' op, as on the CPU, instead of
+/// candle's matmul and graph (off by default until measured on a GPU;
+/// process-wide, as [`set_flash_attention`](crate::nn::set_flash_attention)).
+pub fn set_native_op_on_cuda(on: bool) {
+    NATIVE_OP_ON_CUDA.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_native_op_on_cuda`] turned the op on.
+pub fn native_op_on_cuda() -> bool {
+    NATIVE_OP_ON_CUDA.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The Linear layer built from the `Var` with this tensor id, if it lives.
