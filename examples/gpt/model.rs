@@ -126,6 +126,7 @@ impl GptConfig {
             linear: self.n_layer * 12 * d * d,
             largest_linear: 4 * d * d,
             kept: 6 * d,
+            act_input: 4 * d,
             flash_kept: 8 * d,
             materialized_kept: 3 * d,
             codes: (7 * d, d),
@@ -381,6 +382,7 @@ mod budget_tests {
             gpu: true,
             lean: false,
             fp8_moments: false,
+            fp8_act_inputs: false,
         }
     }
 

@@ -156,6 +156,7 @@ impl LlamaConfig {
             linear: self.n_layer * self.layer_linear(),
             largest_linear: 2 * f * d,
             kept: 2 * d + 2 * f,
+            act_input: 2 * f,
             flash_kept: 8 * d,
             materialized_kept: 3 * d,
             codes: (3 * d + f, d),

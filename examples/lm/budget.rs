@@ -63,6 +63,10 @@ pub struct Shape {
     /// (elements), FP8 levels: GPT's block input, the residual between its
     /// halves and fc1's output, 6 d.
     pub kept: usize,
+    /// Of [`kept`](Self::kept), the MLP's activation input (GPT fc1's
+    /// output, 4 d; Llama's gate and up, 2 f): E4M3 tiles with
+    /// `--fp8-activation-inputs`.
+    pub act_input: usize,
     /// What flash attention keeps per token (bytes: q, k, v and its output
     /// in BF16; GPT 8 d).
     pub flash_kept: usize,
@@ -133,6 +137,9 @@ pub struct Run {
     pub lean: bool,
     /// Both Adam moments in FP8 (`--fp8-moments`, O2 and O3).
     pub fp8_moments: bool,
+    /// The MLP's activation input kept as E4M3 tiles
+    /// (`--fp8-activation-inputs`).
+    pub fp8_act_inputs: bool,
 }
 
 /// What a run of a model of shape `g` at `level` needs (see the module's
@@ -169,7 +176,13 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
         // the block's inputs and what its activations keep (GPT: the
         // block's input and the residual after attention, the LayerNorms'
         // inputs, and fc1's output, GELU's input)
-        let kept = g.kept as f64 * a;
+        // (the activation's input as E4M3 tiles: a byte and a 4-byte
+        // scale per 128 elements)
+        let kept = if r.fp8_act_inputs && !r.native && !selective {
+            (g.kept - g.act_input) as f64 * a + g.act_input as f64 * (1.0 + 4.0 / 128.0)
+        } else {
+            g.kept as f64 * a
+        };
         // flash attention keeps q, k, v and its output in BF16; the
         // materialized one q, k, v at the activations' width
         let attention = if r.flash {

@@ -168,6 +168,13 @@ struct Args {
     /// GPU; the same values on the CPU).
     #[arg(long)]
     native_op: bool,
+    /// At the FP8 levels, keep the MLP's activation input (GELU's or
+    /// SwiGLU's) for its backward as E4M3 with one scale per 1 x 128 tile
+    /// instead of at the activations' width (COAT's FP8 activations): less
+    /// memory, one more rounding in the backward. No effect with
+    /// --recompute selective.
+    #[arg(long)]
+    fp8_activation_inputs: bool,
     /// On CUDA, keep cudarc's two CUDA events per allocation (off by
     /// default: candle's stream and NCCL's fenced stream never wait on
     /// them; for A/B runs).
@@ -453,6 +460,7 @@ pub fn main() -> Result<()> {
         resume: args.resume.clone(),
         init_from: args.init_from.clone(),
         tie_embeddings: args.tie_embeddings,
+        fp8_activation_inputs: args.fp8_activation_inputs,
         export: args.export.clone().map(|p| {
             let dtype = match args.export_dtype {
                 ExportArg::F32 => ExportDType::F32,

@@ -105,6 +105,9 @@ pub struct TrainConfig {
     pub lean_step: bool,
     /// Both Adam moments in FP8 (`AmpConfig::fp8_moments`; O2 and O3).
     pub fp8_moments: bool,
+    /// The MLP's activation input kept as E4M3 tiles for its backward
+    /// (`amp::nn::set_fp8_activation_inputs`, on each rank's thread).
+    pub fp8_activation_inputs: bool,
     /// Which activations the blocks recompute in backward.
     pub recompute: crate::recompute::Recompute,
     /// Precision telemetry every this many steps, written into this
@@ -152,6 +155,7 @@ impl Default for TrainConfig {
             bf16_wire: false,
             lean_step: false,
             fp8_moments: false,
+            fp8_activation_inputs: false,
             recompute: crate::recompute::Recompute::None,
             telemetry: None,
             timing_skip: 0,
@@ -228,6 +232,8 @@ pub fn train_rank(
     comm: Option<Arc<dyn Communicator>>,
 ) -> Result<Summary> {
     let t0 = Instant::now();
+    // this rank's thread runs its forwards: the switch is per thread
+    amp::nn::set_fp8_activation_inputs(cfg.fp8_activation_inputs);
     // the heap before the model: what the run adds is measured above it
     let heap_base = crate::heap::in_use();
     let (gcfg, hf_cfg) = cfg.model()?;
@@ -661,6 +667,7 @@ pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::bu
         gpu: cfg.device.is_cuda(),
         lean: cfg.lean_step,
         fp8_moments: cfg.fp8_moments,
+        fp8_act_inputs: cfg.fp8_activation_inputs,
     };
     crate::budget::estimate(&g.shape(), cfg.level, &run)
 }

@@ -8,6 +8,7 @@
 mod common;
 
 mod blocks;
+mod fp8_act;
 mod fused;
 mod linear;
 mod linear_fuse;

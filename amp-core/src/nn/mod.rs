@@ -59,8 +59,8 @@ pub use fused::{
     flash_head_dim, gelu, rope, rope_tables, set_flash_attention, swiglu, Activation, RopeScaling,
 };
 pub use linear::{
-    linear, linear_b, linear_no_bias, native_op_on_cuda, registered_linear, set_native_op_on_cuda,
-    Fuse, LayerScaling, Linear,
+    fp8_activation_inputs, linear, linear_b, linear_no_bias, native_op_on_cuda, registered_linear,
+    set_fp8_activation_inputs, set_native_op_on_cuda, Fuse, LayerScaling, Linear,
 };
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};

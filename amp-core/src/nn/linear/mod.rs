@@ -28,7 +28,7 @@ use crate::scaling::weight::{Weight, WeightSlot};
 use candle_core::{DType, Module, Tensor, TensorId, Var};
 use fuse::OpFuse;
 use layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
-use op::{Fp8LinearOp, Origin, Plan, Saved};
+use op::{Fp8LinearOp, KeptInput, Origin, Plan, Saved};
 use registry::LinearParts;
 use std::sync::{Arc, Mutex};
 
@@ -469,7 +469,12 @@ impl Linear {
         let x = &x_nd.detach().reshape(((), in_dim))?.contiguous()?;
         // with a handed input the op keeps the activation's input itself
         // (its graph argument is a token)
-        let act_z = (activation.is_some() && handoff.is_some()).then(|| x.clone());
+        // (as E4M3 tiles in an FP8 mode where `set_fp8_activation_inputs`
+        // asks, unless `selective` keeps the input for its casts anyway)
+        let fp8_z = fp8_activation_inputs() && !recast && !matches!(mode, ComputeMode::Native);
+        let act_z = (activation.is_some() && handoff.is_some())
+            .then(|| KeptInput::new(x, fp8_z))
+            .transpose()?;
         let x = &match activation {
             Some(act) => act.detached(x)?,
             None => x.clone(),
@@ -848,6 +853,32 @@ pub fn linear_b(
         format!("{}.weight", vb.prefix())
     };
     Linear::new(name, w, b)
+}
+
+thread_local! {
+    static FP8_ACTIVATION_INPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// In the FP8 modes, an activation's input that a Linear's op keeps for
+/// the activation's backward (GELU's or SwiGLU's, between the MLP's two
+/// Linears) is kept as E4M3 codes with one power-of-two scale per 1 x 128
+/// tile instead of at the activations' width (COAT's FP8 activations):
+/// a byte an element instead of 2 (BF16) or 4, the activation's gradient
+/// from the decoded input. Off by default. Per thread, as
+/// [`set_telemetry`](crate::nn::set_telemetry): the forward decides, on
+/// the thread that runs it (ranks run as threads decide each for its own
+/// model). The forward's values do not change; the backward's round the
+/// kept input once more. Under `nn::selective` the input is kept as it is
+/// (its casts read it).
+pub fn set_fp8_activation_inputs(on: bool) {
+    FP8_ACTIVATION_INPUTS.with(|c| c.set(on));
+}
+
+/// Whether [`set_fp8_activation_inputs`] turned it on in this thread.
+pub fn fp8_activation_inputs() -> bool {
+    FP8_ACTIVATION_INPUTS
+        .try_with(std::cell::Cell::get)
+        .unwrap_or(false)
 }
 
 static NATIVE_OP_ON_CUDA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

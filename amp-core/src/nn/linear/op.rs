@@ -19,6 +19,43 @@ use candle_core::{CustomOp3, DType, Tensor};
 pub(crate) use super::layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
 use super::layer_scaling::{record, WEIGHT_GRAD_RECORD};
 
+/// An activation's input the op keeps for the activation's backward: as
+/// it is, or (`nn::set_fp8_activation_inputs`, in an FP8 mode) as E4M3
+/// codes with one power-of-two scale per 1 x 128 tile (COAT's FP8
+/// activations, with DeepSeek-V3's tiles): a byte an element, decoded in
+/// backward.
+#[derive(Debug, Clone)]
+pub enum KeptInput {
+    /// The input itself.
+    Plain(Tensor),
+    /// Its tile-scaled E4M3 codes and its dtype.
+    Fp8(crate::scaling::block::BlockTensor, candle_core::DType),
+}
+
+impl KeptInput {
+    /// `z` as kept: FP8 where `fp8`, else as it is.
+    pub(crate) fn new(z: &Tensor, fp8: bool) -> Result<Self> {
+        if !fp8 {
+            return Ok(Self::Plain(z.clone()));
+        }
+        let q = crate::scaling::block::BlockTensor::quantize(
+            z,
+            crate::numerics::qtype::QType::E4M3,
+            crate::numerics::block::Tiling::Vec128,
+            crate::numerics::scale::ScaleRule::PowerOfTwo,
+        )?;
+        Ok(Self::Fp8(q, z.dtype()))
+    }
+
+    /// The input, decoded where kept in FP8.
+    pub(crate) fn value(&self) -> Result<Tensor> {
+        match self {
+            Self::Plain(z) => Ok(z.clone()),
+            Self::Fp8(q, dtype) => q.dequantize(*dtype),
+        }
+    }
+}
+
 /// A tensor kept for backward: FP8, or native where that GEMM is overridden.
 #[derive(Debug, Clone)]
 pub(crate) enum Saved {
@@ -211,7 +248,7 @@ pub(crate) struct Fp8LinearOp {
     /// dgrad goes back through the activation's backward.
     pub activation: Option<crate::nn::Activation>,
     /// The activation's input (2-D) where the first argument is a token.
-    pub act_z: Option<Tensor>,
+    pub act_z: Option<KeptInput>,
     /// The second argument is a residual added to the output (its gradient
     /// is the output's); the weight's gradient goes to the sink.
     pub residual: bool,
@@ -483,7 +520,7 @@ impl CustomOp3 for Fp8LinearOp {
             Some(d) => match self.activation {
                 Some(act) => {
                     let z = match &self.act_z {
-                        Some(z) => z.clone(),
+                        Some(z) => z.value().map_err(wrap)?,
                         None => x.reshape(((), x.dim(candle_core::D::Minus1)?))?,
                     };
                     Some(act.backward_detached(&z, &d).map_err(wrap)?)
