@@ -408,13 +408,16 @@ fn run_half(half: &Half, h: &Tensor, mlp: bool, heads: usize) -> Result<Tensor> 
     })
 }
 
-/// Both half-blocks, F32 and BF16 activations, FP8 current scaling.
+/// Both half-blocks, F32 and BF16 activations, FP8 current scaling; the
+/// MLP also with its activation input kept as E4M3 tiles
+/// (`nn::set_fp8_activation_inputs`).
 fn half_blocks(dev: &Device) -> Result<()> {
     let mut rng = Rng(0xb10c);
     let mut ok = true;
     let (d, heads) = (128, 2);
     for dtype in [DType::F32, DType::BF16] {
-        for mlp in [false, true] {
+        for (mlp, fp8_act) in [(false, false), (true, false), (true, true)] {
+            nn::set_fp8_activation_inputs(fp8_act);
             let (hc, hg) = halves(&mut rng, d, mlp, dev)?;
             let (xc, xg) = var(&mut rng, &[2, 48, d], dtype, dev)?;
             let r = Tensor::from_vec(rng.normal(2 * 48 * d), (2, 48, d), &Device::Cpu)?;
@@ -441,13 +444,15 @@ fn half_blocks(dev: &Device) -> Result<()> {
                 let name = if part == "a" { "dw_a" } else { "dw_b" };
                 errs.push((name, rel_err(&dq(&wg, "dev")?, &dq(&wc, "cpu")?)?));
             }
+            nn::set_fp8_activation_inputs(false);
             let what = format!(
-                "{} {dtype:?}",
+                "{} {dtype:?}{}",
                 if mlp {
                     "pre_norm_mlp"
                 } else {
                     "causal_self_attention"
-                }
+                },
+                if fp8_act { " FP8 activation input" } else { "" }
             );
             ok &= report(&what, &errs, 1e-1);
         }
