@@ -28,13 +28,7 @@ fn step(dev: &Device, op: bool) -> Result<(Vec<Tensor>, usize)> {
         nn::linear(D, 4 * D, vb.pp("fc1"))?,
         nn::linear(4 * D, D, vb.pp("fc2"))?,
     );
-    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
-    names.sort();
-    for (i, name) in names.iter().enumerate() {
-        let v = varmap.data().lock().unwrap()[name].clone();
-        let host = Rng(700 + i as u64).normal(v.elem_count());
-        v.set(&(Tensor::from_vec(host, v.shape(), dev)? * 0.3)?)?;
-    }
+    let names = crate::util::seed_vars(&varmap, 700, 0.3, dev)?;
     let shape = (2, 64, D);
     let x = Tensor::from_vec(Rng(91).normal(2 * 64 * D), shape, dev)?;
     let x = Var::from_tensor(&x.to_dtype(DType::BF16)?)?;

@@ -36,13 +36,7 @@ fn step(dev: &Device, mode: &ComputeMode, sel: bool) -> Result<(Vec<Vec<u32>>, V
         fc1: nn::linear(D, 4 * D, vb.pp("fc1"))?,
         fc2: nn::linear(4 * D, D, vb.pp("fc2"))?,
     };
-    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
-    names.sort();
-    for (i, name) in names.iter().enumerate() {
-        let v = varmap.data().lock().unwrap()[name].clone();
-        let host = Rng(500 + i as u64).normal(v.elem_count());
-        v.set(&(Tensor::from_vec(host, v.shape(), dev)? * 0.5)?)?;
-    }
+    let names = crate::util::seed_vars(&varmap, 500, 0.5, dev)?;
     let sink = GradSink::new();
     let linears = [&b.qkv, &b.proj, &b.fc1, &b.fc2];
     for l in linears {

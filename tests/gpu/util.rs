@@ -138,6 +138,25 @@ pub fn var(rng: &mut Rng, dims: &[usize], dtype: DType, dev: &Device) -> Result<
     Ok((Var::from_tensor(&t)?, Var::from_tensor(&t.to_device(dev)?)?))
 }
 
+/// Sets every variable of `varmap` (in name order, the `i`th from
+/// `Rng(seed + i)`) to normal values times `scale`; returns the sorted
+/// names.
+pub fn seed_vars(
+    varmap: &candle_nn::VarMap,
+    seed: u64,
+    scale: f64,
+    dev: &Device,
+) -> Result<Vec<String>> {
+    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
+    names.sort();
+    for (i, name) in names.iter().enumerate() {
+        let v = varmap.data().lock().unwrap()[name].clone();
+        let host = Rng(seed + i as u64).normal(v.elem_count());
+        v.set(&(Tensor::from_vec(host, v.shape(), dev)? * scale)?)?;
+    }
+    Ok(names)
+}
+
 /// `v`'s gradient in `s`.
 pub fn g(s: &GradStore, v: &Var) -> Result<Tensor> {
     s.get(v)
