@@ -39,11 +39,12 @@ pub use layer_scaling::LayerScaling;
 ///
 /// Outside an FP8 scope (or with a native mode) an F32 weight's product is
 /// native: on the CPU in the input's dtype through the layer's op, as in
-/// the FP8 modes; on CUDA candle's matmul in BF16. In an FP8 mode: fprop casts the input and weight to E4M3
-/// (forward format), dgrad and wgrad cast the output gradient to the
-/// backward format (E5M2 under HYBRID), each GEMM accumulates in f32; the
-/// input is kept for backward as FP8 only. The weight gradient goes to the
-/// layer's [`GradSink`] as E4M3 if one is set, else to candle's `GradStore`.
+/// the FP8 modes; on CUDA candle's matmul in BF16. In an FP8 mode: fprop
+/// casts the input and weight to E4M3 (forward format), dgrad and wgrad
+/// cast the output gradient to the backward format (E5M2 under HYBRID),
+/// each GEMM accumulates in f32; the input is kept for backward as FP8
+/// only. The weight gradient goes to the layer's [`GradSink`] as E4M3 if
+/// one is set, else to candle's `GradStore`.
 ///
 /// ```
 /// use amp_core::nn::{self, fp8_autocast, ComputeMode};

@@ -25,7 +25,7 @@ use super::layer_scaling::{record, WEIGHT_GRAD_RECORD};
 /// activations, with DeepSeek-V3's tiles): a byte an element, decoded in
 /// backward.
 #[derive(Debug, Clone)]
-pub enum KeptInput {
+pub(crate) enum KeptInput {
     /// The input itself.
     Plain(Tensor),
     /// Its tile-scaled E4M3 codes and its dtype.
