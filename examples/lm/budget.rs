@@ -209,7 +209,7 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     }
     // the weights' FP8 copies, kept from each Linear's forward to its
     // backward (cast again under `selective`; O3 keeps its FP8 weights)
-    let weight_copies = if r.native_graph || (r.native && level == Level::O0 && a == 4.0) {
+    let weight_copies = if r.native_graph || (r.native && level == Level::O0 && r.act_bytes == 4) {
         // candle's graph; an F32 weight that is its own native copy
         0.0
     } else if r.native {

@@ -561,7 +561,15 @@ impl Linear {
         let step = current_step();
         let fwd = fmt.forward();
         // Native copies where a GEMM runs natively.
-        let w_native = || -> Result<Tensor> { Ok(weight.master_f32()?.to_dtype(x.dtype())?) };
+        // (made once: the forward's GEMM and the copy kept for dgrad share it)
+        let w_native_once = std::cell::OnceCell::new();
+        let w_native = || -> Result<Tensor> {
+            if let Some(w) = w_native_once.get() {
+                return Ok(Tensor::clone(w));
+            }
+            let w = weight.master_f32()?.to_dtype(x.dtype())?;
+            Ok(w_native_once.get_or_init(|| w).clone())
+        };
         // With dgrad in FP8, the weight's cast also writes Wᵀ (dgrad's
         // K-major operand); with wgrad, x's writes xᵀ: each is kept for
         // backward in place of the row-major codes (same bytes), so the
