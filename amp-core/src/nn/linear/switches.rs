@@ -1,0 +1,44 @@
+//! Switches of the Linear layers' behaviour that a run sets once: the
+//! MLP's activation input kept in FP8 (per thread) and O0's products
+//! through the layers' op on CUDA (process-wide).
+
+thread_local! {
+    static FP8_ACTIVATION_INPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// In the FP8 modes, an activation's input that a Linear's op keeps for
+/// the activation's backward (GELU's or SwiGLU's, between the MLP's two
+/// Linears) is kept as E4M3 codes with one power-of-two scale per 1 x 128
+/// tile instead of at the activations' width (COAT's FP8 activations):
+/// a byte an element instead of 2 (BF16) or 4, the activation's gradient
+/// from the decoded input. Off by default. Per thread, as
+/// [`set_telemetry`](crate::nn::set_telemetry): the forward decides, on
+/// the thread that runs it (ranks run as threads decide each for its own
+/// model). The forward's values do not change; the backward's round the
+/// kept input once more. Under `nn::selective` the input is kept as it is
+/// (its casts read it).
+pub fn set_fp8_activation_inputs(on: bool) {
+    FP8_ACTIVATION_INPUTS.with(|c| c.set(on));
+}
+
+/// Whether [`set_fp8_activation_inputs`] turned it on in this thread.
+pub fn fp8_activation_inputs() -> bool {
+    FP8_ACTIVATION_INPUTS
+        .try_with(std::cell::Cell::get)
+        .unwrap_or(false)
+}
+
+static NATIVE_OP_ON_CUDA: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// On CUDA, native products of F32 weights (O0, high-precision layers) on
+/// BF16 or F16 inputs through the layers' op, as on the CPU, instead of
+/// candle's matmul and graph (off by default until measured on a GPU;
+/// process-wide, as [`set_flash_attention`](crate::nn::set_flash_attention)).
+pub fn set_native_op_on_cuda(on: bool) {
+    NATIVE_OP_ON_CUDA.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_native_op_on_cuda`] turned the op on.
+pub fn native_op_on_cuda() -> bool {
+    NATIVE_OP_ON_CUDA.load(std::sync::atomic::Ordering::Relaxed)
+}
