@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # options26.sh [CARRY] [SIZE]: issue 26's two options against their
 # defaults in one device call, each pair alternated (A B A B) on the same
-# GPU: O0's products through the layers' op (`--native-op`) against
-# candle's BF16 matmul, and O2 with the MLP's activation input kept as
+# GPU: O0's products through the layers' op (the default) against
+# candle's BF16 matmul and graph (`--native-op false`), and O2 with the MLP's activation input kept as
 # E4M3 tiles (`--fp8-activation-inputs`) against O2; then PyTorch eager
 # BF16 (torch_gpt.py) as the anchor. The GPT example, 8 x 1024, BF16
 # activations; one line per run (tokens/s, step, peak, validation loss).
@@ -25,8 +25,8 @@ run() { # LABEL ARGS...: one run of the example, its summary line
   echo "rc=$? $(show "$OUT/$label.log" "$label")"
 }
 for rep in 1 2; do
-  run "o0_graph_$rep" --level O0
-  run "o0_native_op_$rep" --level O0 --native-op
+  run "o0_graph_$rep" --level O0 --native-op false
+  run "o0_native_op_$rep" --level O0
 done
 for rep in 1 2; do
   run "o2_$rep" --level O2
