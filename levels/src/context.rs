@@ -56,6 +56,16 @@ pub(crate) trait DataParallel: std::fmt::Debug {
         backward: &mut dyn FnMut() -> Result<Grads>,
     ) -> Result<(Grads, Vec<GradBytes>)>;
 
+    /// Runs the backward of a micro-batch before a step's last
+    /// ([`AmpOptimizer::backward_accumulate`]): nothing is communicated,
+    /// and the group may keep what it takes out of the gradients for the
+    /// step's last backward (an embedding table's looked-up rows), named
+    /// with their bytes as [`backward`](Self::backward) names what it took.
+    fn backward_micro(
+        &self,
+        backward: &mut dyn FnMut() -> Result<Grads>,
+    ) -> Result<(Grads, Vec<GradBytes>)>;
+
     /// The mean of every rank's gradients (of a weight this rank holds a
     /// slice of: only that slice), its buckets and bytes counted in `stats`.
     fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads>;
@@ -316,13 +326,16 @@ impl AmpOptimizer {
     /// gradients, and this step's gradient bytes and backward peak recorded.
     fn backward_grads(&mut self, loss: &Tensor, last: bool) -> Result<Grads> {
         let (grads, early) = match &self.group {
-            Some(group) if last => {
+            Some(group) => {
                 let (opt, sink) = (&self.opt, &self.sink);
-                group.backward(&mut self.pending, &mut || {
-                    Ok(opt.backward(loss, Some(sink))?)
-                })?
+                let mut backward = || Ok(opt.backward(loss, Some(sink))?);
+                if last {
+                    group.backward(&mut self.pending, &mut backward)?
+                } else {
+                    group.backward_micro(&mut backward)?
+                }
             }
-            _ => (self.opt.backward(loss, Some(&self.sink))?, Vec::new()),
+            None => (self.opt.backward(loss, Some(&self.sink))?, Vec::new()),
         };
         if loss.device().is_cuda() {
             self.backward_peak = Some(amp_core::pool_peaks(loss.device())?.0);

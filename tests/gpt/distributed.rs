@@ -40,6 +40,18 @@ fn current() -> Compute {
     }
 }
 
+/// Of a 2-rank run's summary: the token table's elements, and the elements
+/// a rank sends instead to average its gradient from the looked-up rows
+/// (each token's id and row gradient; `levels/src/distributed/rows.rs`).
+fn token_table(s: &train::Summary) -> (f64, f64) {
+    let width = model::GptConfig::named(&s.size, s.vocab, s.seq)
+        .unwrap()
+        .n_embd;
+    let tokens = s.batch / 2 * s.seq;
+    assert!(2 * tokens < 2 * s.vocab, "the rows are worth gathering");
+    ((s.vocab * width) as f64, (tokens * (1 + width)) as f64)
+}
+
 /// Largest relative difference between two loss curves.
 fn max_rel(a: &[(u64, f32)], b: &[(u64, f32)]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -168,12 +180,15 @@ fn fp8_gradients_cut_the_wire_bytes() -> anyhow::Result<()> {
     let o0 = train(&quick(Level::O0, Compute::Native, 2), &corpus)?;
     let o2 = train(&quick(Level::O2, current(), 2), &corpus)?;
     // Per rank and step with N = 2: 4 bytes per element of an F32
-    // all-reduce, 1 per element of an FP8 one (Communicator's counting).
+    // all-reduce, 1 per element of an FP8 one (Communicator's counting);
+    // the token table's gradient from its rows at both levels (the ids and
+    // row gradients a rank sends, in elements of 4 bytes).
     let (linear, other) = (
         o2.linear_params as f64,
         (o2.params - o2.linear_params) as f64,
     );
-    let want = (linear / 4.0 + other) / (linear + other);
+    let (table, rows) = token_table(&o2);
+    let want = (linear / 4.0 + other - table + rows) / (linear + other - table + rows);
     let got = o2.wire_bytes_per_step / o0.wire_bytes_per_step;
     assert!(
         (got / want - 1.0).abs() < 0.01,
@@ -194,12 +209,14 @@ fn bf16_on_the_wire_halves_the_f32_gradients_bytes_and_still_learns() -> anyhow:
         &corpus,
     )?;
     // Per rank and step with N = 2: the F32 gradients' 4 bytes an element
-    // become 2; the FP8 ones stay 1.
+    // become 2; the FP8 ones stay 1; the token table's rows stay F32.
     let (linear, other) = (
         f32_wire.linear_params as f64,
         (f32_wire.params - f32_wire.linear_params) as f64,
     );
-    let want = (linear / 4.0 + other / 2.0) / (linear / 4.0 + other);
+    let (table, rows) = token_table(&f32_wire);
+    let want =
+        (linear / 4.0 + (other - table) / 2.0 + rows) / (linear / 4.0 + other - table + rows);
     let got = bf16_wire.wire_bytes_per_step / f32_wire.wire_bytes_per_step;
     assert!(
         (got / want - 1.0).abs() < 0.01,

@@ -164,9 +164,17 @@ fn embedding(dev: &Device) -> Result<()> {
         let yc = fused::embedding(&ic, &tc)?;
         let yg = fused::embedding(&ig, &tg)?;
         let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+        // the table's gradient from rows with a scale (data parallelism's
+        // mean over 3 ranks: the products rounded apart on both sides)
+        let (flat_c, flat_g) = (ic.flatten_all()?, ig.flatten_all()?);
+        let (rows_c, rows_g) = (rc.reshape((n, cols))?, rg.reshape((n, cols))?);
+        let third = (1.0 / 3.0f64) as f32;
+        let sc = fused::embedding_grad(&flat_c, &rows_c, rows, third)?;
+        let sg = fused::embedding_grad(&flat_g, &rows_g, rows, third)?;
         let e = [
             ("y", rel_err(&yg, &yc)?),
             ("dtable", rel_err(&g(&gg, &tg)?, &g(&gc, &tc)?)?),
+            ("dtable / 3", rel_err(&sg, &sc)?),
         ];
         ok &= report(&format!("embedding {rows}x{cols}, {n} ids"), &e, 0.0);
     }

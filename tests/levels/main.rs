@@ -11,6 +11,7 @@ mod common;
 
 mod checkpoint;
 mod checkpoint_reshard;
+mod embedding_rows;
 mod fp8_moments;
 mod fuzz_inputs;
 mod owned;

@@ -55,8 +55,9 @@ pub use blocks::{
     LayerNormMLP, MlpForm,
 };
 pub use fused::{
-    causal_attention, causal_attention_qkv, cross_entropy, embedding, flash_attention_enabled,
-    flash_head_dim, gelu, rope, rope_tables, set_flash_attention, swiglu, Activation, RopeScaling,
+    causal_attention, causal_attention_qkv, cross_entropy, embedding, embedding_grad,
+    flash_attention_enabled, flash_head_dim, gelu, rope, rope_tables, set_flash_attention, swiglu,
+    with_embedding_backward, Activation, LookupGrad, RopeScaling,
 };
 pub use linear::{
     fp8_activation_inputs, linear, linear_b, linear_no_bias, native_op_on_cuda, registered_linear,

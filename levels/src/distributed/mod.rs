@@ -26,6 +26,7 @@
 mod buckets;
 mod overlap;
 mod plan;
+mod rows;
 pub(crate) mod zero;
 
 use crate::comm_stats::CommStats;
@@ -36,10 +37,12 @@ use crate::context::{
 use crate::error::Result;
 use amp_comm::Communicator;
 use amp_core::{with_sink_listener, GradSink, WeightSlot};
-use amp_optim::{AdamWConfig, Grads, LowBitAdamW};
-use candle_core::Tensor;
+use amp_optim::{AdamWConfig, Grad, Grads, LowBitAdamW};
+use candle_core::{Tensor, TensorId};
 use overlap::{Late, Schedule, Step};
+use rows::{with_rows_kept, RowGrads, Stash};
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::Arc;
 use zero::Shard;
 
@@ -60,6 +63,13 @@ pub(crate) struct Group {
     early: RefCell<Option<(Grads, CommStats, Late)>>,
     /// The agreed amaxes of this step's sharded gradients, for the norm.
     agreed: RefCell<Vec<Tensor>>,
+    /// Every parameter's name by its tensor's id, for the embedding
+    /// tables whose gradient [`rows`] averages from their rows.
+    tables: HashMap<TensorId, String>,
+    /// What the last backward's lookups handed over ([`rows`]).
+    rows: RefCell<RowGrads>,
+    /// The rows kept since the step began ([`rows`]).
+    stash: RefCell<Stash>,
 }
 
 impl std::fmt::Debug for Group {
@@ -102,27 +112,10 @@ impl Group {
         stats.wire_bytes += self.comm.bytes_sent().saturating_sub(before);
         Ok(())
     }
-}
 
-impl DataParallel for Group {
-    fn rank_and_world(&self) -> (usize, usize) {
-        (self.comm.rank(), self.comm.world_size())
-    }
-
-    fn split_master(
-        &mut self,
-        name: &str,
-        value: &Tensor,
-        slot: &WeightSlot,
-    ) -> Result<Option<WeightSlot>> {
-        let split = zero::split(name, value, slot, self.rank_and_world())?;
-        Ok(split.map(|(shard, master)| {
-            self.shards.push(shard);
-            master
-        }))
-    }
-
-    fn backward(
+    /// The backward with the FP8 buckets reduced while it runs (unless
+    /// overlap is off; the first step records their order).
+    fn backward_overlapped(
         &self,
         pending: &mut Option<Grads>,
         backward: &mut dyn FnMut() -> Result<Grads>,
@@ -162,7 +155,9 @@ impl DataParallel for Group {
         Ok((grads, step.taken))
     }
 
-    fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads> {
+    /// The buckets' part of [`DataParallel::average`]: those the backward
+    /// reduced, then the rest.
+    fn average_buckets(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads> {
         let (mut out, early, late) = self.early.take().unwrap_or_default();
         // The buckets of the backward may still run on the communicator's
         // stream: candle's waits for them here, then their inputs may go.
@@ -187,6 +182,80 @@ impl DataParallel for Group {
         *self.agreed.borrow_mut() = agreed;
         stats.wire_bytes += self.comm.bytes_sent().saturating_sub(before);
         out.0.extend(rest.0);
+        Ok(out)
+    }
+}
+
+impl DataParallel for Group {
+    fn rank_and_world(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world_size())
+    }
+
+    fn split_master(
+        &mut self,
+        name: &str,
+        value: &Tensor,
+        slot: &WeightSlot,
+    ) -> Result<Option<WeightSlot>> {
+        let split = zero::split(name, value, slot, self.rank_and_world())?;
+        Ok(split.map(|(shard, master)| {
+            self.shards.push(shard);
+            master
+        }))
+    }
+
+    fn backward(
+        &self,
+        pending: &mut Option<Grads>,
+        backward: &mut dyn FnMut() -> Result<Grads>,
+    ) -> Result<(Grads, Vec<GradBytes>)> {
+        let world = self.comm.world_size();
+        let mut stash = self.stash.borrow_mut();
+        let (grads, mut taken) = with_rows_kept(world, &self.tables, &mut stash, || {
+            self.backward_overlapped(pending, backward)
+        })?;
+        let mut rows = RowGrads::default();
+        rows::gather_means(self.comm(), &mut stash, &mut rows)?;
+        for (name, g) in &rows.taken {
+            taken.push((name.clone(), g.elem_count() * g.dtype().size_in_bytes(), 0));
+        }
+        *self.rows.borrow_mut() = rows;
+        Ok((grads, taken))
+    }
+
+    fn backward_micro(
+        &self,
+        backward: &mut dyn FnMut() -> Result<Grads>,
+    ) -> Result<(Grads, Vec<GradBytes>)> {
+        let world = self.comm.world_size();
+        let mut stash = self.stash.borrow_mut();
+        let grads = with_rows_kept(world, &self.tables, &mut stash, backward)?;
+        let kept = stash.bytes().into_iter().map(|(n, b)| (n, b, 0)).collect();
+        Ok((grads, kept))
+    }
+
+    fn average(&self, grads: Grads, stats: &mut CommStats) -> Result<Grads> {
+        let mut out = self.average_buckets(grads, stats)?;
+        // The tables averaged from their rows during the backward, added to
+        // the mean of whatever other gradient they got (a tied head's).
+        let rows = self.rows.take();
+        stats.wire_bytes += rows.wire_bytes;
+        for (a, b) in rows.spans {
+            stats.push_span(a, b);
+        }
+        for (name, mean) in rows.taken {
+            let sum = match out.0.remove(&name) {
+                None => mean,
+                Some(Grad::F32(other)) => (other + mean)?,
+                Some(Grad::Scaled(_)) => {
+                    return Err(crate::Error::Config {
+                        field: name,
+                        reason: "an embedding table's gradient arrived in FP8".into(),
+                    })
+                }
+            };
+            out.insert(name, Grad::F32(sum));
+        }
         Ok(out)
     }
 
@@ -249,6 +318,13 @@ pub fn initialize_distributed(
     comm: Arc<dyn Communicator>,
 ) -> Result<(AmpContext, AmpOptimizer)> {
     broadcast_vars(varmap, comm.as_ref())?;
+    let tables = varmap
+        .data()
+        .lock()
+        .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?
+        .iter()
+        .map(|(name, var)| (var.as_tensor().id(), name.clone()))
+        .collect();
     let group = Group {
         comm,
         shards: Vec::new(),
@@ -258,6 +334,9 @@ pub fn initialize_distributed(
         bf16_wire: config.bf16_wire,
         early: RefCell::new(None),
         agreed: RefCell::new(Vec::new()),
+        tables,
+        rows: RefCell::new(RowGrads::default()),
+        stash: RefCell::new(Stash::default()),
     };
     initialize_with(varmap, adam, config, Some(Box::new(group)))
 }

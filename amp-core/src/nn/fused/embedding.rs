@@ -8,6 +8,7 @@
 //! in one thread; candle's kernel gives a thread a whole column, 768 threads
 //! for a GPT-2 table: too few to fill a GPU.
 
+use super::embedding_hook::{offer, LookupGrad};
 #[cfg(feature = "cuda")]
 use super::ops::wrap;
 use super::ops::{f32s, u32s};
@@ -125,14 +126,75 @@ impl CustomOp2 for Embedding {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let rows = table.dims2()?.0;
-        let dt = ids.apply_op2_no_bwd(&grad.contiguous()?, &EmbeddingBwd { rows })?;
+        let grad = grad.contiguous()?;
+        let lookup = LookupGrad {
+            table,
+            ids,
+            grad: &grad,
+        };
+        if offer(&lookup).map_err(|e| candle_core::Error::Msg(e.to_string()))? {
+            return Ok((None, None));
+        }
+        let dt = ids.apply_op2_no_bwd(&grad, &EmbeddingBwd { rows, scale: 1.0 })?;
         Ok((None, Some(dt)))
     }
 }
 
-/// `(ids [n], g [n, cols])` -> the table's gradient `[rows, cols]`.
+/// The gradient `[rows, cols]` of a table from lookups of `ids` (`[n]` U32)
+/// whose rows got the gradient `grad` (`[n, cols]` F32): row `r` the sum,
+/// in token order from +0, of `grad[i] * scale` over the tokens with
+/// `ids[i] == r` (ids past the table add nothing). With `scale` 1 the bits
+/// of the lookup's own backward; data parallelism passes every rank's ids
+/// and rows in rank order with `1 / N` (see
+/// [`with_embedding_backward`](crate::nn::with_embedding_backward)). Each
+/// product is rounded before its sum (no fused multiply-add), on the CPU
+/// and on CUDA alike.
+///
+/// # Errors
+/// [`Error::DType`] for ids other than U32 or a gradient other than F32,
+/// [`Error::Shape`] unless `grad` is `[n, cols]`, [`Error::Device`].
+pub fn embedding_grad(ids: &Tensor, grad: &Tensor, rows: usize, scale: f32) -> Result<Tensor> {
+    const OP: &str = "embedding_grad";
+    for (t, want) in [(ids, DType::U32), (grad, DType::F32)] {
+        if t.dtype() != want {
+            return Err(Error::DType {
+                op: OP,
+                expected: if want == DType::U32 {
+                    "U32 ids"
+                } else {
+                    "an F32 gradient"
+                },
+                got: t.dtype(),
+            });
+        }
+    }
+    let n = ids.elem_count();
+    match grad.dims() {
+        [m, _] if *m == n => {}
+        _ => {
+            return Err(Error::Shape {
+                op: OP,
+                lhs: ids.shape().clone(),
+                rhs: grad.shape().clone(),
+            })
+        }
+    }
+    if !ids.device().same_device(grad.device()) {
+        return Err(Error::Device {
+            op: OP,
+            lhs: ids.device().location(),
+            rhs: grad.device().location(),
+        });
+    }
+    let ids = ids.flatten_all()?.contiguous()?;
+    Ok(ids.apply_op2_no_bwd(&grad.contiguous()?, &EmbeddingBwd { rows, scale })?)
+}
+
+/// `(ids [n], g [n, cols])` -> the table's gradient `[rows, cols]`, each
+/// row of `g` times `scale`.
 struct EmbeddingBwd {
     rows: usize,
+    scale: f32,
 }
 
 impl CustomOp2 for EmbeddingBwd {
@@ -155,7 +217,7 @@ impl CustomOp2 for EmbeddingBwd {
             if r < self.rows {
                 let src = &g[i * cols..(i + 1) * cols];
                 for (d, s) in dt[r * cols..(r + 1) * cols].iter_mut().zip(src) {
-                    *d += s;
+                    *d += s * self.scale;
                 }
             }
         }
@@ -171,7 +233,8 @@ impl CustomOp2 for EmbeddingBwd {
         lg: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let cols = lg.shape().dims2()?.1;
-        let dt = super::cuda::embedding::embedding_bwd(ids, li, g, lg, self.rows).map_err(wrap)?;
+        let dt = super::cuda::embedding::embedding_bwd(ids, li, g, lg, self.rows, self.scale)
+            .map_err(wrap)?;
         Ok((dt, Shape::from((self.rows, cols))))
     }
 }

@@ -35,6 +35,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod embedding;
+mod embedding_hook;
 pub(crate) mod flash;
 mod flash_shape;
 mod handoff;
@@ -46,7 +47,8 @@ mod rope_attention;
 
 pub use activation::{swiglu, Activation};
 pub use attention::{causal_attention, causal_attention_qkv};
-pub use embedding::embedding;
+pub use embedding::{embedding, embedding_grad};
+pub use embedding_hook::{with_embedding_backward, LookupGrad};
 pub use flash::{flash_attention_enabled, flash_head_dim, set_flash_attention};
 pub use rope::{rope, rope_tables, RopeScaling};
 pub(crate) use rope_attention::rope_attention_handed;

@@ -58,13 +58,15 @@ pub(crate) fn embedding_fwd(
     Ok(store(out, &dev))
 }
 
-/// The table's gradient `[rows, cols]` from the output's `g` `[ids, cols]`.
+/// The table's gradient `[rows, cols]` from the output's `g` `[ids, cols]`,
+/// each row of `g` times `scale`.
 pub(crate) fn embedding_bwd(
     ids: &CudaStorage,
     li: &Layout,
     g: &CudaStorage,
     lg: &Layout,
     rows: usize,
+    scale: f32,
 ) -> Result<CudaStorage> {
     const OP: &str = "embedding_bwd";
     f32_only(OP, g)?;
@@ -90,7 +92,8 @@ pub(crate) fn embedding_bwd(
             .arg(&n)
             .arg(&rows)
             .arg(&cols)
-            .arg(&mask);
+            .arg(&mask)
+            .arg(&scale);
         // SAFETY: ids and g hold n ids and n rows of `cols`; dt `rows` rows.
         unsafe { b.launch(cfg) }.w()?;
     }
