@@ -65,8 +65,9 @@ pub mod cuda {
 pub mod kernels {
     pub use amp_core::{
         amax, bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
-        bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
-        config, decode_sum, gather_scalars, kernel, read_scalars, with_sink_listener, Piece,
+        bucket_decode_sum_quantize, bucket_flag_scale_inv, bucket_max, bucket_quantize,
+        bucket_requantize, bucket_scales, config, decode_sum, gather_scalars, kernel, read_scalars,
+        with_sink_listener, Piece,
     };
 }
 

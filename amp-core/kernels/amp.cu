@@ -373,27 +373,28 @@ extern "C" __global__ void flag_scale_inv(const float* scale_inv, const float* a
 
 // ------------------------------------------------------- decode and sum --
 // The rank-order sum of up to SUM_MAX ranks' codes of one tensor's chunk,
-// each decoded with the one agreed scale_inv, then (with `average`) times
-// inv_n plus 0: y = ((d0 * s + d1 * s) + ..) * inv_n + 0, every product and
-// sum one IEEE f32 operation in that order (no FMA): the CPU's dequantize,
-// add and affine, bit for bit. y[n] and amax (bits, zeroed by the caller).
-// The code pointers travel by value (512 bytes).
+// rank k's decoded with scale_inv[k * stride] (stride 0: one scale for
+// all), then (with `average`) times inv_n plus 0:
+// y = ((d0 * s0 + d1 * s1) + ..) * inv_n + 0, every product and sum one
+// IEEE f32 operation in that order (no FMA): the CPU's dequantize, add and
+// affine, bit for bit. y[n] and amax (bits, zeroed by the caller). The
+// code pointers travel by value (512 bytes).
 #define SUM_MAX 64
 struct SumPtrs {
     unsigned long long p[SUM_MAX];
 };
 template <int FMT>
-__device__ void decode_sum_impl(SumPtrs ptrs, int ranks, const float* __restrict__ scale_inv_p, int average,
-                                float inv_n, float* __restrict__ out, size_t n, uint32_t* amax_out) {
+__device__ void decode_sum_impl(SumPtrs ptrs, int ranks, const float* __restrict__ scale_inv_p, int s_stride,
+                                int average, float inv_n, float* __restrict__ out, size_t n, uint32_t* amax_out) {
     typedef typename Fmt<FMT>::code_t C;
-    const float s = *scale_inv_p;
     uint32_t amax = 0;
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = tid; i < n; i += stride) {
-        float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[i]), s);
+        float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[i]), scale_inv_p[0]);
         for (int k = 1; k < ranks; k++)
-            y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[i]), s));
+            y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[i]),
+                                       scale_inv_p[k * s_stride]));
         if (average) y = __fadd_rn(__fmul_rn(y, inv_n), 0.0f);
         out[i] = y;
         amax = max(amax, abs_bits(y));
@@ -402,8 +403,9 @@ __device__ void decode_sum_impl(SumPtrs ptrs, int ranks, const float* __restrict
 }
 #define DECODE_SUM(FN, FMT)                                                                            \
     extern "C" __global__ void __launch_bounds__(256, 8) decode_sum_##FN(SumPtrs ptrs, int ranks,      \
-            const float* scale_inv, int average, float inv_n, float* out, size_t n, uint32_t* amax) { \
-        decode_sum_impl<FMT>(ptrs, ranks, scale_inv, average, inv_n, out, n, amax);                    \
+            const float* scale_inv, int s_stride, int average, float inv_n, float* out, size_t n,      \
+            uint32_t* amax) {                                                                          \
+        decode_sum_impl<FMT>(ptrs, ranks, scale_inv, s_stride, average, inv_n, out, n, amax);          \
     }
 DECODE_SUM(e4m3, 0)
 DECODE_SUM(e5m2, 1)
@@ -509,21 +511,22 @@ __device__ void bucket_requantize_impl(BucketArgs a, const float* __restrict__ s
     for (size_t i = tail + tid; i < n; i += stride) o[i] = quantize_one<TO>(Fmt<FROM>::decode(q[i]) * si, sc, amax, sat, flush);
 }
 
-// The rank-order sum of element i of the ranks' chunks, each decoded with
-// s, times inv_n plus 0 with `average` (as decode_sum).
+// The rank-order sum of element i of the ranks' chunks, rank k's decoded
+// with s[k * s_stride], times inv_n plus 0 with `average` (as decode_sum).
 template <int FMT>
-__device__ __forceinline__ float rank_sum(const SumPtrs& ptrs, int ranks, size_t at, float s, int average,
-                                          float inv_n) {
+__device__ __forceinline__ float rank_sum(const SumPtrs& ptrs, int ranks, size_t at, const float* s,
+                                          int s_stride, int average, float inv_n) {
     typedef typename Fmt<FMT>::code_t C;
-    float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[at]), s);
+    float y = __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[0])[at]), s[0]);
     for (int k = 1; k < ranks; k++)
-        y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[at]), s));
+        y = __fadd_rn(y, __fmul_rn(Fmt<FMT>::decode(reinterpret_cast<const C*>(ptrs.p[k])[at]), s[k * s_stride]));
     if (average) y = __fadd_rn(__fmul_rn(y, inv_n), 0.0f);
     return y;
 }
 
-// The rank-order sum of `ranks` chunks' codes at aux.., each decoded with
-// scale_inv[t], times inv_n plus 0 with `average` (as decode_sum), and by
+// The rank-order sum of `ranks` chunks' codes at aux.., rank k's decoded
+// with scale_inv[k * s_stride + t] (s_stride 0: scale_inv[t] for every
+// rank), times inv_n plus 0 with `average` (as decode_sum), and by
 // MODE what becomes of it: DS_SUMS stores it at out[off..] (F32) and takes
 // amax[t] of it, NaN counted as inf; DS_AMAX only takes amax[t]; DS_CODES
 // stores encode(sum * scale[t]) at codes[off..] (as quantize of the stored
@@ -533,12 +536,12 @@ __device__ __forceinline__ float rank_sum(const SumPtrs& ptrs, int ranks, size_t
 #define DS_CODES 2
 template <int FMT, int MODE>
 __device__ void bucket_decode_sum_impl(BucketArgs a, SumPtrs ptrs, int ranks, const float* __restrict__ scale_inv,
-                                       int average, float inv_n, float* __restrict__ out,
+                                       int s_stride, int average, float inv_n, float* __restrict__ out,
                                        const float* __restrict__ scale, uint8_t* __restrict__ codes,
                                        uint32_t* amax_out) {
     typedef typename Fmt<FMT>::code_t C;
     BUCKET_LOOP(a)
-    const float s = scale_inv[a.t[item]];
+    const float* s = scale_inv + a.t[item];
     const size_t at = (size_t)a.aux[item];
     float* o = MODE == DS_SUMS ? out + a.out_off[item] : nullptr;
     uint8_t* oc = MODE == DS_CODES ? codes + a.out_off[item] : nullptr;
@@ -557,13 +560,14 @@ __device__ void bucket_decode_sum_impl(BucketArgs a, SumPtrs ptrs, int ranks, co
             const uint4 w = __ldcs(reinterpret_cast<const uint4*>(ptrs.p[0] + base));
             const C* cs = reinterpret_cast<const C*>(&w);
 #pragma unroll
-            for (int j = 0; j < VEC; j++) y[j] = __fmul_rn(Fmt<FMT>::decode(cs[j]), s);
+            for (int j = 0; j < VEC; j++) y[j] = __fmul_rn(Fmt<FMT>::decode(cs[j]), s[0]);
         }
         for (int k = 1; k < ranks; k++) {
             const uint4 w = __ldcs(reinterpret_cast<const uint4*>(ptrs.p[k] + base));
             const C* cs = reinterpret_cast<const C*>(&w);
+            const float sk = s[k * s_stride];
 #pragma unroll
-            for (int j = 0; j < VEC; j++) y[j] = __fadd_rn(y[j], __fmul_rn(Fmt<FMT>::decode(cs[j]), s));
+            for (int j = 0; j < VEC; j++) y[j] = __fadd_rn(y[j], __fmul_rn(Fmt<FMT>::decode(cs[j]), sk));
         }
         if (average) {
 #pragma unroll
@@ -586,7 +590,7 @@ __device__ void bucket_decode_sum_impl(BucketArgs a, SumPtrs ptrs, int ranks, co
     for (size_t r = 0; r < 2; r++) {
         const size_t lo = r == 0 ? 0 : tail, hi = r == 0 ? sp.head : n;
         for (size_t i = lo + tid; i < hi; i += stride) {
-            const float y = rank_sum<FMT>(ptrs, ranks, at + i, s, average, inv_n);
+            const float y = rank_sum<FMT>(ptrs, ranks, at + i, s, s_stride, average, inv_n);
             if (MODE == DS_SUMS) o[i] = y;
             if (MODE == DS_CODES) {
                 oc[i] = quantize_one<FMT>(y, sc, qamax, sat, flush);
@@ -635,20 +639,21 @@ __device__ void bucket_quantize_impl(BucketArgs a, const float* __restrict__ sca
         bucket_requantize_impl<FMT, FMT>(a, scale, out);                                               \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bucket_decode_sum_##FN(BucketArgs a, SumPtrs ptrs, \
-            int ranks, const float* scale_inv, int average, float inv_n, float* out, uint32_t* amax) { \
-        bucket_decode_sum_impl<FMT, DS_SUMS>(a, ptrs, ranks, scale_inv, average, inv_n, out, nullptr,  \
-                                             nullptr, amax);                                           \
-    }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) bucket_decode_amax_##FN(BucketArgs a, SumPtrs ptrs, \
-            int ranks, const float* scale_inv, int average, float inv_n, uint32_t* amax) {             \
-        bucket_decode_sum_impl<FMT, DS_AMAX>(a, ptrs, ranks, scale_inv, average, inv_n, nullptr,       \
+            int ranks, const float* scale_inv, int s_stride, int average, float inv_n, float* out,     \
+            uint32_t* amax) {                                                                          \
+        bucket_decode_sum_impl<FMT, DS_SUMS>(a, ptrs, ranks, scale_inv, s_stride, average, inv_n, out, \
                                              nullptr, nullptr, amax);                                  \
     }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) bucket_decode_amax_##FN(BucketArgs a, SumPtrs ptrs, \
+            int ranks, const float* scale_inv, int s_stride, int average, float inv_n, uint32_t* amax) { \
+        bucket_decode_sum_impl<FMT, DS_AMAX>(a, ptrs, ranks, scale_inv, s_stride, average, inv_n,      \
+                                             nullptr, nullptr, nullptr, amax);                         \
+    }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bucket_decode_quantize_##FN(BucketArgs a,        \
-            SumPtrs ptrs, int ranks, const float* scale_inv, int average, float inv_n,                 \
+            SumPtrs ptrs, int ranks, const float* scale_inv, int s_stride, int average, float inv_n,   \
             const float* scale, uint8_t* out) {                                                        \
-        bucket_decode_sum_impl<FMT, DS_CODES>(a, ptrs, ranks, scale_inv, average, inv_n, nullptr,      \
-                                              scale, out, nullptr);                                    \
+        bucket_decode_sum_impl<FMT, DS_CODES>(a, ptrs, ranks, scale_inv, s_stride, average, inv_n,     \
+                                              nullptr, scale, out, nullptr);                           \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) bucket_quantize_##FN(BucketArgs a,               \
             const float* scale, uint8_t* out) {                                                        \
@@ -666,6 +671,18 @@ extern "C" __global__ void bucket_scales(const float* amax, float* scale, float*
     const float s = compute_scale(rule, amax[i], 1.0f, max, margin);
     scale[i] = s;
     scale_inv[i] = 1.0f / s;
+}
+
+// out[t] = scale_inv_t * (amax_t * 0 + 1) for the `count` items of a
+// launch (a.src: scale_inv, a.aux: amax, a.t: t; one element each): each
+// tensor's scale_inv, NaN where its amax is not finite (flag_scale_inv a
+// bucket at a time).
+extern "C" __global__ void bucket_flag_scale_inv(BucketArgs a, int count, float* out) {
+    const int i = threadIdx.x;
+    if (i >= count) return;
+    const float s = *reinterpret_cast<const float*>(a.src[i]);
+    const float m = *reinterpret_cast<const float*>(a.aux[i]);
+    out[a.t[i]] = __fmul_rn(s, __fadd_rn(__fmul_rn(m, 0.0f), 1.0f));
 }
 
 // out[i] = max(a[i], b[i]) for two amax vectors without NaN (the CPU's

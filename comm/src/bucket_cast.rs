@@ -1,9 +1,10 @@
-//! The first half of every bucketed FP8 collective: each gradient's amax,
-//! the amaxes agreed by all ranks as one vector (one all-reduce(max) for
-//! the bucket), and each gradient cast to FP8 with its own agreed scale.
-//! An FP8 gradient ([`ScalingTensor`]) is re-cast from its codes in one
-//! pass ([`ScalingTensor::requantize_with`]), never through an F32 copy;
-//! both casts are bit for bit those of the per-tensor functions.
+//! The casts of the bucketed FP8 collectives: ZeRO's first half (each
+//! gradient's amax, the amaxes agreed by all ranks as one vector, one
+//! all-reduce(max) for the bucket, and each gradient cast to FP8 with its
+//! own agreed scale; an FP8 gradient re-cast from its codes in one pass,
+//! [`ScalingTensor::requantize_with`], never through an F32 copy), and the
+//! rank-order decode and sum of the all-reduce, each rank's codes with
+//! their own scale. Both bit for bit the per-tensor functions.
 
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
@@ -52,6 +53,16 @@ impl Input {
             Self::Float(t) => amp_core::amax(t)?,
             Self::Scaled(s) => s.decoded_amax()?,
         })
+    }
+
+    /// The value as codes of `cfg.qtype` with this rank's own scale
+    /// ([`own_codes`](crate::fp8_reduce::own_codes)).
+    pub(crate) fn own_codes(&self, cfg: &Fp8ReduceConfig) -> Result<ScalingTensor> {
+        let grad = match self {
+            Self::Float(t) => Grad::Tensor(t),
+            Self::Scaled(s) => Grad::Scaled(s),
+        };
+        crate::fp8_reduce::own_codes("fp8_all_reduce_bucket", grad, cfg)
     }
 
     /// The flat codes of the value cast with `meta`.
@@ -155,37 +166,47 @@ pub(crate) fn cat_nonempty(parts: &[Tensor], empty: &Tensor) -> Result<Tensor> {
     })
 }
 
-/// The rank-order F32 sum of `parts` (one chunk of codes per rank, all
-/// cast with `meta`), from rank 0's values (not `0 + x`: keeps -0.0),
-/// divided by the number of parts when `average`; and its amax (NaN when
-/// it holds one). FP8 codes of at most 64 ranks in one pass
-/// ([`amp_core::decode_sum`]); otherwise (and for empty parts) decoded one
-/// by one and added, bit for bit the same.
+/// The rank-order F32 sum of `parts` (one chunk of codes of `qtype` per
+/// rank, rank k's decoded with element k of `scale_invs`, or all with its
+/// one element), from rank 0's
+/// values (not `0 + x`: keeps -0.0), divided by the number of parts when
+/// `average`; and its amax (NaN when it holds one). FP8 codes of at most
+/// 64 ranks in one pass ([`amp_core::decode_sum`]); otherwise (and for
+/// empty parts) decoded one by one and added, bit for bit the same.
 pub(crate) fn rank_order_mean(
     parts: &[Tensor],
-    meta: &ScalingMeta,
+    scale_invs: &Tensor,
+    qtype: QType,
     average: bool,
 ) -> Result<(Tensor, Tensor)> {
-    if parts.is_empty() {
+    let shared = scale_invs.elem_count() == 1;
+    if parts.is_empty() || !(shared || scale_invs.elem_count() == parts.len()) {
         return Err(Error::InvalidArgument {
             op: "fp8 bucket",
-            what: "no rank's part to sum".into(),
+            what: format!(
+                "{} ranks' parts with {} scales",
+                parts.len(),
+                scale_invs.elem_count()
+            ),
         });
     }
-    if meta.qtype() != QType::F16 && parts.len() <= 64 && parts[0].elem_count() > 0 {
-        return Ok(amp_core::decode_sum(
-            parts,
-            meta.scale_inv(),
-            meta.qtype(),
-            average,
-        )?);
+    if qtype != QType::F16 && parts.len() <= 64 && parts[0].elem_count() > 0 {
+        return Ok(amp_core::decode_sum(parts, scale_invs, qtype, average)?);
     }
-    let decode = |codes: &Tensor| -> Result<Tensor> {
-        Ok(ScalingTensor::from_parts(codes.clone(), meta.clone())?.dequantize(DType::F32)?)
+    // decode(code) * scale_inv: the codes decoded with a unit scale (exact)
+    // times the rank's scale_inv (one rounding, as dequantize's), so that a
+    // NaN scale_inv (a rank's non-finite flag) decodes to NaN
+    let unit = ScalingMeta::new(qtype, 1, scale_invs.device())?;
+    let decode = |k: usize| -> Result<Tensor> {
+        let si = scale_invs
+            .flatten_all()?
+            .narrow(0, if shared { 0 } else { k }, 1)?;
+        let codes = ScalingTensor::from_parts(parts[k].clone(), unit.clone())?;
+        Ok(codes.dequantize(DType::F32)?.broadcast_mul(&si)?)
     };
-    let mut sum = decode(&parts[0])?;
-    for p in &parts[1..] {
-        sum = (sum + decode(p)?)?;
+    let mut sum = decode(0)?;
+    for k in 1..parts.len() {
+        sum = (sum + decode(k)?)?;
     }
     if average && parts.len() > 1 {
         sum = (sum / parts.len() as f64)?;

@@ -2,31 +2,31 @@
 //! several gradients at once, with four collectives per bucket instead of
 //! four per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
+//!
+//! [`bucket_flag_scale_inv`]: amp_core::bucket_flag_scale_inv
 
-use crate::bucket_cast::{
-    agreed_metas, cast_agreed, cat_nonempty, fused, inputs, metas_of, rank_order_mean,
-};
+use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, rank_order_mean};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
 use crate::shard::shard_range;
 use amp_core::{
-    bucket_amax, bucket_decode_amax, bucket_decode_sum_quantize, bucket_max, bucket_requantize,
+    bucket_concat, bucket_decode_amax, bucket_decode_sum_quantize, bucket_flag_scale_inv,
     bucket_scales, Piece, ScalingTensor,
 };
 use candle_core::{DType, Tensor};
 
 const OP: &str = "fp8_all_reduce_bucket";
 
-/// `fp8_all_reduce` of every gradient of a bucket, with one amax
-/// all-reduce, one code exchange, one result-amax all-reduce and one
+/// `fp8_all_reduce` of every gradient of a bucket, with one code exchange,
+/// one gather of the ranks' scales, one result-amax all-reduce and one
 /// all-gather for the whole bucket: the same bytes as the separate calls
 /// summed over the ranks, in 4 collectives instead of `4 T`.
 ///
 /// Element `t` of the result is bitwise what
 /// [`fp8_all_reduce`](crate::fp8_all_reduce)`(comm, grads[t], cfg)` returns
 /// (codes, scale, `scale_inv`, amaxes, [`Fp8Reduced::is_finite`]): each
-/// tensor keeps its own agreed scales, and a non-finite value in one tensor
+/// tensor keeps its own scales, and a non-finite value in one tensor
 /// makes only that one non-finite. Every rank must pass the same number of
 /// gradients, in the same order, with the same shapes; an empty bucket
 /// returns an empty vector without communicating.
@@ -62,49 +62,49 @@ const OP: &str = "fp8_all_reduce_bucket";
 /// one-element tensor).
 ///
 /// # Steps (each rank)
-/// 1. every tensor's amax (NaN counted as inf), as a vector of `T`
-///    elements, all-reduced with max (**one** all-reduce);
-/// 2. tensor `t`'s scale from element `t`, as `fp8_all_reduce` computes it;
-///    each tensor is quantized with its own scale and the codes are
-///    concatenated;
-/// 3. the codes are exchanged with **one** `all_to_all`: rank `r` receives
-///    elements `shard_range(L, r, N)` of every rank's codes;
-/// 4. each tensor's part of them is decoded with that tensor's scale,
-///    summed in F32 in rank order and divided by `N` when `average` is set;
-/// 5. the amax of each tensor's part of the result (0 for a tensor with no
+/// 1. each tensor's codes with this rank's own scale (an FP8 gradient of
+///    the configured format as it is, anything else cast from its own
+///    amax), concatenated (a bucket of one tensor without a copy), and the
+///    vector of the `T` scales this rank sends (`scale_inv`, NaN where
+///    the tensor's amax is not finite: [`bucket_flag_scale_inv`]);
+/// 2. the codes are exchanged with **one** `all_to_all` (rank `r`
+///    receives elements `shard_range(L, r, N)` of every rank's codes), and
+///    the scales with **one** `all_gather` (`[N, T]`);
+/// 3. each tensor's part of the codes is decoded, rank `k`'s with rank
+///    `k`'s scale of that tensor, summed in F32 in rank order and divided
+///    by `N` when `average` is set;
+/// 4. the amax of each tensor's part of the result (0 for a tensor with no
 ///    element on this rank), as a vector, all-reduced with max (**one**
-///    all-reduce); each part is re-quantized with its tensor's agreed scale;
-/// 6. the codes of this rank's range are all-gathered (**one**
+///    all-reduce); each part is quantized with its tensor's agreed scale;
+/// 5. the codes of this rank's range are all-gathered (**one**
 ///    `all_gather_shards` of `L` elements) and cut back into tensors.
 ///
 /// **Bitwise equality with `fp8_all_reduce`.** Decoding, the rank-order sum,
-/// the division and the casts are elementwise, with the same scale and the
-/// same operands in the same order for every element whichever rank owns
-/// it; a max is exact in any order and a rank that holds none of a
+/// the division and the casts are elementwise, with the same scales and
+/// the same operands in the same order for every element whichever rank
+/// owns it; a max is exact in any order and a rank that holds none of a
 /// tensor's elements adds 0 (amaxes are at least 0, and the amax of an
 /// empty chunk, which `fp8_all_reduce` takes on such a rank, is 0 too). So
-/// for every tensor, codes, scale, `scale_inv` and both amaxes are bitwise
-/// those of `fp8_all_reduce` of that tensor alone, and a non-finite value in
-/// one tensor makes only that tensor's result non-finite.
+/// for every tensor, codes, scale, `scale_inv` and amax are bitwise those
+/// of `fp8_all_reduce` of that tensor alone, and a non-finite value in one
+/// tensor makes only that tensor's result non-finite.
 ///
 /// # Wire bytes
 /// As the [`Communicator`] counts them, with `b` bytes a code (1 for FP8),
 /// `s_r = shard_len(L, r, N)` and `a_r = shard_len(T, r, N)`, rank `r` sends
 ///
-/// `8 (T + (N - 2) a_r)` (the two `T`-element F32 amax all-reduces,
-/// `4 (T - a_r + (N - 1) a_r)` each) `+ b (L + (N - 2) s_r)` (the codes:
-/// `L - s_r` in step 3, `(N - 1) s_r` in step 6),
+/// `4 (N - 1) T` (the scales' gather) `+ 4 (T + (N - 2) a_r)` (the result
+/// amaxes' all-reduce, `T - a_r + (N - 1) a_r` F32 values) `+ b (L + (N -
+/// 2) s_r)` (the codes: `L - s_r` in step 2, `(N - 1) s_r` in step 5),
 ///
 /// and nothing when `N = 1`. The `T` separate calls send, on rank `r`,
-/// `8 T (1 + (N - 2) [r = 0]) + b (L + (N - 2) S_r)` (`[r = 0]`: 1 on rank
-/// 0, else 0) with
+/// `4 (N - 1) T + 4 T (1 + (N - 2) [r = 0]) + b (L + (N - 2) S_r)` (`[r =
+/// 0]`: 1 on rank 0, else 0) with
 /// `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)`. Summed
-/// over the ranks both come to `2 (N - 1) (8 T + b L)`: the bucket moves
-/// the same bytes, spread more evenly, in 4 collectives instead of `4 T`
-/// (the amaxes travel in two messages instead of `2 T`). Rank 0 sends the
-/// most in both, and no more in the bucket (`ceil(L / N) <= S_0`,
-/// `ceil(T / N) <= T`); another rank may send a little more than its
-/// per-tensor share.
+/// over the ranks both come to the same bytes: the bucket moves them,
+/// spread more evenly, in 4 collectives instead of `4 T`. Rank 0 sends
+/// no more codes in the bucket (`ceil(L / N) <= S_0`); another rank may
+/// send a little more than its per-tensor share.
 ///
 /// # Errors
 /// [`Error::DType`](crate::Error::DType) for a gradient that is not a float tensor or a
@@ -159,45 +159,69 @@ where
     // so it may run on the communicator's own stream.
     let side = comm.side_stream().filter(|_| fast.is_some());
     let body = || -> Result<Vec<Fp8Reduced>> {
-        let (shard, input_global, result_metas, result_global) = match fast {
+        let (shard, result_metas, result_global) = match &fast {
             Some((scaled, qtype)) => {
-                // Every step a bucket at a time (one launch each).
+                // Every step a bucket at a time (one launch each). Step 1:
+                // the layers' codes as they are, concatenated unless one.
                 let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
+                let codes = match codes_in.as_slice() {
+                    [one] if one.is_contiguous() => one.flatten_all()?,
+                    _ => bucket_concat(&codes_in)?,
+                };
                 let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
-                let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
-                let global = comm.all_reduce_max_no_nan(&amax)?;
-                let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
-                let codes =
-                    bucket_requantize(&codes_in, &sinv_in, qtype, &scale, None, None, None)?;
+                let amax_in = scaled
+                    .iter()
+                    .map(|s| s.meta().amax())
+                    .collect::<amp_core::Result<Vec<_>>>()?;
+                let amax_in: Vec<&Tensor> = amax_in.iter().collect();
+                let sent = bucket_flag_scale_inv(&sinv_in, &amax_in)?;
+                // Step 2: one exchange of the codes, one gather of the scales.
                 let received = exchange(&codes)?;
-                // Steps 4-5 in two passes over the received codes, the
+                let scale_invs = comm.all_gather(&sent)?;
+                // Steps 3-4 in two passes over the received codes, the
                 // sums made twice (the same F32 values) and never stored.
                 let result_amax =
-                    bucket_decode_amax(&received, &scale_inv, qtype, cfg.average, &pieces)?;
+                    bucket_decode_amax(&received, &scale_invs, *qtype, cfg.average, &pieces)?;
                 let result_global = comm.all_reduce_max_no_nan(&result_amax)?;
                 let (rscale, rscale_inv) =
-                    bucket_scales(&result_global, qtype, cfg.scale_rule, cfg.margin)?;
+                    bucket_scales(&result_global, *qtype, cfg.scale_rule, cfg.margin)?;
                 let shard = if pieces.is_empty() {
                     codes.narrow(0, mine.start, 0)?
                 } else {
                     bucket_decode_sum_quantize(
                         &received,
-                        &scale_inv,
-                        qtype,
+                        &scale_invs,
+                        *qtype,
                         cfg.average,
                         &pieces,
                         &rscale,
                     )?
                 };
-                let metas = metas_of(qtype, &rscale, &rscale_inv, &result_global, inputs.len())?;
-                (shard, global, metas, result_global)
+                let metas = metas_of(*qtype, &rscale, &rscale_inv, &result_global, inputs.len())?;
+                (shard, metas, result_global)
             }
             None => {
-                // Steps 1-2: one agreement of the input amaxes, per-tensor casts.
-                let (metas, codes, input_global) = cast_agreed(comm, &inputs, cfg)?;
-                let codes = cat_nonempty(&codes, &codes[0])?;
+                // Step 1: each tensor's codes with this rank's own scale.
+                let own = inputs
+                    .iter()
+                    .map(|x| x.own_codes(cfg))
+                    .collect::<Result<Vec<_>>>()?;
+                let flat = own
+                    .iter()
+                    .map(|s| s.data().flatten_all())
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let codes = cat_nonempty(&flat, &flat[0])?;
+                let sinv_in: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
+                let amax_in = own
+                    .iter()
+                    .map(|s| s.meta().amax())
+                    .collect::<amp_core::Result<Vec<_>>>()?;
+                let amax_in: Vec<&Tensor> = amax_in.iter().collect();
+                let sent = bucket_flag_scale_inv(&sinv_in, &amax_in)?;
+                // Step 2.
                 let received = exchange(&codes)?;
-                // Steps 4-5: the rank-order means of this rank's pieces, one
+                let scale_invs = comm.all_gather(&sent)?;
+                // Steps 3-4: the rank-order means of this rank's pieces, one
                 // agreement of their amaxes (0 where this rank holds none of a
                 // tensor: the amax of the empty chunk `fp8_all_reduce` takes).
                 let zero = Tensor::zeros(1, DType::F32, comm.device())?;
@@ -208,7 +232,9 @@ where
                         .iter()
                         .map(|c| c.narrow(0, p.start, p.len))
                         .collect::<candle_core::Result<Vec<_>>>()?;
-                    let (sum, amax) = rank_order_mean(&parts, &metas[p.tensor], cfg.average)?;
+                    let column = scale_invs.narrow(1, p.tensor, 1)?.flatten_all()?;
+                    let (sum, amax) =
+                        rank_order_mean(&parts, &column, own[p.tensor].qtype(), cfg.average)?;
                     sums.push(sum);
                     result_amaxes[p.tensor] = amax;
                 }
@@ -224,14 +250,14 @@ where
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let shard = cat_nonempty(&out_codes, &codes)?;
-                (shard, input_global, result_metas, result_global)
+                (shard, result_metas, result_global)
             }
         };
 
-        // Step 6: one all-gather of the bucket, cut back into tensors; each
-        // tensor's amax the larger of its two agreed ones (one op for all).
+        // Step 5: one all-gather of the bucket, cut back into tensors; each
+        // tensor's amax its result's agreed one.
         let gathered = comm.all_gather_shards(&shard, total)?;
-        let amaxes = bucket_max(&input_global, &result_global)?;
+        let amaxes = result_global;
         spans
             .into_iter()
             .zip(shapes)

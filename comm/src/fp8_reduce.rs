@@ -1,45 +1,56 @@
-//! FP8 gradient all-reduce with one agreed scale, F32 accumulation, and
-//! its two halves for ZeRO ([`fp8_reduce_scatter`], [`fp8_all_gather`]).
+//! FP8 gradient all-reduce, each rank's codes decoded with that rank's own
+//! scale, F32 accumulation; and the halves ZeRO uses
+//! ([`fp8_reduce_scatter`], with one agreed scale, and [`fp8_all_gather`]).
 //!
 //! [`fp8_all_reduce`] on every rank:
-//! 1. its gradient's amax (NaN counted as inf), all-reduced with max: every
-//!    rank holds the same global amax;
-//! 2. one scale from it by `scale_rule` (MS-AMP's power of two by default)
-//!    and `margin`, computed by every rank from the same number, so
-//!    bitwise identical; the gradient is quantized with it;
-//! 3. the codes, cut by [`shard_range`], are exchanged with
+//! 1. its gradient as FP8 codes of `qtype` with its own scale: an FP8
+//!    gradient of that format as the layer cast it (no second rounding);
+//!    any other cast with current scaling from its own amax (NaN counted
+//!    as inf; `scale_rule`, MS-AMP's power of two by default, and
+//!    `margin`);
+//! 2. the codes, cut by [`shard_range`], are exchanged with
 //!    [`all_to_all`](Communicator::all_to_all): rank r receives chunk r of
-//!    every rank, as `U8` (the reduce-scatter pattern);
-//! 4. the received chunks are decoded and summed in F32, in rank order
-//!    (never in FP8), then divided by `N` when `average` is set;
-//! 5. a fresh scale for the result, agreed as in 1-2 from the chunks'
-//!    amaxes (one F32 all-reduce max), quantizes each rank's chunk;
-//! 6. the FP8 chunks are all-gathered ([`all_gather_shards`]).
+//!    every rank, as `U8` (the reduce-scatter pattern); and every rank's
+//!    `scale_inv` is all-gathered (one F32 a rank; NaN when that rank's
+//!    amax was not finite, so that its non-finite values reach every rank
+//!    even where its cast saturated them);
+//! 3. rank k's chunk is decoded with rank k's `scale_inv`, the chunks
+//!    summed in F32 in rank order (never in FP8), then divided by `N` when
+//!    `average` is set;
+//! 4. a scale for the result, agreed from the chunks' amaxes (one F32
+//!    all-reduce max; every rank computes it from the same number, so
+//!    bitwise identical), quantizes each rank's chunk;
+//! 5. the FP8 chunks are all-gathered ([`all_gather_shards`]).
+//!
+//! No rank re-rounds its codes to a shared scale before the exchange (the
+//! first design agreed one input scale and re-cast every gradient to it:
+//! one more rounding, and for the buckets two more passes over the codes
+//! and one more collective).
 //!
 //! **Headroom.** MS-AMP sums FP8 on the wire, so it must scale the
 //! gradient down by the world size to keep the sum from saturating. Here
-//! the sum is F32 and step 5 picks a new scale from the sum's own amax, so
+//! the sum is F32 and step 4 picks a new scale from the sum's own amax, so
 //! nothing can saturate and no headroom is needed: the default `margin` is
 //! 0, which keeps the gradients' small values out of the subnormals. A
 //! `margin` can still be set (the scale is divided by `2^margin`).
 //!
 //! **Wire bytes** (as [`Communicator`] counts them; `L` elements, `N`
-//! ranks, `s_r` = this rank's chunk): `L - s_r` bytes of codes in step 3,
-//! `(N - 1) * s_r` in step 6, plus two one-element F32 all-reduces (the
-//! amaxes: 4 bytes, or `4 (N - 1)` on rank 0, which owns the element).
-//! An F32 [`all_reduce`](Communicator::all_reduce) of the same gradient
-//! sends `4 (L - s_r + (N - 1) s_r)`: four times the codes.
+//! ranks, `s_r` = this rank's chunk): `L - s_r` bytes of codes in step 2,
+//! `(N - 1) * s_r` in step 5, plus the scale gather (`4 (N - 1)`) and one
+//! one-element F32 all-reduce (4 bytes, or `4 (N - 1)` on rank 0, which
+//! owns the element). An F32 [`all_reduce`](Communicator::all_reduce) of
+//! the same gradient sends `4 (L - s_r + (N - 1) s_r)`: four times the
+//! codes.
 //!
 //! **Non-finite gradients.** When any rank's gradient holds inf or NaN, the
-//! agreed amax is inf on every rank, [`Fp8Reduced::is_finite`] is false on
-//! every rank and the result is meaningless: skip the step. The exchange
-//! still runs (with scale 1), so all ranks stay in step.
+//! result's agreed amax is inf on every rank, [`Fp8Reduced::is_finite`] is
+//! false on every rank and the result is meaningless: skip the step.
 //!
 //! **Buckets.** [`fp8_all_reduce_bucket`](crate::fp8_all_reduce_bucket)
-//! runs these steps for several gradients at once: the amaxes of steps 1
-//! and 5 agreed as one vector each, one exchange and one all-gather of the
-//! concatenated codes, each tensor bitwise the result of this function
-//! (see its docs for the layout and the bytes).
+//! runs these steps for several gradients at once: one exchange, one
+//! gather of the scales, one agreement of the result amaxes as a vector
+//! and one all-gather of the concatenated codes, each tensor bitwise the
+//! result of this function (see its docs for the layout and the bytes).
 //!
 //! [`all_gather_shards`]: Communicator::all_gather_shards
 
@@ -119,8 +130,8 @@ pub struct Fp8Reduced {
     /// The result; its scale is bitwise the same on every rank and its
     /// metadata's amax is the agreed amax of the result.
     pub grad: ScalingTensor,
-    /// The largest agreed amax of the call (inputs and result; F32, one
-    /// element, the same on every rank): inf when anything was not finite.
+    /// The agreed amax of the result (F32, one element, the same on every
+    /// rank): inf when any rank's gradient was not finite.
     pub amax: Tensor,
 }
 
@@ -275,10 +286,30 @@ pub fn fp8_all_gather<C: Communicator + ?Sized>(
     })
 }
 
+/// This rank's gradient as codes of `cfg.qtype` with its own scale: an FP8
+/// gradient of that format as it is; any other (a float tensor, another
+/// format, decoded first) cast with current scaling from its own amax
+/// (NaN counted as inf), by `cfg`'s rule and margin.
+pub(crate) fn own_codes(
+    op: &'static str,
+    grad: Grad<'_>,
+    cfg: &Fp8ReduceConfig,
+) -> Result<ScalingTensor> {
+    if let Grad::Scaled(s) = grad {
+        if s.qtype() == cfg.qtype {
+            return Ok(s.clone());
+        }
+    }
+    let x = float_input(op, grad)?;
+    let meta = meta_from_global(local_amax(&x.flatten_all()?, cfg.qtype)?, cfg, x.device())?;
+    Ok(ScalingTensor::quantize_with(&x, &meta)?.0)
+}
+
 /// The sum (or, with `cfg.average`, the mean) of every rank's `grad`, as
-/// FP8 with one scale shared by all ranks; FP8 on the wire, F32
-/// accumulation (see the module docs for the steps, bytes and headroom).
-/// Every rank must call it with a gradient of the same shape.
+/// FP8 with one scale shared by all ranks; FP8 on the wire, each rank's
+/// codes decoded with its own scale, F32 accumulation (see the module docs
+/// for the steps, bytes and headroom). Every rank must call it with a
+/// gradient of the same shape.
 ///
 /// ```
 /// use amp_comm::{fp8_all_reduce, run_ranks, Fp8ReduceConfig};
@@ -294,16 +325,32 @@ pub fn fp8_all_gather<C: Communicator + ?Sized>(
 /// ```
 ///
 /// # Errors
-/// As [`fp8_reduce_scatter`].
+/// [`Error::DType`] for a gradient that is not a float tensor or a
+/// [`ScalingTensor`], and the communicator's errors (every rank must call
+/// it with the same shape).
 pub fn fp8_all_reduce<'a, C: Communicator + ?Sized>(
     comm: &C,
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<Fp8Reduced> {
-    let reduced = fp8_reduce_scatter(comm, grad, cfg)?;
-    let gathered = fp8_all_gather(comm, &reduced.shard, reduced.shape, cfg)?;
-    Ok(Fp8Reduced {
-        amax: reduced.amax.maximum(&gathered.amax)?,
-        grad: gathered.grad,
-    })
+    let own = own_codes("fp8_all_reduce", grad.into(), cfg)?;
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let shape = own.shape().clone();
+    let len = shape.elem_count();
+    let flat = own.data().flatten_all()?;
+    let chunks = (0..n)
+        .map(|j| {
+            let r = shard_range(len, j, n);
+            flat.narrow(0, r.start, r.len())
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let received = comm.all_to_all(&chunks)?;
+    let amax = own.meta().amax()?;
+    let sent = amp_core::bucket_flag_scale_inv(&[own.meta().scale_inv()], &[&amax])?;
+    let scale_invs = comm.all_gather(&sent)?.flatten_all()?;
+    let (sum, _) =
+        crate::bucket_cast::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
+    debug_assert_eq!(sum.elem_count(), shard_range(len, rank, n).len());
+    let gathered = fp8_all_gather(comm, &sum, shape, cfg)?;
+    Ok(gathered)
 }

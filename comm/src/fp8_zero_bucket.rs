@@ -101,7 +101,13 @@ where
                 .map(|c| c.narrow(0, offsets[t], range.len()))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Ok(ReducedShard {
-                shard: rank_order_mean(&parts, &metas[t], cfg.average)?.0,
+                shard: rank_order_mean(
+                    &parts,
+                    metas[t].scale_inv(),
+                    metas[t].qtype(),
+                    cfg.average,
+                )?
+                .0,
                 range,
                 shape: shapes[t].clone(),
                 amax: metas[t].amax()?,

@@ -238,35 +238,29 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
 /// (as `fp8_all_reduce_bucket` runs them on the communicator's stream),
 /// averaged over `reps` reductions enqueued without a synchronize between.
 fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
-    use amp::kernels::{
-        bucket_amax, bucket_decode_sum, bucket_max, bucket_quantize, bucket_requantize,
-        bucket_scales,
-    };
+    use amp::kernels::{bucket_decode_sum, bucket_flag_scale_inv, bucket_quantize, bucket_scales};
     let (rank, n) = (comm.rank(), comm.world_size());
     let q = QType::E5M2;
     let side = comm
         .side_stream()
         .ok_or_else(|| anyhow::anyhow!("no side stream"))?;
-    let mut spent = [0f64; 12];
+    let mut spent = [0f64; 9];
     let names = [
         "fence in",
-        "bucket_amax",
-        "amax all-reduce",
-        "bucket_scales",
-        "bucket_requantize",
+        "bucket_flag_scale_inv",
         "all_to_all",
+        "scale gather",
         "bucket_decode_sum",
         "result all-reduce",
         "scales+quantize",
         "all_gather_shards",
-        "bucket_max+metas",
         "fence out",
     ];
     comm.barrier()?;
     for _ in 0..reps {
         let mut k = 0;
         let mut t = Instant::now();
-        let mut lap = |spent: &mut [f64; 12], k: &mut usize| {
+        let mut lap = |spent: &mut [f64; 9], k: &mut usize| {
             spent[*k] += t.elapsed().as_secs_f64() * 1e6;
             *k += 1;
             t = Instant::now();
@@ -276,14 +270,13 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
         side.run(|| -> Result<()> {
             let codes: Vec<&Tensor> = grads.iter().map(|g| g.data()).collect();
             let sinvs: Vec<&Tensor> = grads.iter().map(|g| g.meta().scale_inv()).collect();
+            let amaxes = grads
+                .iter()
+                .map(|g| g.meta().amax())
+                .collect::<Result<Vec<_>, amp::CoreError>>()?;
             let total: usize = codes.iter().map(|c| c.elem_count()).sum();
-            let amax = bucket_amax(&codes, &sinvs, q)?;
-            lap(&mut spent, &mut k);
-            let global = comm.all_reduce_max_no_nan(&amax)?;
-            lap(&mut spent, &mut k);
-            let (scale, scale_inv) = bucket_scales(&global, q, amp::ScaleRule::PowerOfTwo, 0)?;
-            lap(&mut spent, &mut k);
-            let flat = bucket_requantize(&codes, &sinvs, q, &scale, None, None, None)?;
+            let flat = codes[0].flatten_all()?;
+            let sent = bucket_flag_scale_inv(&sinvs, &amaxes.iter().collect::<Vec<_>>())?;
             lap(&mut spent, &mut k);
             let chunks = (0..n)
                 .map(|j| {
@@ -293,13 +286,15 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
                 .collect::<Result<Vec<_>>>()?;
             let got = comm.all_to_all(&chunks)?;
             lap(&mut spent, &mut k);
+            let scale_invs = comm.all_gather(&sent)?;
+            lap(&mut spent, &mut k);
             let mine = shard_range(total, rank, n);
             let pieces = [amp::kernels::Piece {
                 tensor: 0,
                 start: 0,
                 len: mine.len(),
             }];
-            let (sums, ramax) = bucket_decode_sum(&got, &scale_inv, q, true, &pieces)?;
+            let (sums, ramax) = bucket_decode_sum(&got, &scale_invs, q, true, &pieces)?;
             lap(&mut spent, &mut k);
             let rglobal = comm.all_reduce_max_no_nan(&ramax)?;
             lap(&mut spent, &mut k);
@@ -307,9 +302,7 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
             let shard = bucket_quantize(&sums, &rscale, q, &pieces)?;
             lap(&mut spent, &mut k);
             let all = comm.all_gather_shards(&shard, total)?;
-            lap(&mut spent, &mut k);
-            let m = bucket_max(&global, &rglobal)?;
-            let _ = (all.narrow(0, 0, 1)?, m.narrow(0, 0, 1)?);
+            let _ = all.narrow(0, 0, 1)?;
             lap(&mut spent, &mut k);
             Ok(())
         })?;

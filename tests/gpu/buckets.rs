@@ -9,12 +9,27 @@ use crate::util::{same, Rng};
 use amp::cuda::SideStream;
 use amp::kernels::{
     bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
-    bucket_decode_sum_quantize, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
-    decode_sum, Piece,
+    bucket_decode_sum_quantize, bucket_flag_scale_inv, bucket_max, bucket_quantize,
+    bucket_requantize, bucket_scales, decode_sum, Piece,
 };
 use amp::{CurrentScaling, QType, ScaleRule, ScalingTensor};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
+
+/// `same`, every NaN counted as one (the CPU's and the GPU's NaNs carry
+/// other payloads: x86 keeps an operand's, CUDA makes its own).
+fn same_nan(what: &str, on_dev: &Tensor, cpu: &Tensor) -> Result<bool> {
+    let canon = |t: &Tensor| -> Result<Tensor> {
+        let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+        let v: Vec<f32> = t.to_vec1::<f32>()?;
+        let v: Vec<f32> = v
+            .into_iter()
+            .map(|x| if x.is_nan() { f32::NAN } else { x })
+            .collect();
+        Ok(Tensor::new(v, &Device::Cpu)?)
+    };
+    same(what, &canon(on_dev)?, &canon(cpu)?)
+}
 
 fn refs(v: &[Tensor]) -> Vec<&Tensor> {
     v.iter().collect()
@@ -214,10 +229,74 @@ fn bucket_kernels(dev: &Device) -> Result<()> {
                     let (dg, dag) = decode_sum(&gchunks, &s1.to_device(dev)?, qtype, average)?;
                     ok &= same(&format!("{w} decode_sum"), &dg, &dc)?;
                     ok &= same(&format!("{w} decode_sum amax"), &dag, &dac)?;
+                    // Each rank's own scales ([N, T]: rank r's times
+                    // 2^(r % 3)), the last rank's first one NaN (its
+                    // non-finite flag), as the all-reduce decodes them.
+                    let si = sic.to_vec1::<f32>()?;
+                    let t = si.len();
+                    let per: Vec<f32> = (0..ranks)
+                        .flat_map(|r| {
+                            si.iter().enumerate().map(move |(i, s)| {
+                                if ranks > 1 && r == ranks - 1 && i == 0 {
+                                    f32::NAN
+                                } else {
+                                    s * (1u32 << (r % 3)) as f32
+                                }
+                            })
+                        })
+                        .collect();
+                    let pc = Tensor::from_vec(per, (ranks, t), &Device::Cpu)?;
+                    let pg = pc.to_device(dev)?;
+                    let w = format!("{w} own scales");
+                    let (sumc, amc) = bucket_decode_sum(&chunks, &pc, qtype, average, &dp)?;
+                    let (sumg, amg) = bucket_decode_sum(&gchunks, &pg, qtype, average, &dp)?;
+                    ok &= same_nan(&format!("{w} bucket_decode_sum"), &sumg, &sumc)?;
+                    ok &= same(&format!("{w} bucket_decode_sum amax"), &amg, &amc)?;
+                    let ag = bucket_decode_amax(&gchunks, &pg, qtype, average, &dp)?;
+                    ok &= same(&format!("{w} bucket_decode_amax"), &ag, &amc)?;
+                    let cc = bucket_decode_sum_quantize(&chunks, &pc, qtype, average, &dp, &sc)?;
+                    let cg = bucket_decode_sum_quantize(&gchunks, &pg, qtype, average, &dp, &sg)?;
+                    ok &= same(&format!("{w} bucket_decode_sum_quantize"), &cg, &cc)?;
+                    let col = pc.narrow(1, 2, 1)?.flatten_all()?;
+                    let (dc, dac) = decode_sum(&chunks, &col, qtype, average)?;
+                    let (dg, dag) = decode_sum(&gchunks, &col.to_device(dev)?, qtype, average)?;
+                    ok &= same_nan(&format!("{w} decode_sum"), &dg, &dc)?;
+                    ok &= same_nan(&format!("{w} decode_sum amax"), &dag, &dac)?;
                 }
             }
         }
     }
+    // The scales a rank sends: scale_inv, NaN where the amax is not finite.
+    let sinvs: Vec<f32> = (0..70).map(|i| 2f32.powi(i % 9 - 4)).collect();
+    let amaxes: Vec<f32> = (0..70)
+        .map(|i| match i % 7 {
+            3 => f32::INFINITY,
+            5 => f32::NAN,
+            _ => i as f32,
+        })
+        .collect();
+    let one = |v: f32, d: &Device| Tensor::new(&[v], d);
+    let flags = |d: &Device| -> Result<Tensor> {
+        let s = sinvs
+            .iter()
+            .map(|&v| one(v, d))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let a = amaxes
+            .iter()
+            .map(|&v| one(v, d))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(bucket_flag_scale_inv(&refs(&s), &refs(&a))?)
+    };
+    let (fc, fg) = (flags(&Device::Cpu)?, flags(dev)?);
+    ok &= same_nan("bucket_flag_scale_inv", &fg, &fc)?;
+    let v = fc.to_vec1::<f32>()?;
+    ensure!(
+        v.iter().enumerate().all(|(i, x)| match i % 7 {
+            3 | 5 => x.is_nan(),
+            _ => *x == sinvs[i],
+        }),
+        "bucket_flag_scale_inv: {v:?}"
+    );
     ensure!(ok, "the bucket kernels differ from the CPU");
     Ok(())
 }

@@ -199,6 +199,21 @@ impl Kernel for BucketRequantize {
     }
 }
 
+/// Of a bucket decode's `scale_inv` for `ranks` chunks: the number of
+/// tensors, and whether each rank has its own scales (`[N, T]`: rank `k`'s
+/// codes of tensor `t` decoded with element `[k, t]`) or all share them
+/// (`[T]`).
+fn scale_layout(shape: &Shape, ranks: usize) -> Result<(usize, bool)> {
+    match shape.dims() {
+        [t] => Ok((*t, false)),
+        [n, t] if *n == ranks => Ok((*t, true)),
+        _ => Err(Error::Unsupported {
+            op: BucketDecodeSum::NAME,
+            what: format!("scales of shape {shape:?} for {ranks} chunks"),
+        }),
+    }
+}
+
 /// What a bucket decode-and-sum launch makes of the sums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SumOut {
@@ -211,7 +226,7 @@ pub(crate) enum SumOut {
     Codes,
 }
 
-/// chunk_0..N-1 (U8), scale_inv [T] (and scale [T] for [`SumOut::Codes`])
+/// chunk_0..N-1 (U8), scale_inv [T] or [N, T] (and scale [T] for [`SumOut::Codes`])
 /// -> by `out`: sums [sum of piece lengths] and amax [T] (0 for a tensor
 /// without a piece, NaN as inf); amax [T]; codes [sum of piece lengths].
 pub(crate) struct BucketDecodeSum {
@@ -238,6 +253,7 @@ impl Kernel for BucketDecodeSum {
             return Err(arity(Self::NAME));
         };
         let scale_inv = slice::<f32>(Self::NAME, s, ls)?;
+        let (tensors, per_rank) = scale_layout(ls.shape(), chunks.len())?;
         let codes = chunks
             .iter()
             .map(|(c, l)| slice::<u8>(Self::NAME, c, l))
@@ -248,7 +264,7 @@ impl Kernel for BucketDecodeSum {
         };
         let mut sums = Vec::new();
         let mut coded = Vec::new();
-        let mut amax = vec![0f32; scale_inv.len()];
+        let mut amax = vec![0f32; tensors];
         for p in &self.pieces {
             let parts: Vec<(CpuStorage, Layout)> = codes
                 .iter()
@@ -258,7 +274,16 @@ impl Kernel for BucketDecodeSum {
                         .ok_or_else(|| arity(Self::NAME))
                 })
                 .collect::<Result<_>>()?;
-            let si = f32_one(*scale_inv.get(p.tensor).ok_or_else(|| arity(Self::NAME))?);
+            // tensor t's scale for every rank, or each rank's own
+            let si: Vec<f32> = if per_rank {
+                (0..chunks.len())
+                    .map(|k| scale_inv.get(k * tensors + p.tensor).copied())
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| arity(Self::NAME))?
+            } else {
+                vec![*scale_inv.get(p.tensor).ok_or_else(|| arity(Self::NAME))?]
+            };
+            let si = (CpuStorage::F32(si.clone()), Layout::contiguous(si.len()));
             let mut args: Vec<(&CpuStorage, &Layout)> = parts.iter().map(|(c, l)| (c, l)).collect();
             args.push((&si.0, &si.1));
             let r = op.cpu(&args)?;
@@ -462,11 +487,12 @@ pub fn bucket_requantize(
 
 /// For each piece, the rank-order sum of `chunks`' codes (one flat `U8`
 /// tensor a rank, the piece at `start` in each) decoded with element
-/// `piece.tensor` of `scale_inv`, divided by the number of chunks when
-/// `average`; the sums concatenated (F32), and each tensor's amax of its
-/// piece (a vector as long as `scale_inv`; 0 for a tensor without a piece,
-/// NaN counted as inf), in one launch: bit for bit
-/// [`decode_sum`](crate::decode_sum) of each piece.
+/// `piece.tensor` of `scale_inv` (`[T]`, every rank alike) or rank `k`'s
+/// with element `[k, piece.tensor]` (`[N, T]`, each rank's own scales),
+/// divided by the number of chunks when `average`; the sums concatenated
+/// (F32), and each tensor's amax of its piece (a vector of `T`; 0 for a
+/// tensor without a piece, NaN counted as inf), in one launch: bit for bit
+/// [`decode_sum`](crate::decode_sum) of each piece with those scales.
 ///
 /// # Errors
 /// [`Error::Unsupported`] for FP16, no chunk or more than 64, a piece
@@ -492,7 +518,7 @@ pub fn bucket_decode_sum(
 }
 
 /// The amaxes of [`bucket_decode_sum`] alone, without storing the sums:
-/// a vector as long as `scale_inv`, bit for bit its second output, reading
+/// a vector of `T`, bit for bit its second output, reading
 /// the codes once and writing nothing else. With
 /// [`bucket_decode_sum_quantize`] after it, the two passes make what
 /// `bucket_decode_sum` and [`bucket_quantize`] make, without the F32 sums
@@ -527,7 +553,7 @@ pub fn bucket_decode_amax(
 /// code is made from the same F32 value.
 ///
 /// # Errors
-/// As [`bucket_decode_sum`], and for a `scale` shorter than `scale_inv`.
+/// As [`bucket_decode_sum`], and for a `scale` of fewer than `T` elements.
 pub fn bucket_decode_sum_quantize(
     chunks: &[Tensor],
     scale_inv: &Tensor,
@@ -536,14 +562,11 @@ pub fn bucket_decode_sum_quantize(
     pieces: &[Piece],
     scale: &Tensor,
 ) -> Result<Tensor> {
-    if scale.elem_count() < scale_inv.elem_count() {
+    let tensors = scale_layout(scale_inv.shape(), chunks.len())?.0;
+    if scale.elem_count() < tensors {
         return Err(Error::Unsupported {
             op: BucketDecodeSum::NAME,
-            what: format!(
-                "{} scales for {} tensors",
-                scale.elem_count(),
-                scale_inv.elem_count()
-            ),
+            what: format!("{} scales for {tensors} tensors", scale.elem_count()),
         });
     }
     let [c] = <[Tensor; 1]>::try_from(decode_launch(
@@ -573,7 +596,7 @@ fn decode_launch(
     const OP: &str = BucketDecodeSum::NAME;
     fp8(OP, qtype)?;
     let len = chunks.first().map_or(0, Tensor::elem_count);
-    let tensors = scale_inv.elem_count();
+    let tensors = scale_layout(scale_inv.shape(), chunks.len())?.0;
     if chunks.is_empty()
         || chunks.len() > crate::numerics::decode_sum::MAX_RANKS
         || chunks.iter().any(|c| c.elem_count() != len)
@@ -629,6 +652,49 @@ pub fn bucket_quantize(
         pieces: pieces.to_vec(),
     };
     let [c] = <[Tensor; 1]>::try_from(launch(&op, &[values, scale])?).map_err(|_| arity(OP))?;
+    Ok(c)
+}
+
+/// scale_inv_0..T-1, amax_0..T-1 (one element each) -> [T].
+pub(crate) struct BucketFlagScaleInv;
+
+impl Kernel for BucketFlagScaleInv {
+    const NAME: &'static str = "bucket_flag_scale_inv";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let t = inputs.len() / 2;
+        if t == 0 || inputs.len() != 2 * t {
+            return Err(arity(Self::NAME));
+        }
+        let out = (0..t)
+            .map(|i| {
+                let (s, ls) = inputs[i];
+                let (a, la) = inputs[t + i];
+                Ok(scalar(Self::NAME, s, ls)? * (scalar(Self::NAME, a, la)? * 0.0 + 1.0))
+            })
+            .collect::<Result<Vec<f32>>>()?;
+        Ok(vec![(CpuStorage::F32(out), Shape::from(t))])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_flag_scale_inv(inputs)
+    }
+}
+
+/// Each tensor's `scale_invs[t]` where its `amaxes[t]` is finite and NaN
+/// where it is not (`scale_inv * (amax * 0 + 1)` in f32), as one `[T]`
+/// vector, in one launch (that follows a
+/// [`SideStream`](crate::SideStream)): the scales a rank sends with its
+/// own codes, a non-finite source carried by its scale to every rank that
+/// decodes them.
+///
+/// # Errors
+/// [`Error::Unsupported`] for no tensor or lists of different lengths;
+/// candle's for a scale or amax that is not one F32.
+pub fn bucket_flag_scale_inv(scale_invs: &[&Tensor], amaxes: &[&Tensor]) -> Result<Tensor> {
+    check_lists(BucketFlagScaleInv::NAME, scale_invs, amaxes)?;
+    let mut inputs: Vec<&Tensor> = scale_invs.to_vec();
+    inputs.extend_from_slice(amaxes);
+    let [c] = <[Tensor; 1]>::try_from(launch(&BucketFlagScaleInv, &inputs)?)
+        .map_err(|_| arity(BucketFlagScaleInv::NAME))?;
     Ok(c)
 }
 

@@ -78,6 +78,10 @@ pub(crate) fn bucket_max(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn bucket_flag_scale_inv(_: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn bucket_concat(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

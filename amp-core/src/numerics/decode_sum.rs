@@ -7,7 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::numerics::cast::{amax_of, one};
-use crate::numerics::kernel::{arity, launch, scalar, slice, Kernel};
+use crate::numerics::kernel::{arity, launch, slice, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::check_scale;
 use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
@@ -41,10 +41,21 @@ impl Kernel for DecodeSum {
                 what: "FP16 codes".into(),
             });
         };
-        let scale_inv = scalar(Self::NAME, s, ls)?;
-        check_scale(Self::NAME, scale_inv)?;
         if chunks.is_empty() {
             return Err(arity(Self::NAME));
+        }
+        // one scale for every chunk, or one a chunk
+        let scale_invs = slice::<f32>(Self::NAME, s, ls)?;
+        if scale_invs.len() != 1 && scale_invs.len() != chunks.len() {
+            return Err(Error::Shape {
+                op: Self::NAME,
+                lhs: Shape::from(chunks.len()),
+                rhs: ls.shape().clone(),
+            });
+        }
+        // NaN is a rank's non-finite flag (its values decode to NaN)
+        for &si in scale_invs.iter().filter(|s| !s.is_nan()) {
+            check_scale(Self::NAME, si)?;
         }
         let shape = chunks[0].1.shape().clone();
         let mut sum = vec![0f32; shape.elem_count()];
@@ -59,6 +70,7 @@ impl Kernel for DecodeSum {
                 });
             }
             let dst = if k == 0 { &mut sum } else { &mut part };
+            let scale_inv = scale_invs[if scale_invs.len() == 1 { 0 } else { k }];
             format.decode_scaled_slice(codes, scale_inv, dst)?;
             if k > 0 {
                 for (y, p) in sum.iter_mut().zip(&part) {
@@ -82,8 +94,10 @@ impl Kernel for DecodeSum {
 }
 
 /// The rank-order sum of `chunks` (FP8 codes of `qtype`, `U8`, one length
-/// each, 1 to 64 of them), every code decoded with `scale_inv`, divided by
-/// the number of chunks when `average`: bit for bit
+/// each, 1 to 64 of them), every code decoded with `scale_inv` (one
+/// element for every chunk, or one a chunk: chunk `k` with element `k`; a
+/// NaN scale decodes its chunk to NaN, a rank's non-finite flag),
+/// divided by the number of chunks when `average`: bit for bit
 /// `(dequantize(c_0) + dequantize(c_1) + ..) / N` composed of candle ops,
 /// in one pass without an F32 copy of each chunk. Returns the F32 sum and
 /// its amax (NaN when it holds a NaN).
@@ -102,7 +116,8 @@ impl Kernel for DecodeSum {
 ///
 /// # Errors
 /// [`Error::Unsupported`] for FP16 codes, no chunk or more than 64;
-/// [`Error::Shape`] for chunks of different lengths; [`Error::DType`].
+/// [`Error::Shape`] for chunks of different lengths or a `scale_inv` of
+/// another length; [`Error::DType`].
 pub fn decode_sum(
     chunks: &[Tensor],
     scale_inv: &Tensor,

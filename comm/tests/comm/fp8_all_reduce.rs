@@ -204,13 +204,15 @@ fn fp8_sends_a_quarter_of_the_f32_all_reduce() {
         for (r, (fp8, f32_bytes)) in out.into_iter().enumerate() {
             let own = (len / world + usize::from(r < len % world)) as u64;
             let data = l - own + (n - 1) * own;
-            // Two one-element F32 all-reduces (the amaxes); rank 0 owns the element.
+            // The scales' gather (4 bytes to each other rank) and one
+            // one-element F32 all-reduce (the result's amax; rank 0 owns
+            // the element).
             let scalars = if n == 1 {
                 0
             } else if r == 0 {
-                2 * 4 * (n - 1)
+                4 * (n - 1) + 4 * (n - 1)
             } else {
-                2 * 4
+                4 * (n - 1) + 4
             };
             assert_eq!(f32_bytes, 4 * data, "N={world} rank {r}");
             assert_eq!(fp8, data + scalars, "N={world} rank {r}");

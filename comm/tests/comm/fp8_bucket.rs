@@ -170,9 +170,10 @@ fn expected_bytes(lens: &[usize], world: usize, r: usize) -> (u64, u64) {
     let s_r = shard_len(l, r, world) as i64;
     let a_r = shard_len(lens.len(), r, world) as i64;
     let big_s_r: i64 = lens.iter().map(|&lt| shard_len(lt, r, world) as i64).sum();
-    let bucket = 8 * (t + (n - 2) * a_r) + l as i64 + (n - 2) * s_r;
+    // the scales' gather, the result amaxes' all-reduce, the codes
+    let bucket = 4 * (n - 1) * t + 4 * (t + (n - 2) * a_r) + l as i64 + (n - 2) * s_r;
     let r0 = i64::from(r == 0);
-    let single = 8 * t * (1 + (n - 2) * r0) + l as i64 + (n - 2) * big_s_r;
+    let single = 4 * (n - 1) * t + 4 * t * (1 + (n - 2) * r0) + l as i64 + (n - 2) * big_s_r;
     (bucket as u64, single as u64)
 }
 

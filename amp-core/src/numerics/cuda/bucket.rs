@@ -3,7 +3,7 @@
 //! `BucketArgs`; more items take more launches into the same outputs.
 
 use super::decode_sum::SUM_MAX;
-use super::launch::{func, multiprocessors, view};
+use super::launch::{func, multiprocessors, scalar as scalar_view, view};
 use crate::error::{Error, Result};
 use crate::numerics::bucket::{Piece, SumOut};
 use crate::numerics::kernel::arity;
@@ -319,6 +319,55 @@ pub(crate) fn bucket_max(inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(Cuda
     Ok(vec![wrap_f32(out, &dev, n)])
 }
 
+/// scale_inv_0..T-1, amax_0..T-1 (one element each) -> [T]:
+/// scale_inv_t * (amax_t * 0 + 1).
+pub(crate) fn bucket_flag_scale_inv(
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_flag_scale_inv";
+    let t = inputs.len() / 2;
+    if t == 0 || inputs.len() != 2 * t {
+        return Err(arity(OP));
+    }
+    let dev = inputs[0].0.device().clone();
+    let stream = current_stream(&dev);
+    let views = inputs
+        .iter()
+        .map(|(s, l)| scalar_view(OP, s, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut guards = Vec::with_capacity(views.len());
+    let mut ptrs = Vec::with_capacity(views.len());
+    for v in &views {
+        let (p, g) = v.device_ptr(&stream);
+        ptrs.push(p);
+        guards.push(g);
+    }
+    // SAFETY: the launches write every element.
+    let mut out = unsafe { stream.alloc::<f32>(t) }.w()?;
+    let f = func(&dev, OP)?;
+    for (c, chunk) in (0..t).collect::<Vec<_>>().chunks(ITEMS).enumerate() {
+        let mut a = BucketArgs::new();
+        for (k, &i) in chunk.iter().enumerate() {
+            a.src[k] = ptrs[i];
+            a.aux[k] = ptrs[t + i];
+            a.len[k] = 1;
+            a.t[k] = (c * ITEMS + k) as i32;
+        }
+        let count = chunk.len() as i32;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a).arg(&count).arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (ITEMS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every pointer is a live one-element F32 (`guards`); t < T.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guards);
+    Ok(vec![wrap_f32(out, &dev, t)])
+}
+
 /// src (U8) -> the pieces' bytes, concatenated.
 pub(crate) fn bucket_copy(
     pieces: &[Piece],
@@ -507,7 +556,13 @@ pub(crate) fn bucket_decode_sum(
     }
     let dev = s.device().clone();
     let stream = current_stream(&dev);
-    let tensors = ls.shape().elem_count();
+    // `[T]`: every rank's codes of tensor t with element t; `[N, T]`:
+    // rank k's with element [k, t]
+    let (tensors, s_stride): (usize, i32) = match ls.shape().dims() {
+        [ranks, t] if *ranks == chunks.len() => (*t, *t as i32),
+        [t] => (*t, 0),
+        _ => return Err(arity(OP)),
+    };
     let scale_inv = view::<f32>(OP, s, ls)?;
     let views = chunks
         .iter()
@@ -566,6 +621,7 @@ pub(crate) fn bucket_decode_sum(
             .arg(&ptrs)
             .arg(&ranks)
             .arg(&scale_inv)
+            .arg(&s_stride)
             .arg(&avg)
             .arg(&inv_n);
         // the kernel's trailing parameters, in its order

@@ -1,7 +1,7 @@
 //! Launch of `decode_sum_<fmt>` (`kernels/amp.cu`): the chunks' addresses
 //! passed by value, as `gather_scalars` passes its scalars.
 
-use super::launch::{func, grid, scalar, view};
+use super::launch::{func, grid, view};
 use crate::error::{Error, Result};
 use crate::numerics::kernel::arity;
 use crate::numerics::qtype::QType;
@@ -13,7 +13,8 @@ use candle_core::{Layout, Shape};
 /// Most chunks one launch sums (`SUM_MAX` in amp.cu).
 pub(crate) const SUM_MAX: usize = 64;
 
-/// chunks, scale_inv -> sum, amax; `inv_n` the averaging factor.
+/// chunks, scale_inv (1 element, or one a chunk) -> sum, amax; `inv_n`
+/// the averaging factor.
 pub(crate) fn decode_sum(
     qtype: QType,
     average: bool,
@@ -41,7 +42,19 @@ pub(crate) fn decode_sum(
     let stream = dev.cuda_stream();
     let shape = chunks[0].1.shape().clone();
     let n = shape.elem_count();
-    let scale_inv = scalar(OP, s, ls)?;
+    // one scale for every chunk, or one a chunk (rank k's at element k)
+    let s_stride: i32 = match ls.shape().elem_count() {
+        1 => 0,
+        k if k == chunks.len() => 1,
+        _ => {
+            return Err(Error::Shape {
+                op: OP,
+                lhs: Shape::from(chunks.len()),
+                rhs: ls.shape().clone(),
+            })
+        }
+    };
+    let scale_inv = view::<f32>(OP, s, ls)?;
     // `SumPtrs` in amp.cu
     let mut ptrs = [0u64; SUM_MAX];
     let mut views = Vec::with_capacity(chunks.len());
@@ -72,6 +85,7 @@ pub(crate) fn decode_sum(
         b.arg(&ptrs)
             .arg(&ranks)
             .arg(&scale_inv)
+            .arg(&s_stride)
             .arg(&avg)
             .arg(&inv_n)
             .arg(&mut out)
