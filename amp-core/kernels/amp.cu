@@ -685,6 +685,21 @@ extern "C" __global__ void bucket_flag_scale_inv(BucketArgs a, int count, float*
     out[a.t[i]] = __fmul_rn(s, __fadd_rn(__fmul_rn(m, 0.0f), 1.0f));
 }
 
+// out[c] = max over the rows r of m[r * cols + start + c], NaN counted as
+// inf (values at least 0: amaxes), from 0 in row order (the CPU's fold).
+extern "C" __global__ void bucket_column_max(const float* m, int rows, int cols, int start, int count,
+                                             float* out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= count) return;
+    float acc = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        float x = m[(size_t)r * cols + start + c];
+        if (x != x) x = __int_as_float(0x7f800000);
+        if (x > acc) acc = x;
+    }
+    out[c] = acc;
+}
+
 // out[i] = max(a[i], b[i]) for two amax vectors without NaN (the CPU's
 // `if b > a { b } else { a }`).
 extern "C" __global__ void bucket_max(const float* a, const float* b, float* out, int n) {

@@ -55,9 +55,9 @@ pub use gemm::block::{block_gemm, block_gemm_fused, supported_tilings};
 pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
 pub use numerics::block::{Tiling, TILE as BLOCK_TILE};
 pub use numerics::bucket::{
-    bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
-    bucket_decode_sum_quantize, bucket_flag_scale_inv, bucket_max, bucket_quantize,
-    bucket_requantize, bucket_scales, Piece,
+    bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,
+    bucket_decode_amax, bucket_decode_sum, bucket_decode_sum_quantize, bucket_flag_scale_inv,
+    bucket_max, bucket_quantize, bucket_requantize, bucket_scales, Piece,
 };
 pub use numerics::capability::{check_capability, parse_capability, MIN_COMPUTE_CAPABILITY};
 pub use numerics::cast::F16_NAN_BITS;

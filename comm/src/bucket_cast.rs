@@ -1,10 +1,8 @@
-//! The casts of the bucketed FP8 collectives: ZeRO's first half (each
-//! gradient's amax, the amaxes agreed by all ranks as one vector, one
-//! all-reduce(max) for the bucket, and each gradient cast to FP8 with its
-//! own agreed scale; an FP8 gradient re-cast from its codes in one pass,
-//! [`ScalingTensor::requantize_with`], never through an F32 copy), and the
-//! rank-order decode and sum of the all-reduce, each rank's codes with
-//! their own scale. Both bit for bit the per-tensor functions.
+//! What the bucketed FP8 collectives share: their inputs, the agreement
+//! of a vector of amaxes (one all-reduce(max) for a bucket; ZeRO's weight
+//! gather casts each slice with its own agreed scale), and the rank-order
+//! decode and sum of the reductions, each rank's codes with their own
+//! scale. Each bit for bit the per-tensor functions' steps.
 
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
@@ -135,23 +133,6 @@ pub(crate) fn metas_of(
             )?)
         })
         .collect()
-}
-
-/// Steps 1-2 of every bucketed collective: per input its agreed metadata
-/// and its flat codes cast with it, and the agreed amaxes as a vector.
-pub(crate) fn cast_agreed<C: Communicator + ?Sized>(
-    comm: &C,
-    inputs: &[Input],
-    cfg: &Fp8ReduceConfig,
-) -> Result<(Vec<ScalingMeta>, Vec<Tensor>, Tensor)> {
-    let amaxes = inputs.iter().map(Input::amax).collect::<Result<Vec<_>>>()?;
-    let (metas, global) = agreed_metas(comm, &amaxes, cfg)?;
-    let codes = inputs
-        .iter()
-        .zip(&metas)
-        .map(|(x, m)| x.cast(m))
-        .collect::<Result<Vec<_>>>()?;
-    Ok((metas, codes, global))
 }
 
 /// The concatenation of the non-empty `parts` (1-D, one dtype); a view of

@@ -119,8 +119,9 @@ pub struct ReducedShard {
     pub range: Range<usize>,
     /// The gradient's shape.
     pub shape: Shape,
-    /// The agreed amax of the inputs (F32, one element, bitwise the same
-    /// on every rank; inf when any rank's gradient held inf or NaN).
+    /// The agreed amax of the inputs: the largest of the ranks' amaxes as
+    /// their casts recorded them (F32, one element, bitwise the same on
+    /// every rank; inf when any rank's gradient held inf or NaN).
     pub amax: Tensor,
 }
 
@@ -215,9 +216,12 @@ pub(crate) fn float_input(op: &'static str, grad: Grad<'_>) -> Result<Tensor> {
     }
 }
 
-/// Steps 1-4 of [`fp8_all_reduce`]: this rank's chunk
+/// Steps 1-3 of [`fp8_all_reduce`]: this rank's chunk
 /// (`shard_range(L, rank, N)`) of the sum (or mean) of every rank's
-/// `grad`, exchanged as FP8 with one agreed scale, summed in F32.
+/// `grad`, exchanged as FP8 with each rank's own scale, summed in F32; and
+/// the agreed amax of the inputs (every rank's amax, as its cast recorded
+/// it, gathered with the scales: the largest, NaN counted as inf). ZeRO's
+/// first half.
 ///
 /// # Errors
 /// [`Error::DType`] for a gradient that is not a float tensor, and the
@@ -227,38 +231,34 @@ pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<ReducedShard> {
-    let x = float_input("fp8_reduce_scatter", grad.into())?;
+    let own = own_codes("fp8_reduce_scatter", grad.into(), cfg)?;
     let (n, rank) = (comm.world_size(), comm.rank());
-    let shape = x.shape().clone();
-    let len = x.elem_count();
-    let flat = x.flatten_all()?;
-    let meta = agreed_meta(comm, &local_amax(&flat, cfg.qtype)?, cfg)?;
-    let (q, _) = ScalingTensor::quantize_with(&flat, &meta)?;
+    let shape = own.shape().clone();
+    let len = shape.elem_count();
+    let flat = own.data().flatten_all()?;
     let chunks = (0..n)
         .map(|j| {
             let r = shard_range(len, j, n);
-            q.data().narrow(0, r.start, r.len())
+            flat.narrow(0, r.start, r.len())
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let range = shard_range(len, rank, n);
-    let mut sum = Tensor::zeros(range.len(), DType::F32, comm.device())?;
-    for (i, codes) in comm.all_to_all(&chunks)?.into_iter().enumerate() {
-        let part = ScalingTensor::from_parts(codes, meta.clone())?.dequantize(DType::F32)?;
-        // Rank order, from rank 0's values (not 0 + x: keeps -0.0).
-        sum = if i == 0 { part } else { (sum + part)? };
-    }
-    if cfg.average && n > 1 {
-        sum = (sum / n as f64)?;
-    }
+    let received = comm.all_to_all(&chunks)?;
+    let amax = own.meta().amax()?;
+    let flag = amp_core::bucket_flag_scale_inv(&[own.meta().scale_inv()], &[&amax])?;
+    let gathered = comm.all_gather(&amp_core::bucket_concat(&[&flag, &amax])?)?;
+    let agreed = amp_core::bucket_column_max(&gathered, 1, 1)?;
+    let scale_invs = gathered.narrow(1, 0, 1)?.flatten_all()?;
+    let (sum, _) =
+        crate::bucket_cast::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
     Ok(ReducedShard {
         shard: sum,
-        range,
+        range: shard_range(len, rank, n),
         shape,
-        amax: meta.amax()?,
+        amax: agreed,
     })
 }
 
-/// Steps 5-6 of [`fp8_all_reduce`] (and ZeRO's weight all-gather): every
+/// Steps 4-5 of [`fp8_all_reduce`] (and ZeRO's weight all-gather): every
 /// rank passes its chunk (`shard_range(L, rank, N)` of a tensor of
 /// `shape`, float), all agree on one scale from the chunks' amaxes, and
 /// every rank gets the whole tensor as FP8 with that scale.

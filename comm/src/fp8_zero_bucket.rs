@@ -14,14 +14,15 @@
 //! A bucket boundary never falls inside a tensor.
 
 use crate::bucket_cast::{
-    agreed_metas, cast_agreed, cat_nonempty, fused, inputs, metas_of, rank_order_mean, Input,
+    agreed_metas, cat_nonempty, fused, inputs, metas_of, rank_order_mean, Input,
 };
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
 use crate::shard::{shard_len, shard_range};
 use amp_core::{
-    bucket_amax, bucket_copy, bucket_decode_sum, bucket_requantize, bucket_scales, Piece, QType,
+    bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,
+    bucket_decode_sum, bucket_flag_scale_inv, bucket_requantize, bucket_scales, Piece, QType,
     ScalingTensor,
 };
 use candle_core::{DType, Shape, Tensor};
@@ -40,16 +41,19 @@ fn chunk_offsets(lens: &[usize], r: usize, n: usize) -> (Vec<usize>, usize) {
 
 /// [`fp8_reduce_scatter`](crate::fp8_reduce_scatter) of every gradient of
 /// a bucket: element `t` is bitwise what it returns for `grads[t]` (the
-/// shard `shard_range(L_t, rank, N)` of the rank-order F32 mean, its
-/// range, shape and agreed amax), with one amax all-reduce and one
-/// `all_to_all` for the bucket (see the module docs for the layout). Every
-/// rank passes the same shapes in the same order; an empty bucket returns
-/// an empty vector without communicating.
+/// shard `shard_range(L_t, rank, N)` of the rank-order F32 mean, each
+/// rank's codes decoded with its own scale, its range, shape and agreed
+/// amax), with one gather of the scales and amaxes and one `all_to_all`
+/// for the bucket (see the module docs for the layout). Every rank passes
+/// the same shapes in the same order; an empty bucket returns an empty
+/// vector without communicating. The layers' FP8 gradients are sent as
+/// they are (cut into the ranks' chunks in one launch; a bucket of one
+/// tensor without a copy).
 ///
-/// Bytes sent by rank `r`: `8 (T + (N - 2) a_r)` for the amaxes (as
-/// `fp8_all_reduce_bucket`'s first agreement) and `S - S_r` bytes of codes
-/// (`S` = all `L_t` summed): the codes of the per-tensor calls, amaxes in
-/// one message instead of `T`.
+/// Bytes sent by rank `r`: `8 (N - 1) T` for the scales and amaxes (`2 T`
+/// F32 values gathered) and `S - S_r` bytes of codes (`S` = all `L_t`
+/// summed): the codes of the per-tensor calls, scales in one message
+/// instead of `T`.
 ///
 /// # Errors
 /// [`Error::DType`] for a gradient that is not a float tensor or a
@@ -77,7 +81,18 @@ where
             None => body(),
         };
     }
-    let (metas, codes, _) = cast_agreed(comm, &inputs, cfg)?;
+    // Each tensor's codes with this rank's own scale; the scales (NaN
+    // where an amax is not finite) and the amaxes gathered as one vector.
+    let own = inputs
+        .iter()
+        .map(|x| x.own_codes(cfg))
+        .collect::<Result<Vec<_>>>()?;
+    let codes = own
+        .iter()
+        .map(|s| s.data().flatten_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let t_count = own.len();
+    let (scale_invs, agreed) = gather_scales(comm, &own.iter().collect::<Vec<_>>())?;
     let chunks = (0..n)
         .map(|j| {
             let parts = codes
@@ -93,27 +108,48 @@ where
         .collect::<Result<Vec<_>>>()?;
     let received = comm.all_to_all(&chunks)?;
     let (offsets, _) = chunk_offsets(&lens, rank, n);
-    (0..inputs.len())
+    (0..t_count)
         .map(|t| {
             let range = shard_range(lens[t], rank, n);
             let parts = received
                 .iter()
                 .map(|c| c.narrow(0, offsets[t], range.len()))
                 .collect::<candle_core::Result<Vec<_>>>()?;
+            let column = scale_invs.narrow(1, t, 1)?.flatten_all()?;
             Ok(ReducedShard {
-                shard: rank_order_mean(
-                    &parts,
-                    metas[t].scale_inv(),
-                    metas[t].qtype(),
-                    cfg.average,
-                )?
-                .0,
+                shard: rank_order_mean(&parts, &column, own[t].qtype(), cfg.average)?.0,
                 range,
                 shape: shapes[t].clone(),
-                amax: metas[t].amax()?,
+                amax: agreed.narrow(0, t, 1)?,
             })
         })
         .collect()
+}
+
+/// The scales every rank decodes a bucket with, and the agreed amaxes of
+/// the inputs, from one gather: each rank sends its `T` scale_invs (NaN
+/// where the tensor's amax is not finite) and its `T` amaxes, `[2T]`;
+/// returns the gathered `[N, 2T]` (rank `k`'s scale of tensor `t` at
+/// `[k, t]`) and the column maxima of the amaxes (`[T]`, NaN as inf).
+/// Bucket kernels and one collective only (it may run on the
+/// communicator's stream).
+fn gather_scales<C: Communicator + ?Sized>(
+    comm: &C,
+    own: &[&ScalingTensor],
+) -> Result<(Tensor, Tensor)> {
+    let t = own.len();
+    let sinv: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
+    let amax = own
+        .iter()
+        .map(|s| s.meta().amax())
+        .collect::<amp_core::Result<Vec<_>>>()?;
+    let amax: Vec<&Tensor> = amax.iter().collect();
+    let flags = bucket_flag_scale_inv(&sinv, &amax)?;
+    let mut sent: Vec<&Tensor> = vec![&flags];
+    sent.extend(&amax);
+    let gathered = comm.all_gather(&bucket_concat(&sent)?)?;
+    let agreed = bucket_column_max(&gathered, t, t)?;
+    Ok((gathered, agreed))
 }
 
 /// [`fp8_reduce_scatter_bucket`] of the layers' FP8 gradients, every step
@@ -130,10 +166,7 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
     let (n, rank) = (comm.world_size(), comm.rank());
     let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
     let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
-    let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
-    let amax = bucket_amax(&codes_in, &sinv_in, qtype)?;
-    let global = comm.all_reduce_max_no_nan(&amax)?;
-    let (scale, scale_inv) = bucket_scales(&global, qtype, cfg.scale_rule, cfg.margin)?;
+    let (scale_invs, agreed) = gather_scales(comm, scaled)?;
     let pieces: Vec<Piece> = (0..n)
         .flat_map(|j| {
             lens.iter().enumerate().map(move |(t, &l)| {
@@ -147,15 +180,11 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
         })
         .filter(|p| p.len > 0)
         .collect();
-    let codes = bucket_requantize(
-        &codes_in,
-        &sinv_in,
-        qtype,
-        &scale,
-        Some(&pieces),
-        None,
-        None,
-    )?;
+    // The chunks in rank order: one tensor's codes are already in it.
+    let codes = match codes_in.as_slice() {
+        [one] if one.is_contiguous() => one.flatten_all()?,
+        _ => bucket_copy_from(&codes_in, &pieces)?,
+    };
     let mut at = 0;
     let chunks = (0..n)
         .map(|j| {
@@ -183,10 +212,12 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
             len: shard_len(l, rank, n),
         })
         .collect();
+    // rank k's codes of tensor t decoded with the gathered [k, t] (the
+    // amaxes in columns T.. are not read)
     let sums = if mine == 0 {
         None
     } else {
-        Some(bucket_decode_sum(&received, &scale_inv, qtype, cfg.average, &decode)?.0)
+        Some(bucket_decode_sum(&received, &scale_invs, qtype, cfg.average, &decode)?.0)
     };
     slices
         .into_iter()
@@ -196,13 +227,13 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
             let shard = match &sums {
                 Some(s) => s.narrow(0, at, range.len())?,
                 // nothing of this bucket on this rank: an empty view
-                None => global.narrow(0, 0, 0)?,
+                None => agreed.narrow(0, 0, 0)?,
             };
             Ok(ReducedShard {
                 shard,
                 range,
                 shape: shape.clone(),
-                amax: global.narrow(0, t, 1)?,
+                amax: agreed.narrow(0, t, 1)?,
             })
         })
         .collect()

@@ -8,9 +8,9 @@
 use crate::util::{same, Rng};
 use amp::cuda::SideStream;
 use amp::kernels::{
-    bucket_amax, bucket_concat, bucket_copy, bucket_decode_amax, bucket_decode_sum,
-    bucket_decode_sum_quantize, bucket_flag_scale_inv, bucket_max, bucket_quantize,
-    bucket_requantize, bucket_scales, decode_sum, Piece,
+    bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,
+    bucket_decode_amax, bucket_decode_sum, bucket_decode_sum_quantize, bucket_flag_scale_inv,
+    bucket_max, bucket_quantize, bucket_requantize, bucket_scales, decode_sum, Piece,
 };
 use amp::{CurrentScaling, QType, ScaleRule, ScalingTensor};
 use anyhow::{ensure, Result};
@@ -266,6 +266,55 @@ fn bucket_kernels(dev: &Device) -> Result<()> {
             }
         }
     }
+    // ZeRO's chunks cut straight from several tensors' codes, and the
+    // agreed amaxes of a gathered [N, 2T] (NaN counted as inf).
+    let srcs: Vec<Tensor> = (0..3usize)
+        .map(|t| {
+            let v: Vec<u8> = (0..1000 + 77 * t)
+                .map(|i| ((i * 31 + t) % 256) as u8)
+                .collect();
+            Tensor::new(v, &Device::Cpu)
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let gsrcs = srcs
+        .iter()
+        .map(|c| c.to_device(dev))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let cut = [
+        Piece {
+            tensor: 2,
+            start: 5,
+            len: 900,
+        },
+        Piece {
+            tensor: 0,
+            start: 0,
+            len: 1000,
+        },
+        Piece {
+            tensor: 1,
+            start: 1076,
+            len: 1,
+        },
+    ];
+    let (cc, cg) = (
+        bucket_copy_from(&refs(&srcs), &cut)?,
+        bucket_copy_from(&refs(&gsrcs), &cut)?,
+    );
+    ok &= same("bucket_copy_from", &cg, &cc)?;
+    let m: Vec<f32> = (0..5 * 8)
+        .map(|i| match i % 11 {
+            4 => f32::NAN,
+            7 => f32::INFINITY,
+            _ => (i as f32) * 0.25,
+        })
+        .collect();
+    let mc = Tensor::from_vec(m, (5, 8), &Device::Cpu)?;
+    let (xc, xg) = (
+        bucket_column_max(&mc, 4, 4)?,
+        bucket_column_max(&mc.to_device(dev)?, 4, 4)?,
+    );
+    ok &= same("bucket_column_max", &xg, &xc)?;
     // The scales a rank sends: scale_inv, NaN where the amax is not finite.
     let sinvs: Vec<f32> = (0..70).map(|i| 2f32.powi(i % 9 - 4)).collect();
     let amaxes: Vec<f32> = (0..70)

@@ -746,6 +746,123 @@ pub fn bucket_copy(src: &Tensor, pieces: &[Piece]) -> Result<Tensor> {
     Ok(c)
 }
 
+/// srcs (U8, flat) -> the pieces' bytes, each from source `tensor`
+/// (`start` within it), concatenated.
+pub(crate) struct BucketCopyFrom {
+    pub pieces: Vec<Piece>,
+}
+
+impl Kernel for BucketCopyFrom {
+    const NAME: &'static str = "bucket_copy_from";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let srcs = inputs
+            .iter()
+            .map(|(c, l)| slice::<u8>(Self::NAME, c, l))
+            .collect::<Result<Vec<_>>>()?;
+        let mut out = Vec::new();
+        for p in &self.pieces {
+            let src = srcs.get(p.tensor).ok_or_else(|| arity(Self::NAME))?;
+            out.extend_from_slice(
+                src.get(p.start..p.start + p.len)
+                    .ok_or_else(|| arity(Self::NAME))?,
+            );
+        }
+        let n = out.len();
+        Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_copy_from(&self.pieces, inputs)
+    }
+}
+
+/// The bytes of `pieces` concatenated, piece `p` read from
+/// `srcs[p.tensor]` (flat `U8`; `start` within it), in one launch: a
+/// bucket's codes cut into the ranks' chunks straight from the layers'
+/// gradients (ZeRO's reduce-scatter).
+///
+/// # Errors
+/// [`Error::Unsupported`] for no source, or a piece naming no source or
+/// outside its source.
+pub fn bucket_copy_from(srcs: &[&Tensor], pieces: &[Piece]) -> Result<Tensor> {
+    const OP: &str = BucketCopyFrom::NAME;
+    let bad = |p: &Piece| {
+        srcs.get(p.tensor)
+            .is_none_or(|s| p.start + p.len > s.elem_count())
+    };
+    if srcs.is_empty() || pieces.iter().any(bad) {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: format!("pieces {pieces:?} of {} sources", srcs.len()),
+        });
+    }
+    let op = BucketCopyFrom {
+        pieces: pieces.to_vec(),
+    };
+    let [c] = <[Tensor; 1]>::try_from(launch(&op, srcs)?).map_err(|_| arity(OP))?;
+    Ok(c)
+}
+
+/// m [N, C] (F32) -> [count]: the largest of column `start + c` over the
+/// rows, NaN counted as inf.
+pub(crate) struct BucketColumnMax {
+    pub start: usize,
+    pub count: usize,
+}
+
+impl Kernel for BucketColumnMax {
+    const NAME: &'static str = "bucket_column_max";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(m, lm)] = inputs else {
+            return Err(arity(Self::NAME));
+        };
+        let [rows, cols] = lm.shape().dims() else {
+            return Err(arity(Self::NAME));
+        };
+        let v = slice::<f32>(Self::NAME, m, lm)?;
+        let out = (self.start..self.start + self.count)
+            .map(|c| {
+                (0..*rows).fold(0f32, |acc, r| {
+                    let x = v[r * cols + c];
+                    let x = if x.is_nan() { f32::INFINITY } else { x };
+                    if x > acc {
+                        x
+                    } else {
+                        acc
+                    }
+                })
+            })
+            .collect();
+        Ok(vec![(CpuStorage::F32(out), Shape::from(self.count))])
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::bucket_column_max(self.start, self.count, inputs)
+    }
+}
+
+/// The largest of columns `start..start + count` of `m` (`[N, C]` F32,
+/// values at least 0: amaxes, every rank's in a row) over the rows, NaN
+/// counted as inf, as one `[count]` vector in one launch (that follows a
+/// [`SideStream`](crate::SideStream)): the agreed amaxes of gathered
+/// ones.
+///
+/// # Errors
+/// [`Error::Unsupported`] unless `m` is 2-D with the columns.
+pub fn bucket_column_max(m: &Tensor, start: usize, count: usize) -> Result<Tensor> {
+    const OP: &str = BucketColumnMax::NAME;
+    match m.dims() {
+        [_, c] if start + count <= *c && count > 0 => {}
+        _ => {
+            return Err(Error::Unsupported {
+                op: OP,
+                what: format!("columns {start}..{} of {:?}", start + count, m.shape()),
+            })
+        }
+    }
+    let op = BucketColumnMax { start, count };
+    let [c] = <[Tensor; 1]>::try_from(launch(&op, &[m])?).map_err(|_| arity(OP))?;
+    Ok(c)
+}
+
 /// inputs (one dtype) -> their elements concatenated.
 pub(crate) struct BucketConcat;
 

@@ -82,6 +82,14 @@ pub(crate) fn bucket_flag_scale_inv(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn bucket_copy_from(_: &[crate::numerics::bucket::Piece], _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_column_max(_: usize, _: usize, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn bucket_concat(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

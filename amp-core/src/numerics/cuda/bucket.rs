@@ -368,6 +368,39 @@ pub(crate) fn bucket_flag_scale_inv(
     Ok(vec![wrap_f32(out, &dev, t)])
 }
 
+/// m [N, C] -> [count]: column maxima from `start`, NaN as inf.
+pub(crate) fn bucket_column_max(
+    start: usize,
+    count: usize,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_column_max";
+    let [(m, lm)] = inputs else {
+        return Err(arity(OP));
+    };
+    let [rows, cols] = lm.shape().dims() else {
+        return Err(arity(OP));
+    };
+    let dev = m.device().clone();
+    let stream = current_stream(&dev);
+    let v = view::<f32>(OP, m, lm)?;
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { stream.alloc::<f32>(count.max(1)) }.w()?;
+    let (r, c, st, n) = (*rows as i32, *cols as i32, start as i32, count as i32);
+    let f = func(&dev, OP)?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&v).arg(&r).arg(&c).arg(&st).arg(&n).arg(&mut out);
+    let cfg = LaunchConfig {
+        grid_dim: ((count as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: rows x cols values in, count out, start + count <= cols
+    // (checked by the caller).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(vec![wrap_f32(out, &dev, count)])
+}
+
 /// src (U8) -> the pieces' bytes, concatenated.
 pub(crate) fn bucket_copy(
     pieces: &[Piece],
@@ -399,6 +432,51 @@ pub(crate) fn bucket_copy(
     // SAFETY: every piece lies within `src`, live while `guard` is.
     let out = unsafe { copy_bytes::<u8>(&dev, &stream, &items, total) };
     drop(guard);
+    out
+}
+
+/// srcs (U8) -> the pieces' bytes, each from its `tensor`'s source,
+/// concatenated.
+pub(crate) fn bucket_copy_from(
+    pieces: &[Piece],
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_copy_from";
+    let Some((first, _)) = inputs.first() else {
+        return Err(arity(OP));
+    };
+    let dev = first.device().clone();
+    let stream = current_stream(&dev);
+    let srcs = inputs
+        .iter()
+        .map(|(x, l)| view::<u8>(OP, x, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut bases = Vec::with_capacity(srcs.len());
+    let mut guards = Vec::with_capacity(srcs.len());
+    for v in &srcs {
+        let (b, g) = v.device_ptr(&stream);
+        bases.push((b, v.len()));
+        guards.push(g);
+    }
+    let mut items = Vec::with_capacity(pieces.len());
+    let mut total = 0;
+    for p in pieces {
+        let &(base, len) = bases.get(p.tensor).ok_or_else(|| arity(OP))?;
+        if p.start + p.len > len {
+            return Err(arity(OP));
+        }
+        items.push(Item {
+            src: base + p.start as u64,
+            len: p.len,
+            out_off: total,
+            aux: 0,
+            t: 0,
+        });
+        total += p.len;
+    }
+    // SAFETY: every piece lies within its source, live while `guards` are.
+    let out = unsafe { copy_bytes::<u8>(&dev, &stream, &items, total) };
+    drop(guards);
     out
 }
 
