@@ -231,8 +231,35 @@ pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<ReducedShard> {
-    let own = own_codes("fp8_reduce_scatter", grad.into(), cfg)?;
-    let (n, rank) = (comm.world_size(), comm.rank());
+    let (shard, shape, agreed) =
+        own_scale_chunk(comm, "fp8_reduce_scatter", grad.into(), cfg, true)?;
+    let agreed = agreed.ok_or_else(|| Error::InvalidArgument {
+        op: "fp8_reduce_scatter",
+        what: "no agreed amax".into(),
+    })?;
+    Ok(ReducedShard {
+        shard,
+        range: shard_range(shape.elem_count(), comm.rank(), comm.world_size()),
+        shape,
+        amax: agreed,
+    })
+}
+
+/// Steps 1-3 of [`fp8_all_reduce`] for one gradient: this rank's own codes
+/// exchanged (chunk `r` of every rank to rank `r`), every rank's scale
+/// gathered (with `with_amax`, each rank's amax beside it, and their
+/// maximum, NaN counted as inf, returned), and this rank's chunk of the
+/// rank-order F32 sum (or mean), rank `k`'s codes decoded with rank `k`'s
+/// scale; with the gradient's shape.
+fn own_scale_chunk<C: Communicator + ?Sized>(
+    comm: &C,
+    op: &'static str,
+    grad: Grad<'_>,
+    cfg: &Fp8ReduceConfig,
+    with_amax: bool,
+) -> Result<(Tensor, Shape, Option<Tensor>)> {
+    let own = own_codes(op, grad, cfg)?;
+    let n = comm.world_size();
     let shape = own.shape().clone();
     let len = shape.elem_count();
     let flat = own.data().flatten_all()?;
@@ -245,17 +272,16 @@ pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
     let received = comm.all_to_all(&chunks)?;
     let amax = own.meta().amax()?;
     let flag = amp_core::bucket_flag_scale_inv(&[own.meta().scale_inv()], &[&amax])?;
-    let gathered = comm.all_gather(&amp_core::bucket_concat(&[&flag, &amax])?)?;
-    let agreed = amp_core::bucket_column_max(&gathered, 1, 1)?;
-    let scale_invs = gathered.narrow(1, 0, 1)?.flatten_all()?;
+    let (scale_invs, agreed) = if with_amax {
+        let gathered = comm.all_gather(&amp_core::bucket_concat(&[&flag, &amax])?)?;
+        let agreed = amp_core::bucket_column_max(&gathered, 1, 1)?;
+        (gathered.narrow(1, 0, 1)?.flatten_all()?, Some(agreed))
+    } else {
+        (comm.all_gather(&flag)?.flatten_all()?, None)
+    };
     let (sum, _) =
         crate::bucket_cast::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
-    Ok(ReducedShard {
-        shard: sum,
-        range: shard_range(len, rank, n),
-        shape,
-        amax: agreed,
-    })
+    Ok((sum, shape, agreed))
 }
 
 /// Steps 4-5 of [`fp8_all_reduce`] (and ZeRO's weight all-gather): every
@@ -333,24 +359,6 @@ pub fn fp8_all_reduce<'a, C: Communicator + ?Sized>(
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<Fp8Reduced> {
-    let own = own_codes("fp8_all_reduce", grad.into(), cfg)?;
-    let (n, rank) = (comm.world_size(), comm.rank());
-    let shape = own.shape().clone();
-    let len = shape.elem_count();
-    let flat = own.data().flatten_all()?;
-    let chunks = (0..n)
-        .map(|j| {
-            let r = shard_range(len, j, n);
-            flat.narrow(0, r.start, r.len())
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let received = comm.all_to_all(&chunks)?;
-    let amax = own.meta().amax()?;
-    let sent = amp_core::bucket_flag_scale_inv(&[own.meta().scale_inv()], &[&amax])?;
-    let scale_invs = comm.all_gather(&sent)?.flatten_all()?;
-    let (sum, _) =
-        crate::bucket_cast::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
-    debug_assert_eq!(sum.elem_count(), shard_range(len, rank, n).len());
-    let gathered = fp8_all_gather(comm, &sum, shape, cfg)?;
-    Ok(gathered)
+    let (sum, shape, _) = own_scale_chunk(comm, "fp8_all_reduce", grad.into(), cfg, false)?;
+    fp8_all_gather(comm, &sum, shape, cfg)
 }

@@ -698,33 +698,6 @@ pub fn bucket_flag_scale_inv(scale_invs: &[&Tensor], amaxes: &[&Tensor]) -> Resu
     Ok(c)
 }
 
-/// src (U8, flat) -> the pieces' bytes (`start` within src), concatenated.
-pub(crate) struct BucketCopy {
-    pub pieces: Vec<Piece>,
-}
-
-impl Kernel for BucketCopy {
-    const NAME: &'static str = "bucket_copy";
-    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        let [(c, l)] = inputs else {
-            return Err(arity(Self::NAME));
-        };
-        let src = slice::<u8>(Self::NAME, c, l)?;
-        let mut out = Vec::new();
-        for p in &self.pieces {
-            out.extend_from_slice(
-                src.get(p.start..p.start + p.len)
-                    .ok_or_else(|| arity(Self::NAME))?,
-            );
-        }
-        let n = out.len();
-        Ok(vec![(CpuStorage::U8(out), Shape::from(n))])
-    }
-    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::bucket_copy(&self.pieces, inputs)
-    }
-}
-
 /// The bytes of `pieces` of `src` (flat `U8`; `start` within it)
 /// concatenated, in one launch: ZeRO's gathered slices back into tensor
 /// order. A piece's `tensor` is not read.
@@ -732,18 +705,9 @@ impl Kernel for BucketCopy {
 /// # Errors
 /// [`Error::Unsupported`] for a piece outside `src`.
 pub fn bucket_copy(src: &Tensor, pieces: &[Piece]) -> Result<Tensor> {
-    const OP: &str = BucketCopy::NAME;
-    if pieces.iter().any(|p| p.start + p.len > src.elem_count()) {
-        return Err(Error::Unsupported {
-            op: OP,
-            what: format!("pieces {pieces:?} of {} bytes", src.elem_count()),
-        });
-    }
-    let op = BucketCopy {
-        pieces: pieces.to_vec(),
-    };
-    let [c] = <[Tensor; 1]>::try_from(launch(&op, &[src])?).map_err(|_| arity(OP))?;
-    Ok(c)
+    // one source: every piece reads it, whatever its tensor
+    let pieces: Vec<Piece> = pieces.iter().map(|p| Piece { tensor: 0, ..*p }).collect();
+    bucket_copy_from(&[src], &pieces)
 }
 
 /// srcs (U8, flat) -> the pieces' bytes, each from source `tensor`

@@ -94,10 +94,6 @@ pub(crate) fn bucket_concat(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
-pub(crate) fn bucket_copy(_: &[crate::numerics::bucket::Piece], _: Inputs<'_>) -> Outputs {
-    Err(Error::NotCompiled("cuda"))
-}
-
 pub(crate) fn bucket_decode_sum(
     _: QType,
     _: bool,

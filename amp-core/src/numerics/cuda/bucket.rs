@@ -401,40 +401,6 @@ pub(crate) fn bucket_column_max(
     Ok(vec![wrap_f32(out, &dev, count)])
 }
 
-/// src (U8) -> the pieces' bytes, concatenated.
-pub(crate) fn bucket_copy(
-    pieces: &[Piece],
-    inputs: &[(&CudaStorage, &Layout)],
-) -> Result<Vec<(CudaStorage, Shape)>> {
-    const OP: &str = "bucket_copy";
-    let [(x, lx)] = inputs else {
-        return Err(arity(OP));
-    };
-    let dev = x.device().clone();
-    let stream = current_stream(&dev);
-    let src = view::<u8>(OP, x, lx)?;
-    let (base, guard) = src.device_ptr(&stream);
-    let mut items = Vec::with_capacity(pieces.len());
-    let mut total = 0;
-    for p in pieces {
-        if p.start + p.len > src.len() {
-            return Err(arity(OP));
-        }
-        items.push(Item {
-            src: base + p.start as u64,
-            len: p.len,
-            out_off: total,
-            aux: 0,
-            t: 0,
-        });
-        total += p.len;
-    }
-    // SAFETY: every piece lies within `src`, live while `guard` is.
-    let out = unsafe { copy_bytes::<u8>(&dev, &stream, &items, total) };
-    drop(guard);
-    out
-}
-
 /// srcs (U8) -> the pieces' bytes, each from its `tensor`'s source,
 /// concatenated.
 pub(crate) fn bucket_copy_from(
