@@ -5,10 +5,11 @@
 //!
 //! [`bucket_flag_scale_inv`]: amp_core::bucket_flag_scale_inv
 
-use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, rank_order_mean};
+use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
+use crate::rank_sum::rank_order_mean;
 use crate::shard::shard_range;
 use amp_core::{
     bucket_concat, bucket_decode_amax, bucket_decode_sum_quantize, bucket_flag_scale_inv,

@@ -280,7 +280,7 @@ fn own_scale_chunk<C: Communicator + ?Sized>(
         (comm.all_gather(&flag)?.flatten_all()?, None)
     };
     let (sum, _) =
-        crate::bucket_cast::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
+        crate::rank_sum::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
     Ok((sum, shape, agreed))
 }
 

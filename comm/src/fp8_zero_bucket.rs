@@ -13,12 +13,11 @@
 //! `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)` elements.
 //! A bucket boundary never falls inside a tensor.
 
-use crate::bucket_cast::{
-    agreed_metas, cat_nonempty, fused, inputs, metas_of, rank_order_mean, Input,
-};
+use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, Input};
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
+use crate::rank_sum::rank_order_mean;
 use crate::shard::{shard_len, shard_range};
 use amp_core::{
     bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,

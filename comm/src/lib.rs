@@ -53,6 +53,7 @@ mod nccl;
 #[path = "nccl_stub.rs"]
 mod nccl;
 mod pad;
+mod rank_sum;
 mod rendezvous;
 mod shard;
 
