@@ -211,6 +211,13 @@ struct Args {
     /// mean rounded to BF16). FP8 gradients are unaffected.
     #[arg(long)]
     bf16_wire: bool,
+    /// With data parallelism: the token embedding's gradient averaged from
+    /// every rank's looked-up rows instead of an all-reduce of the whole
+    /// table (`AmpConfig::embedding_rows`; the examples' batches have one
+    /// shape on every rank, as it needs). `--embedding-rows false`: the
+    /// table all-reduced.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = true, default_missing_value = "true", action = clap::ArgAction::Set)]
+    embedding_rows: bool,
     /// On a GPU, the optimizer waits for the step's outcome before it
     /// updates, so it keeps no second copy of the weights and moments
     /// (`AmpConfig::lean_step`; the same values). Chosen by itself where
@@ -478,6 +485,7 @@ pub fn main() -> Result<()> {
         grad_accum: args.grad_accum as usize,
         overlap: !args.no_overlap,
         bf16_wire: args.bf16_wire,
+        embedding_rows: args.embedding_rows,
         lean_step: args.lean_step,
         fp8_moments: args.fp8_moments,
         recompute: args.recompute,

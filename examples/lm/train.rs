@@ -100,6 +100,10 @@ pub struct TrainConfig {
     pub overlap: bool,
     /// F32 gradients in BF16 on the wire (`AmpConfig::bf16_wire`).
     pub bf16_wire: bool,
+    /// The token table's gradient from its rows
+    /// (`AmpConfig::embedding_rows`; on: the examples' batches have one
+    /// shape on every rank).
+    pub embedding_rows: bool,
     /// The optimizer reads the step's outcome before it updates
     /// (`AmpConfig::lean_step`).
     pub lean_step: bool,
@@ -153,6 +157,7 @@ impl Default for TrainConfig {
             grad_accum: 1,
             overlap: true,
             bf16_wire: false,
+            embedding_rows: true,
             lean_step: false,
             fp8_moments: false,
             fp8_activation_inputs: false,
@@ -284,6 +289,7 @@ pub fn train_rank(
         bucket_mb: cfg.bucket_mb,
         overlap_backward: cfg.overlap,
         bf16_wire: cfg.bf16_wire,
+        embedding_rows: cfg.embedding_rows,
         lean_step: cfg.lean_step,
         fp8_moments: cfg.fp8_moments,
         ..Default::default()

@@ -131,6 +131,18 @@ pub struct AmpConfig {
     /// `bf16_compress_hook`, with F32 sums). Off (the default): F32 on the
     /// wire, the exact mean. FP8 gradients are unaffected.
     pub bf16_wire: bool,
+    /// Data parallelism: an embedding table's gradient averaged from every
+    /// rank's looked-up ids and row gradients (gathered) instead of an
+    /// all-reduce of the whole table, where that sends fewer bytes
+    /// (`N` ranks looking up `n` ids each, `N n < 2 rows`;
+    /// docs/ARCHITECTURE.md, "Buckets"): the same mean, to the bit for `N`
+    /// a power of two. Every rank must look up the same number of ids at
+    /// every step (fixed batch shapes, as the examples' and a
+    /// `DistributedSampler`'s with `drop_last`): the gather's sizes are not
+    /// agreed, so ranks with different counts would gather mismatched
+    /// buffers. Off (the default): the table is all-reduced, whatever each
+    /// rank looks up.
+    pub embedding_rows: bool,
     /// On a GPU, the optimizer reads the step's outcome before it updates
     /// (`LowBitAdamWConfig::lean_step`): no second copy of the weights and
     /// moments during the step, for one wait of the host a step. The same
@@ -156,6 +168,7 @@ impl Default for AmpConfig {
             bucket_mb: DEFAULT_BUCKET_MB,
             overlap_backward: true,
             bf16_wire: false,
+            embedding_rows: false,
             lean_step: false,
             fp8_moments: false,
         }
@@ -176,6 +189,7 @@ struct AmpConfigFields {
     bucket_mb: f64,
     overlap_backward: bool,
     bf16_wire: bool,
+    embedding_rows: bool,
     lean_step: bool,
     fp8_moments: bool,
 }
@@ -193,6 +207,7 @@ impl Default for AmpConfigFields {
             bucket_mb: d.bucket_mb,
             overlap_backward: d.overlap_backward,
             bf16_wire: d.bf16_wire,
+            embedding_rows: d.embedding_rows,
             lean_step: d.lean_step,
             fp8_moments: d.fp8_moments,
         }
@@ -211,6 +226,7 @@ impl From<AmpConfigFields> for AmpConfig {
             bucket_mb: f.bucket_mb,
             overlap_backward: f.overlap_backward,
             bf16_wire: f.bf16_wire,
+            embedding_rows: f.embedding_rows,
             lean_step: f.lean_step,
             fp8_moments: f.fp8_moments,
         }

@@ -80,6 +80,7 @@ fn config() -> AmpConfig {
     AmpConfig {
         level: Level::O0,
         compute: Compute::Native,
+        embedding_rows: true,
         ..Default::default()
     }
 }
@@ -88,10 +89,19 @@ fn config() -> AmpConfig {
 /// every rank's tokens (`comm` None, `ranks` the tokens' ranks) or as one
 /// rank of a group; and the bytes this rank sent.
 fn one_step(comm: Option<Arc<dyn Communicator>>, ranks: usize, micro: u64) -> (Vec<f32>, u64) {
+    one_step_with(comm, ranks, micro, config())
+}
+
+fn one_step_with(
+    comm: Option<Arc<dyn Communicator>>,
+    ranks: usize,
+    micro: u64,
+    cfg: AmpConfig,
+) -> (Vec<f32>, u64) {
     let (m, varmap) = model();
     let (ctx, mut opt) = match &comm {
-        Some(c) => initialize_distributed(&varmap, adam(), config(), c.clone()).unwrap(),
-        None => initialize(&varmap, adam(), config()).unwrap(),
+        Some(c) => initialize_distributed(&varmap, adam(), cfg, c.clone()).unwrap(),
+        None => initialize(&varmap, adam(), cfg).unwrap(),
     };
     let part = |v: &[u32]| match &comm {
         Some(c) => v[c.rank() * IDS..(c.rank() + 1) * IDS].to_vec(),
@@ -143,6 +153,19 @@ fn the_rows_go_on_the_wire_and_not_the_table() {
     for (r, (_, bytes)) in on_ranks(2, 1).iter().enumerate() {
         assert_eq!(*bytes, want, "rank {r}");
     }
+    // off (AmpConfig's default): the table all-reduced with the head
+    let dense = run_ranks(2, |comm| {
+        let cfg = AmpConfig {
+            embedding_rows: false,
+            ..config()
+        };
+        Ok::<_, amp::comm::Error>(one_step_with(Some(Arc::new(comm)), 2, 1, cfg))
+    })
+    .unwrap();
+    for (r, (_, bytes)) in dense.iter().enumerate() {
+        assert_eq!(*bytes, (2 * ROWS * WIDTH) as u64 * 4, "rank {r}, off");
+    }
+    assert!(!AmpConfig::default().embedding_rows);
 }
 
 #[test]

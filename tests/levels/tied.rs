@@ -83,10 +83,24 @@ fn start_in(
     high: &[&str],
     comm: Option<Arc<dyn Communicator>>,
 ) -> (Tied, VarMap, AmpContext, AmpOptimizer) {
+    start_in_rows(with_fc, level, compute, high, comm, false)
+}
+
+/// [`start_in`], the table's gradient from its rows or not
+/// (`AmpConfig::embedding_rows`).
+fn start_in_rows(
+    with_fc: bool,
+    level: Level,
+    compute: Compute,
+    high: &[&str],
+    comm: Option<Arc<dyn Communicator>>,
+    embedding_rows: bool,
+) -> (Tied, VarMap, AmpContext, AmpOptimizer) {
     let (m, varmap) = model(with_fc);
     let cfg = AmpConfig {
         level,
         compute,
+        embedding_rows,
         high_precision: high.iter().map(|s| s.to_string()).collect(),
         // F32 moments for every parameter: O2 and O3 keep low-bit moments
         // for the other parameters too, which would round the comparison
@@ -268,7 +282,15 @@ fn a_tied_gradient_is_reduced_over_ranks_as_one_rank_sees_it() {
             ),
         }
     };
-    for level in [Level::O0, Level::O2, Level::O3] {
+    // (with the lookup's part from its rows too: the head's part is
+    // all-reduced and the two means added)
+    for (level, rows) in [
+        (Level::O0, false),
+        (Level::O2, false),
+        (Level::O3, false),
+        (Level::O0, true),
+        (Level::O2, true),
+    ] {
         let compute = if level == Level::O0 {
             Compute::Native
         } else {
@@ -276,7 +298,8 @@ fn a_tied_gradient_is_reduced_over_ranks_as_one_rank_sees_it() {
         };
         let train = |comm: Option<Arc<dyn Communicator>>| {
             let rank = comm.as_ref().map(|c| c.rank());
-            let (m, _v, ctx, mut opt) = start_in(true, level, compute.clone(), &[], comm);
+            let (m, _v, ctx, mut opt) =
+                start_in_rows(true, level, compute.clone(), &[], comm, rows);
             let losses: Vec<f32> = (0..6)
                 .map(|s| {
                     let out = ctx.step(&mut opt, || loss_on(&m, halves(s, rank))).unwrap();

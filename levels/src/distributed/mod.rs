@@ -64,7 +64,8 @@ pub(crate) struct Group {
     /// The agreed amaxes of this step's sharded gradients, for the norm.
     agreed: RefCell<Vec<Tensor>>,
     /// Every parameter's name by its tensor's id, for the embedding
-    /// tables whose gradient [`rows`] averages from their rows.
+    /// tables whose gradient [`rows`] averages from their rows (empty
+    /// unless `AmpConfig::embedding_rows`).
     tables: HashMap<TensorId, String>,
     /// What the last backward's lookups handed over ([`rows`]).
     rows: RefCell<RowGrads>,
@@ -318,13 +319,16 @@ pub fn initialize_distributed(
     comm: Arc<dyn Communicator>,
 ) -> Result<(AmpContext, AmpOptimizer)> {
     broadcast_vars(varmap, comm.as_ref())?;
-    let tables = varmap
-        .data()
-        .lock()
-        .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?
-        .iter()
-        .map(|(name, var)| (var.as_tensor().id(), name.clone()))
-        .collect();
+    let tables = match config.embedding_rows {
+        true => varmap
+            .data()
+            .lock()
+            .map_err(|_| amp_core::Error::Poisoned { op: "initialize" })?
+            .iter()
+            .map(|(name, var)| (var.as_tensor().id(), name.clone()))
+            .collect(),
+        false => HashMap::new(),
+    };
     let group = Group {
         comm,
         shards: Vec::new(),

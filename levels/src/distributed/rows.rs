@@ -10,7 +10,9 @@
 //! bytes than the all-reduce, and no pass over the table but the one that
 //! writes it.
 //!
-//! Taken where it sends fewer bytes: a ring all-reduce sends
+//! With `AmpConfig::embedding_rows` (off by default: every rank must
+//! look up the same number of ids at every step). Taken where it sends
+//! fewer bytes: a ring all-reduce sends
 //! `2 (N - 1) / N * rows * cols * 4` bytes a rank, the gathers
 //! `(N - 1) * n * (cols + 1) * 4`, so when `N n < 2 rows` ([`worth_it`]).
 //! Every rank decides alike (the same table and, as every collective of a
@@ -92,6 +94,9 @@ pub(crate) fn with_rows_kept<R>(
     stash: &mut Stash,
     body: impl FnOnce() -> R,
 ) -> R {
+    if tables.is_empty() {
+        return body();
+    }
     with_embedding_backward(
         |l| {
             let Some(name) = tables.get(&l.table.id()) else {
