@@ -168,3 +168,9 @@ pub(crate) fn fused<'i>(
         .collect::<Option<Vec<_>>>()?;
     Some((scaled, cfg.qtype))
 }
+
+/// Every input as codes with this rank's own scale
+/// ([`Input::own_codes`]).
+pub(crate) fn own_all(inputs: &[Input], cfg: &Fp8ReduceConfig) -> Result<Vec<ScalingTensor>> {
+    inputs.iter().map(|x| x.own_codes(cfg)).collect()
+}

@@ -5,15 +5,15 @@
 //!
 //! [`bucket_flag_scale_inv`]: amp_core::bucket_flag_scale_inv
 
-use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of};
+use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, own_all};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
-use crate::rank_sum::rank_order_mean;
+use crate::rank_sum::{rank_order_mean, sent_scales};
 use crate::shard::shard_range;
 use amp_core::{
-    bucket_concat, bucket_decode_amax, bucket_decode_sum_quantize, bucket_flag_scale_inv,
-    bucket_scales, Piece, ScalingTensor,
+    bucket_concat, bucket_decode_amax, bucket_decode_sum_quantize, bucket_scales, Piece,
+    ScalingTensor,
 };
 use candle_core::{DType, Tensor};
 
@@ -169,13 +169,7 @@ where
                     [one] if one.is_contiguous() => one.flatten_all()?,
                     _ => bucket_concat(&codes_in)?,
                 };
-                let sinv_in: Vec<&Tensor> = scaled.iter().map(|s| s.meta().scale_inv()).collect();
-                let amax_in = scaled
-                    .iter()
-                    .map(|s| s.meta().amax())
-                    .collect::<amp_core::Result<Vec<_>>>()?;
-                let amax_in: Vec<&Tensor> = amax_in.iter().collect();
-                let sent = bucket_flag_scale_inv(&sinv_in, &amax_in)?;
+                let sent = sent_scales(scaled, false)?;
                 // Step 2: one exchange of the codes, one gather of the scales.
                 let received = exchange(&codes)?;
                 let scale_invs = comm.all_gather(&sent)?;
@@ -203,22 +197,13 @@ where
             }
             None => {
                 // Step 1: each tensor's codes with this rank's own scale.
-                let own = inputs
-                    .iter()
-                    .map(|x| x.own_codes(cfg))
-                    .collect::<Result<Vec<_>>>()?;
+                let own = own_all(&inputs, cfg)?;
                 let flat = own
                     .iter()
                     .map(|s| s.data().flatten_all())
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 let codes = cat_nonempty(&flat, &flat[0])?;
-                let sinv_in: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
-                let amax_in = own
-                    .iter()
-                    .map(|s| s.meta().amax())
-                    .collect::<amp_core::Result<Vec<_>>>()?;
-                let amax_in: Vec<&Tensor> = amax_in.iter().collect();
-                let sent = bucket_flag_scale_inv(&sinv_in, &amax_in)?;
+                let sent = sent_scales(&own.iter().collect::<Vec<_>>(), false)?;
                 // Step 2.
                 let received = exchange(&codes)?;
                 let scale_invs = comm.all_gather(&sent)?;
@@ -258,7 +243,6 @@ where
         // Step 5: one all-gather of the bucket, cut back into tensors; each
         // tensor's amax its result's agreed one.
         let gathered = comm.all_gather_shards(&shard, total)?;
-        let amaxes = result_global;
         spans
             .into_iter()
             .zip(shapes)
@@ -266,7 +250,7 @@ where
             .enumerate()
             .map(|(t, ((span, shape), result_meta))| {
                 let codes = gathered.narrow(0, span.start, span.len())?.reshape(shape)?;
-                let amax = amaxes.narrow(0, t, 1)?;
+                let amax = result_global.narrow(0, t, 1)?;
                 Ok(Fp8Reduced {
                     grad: ScalingTensor::from_parts(codes, result_meta)?,
                     amax,

@@ -231,33 +231,29 @@ pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<ReducedShard> {
-    let (shard, shape, agreed) =
+    let (shard, shape, gathered) =
         own_scale_chunk(comm, "fp8_reduce_scatter", grad.into(), cfg, true)?;
-    let agreed = agreed.ok_or_else(|| Error::InvalidArgument {
-        op: "fp8_reduce_scatter",
-        what: "no agreed amax".into(),
-    })?;
     Ok(ReducedShard {
         shard,
         range: shard_range(shape.elem_count(), comm.rank(), comm.world_size()),
         shape,
-        amax: agreed,
+        amax: amp_core::bucket_column_max(&gathered, 1, 1)?,
     })
 }
 
 /// Steps 1-3 of [`fp8_all_reduce`] for one gradient: this rank's own codes
 /// exchanged (chunk `r` of every rank to rank `r`), every rank's scale
-/// gathered (with `with_amax`, each rank's amax beside it, and their
-/// maximum, NaN counted as inf, returned), and this rank's chunk of the
-/// rank-order F32 sum (or mean), rank `k`'s codes decoded with rank `k`'s
-/// scale; with the gradient's shape.
+/// gathered (with `with_amax`, each rank's amax beside it), and this
+/// rank's chunk of the rank-order F32 sum (or mean), rank `k`'s codes
+/// decoded with rank `k`'s scale; with the gradient's shape and the
+/// gathered `[N, 1]` (or `[N, 2]`).
 fn own_scale_chunk<C: Communicator + ?Sized>(
     comm: &C,
     op: &'static str,
     grad: Grad<'_>,
     cfg: &Fp8ReduceConfig,
     with_amax: bool,
-) -> Result<(Tensor, Shape, Option<Tensor>)> {
+) -> Result<(Tensor, Shape, Tensor)> {
     let own = own_codes(op, grad, cfg)?;
     let n = comm.world_size();
     let shape = own.shape().clone();
@@ -270,18 +266,11 @@ fn own_scale_chunk<C: Communicator + ?Sized>(
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
     let received = comm.all_to_all(&chunks)?;
-    let amax = own.meta().amax()?;
-    let flag = amp_core::bucket_flag_scale_inv(&[own.meta().scale_inv()], &[&amax])?;
-    let (scale_invs, agreed) = if with_amax {
-        let gathered = comm.all_gather(&amp_core::bucket_concat(&[&flag, &amax])?)?;
-        let agreed = amp_core::bucket_column_max(&gathered, 1, 1)?;
-        (gathered.narrow(1, 0, 1)?.flatten_all()?, Some(agreed))
-    } else {
-        (comm.all_gather(&flag)?.flatten_all()?, None)
-    };
+    let gathered = comm.all_gather(&crate::rank_sum::sent_scales(&[&own], with_amax)?)?;
+    let scale_invs = gathered.narrow(1, 0, 1)?.flatten_all()?;
     let (sum, _) =
         crate::rank_sum::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
-    Ok((sum, shape, agreed))
+    Ok((sum, shape, gathered))
 }
 
 /// Steps 4-5 of [`fp8_all_reduce`] (and ZeRO's weight all-gather): every

@@ -13,16 +13,15 @@
 //! `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)` elements.
 //! A bucket boundary never falls inside a tensor.
 
-use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, Input};
+use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, own_all, Input};
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
-use crate::rank_sum::rank_order_mean;
+use crate::rank_sum::{rank_order_mean, sent_scales};
 use crate::shard::{shard_len, shard_range};
 use amp_core::{
-    bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,
-    bucket_decode_sum, bucket_flag_scale_inv, bucket_requantize, bucket_scales, Piece, QType,
-    ScalingTensor,
+    bucket_amax, bucket_column_max, bucket_copy, bucket_copy_from, bucket_decode_sum,
+    bucket_requantize, bucket_scales, Piece, QType, ScalingTensor,
 };
 use candle_core::{DType, Shape, Tensor};
 
@@ -82,10 +81,7 @@ where
     }
     // Each tensor's codes with this rank's own scale; the scales (NaN
     // where an amax is not finite) and the amaxes gathered as one vector.
-    let own = inputs
-        .iter()
-        .map(|x| x.own_codes(cfg))
-        .collect::<Result<Vec<_>>>()?;
+    let own = own_all(&inputs, cfg)?;
     let codes = own
         .iter()
         .map(|s| s.data().flatten_all())
@@ -137,16 +133,7 @@ fn gather_scales<C: Communicator + ?Sized>(
     own: &[&ScalingTensor],
 ) -> Result<(Tensor, Tensor)> {
     let t = own.len();
-    let sinv: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
-    let amax = own
-        .iter()
-        .map(|s| s.meta().amax())
-        .collect::<amp_core::Result<Vec<_>>>()?;
-    let amax: Vec<&Tensor> = amax.iter().collect();
-    let flags = bucket_flag_scale_inv(&sinv, &amax)?;
-    let mut sent: Vec<&Tensor> = vec![&flags];
-    sent.extend(&amax);
-    let gathered = comm.all_gather(&bucket_concat(&sent)?)?;
+    let gathered = comm.all_gather(&sent_scales(own, true)?)?;
     let agreed = bucket_column_max(&gathered, t, t)?;
     Ok((gathered, agreed))
 }

@@ -58,7 +58,7 @@ thread_local! {
 ///     || rows.sum_all()?.backward(),
 /// )?;
 /// assert!(store.get(table.as_tensor()).is_none());
-/// let g = taken.unwrap().to_vec2::<f32>()?;
+/// let g = taken.ok_or("the hook took no gradient")?.to_vec2::<f32>()?;
 /// assert_eq!(g, [[0.5, 0.5], [0.0, 0.0], [1.0, 1.0]]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
