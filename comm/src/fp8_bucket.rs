@@ -2,8 +2,6 @@
 //! several gradients at once, with four collectives per bucket instead of
 //! four per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
-//!
-//! [`bucket_flag_scale_inv`]: amp_core::bucket_flag_scale_inv
 
 use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, own_all};
 use crate::communicator::Communicator;
@@ -67,7 +65,8 @@ const OP: &str = "fp8_all_reduce_bucket";
 ///    the configured format as it is, anything else cast from its own
 ///    amax), concatenated (a bucket of one tensor without a copy), and the
 ///    vector of the `T` scales this rank sends (`scale_inv`, NaN where
-///    the tensor's amax is not finite: [`bucket_flag_scale_inv`]);
+///    the tensor's amax is not finite:
+///    [`bucket_flag_scale_inv`](amp_core::bucket_flag_scale_inv));
 /// 2. the codes are exchanged with **one** `all_to_all` (rank `r`
 ///    receives elements `shard_range(L, r, N)` of every rank's codes), and
 ///    the scales with **one** `all_gather` (`[N, T]`);
