@@ -66,8 +66,9 @@ pub mod kernels {
     pub use amp_core::{
         amax, bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,
         bucket_decode_amax, bucket_decode_sum, bucket_decode_sum_quantize, bucket_flag_scale_inv,
-        bucket_max, bucket_quantize, bucket_requantize, bucket_scales, config, decode_sum,
-        gather_scalars, kernel, read_scalars, with_sink_listener, Piece,
+        bucket_max, bucket_mean_bound, bucket_quantize, bucket_requantize, bucket_scales,
+        bucket_scales_sent, config, decode_sum, gather_scalars, kernel, read_scalars,
+        with_sink_listener, Piece,
     };
 }
 

@@ -700,6 +700,55 @@ extern "C" __global__ void bucket_column_max(const float* m, int rows, int cols,
     out[c] = acc;
 }
 
+// What a rank sends with its codes, for the `count` items of a launch
+// (a.src: scale_inv, a.aux: amax, a.out_off: scale, one F32 each; a.t:
+// the tensor): out[t] = scale_inv * (amax * 0 + 1), NaN where the amax
+// is not finite; out[total + t] = decode(encode(amax * scale)) *
+// scale_inv * (amax * 0 + 1), the largest decoded value of codes cast
+// from values at most amax with that scale (as quantize_one casts them;
+// NaN where the amax is not finite).
+template <int FMT>
+__device__ void scales_sent_impl(const BucketArgs& a, int count, int total, float* out) {
+    const int i = threadIdx.x;
+    if (i >= count) return;
+    const float s = *reinterpret_cast<const float*>(a.src[i]);
+    const float m = *reinterpret_cast<const float*>(a.aux[i]);
+    const float sc = *reinterpret_cast<const float*>(a.out_off[i]);
+    const float flag = __fadd_rn(__fmul_rn(m, 0.0f), 1.0f);
+    const int t = a.t[i];
+    out[t] = __fmul_rn(s, flag);
+    const float v = m * sc;
+    out[total + t] = __fmul_rn(__fmul_rn(Fmt<FMT>::decode(Fmt<FMT>::encode(v)), s), flag);
+}
+extern "C" __global__ void bucket_scales_sent_e4m3(BucketArgs a, int count, int total, float* out) {
+    scales_sent_impl<0>(a, count, total, out);
+}
+extern "C" __global__ void bucket_scales_sent_e5m2(BucketArgs a, int count, int total, float* out) {
+    scales_sent_impl<1>(a, count, total, out);
+}
+extern "C" __global__ void bucket_scales_sent_f16(BucketArgs a, int count, int total, float* out) {
+    scales_sent_impl<2>(a, count, total, out);
+}
+
+// out[c] = (sum over the rows r of m[r * cols + start + c], NaN counted as
+// inf, from 0 in row order) * factor, then with `average` times inv_n plus
+// 0: a bound of the amax of the ranks' mean from their amaxes (one IEEE
+// f32 operation at a time, as the CPU).
+extern "C" __global__ void bucket_mean_bound(const float* m, int rows, int cols, int start, int count,
+                                             float factor, int average, float inv_n, float* out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= count) return;
+    float acc = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        float x = m[(size_t)r * cols + start + c];
+        if (x != x) x = __int_as_float(0x7f800000);
+        acc = __fadd_rn(acc, x);
+    }
+    acc = __fmul_rn(acc, factor);
+    if (average) acc = __fadd_rn(__fmul_rn(acc, inv_n), 0.0f);
+    out[c] = acc;
+}
+
 // out[i] = max(a[i], b[i]) for two amax vectors without NaN (the CPU's
 // `if b > a { b } else { a }`).
 extern "C" __global__ void bucket_max(const float* a, const float* b, float* out, int n) {

@@ -57,7 +57,8 @@ pub use numerics::block::{Tiling, TILE as BLOCK_TILE};
 pub use numerics::bucket::{
     bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,
     bucket_decode_amax, bucket_decode_sum, bucket_decode_sum_quantize, bucket_flag_scale_inv,
-    bucket_max, bucket_quantize, bucket_requantize, bucket_scales, Piece,
+    bucket_max, bucket_mean_bound, bucket_quantize, bucket_requantize, bucket_scales,
+    bucket_scales_sent, Piece,
 };
 pub use numerics::capability::{check_capability, parse_capability, MIN_COMPUTE_CAPABILITY};
 pub use numerics::cast::F16_NAN_BITS;

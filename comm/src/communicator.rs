@@ -154,6 +154,23 @@ pub trait Communicator {
     /// there are `N` chunks; otherwise as described on the trait.
     fn all_to_all(&self, chunks: &[Tensor]) -> Result<Vec<Tensor>>;
 
+    /// [`all_to_all`](Self::all_to_all) of `chunks` and
+    /// [`all_gather`](Self::all_gather) of `extra` in one exchange: the
+    /// same results and bytes as the two calls, which a backend may send
+    /// together (the NCCL backend: one group; the FP8 reductions send each
+    /// rank's scales with its codes). `extra` has the same shape and dtype
+    /// on every rank.
+    ///
+    /// # Errors
+    /// As the two calls.
+    fn all_to_all_gather(
+        &self,
+        chunks: &[Tensor],
+        extra: &Tensor,
+    ) -> Result<(Vec<Tensor>, Tensor)> {
+        Ok((self.all_to_all(chunks)?, self.all_gather(extra)?))
+    }
+
     /// Returns once every rank has called it.
     ///
     /// # Errors

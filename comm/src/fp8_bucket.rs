@@ -1,26 +1,27 @@
 //! [`fp8_all_reduce_bucket`]: [`fp8_all_reduce`](crate::fp8_all_reduce) of
-//! several gradients at once, with four collectives per bucket instead of
-//! four per tensor (the layout, the steps and the bytes on the wire are
+//! several gradients at once, with two exchanges per bucket instead of two
+//! per tensor (the layout, the steps and the bytes on the wire are
 //! documented on the function).
 
-use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, own_all};
+use crate::bucket_cast::{cat_nonempty, fused, inputs, metas_of, own_all};
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
-use crate::rank_sum::{rank_order_mean, sent_scales};
+use crate::fp8_zero_bucket::scales_sent;
+use crate::rank_sum::rank_order_mean;
 use crate::shard::shard_range;
 use amp_core::{
-    bucket_concat, bucket_decode_amax, bucket_decode_sum_quantize, bucket_scales, Piece,
+    bucket_concat, bucket_decode_sum_quantize, bucket_mean_bound, bucket_scales, Piece,
     ScalingTensor,
 };
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 const OP: &str = "fp8_all_reduce_bucket";
 
-/// `fp8_all_reduce` of every gradient of a bucket, with one code exchange,
-/// one gather of the ranks' scales, one result-amax all-reduce and one
-/// all-gather for the whole bucket: the same bytes as the separate calls
-/// summed over the ranks, in 4 collectives instead of `4 T`.
+/// `fp8_all_reduce` of every gradient of a bucket, with one exchange of
+/// the codes with the ranks' scales and one all-gather for the whole
+/// bucket: the same bytes as the separate calls summed over the ranks, in
+/// 2 exchanges instead of `2 T`.
 ///
 /// Element `t` of the result is bitwise what
 /// [`fp8_all_reduce`](crate::fp8_all_reduce)`(comm, grads[t], cfg)` returns
@@ -64,47 +65,45 @@ const OP: &str = "fp8_all_reduce_bucket";
 /// 1. each tensor's codes with this rank's own scale (an FP8 gradient of
 ///    the configured format as it is, anything else cast from its own
 ///    amax), concatenated (a bucket of one tensor without a copy), and the
-///    vector of the `T` scales this rank sends (`scale_inv`, NaN where
-///    the tensor's amax is not finite:
-///    [`bucket_flag_scale_inv`](amp_core::bucket_flag_scale_inv));
-/// 2. the codes are exchanged with **one** `all_to_all` (rank `r`
-///    receives elements `shard_range(L, r, N)` of every rank's codes), and
-///    the scales with **one** `all_gather` (`[N, T]`);
-/// 3. each tensor's part of the codes is decoded, rank `k`'s with rank
-///    `k`'s scale of that tensor, summed in F32 in rank order and divided
-///    by `N` when `average` is set;
-/// 4. the amax of each tensor's part of the result (0 for a tensor with no
-///    element on this rank), as a vector, all-reduced with max (**one**
-///    all-reduce); each part is quantized with its tensor's agreed scale;
+///    `[2T]` vector this rank sends ([`bucket_scales_sent`](amp_core::bucket_scales_sent): each
+///    `scale_inv`, NaN where the tensor's amax is not finite, and each
+///    tensor's codes' amax);
+/// 2. the codes and that vector are exchanged in **one** exchange
+///    (`all_to_all_gather`: rank `r` receives elements `shard_range(L, r,
+///    N)` of every rank's codes, and every rank's vector, `[N, 2T]`);
+/// 3. each tensor's scale comes from the bound of its mean's amax, the
+///    sum of the ranks' amaxes over `N` ([`bucket_mean_bound`](amp_core::bucket_mean_bound)), the same
+///    on every rank;
+/// 4. each tensor's part of the codes is decoded, rank `k`'s with rank
+///    `k`'s scale of that tensor, summed in F32 in rank order, divided by
+///    `N` when `average` is set, and quantized with the tensor's scale
+///    (one pass, [`bucket_decode_sum_quantize`](amp_core::bucket_decode_sum_quantize));
 /// 5. the codes of this rank's range are all-gathered (**one**
 ///    `all_gather_shards` of `L` elements) and cut back into tensors.
 ///
 /// **Bitwise equality with `fp8_all_reduce`.** Decoding, the rank-order sum,
 /// the division and the casts are elementwise, with the same scales and
 /// the same operands in the same order for every element whichever rank
-/// owns it; a max is exact in any order and a rank that holds none of a
-/// tensor's elements adds 0 (amaxes are at least 0, and the amax of an
-/// empty chunk, which `fp8_all_reduce` takes on such a rank, is 0 too). So
-/// for every tensor, codes, scale, `scale_inv` and amax are bitwise those
-/// of `fp8_all_reduce` of that tensor alone, and a non-finite value in one
+/// owns it, and the bounds come from the same gathered values. So for
+/// every tensor, codes, scale, `scale_inv` and amax are bitwise those of
+/// `fp8_all_reduce` of that tensor alone, and a non-finite value in one
 /// tensor makes only that tensor's result non-finite.
 ///
 /// # Wire bytes
-/// As the [`Communicator`] counts them, with `b` bytes a code (1 for FP8),
-/// `s_r = shard_len(L, r, N)` and `a_r = shard_len(T, r, N)`, rank `r` sends
+/// As the [`Communicator`] counts them, with `b` bytes a code (1 for FP8)
+/// and `s_r = shard_len(L, r, N)`, rank `r` sends
 ///
-/// `4 (N - 1) T` (the scales' gather) `+ 4 (T + (N - 2) a_r)` (the result
-/// amaxes' all-reduce, `T - a_r + (N - 1) a_r` F32 values) `+ b (L + (N -
-/// 2) s_r)` (the codes: `L - s_r` in step 2, `(N - 1) s_r` in step 5),
+/// `8 (N - 1) T` (the scales and amaxes) `+ b (L + (N - 2) s_r)` (the
+/// codes: `L - s_r` in step 2, `(N - 1) s_r` in step 5),
 ///
 /// and nothing when `N = 1`. The `T` separate calls send, on rank `r`,
-/// `4 (N - 1) T + 4 T (1 + (N - 2) [r = 0]) + b (L + (N - 2) S_r)` (`[r =
-/// 0]`: 1 on rank 0, else 0) with
+/// `8 (N - 1) T + b (L + (N - 2) S_r)` with
 /// `S_r = shard_len(L_0, r, N) + .. + shard_len(L_(T-1), r, N)`. Summed
 /// over the ranks both come to the same bytes: the bucket moves them,
-/// spread more evenly, in 4 collectives instead of `4 T`. Rank 0 sends
-/// no more codes in the bucket (`ceil(L / N) <= S_0`); another rank may
-/// send a little more than its per-tensor share.
+/// spread more evenly, in 2 exchanges instead of `2 T` (3 and `3 T` on a
+/// backend that sends the scales apart). Rank 0 sends no more codes in
+/// the bucket (`ceil(L / N) <= S_0`); another rank may send a little more
+/// than its per-tensor share.
 ///
 /// # Errors
 /// [`Error::DType`](crate::Error::DType) for a gradient that is not a float tensor or a
@@ -144,104 +143,93 @@ where
             })
         })
         .collect();
-    let exchange = |codes: &Tensor| -> Result<Vec<Tensor>> {
-        // Step 3: one exchange; rank r gets elements `shard_range(L, r, N)`.
+    // Step 2: one exchange; rank r gets elements `shard_range(L, r, N)` of
+    // every rank's codes, and every rank's `[2T]` scales and amaxes.
+    let exchange = |codes: &Tensor, sent: &Tensor| -> Result<(Vec<Tensor>, Tensor)> {
         let chunks = (0..n)
             .map(|j| {
                 let r = shard_range(total, j, n);
                 codes.narrow(0, r.start, r.len())
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        comm.all_to_all(&chunks)
+        comm.all_to_all_gather(&chunks, sent)
     };
+    let t_count = inputs.len();
     let fast = fused(&inputs, cfg, n);
     // The fused path launches only the bucket kernels and the collectives,
     // so it may run on the communicator's own stream.
     let side = comm.side_stream().filter(|_| fast.is_some());
     let body = || -> Result<Vec<Fp8Reduced>> {
-        let (shard, result_metas, result_global) = match &fast {
-            Some((scaled, qtype)) => {
-                // Every step a bucket at a time (one launch each). Step 1:
-                // the layers' codes as they are, concatenated unless one.
-                let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
-                let codes = match codes_in.as_slice() {
+        // Step 1: each tensor's codes with this rank's own scale (the
+        // layers' FP8 gradients as they are), and the `[2T]` scales (NaN
+        // where an amax is not finite) and amaxes this rank sends.
+        let own: Vec<ScalingTensor> = match &fast {
+            Some((scaled, _)) => scaled.iter().map(|s| (*s).clone()).collect(),
+            None => own_all(&inputs, cfg)?,
+        };
+        let qtype = cfg.qtype;
+        let sent = scales_sent(&own.iter().collect::<Vec<_>>())?;
+        let codes = match &fast {
+            // a bucket at a time (one launch each): concatenated unless one
+            Some(_) => {
+                let codes_in: Vec<&Tensor> = own.iter().map(|s| s.data()).collect();
+                match codes_in.as_slice() {
                     [one] if one.is_contiguous() => one.flatten_all()?,
                     _ => bucket_concat(&codes_in)?,
-                };
-                let sent = sent_scales(scaled, false)?;
-                // Step 2: one exchange of the codes, one gather of the scales.
-                let received = exchange(&codes)?;
-                let scale_invs = comm.all_gather(&sent)?;
-                // Steps 3-4 in two passes over the received codes, the
-                // sums made twice (the same F32 values) and never stored.
-                let result_amax =
-                    bucket_decode_amax(&received, &scale_invs, *qtype, cfg.average, &pieces)?;
-                let result_global = comm.all_reduce_max_no_nan(&result_amax)?;
-                let (rscale, rscale_inv) =
-                    bucket_scales(&result_global, *qtype, cfg.scale_rule, cfg.margin)?;
-                let shard = if pieces.is_empty() {
-                    codes.narrow(0, mine.start, 0)?
-                } else {
-                    bucket_decode_sum_quantize(
-                        &received,
-                        &scale_invs,
-                        *qtype,
-                        cfg.average,
-                        &pieces,
-                        &rscale,
-                    )?
-                };
-                let metas = metas_of(*qtype, &rscale, &rscale_inv, &result_global, inputs.len())?;
-                (shard, metas, result_global)
+                }
             }
             None => {
-                // Step 1: each tensor's codes with this rank's own scale.
-                let own = own_all(&inputs, cfg)?;
                 let flat = own
                     .iter()
                     .map(|s| s.data().flatten_all())
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                let codes = cat_nonempty(&flat, &flat[0])?;
-                let sent = sent_scales(&own.iter().collect::<Vec<_>>(), false)?;
-                // Step 2.
-                let received = exchange(&codes)?;
-                let scale_invs = comm.all_gather(&sent)?;
-                // Steps 3-4: the rank-order means of this rank's pieces, one
-                // agreement of their amaxes (0 where this rank holds none of a
-                // tensor: the amax of the empty chunk `fp8_all_reduce` takes).
-                let zero = Tensor::zeros(1, DType::F32, comm.device())?;
-                let mut result_amaxes = vec![zero; inputs.len()];
-                let mut sums = Vec::with_capacity(pieces.len());
-                for p in &pieces {
-                    let parts = received
-                        .iter()
-                        .map(|c| c.narrow(0, p.start, p.len))
-                        .collect::<candle_core::Result<Vec<_>>>()?;
-                    let column = scale_invs.narrow(1, p.tensor, 1)?.flatten_all()?;
-                    let (sum, amax) =
-                        rank_order_mean(&parts, &column, own[p.tensor].qtype(), cfg.average)?;
-                    sums.push(sum);
-                    result_amaxes[p.tensor] = amax;
-                }
-                let (result_metas, result_global) = agreed_metas(comm, &result_amaxes, cfg)?;
+                cat_nonempty(&flat, &flat[0])?
+            }
+        };
+        // Step 2.
+        let (received, gathered) = exchange(&codes, &sent)?;
+        // Step 3: each tensor's result scale from the bound of its mean's
+        // amax, the same on every rank (no agreement needed).
+        let bound = bucket_mean_bound(&gathered, t_count, t_count, cfg.average)?;
+        let (rscale, rscale_inv) = bucket_scales(&bound, qtype, cfg.scale_rule, cfg.margin)?;
+        let result_metas = metas_of(qtype, &rscale, &rscale_inv, &bound, t_count)?;
+        // Step 4: this rank's pieces decoded (rank k's codes of tensor t
+        // with the gathered [k, t]), summed, cast with the result scales.
+        let shard = match &fast {
+            Some(_) if pieces.is_empty() => codes.narrow(0, mine.start, 0)?,
+            Some(_) => bucket_decode_sum_quantize(
+                &received,
+                &gathered,
+                qtype,
+                cfg.average,
+                &pieces,
+                &rscale,
+            )?,
+            None => {
                 let out_codes = pieces
                     .iter()
-                    .zip(&sums)
-                    .map(|(p, s)| {
-                        Ok(ScalingTensor::quantize_with(s, &result_metas[p.tensor])?
+                    .map(|p| {
+                        let parts = received
+                            .iter()
+                            .map(|c| c.narrow(0, p.start, p.len))
+                            .collect::<candle_core::Result<Vec<_>>>()?;
+                        let column = gathered.narrow(1, p.tensor, 1)?.flatten_all()?;
+                        let (sum, _) = rank_order_mean(&parts, &column, qtype, cfg.average)?;
+                        Ok(ScalingTensor::quantize_with(&sum, &result_metas[p.tensor])?
                             .0
                             .data()
                             .clone())
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let shard = cat_nonempty(&out_codes, &codes)?;
-                (shard, result_metas, result_global)
+                cat_nonempty(&out_codes, &codes)?
             }
         };
+        let result_global = bound;
 
         // Step 5: one all-gather of the bucket, cut back into tensors; each
-        // tensor's amax its result's agreed one.
+        // tensor's amax the bound its scale came from.
         let gathered = comm.all_gather_shards(&shard, total)?;
+        let amaxes = result_global;
         spans
             .into_iter()
             .zip(shapes)
@@ -249,7 +237,7 @@ where
             .enumerate()
             .map(|(t, ((span, shape), result_meta))| {
                 let codes = gathered.narrow(0, span.start, span.len())?.reshape(shape)?;
-                let amax = result_global.narrow(0, t, 1)?;
+                let amax = amaxes.narrow(0, t, 1)?;
                 Ok(Fp8Reduced {
                     grad: ScalingTensor::from_parts(codes, result_meta)?,
                     amax,

@@ -1,6 +1,7 @@
 //! FP8 gradient all-reduce, each rank's codes decoded with that rank's own
-//! scale, F32 accumulation; and the halves ZeRO uses
-//! ([`fp8_reduce_scatter`], with one agreed scale, and [`fp8_all_gather`]).
+//! scale, F32 accumulation, the result's scale from a bound every rank
+//! computes alike; and the halves ZeRO uses ([`fp8_reduce_scatter`] and
+//! [`fp8_all_gather`]).
 //!
 //! [`fp8_all_reduce`] on every rank:
 //! 1. its gradient as FP8 codes of `qtype` with its own scale: an FP8
@@ -8,49 +9,51 @@
 //!    any other cast with current scaling from its own amax (NaN counted
 //!    as inf; `scale_rule`, MS-AMP's power of two by default, and
 //!    `margin`);
-//! 2. the codes, cut by [`shard_range`], are exchanged with
-//!    [`all_to_all`](Communicator::all_to_all): rank r receives chunk r of
-//!    every rank, as `U8` (the reduce-scatter pattern); and every rank's
-//!    `scale_inv` is all-gathered (one F32 a rank; NaN when that rank's
-//!    amax was not finite, so that its non-finite values reach every rank
-//!    even where its cast saturated them);
+//! 2. the codes, cut by [`shard_range`], are exchanged and every rank's
+//!    scale and codes' amax gathered, in one exchange
+//!    ([`all_to_all_gather`](Communicator::all_to_all_gather)): rank r
+//!    receives chunk r of every rank, as `U8` (the reduce-scatter
+//!    pattern), and every rank's `scale_inv` (NaN when its amax was not
+//!    finite, so that its non-finite values reach every rank even where
+//!    its cast saturated them) and the largest decoded value of its codes
+//!    ([`bucket_scales_sent`](amp_core::bucket_scales_sent));
 //! 3. rank k's chunk is decoded with rank k's `scale_inv`, the chunks
 //!    summed in F32 in rank order (never in FP8), then divided by `N` when
 //!    `average` is set;
-//! 4. a scale for the result, agreed from the chunks' amaxes (one F32
-//!    all-reduce max; every rank computes it from the same number, so
-//!    bitwise identical), quantizes each rank's chunk;
+//! 4. the result's scale comes from the sum of the ranks' amaxes (divided
+//!    by `N` when `average`; [`bucket_mean_bound`](amp_core::bucket_mean_bound)),
+//!    which no element of the result can exceed, computed by every rank
+//!    from the same numbers, so bitwise identical; it quantizes each
+//!    rank's chunk;
 //! 5. the FP8 chunks are all-gathered ([`all_gather_shards`]).
 //!
-//! No rank re-rounds its codes to a shared scale before the exchange (the
-//! first design agreed one input scale and re-cast every gradient to it:
-//! one more rounding, and for the buckets two more passes over the codes
-//! and one more collective).
+//! No rank re-rounds its codes to a shared scale before the exchange, and
+//! no pass over the sums or collective agrees the result's amax: the
+//! scale from the bound is up to `log2 N` binades coarser than one from
+//! the result's own amax where the ranks' largest values fall apart.
 //!
 //! **Headroom.** MS-AMP sums FP8 on the wire, so it must scale the
 //! gradient down by the world size to keep the sum from saturating. Here
-//! the sum is F32 and step 4 picks a new scale from the sum's own amax, so
-//! nothing can saturate and no headroom is needed: the default `margin` is
-//! 0, which keeps the gradients' small values out of the subnormals. A
+//! the sum is F32 and step 4 picks a scale no element exceeds, so nothing
+//! can saturate and no headroom is needed: the default `margin` is 0. A
 //! `margin` can still be set (the scale is divided by `2^margin`).
 //!
 //! **Wire bytes** (as [`Communicator`] counts them; `L` elements, `N`
 //! ranks, `s_r` = this rank's chunk): `L - s_r` bytes of codes in step 2,
-//! `(N - 1) * s_r` in step 5, plus the scale gather (`4 (N - 1)`) and one
-//! one-element F32 all-reduce (4 bytes, or `4 (N - 1)` on rank 0, which
-//! owns the element). An F32 [`all_reduce`](Communicator::all_reduce) of
-//! the same gradient sends `4 (L - s_r + (N - 1) s_r)`: four times the
-//! codes.
+//! `(N - 1) * s_r` in step 5, plus the gathered scale and amax (`8 (N -
+//! 1)`). An F32 [`all_reduce`](Communicator::all_reduce) of the same
+//! gradient sends `4 (L - s_r + (N - 1) s_r)`: four times the codes.
 //!
 //! **Non-finite gradients.** When any rank's gradient holds inf or NaN, the
-//! result's agreed amax is inf on every rank, [`Fp8Reduced::is_finite`] is
-//! false on every rank and the result is meaningless: skip the step.
+//! bound (the result's amax) is inf on every rank,
+//! [`Fp8Reduced::is_finite`] is false on every rank and the result is
+//! meaningless: skip the step.
 //!
 //! **Buckets.** [`fp8_all_reduce_bucket`](crate::fp8_all_reduce_bucket)
-//! runs these steps for several gradients at once: one exchange, one
-//! gather of the scales, one agreement of the result amaxes as a vector
-//! and one all-gather of the concatenated codes, each tensor bitwise the
-//! result of this function (see its docs for the layout and the bytes).
+//! runs these steps for several gradients at once: one exchange of the
+//! concatenated codes with the scales and amaxes as one vector, and one
+//! all-gather, each tensor bitwise the result of this function (see its
+//! docs for the layout and the bytes).
 //!
 //! [`all_gather_shards`]: Communicator::all_gather_shards
 
@@ -129,10 +132,12 @@ pub struct ReducedShard {
 #[derive(Debug, Clone)]
 pub struct Fp8Reduced {
     /// The result; its scale is bitwise the same on every rank and its
-    /// metadata's amax is the agreed amax of the result.
+    /// metadata's amax is [`amax`](Self::amax).
     pub grad: ScalingTensor,
-    /// The agreed amax of the result (F32, one element, the same on every
-    /// rank): inf when any rank's gradient was not finite.
+    /// The result's amax as its scale came from (for an all-reduce the
+    /// bound of step 4, at least the result's own amax; F32, one element,
+    /// the same on every rank): inf when any rank's gradient was not
+    /// finite.
     pub amax: Tensor,
 }
 
@@ -231,8 +236,7 @@ pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<ReducedShard> {
-    let (shard, shape, gathered) =
-        own_scale_chunk(comm, "fp8_reduce_scatter", grad.into(), cfg, true)?;
+    let (shard, shape, gathered) = own_scale_chunk(comm, "fp8_reduce_scatter", grad.into(), cfg)?;
     Ok(ReducedShard {
         shard,
         range: shard_range(shape.elem_count(), comm.rank(), comm.world_size()),
@@ -242,17 +246,16 @@ pub fn fp8_reduce_scatter<'a, C: Communicator + ?Sized>(
 }
 
 /// Steps 1-3 of [`fp8_all_reduce`] for one gradient: this rank's own codes
-/// exchanged (chunk `r` of every rank to rank `r`), every rank's scale
-/// gathered (with `with_amax`, each rank's amax beside it), and this
-/// rank's chunk of the rank-order F32 sum (or mean), rank `k`'s codes
-/// decoded with rank `k`'s scale; with the gradient's shape and the
-/// gathered `[N, 1]` (or `[N, 2]`).
+/// exchanged (chunk `r` of every rank to rank `r`) together with every
+/// rank's scale and amax (gathered, `[N, 2]`: rank `k`'s `scale_inv`,
+/// NaN where its amax is not finite, and its codes' amax), and this rank's chunk
+/// of the rank-order F32 sum (or mean), rank `k`'s codes decoded with rank
+/// `k`'s scale; with the gradient's shape and the gathered `[N, 2]`.
 fn own_scale_chunk<C: Communicator + ?Sized>(
     comm: &C,
     op: &'static str,
     grad: Grad<'_>,
     cfg: &Fp8ReduceConfig,
-    with_amax: bool,
 ) -> Result<(Tensor, Shape, Tensor)> {
     let own = own_codes(op, grad, cfg)?;
     let n = comm.world_size();
@@ -265,8 +268,8 @@ fn own_scale_chunk<C: Communicator + ?Sized>(
             flat.narrow(0, r.start, r.len())
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let received = comm.all_to_all(&chunks)?;
-    let gathered = comm.all_gather(&crate::rank_sum::sent_scales(&[&own], with_amax)?)?;
+    let sent = crate::fp8_zero_bucket::scales_sent(&[&own])?;
+    let (received, gathered) = comm.all_to_all_gather(&chunks, &sent)?;
     let scale_invs = gathered.narrow(1, 0, 1)?.flatten_all()?;
     let (sum, _) =
         crate::rank_sum::rank_order_mean(&received, &scale_invs, own.qtype(), cfg.average)?;
@@ -348,6 +351,20 @@ pub fn fp8_all_reduce<'a, C: Communicator + ?Sized>(
     grad: impl Into<Grad<'a>>,
     cfg: &Fp8ReduceConfig,
 ) -> Result<Fp8Reduced> {
-    let (sum, shape, _) = own_scale_chunk(comm, "fp8_all_reduce", grad.into(), cfg, false)?;
-    fp8_all_gather(comm, &sum, shape, cfg)
+    let (sum, shape, gathered) = own_scale_chunk(comm, "fp8_all_reduce", grad.into(), cfg)?;
+    // Step 4: the result's scale from the bound of the mean's amax that
+    // every rank computes from the same gathered amaxes.
+    let bound = amp_core::bucket_mean_bound(&gathered, 1, 1, cfg.average)?;
+    let (scale, scale_inv) =
+        amp_core::bucket_scales(&bound, cfg.qtype, cfg.scale_rule, cfg.margin)?;
+    let meta = ScalingMeta::from_parts(cfg.qtype, scale, scale_inv, bound.clone())?;
+    let (q, _) = ScalingTensor::quantize_with(&sum, &meta)?;
+    // Step 5.
+    let codes = comm
+        .all_gather_shards(q.data(), shape.elem_count())?
+        .reshape(shape)?;
+    Ok(Fp8Reduced {
+        grad: ScalingTensor::from_parts(codes, meta)?,
+        amax: bound,
+    })
 }

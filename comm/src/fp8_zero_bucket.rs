@@ -17,11 +17,11 @@ use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, ow
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
-use crate::rank_sum::{rank_order_mean, sent_scales};
+use crate::rank_sum::rank_order_mean;
 use crate::shard::{shard_len, shard_range};
 use amp_core::{
     bucket_amax, bucket_column_max, bucket_copy, bucket_copy_from, bucket_decode_sum,
-    bucket_requantize, bucket_scales, Piece, QType, ScalingTensor,
+    bucket_requantize, bucket_scales, bucket_scales_sent, Piece, QType, ScalingTensor,
 };
 use candle_core::{DType, Shape, Tensor};
 
@@ -87,7 +87,7 @@ where
         .map(|s| s.data().flatten_all())
         .collect::<candle_core::Result<Vec<_>>>()?;
     let t_count = own.len();
-    let (scale_invs, agreed) = gather_scales(comm, &own.iter().collect::<Vec<_>>())?;
+    let sent = scales_sent(&own.iter().collect::<Vec<_>>())?;
     let chunks = (0..n)
         .map(|j| {
             let parts = codes
@@ -101,7 +101,8 @@ where
             cat_nonempty(&parts, &codes[0])
         })
         .collect::<Result<Vec<_>>>()?;
-    let received = comm.all_to_all(&chunks)?;
+    let (received, scale_invs) = comm.all_to_all_gather(&chunks, &sent)?;
+    let agreed = bucket_column_max(&scale_invs, t_count, t_count)?;
     let (offsets, _) = chunk_offsets(&lens, rank, n);
     (0..t_count)
         .map(|t| {
@@ -121,21 +122,22 @@ where
         .collect()
 }
 
-/// The scales every rank decodes a bucket with, and the agreed amaxes of
-/// the inputs, from one gather: each rank sends its `T` scale_invs (NaN
-/// where the tensor's amax is not finite) and its `T` amaxes, `[2T]`;
-/// returns the gathered `[N, 2T]` (rank `k`'s scale of tensor `t` at
-/// `[k, t]`) and the column maxima of the amaxes (`[T]`, NaN as inf).
-/// Bucket kernels and one collective only (it may run on the
-/// communicator's stream).
-fn gather_scales<C: Communicator + ?Sized>(
-    comm: &C,
-    own: &[&ScalingTensor],
-) -> Result<(Tensor, Tensor)> {
-    let t = own.len();
-    let gathered = comm.all_gather(&sent_scales(own, true)?)?;
-    let agreed = bucket_column_max(&gathered, t, t)?;
-    Ok((gathered, agreed))
+/// What each rank sends with its codes ([`bucket_scales_sent`]): its `T`
+/// scale_invs (NaN where the tensor's amax is not finite) and its codes'
+/// `T` amaxes (the largest decoded values), `[2T]`; gathered, `[N, 2T]`
+/// holds rank `k`'s scale of tensor `t` at `[k, t]` and its amax at
+/// `[k, T + t]`. One launch (it may run on the communicator's stream);
+/// the tensors share one FP8 format.
+pub(crate) fn scales_sent(own: &[&ScalingTensor]) -> Result<Tensor> {
+    let sinv: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
+    let scale: Vec<&Tensor> = own.iter().map(|s| s.meta().scale()).collect();
+    let amax = own
+        .iter()
+        .map(|s| s.meta().amax())
+        .collect::<amp_core::Result<Vec<_>>>()?;
+    let amax: Vec<&Tensor> = amax.iter().collect();
+    let qtype = own.first().map_or(QType::E4M3, |s| s.qtype());
+    Ok(bucket_scales_sent(&sinv, &scale, &amax, qtype)?)
 }
 
 /// [`fp8_reduce_scatter_bucket`] of the layers' FP8 gradients, every step
@@ -152,7 +154,7 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
     let (n, rank) = (comm.world_size(), comm.rank());
     let lens: Vec<usize> = shapes.iter().map(Shape::elem_count).collect();
     let codes_in: Vec<&Tensor> = scaled.iter().map(|s| s.data()).collect();
-    let (scale_invs, agreed) = gather_scales(comm, scaled)?;
+    let sent = scales_sent(scaled)?;
     let pieces: Vec<Piece> = (0..n)
         .flat_map(|j| {
             lens.iter().enumerate().map(move |(t, &l)| {
@@ -180,7 +182,9 @@ fn reduce_scatter_fused<C: Communicator + ?Sized>(
             c
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let received = comm.all_to_all(&chunks)?;
+    let (received, scale_invs) = comm.all_to_all_gather(&chunks, &sent)?;
+    let t = lens.len();
+    let agreed = bucket_column_max(&scale_invs, t, t)?;
     let (offsets, mine) = chunk_offsets(&lens, rank, n);
     let mut at = 0;
     let mut slices = Vec::with_capacity(lens.len());

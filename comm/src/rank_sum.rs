@@ -1,7 +1,6 @@
-//! The middle of every FP8 reduction: the scales a rank sends beside its
-//! codes ([`sent_scales`]), and the ranks' chunks of codes decoded, rank
-//! `k`'s with rank `k`'s scale, and summed in F32 in rank order
-//! ([`rank_order_mean`]).
+//! [`rank_order_mean`]: the middle of every FP8 reduction, the ranks'
+//! chunks of codes decoded, rank `k`'s with rank `k`'s scale, and summed
+//! in F32 in rank order.
 
 use crate::error::{Error, Result};
 use amp_core::{QType, ScalingMeta, ScalingTensor};
@@ -54,25 +53,4 @@ pub(crate) fn rank_order_mean(
     }
     let amax = amp_core::amax(&sum)?;
     Ok((sum, amax))
-}
-
-/// What a rank sends beside its codes of `own`, in bucket kernels only (so
-/// that it may run on the communicator's stream): each tensor's
-/// `scale_inv`, NaN where its amax is not finite (`[T]`,
-/// [`bucket_flag_scale_inv`](amp_core::bucket_flag_scale_inv)), and with
-/// `with_amax` each tensor's amax after them (`[2T]`).
-pub(crate) fn sent_scales(own: &[&ScalingTensor], with_amax: bool) -> Result<Tensor> {
-    let sinv: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
-    let amax = own
-        .iter()
-        .map(|s| s.meta().amax())
-        .collect::<amp_core::Result<Vec<_>>>()?;
-    let amax: Vec<&Tensor> = amax.iter().collect();
-    let flags = amp_core::bucket_flag_scale_inv(&sinv, &amax)?;
-    if !with_amax {
-        return Ok(flags);
-    }
-    let mut sent: Vec<&Tensor> = vec![&flags];
-    sent.extend(&amax);
-    Ok(amp_core::bucket_concat(&sent)?)
 }

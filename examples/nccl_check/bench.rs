@@ -238,21 +238,21 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
 /// (as `fp8_all_reduce_bucket` runs them on the communicator's stream),
 /// averaged over `reps` reductions enqueued without a synchronize between.
 fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result<()> {
-    use amp::kernels::{bucket_decode_sum, bucket_flag_scale_inv, bucket_quantize, bucket_scales};
+    use amp::kernels::{
+        bucket_decode_sum_quantize, bucket_mean_bound, bucket_scales, bucket_scales_sent,
+    };
     let (rank, n) = (comm.rank(), comm.world_size());
     let q = QType::E5M2;
     let side = comm
         .side_stream()
         .ok_or_else(|| anyhow::anyhow!("no side stream"))?;
-    let mut spent = [0f64; 9];
+    let mut spent = [0f64; 7];
     let names = [
         "fence in",
-        "bucket_flag_scale_inv",
-        "all_to_all",
-        "scale gather",
-        "bucket_decode_sum",
-        "result all-reduce",
-        "scales+quantize",
+        "bucket_scales_sent",
+        "all_to_all_gather",
+        "bound+scales",
+        "bucket_decode_sum_quantize",
         "all_gather_shards",
         "fence out",
     ];
@@ -260,7 +260,7 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
     for _ in 0..reps {
         let mut k = 0;
         let mut t = Instant::now();
-        let mut lap = |spent: &mut [f64; 9], k: &mut usize| {
+        let mut lap = |spent: &mut [f64; 7], k: &mut usize| {
             spent[*k] += t.elapsed().as_secs_f64() * 1e6;
             *k += 1;
             t = Instant::now();
@@ -270,13 +270,14 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
         side.run(|| -> Result<()> {
             let codes: Vec<&Tensor> = grads.iter().map(|g| g.data()).collect();
             let sinvs: Vec<&Tensor> = grads.iter().map(|g| g.meta().scale_inv()).collect();
+            let scales: Vec<&Tensor> = grads.iter().map(|g| g.meta().scale()).collect();
             let amaxes = grads
                 .iter()
                 .map(|g| g.meta().amax())
                 .collect::<Result<Vec<_>, amp::CoreError>>()?;
             let total: usize = codes.iter().map(|c| c.elem_count()).sum();
             let flat = codes[0].flatten_all()?;
-            let sent = bucket_flag_scale_inv(&sinvs, &amaxes.iter().collect::<Vec<_>>())?;
+            let sent = bucket_scales_sent(&sinvs, &scales, &amaxes.iter().collect::<Vec<_>>(), q)?;
             lap(&mut spent, &mut k);
             let chunks = (0..n)
                 .map(|j| {
@@ -284,9 +285,11 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
                     Ok(flat.narrow(0, r.start, r.len())?)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let got = comm.all_to_all(&chunks)?;
+            let (got, gathered) = comm.all_to_all_gather(&chunks, &sent)?;
             lap(&mut spent, &mut k);
-            let scale_invs = comm.all_gather(&sent)?;
+            let t_count = grads.len();
+            let bound = bucket_mean_bound(&gathered, t_count, t_count, true)?;
+            let (rscale, _) = bucket_scales(&bound, q, amp::ScaleRule::PowerOfTwo, 0)?;
             lap(&mut spent, &mut k);
             let mine = shard_range(total, rank, n);
             let pieces = [amp::kernels::Piece {
@@ -294,12 +297,7 @@ fn host_profile(comm: &NcclComm, grads: &[ScalingTensor], reps: usize) -> Result
                 start: 0,
                 len: mine.len(),
             }];
-            let (sums, ramax) = bucket_decode_sum(&got, &scale_invs, q, true, &pieces)?;
-            lap(&mut spent, &mut k);
-            let rglobal = comm.all_reduce_max_no_nan(&ramax)?;
-            lap(&mut spent, &mut k);
-            let (rscale, _) = bucket_scales(&rglobal, q, amp::ScaleRule::PowerOfTwo, 0)?;
-            let shard = bucket_quantize(&sums, &rscale, q, &pieces)?;
+            let shard = bucket_decode_sum_quantize(&got, &gathered, q, true, &pieces, &rscale)?;
             lap(&mut spent, &mut k);
             let all = comm.all_gather_shards(&shard, total)?;
             let _ = all.narrow(0, 0, 1)?;

@@ -235,6 +235,27 @@ fn collectives(ck: &mut Checker) -> Result<()> {
                 false => Ok(Tensor::cat(&got, 0)?),
             }
         });
+        // all_to_all_gather: the same chunks, and every rank's two F32
+        // (its rank and len) gathered in the same group, after the chunks
+        let extra = ck.gpu(&[rank as f32, len as f32])?;
+        let mut want_both = want.clone();
+        want_both.extend((0..n).flat_map(|r| [r as f32, len as f32]));
+        let sent_both = sent + (n - 1) * 8;
+        ck.expect(
+            &format!("all_to_all_gather u8 + f32 L={len}"),
+            &want_both,
+            sent_both,
+            |c| {
+                let (got, gathered) = c.all_to_all_gather(&chunks, &extra)?;
+                let mut parts: Vec<Tensor> = got
+                    .into_iter()
+                    .filter(|t| t.elem_count() > 0)
+                    .map(|t| t.to_dtype(DType::F32))
+                    .collect::<candle_core::Result<_>>()?;
+                parts.push(gathered.flatten_all()?);
+                Ok(Tensor::cat(&parts, 0)?)
+            },
+        );
     }
     ck.comm.reset_bytes_sent();
     let b = ck.comm.barrier().map(|()| ck.comm.bytes_sent() == 0);

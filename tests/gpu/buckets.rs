@@ -10,7 +10,8 @@ use amp::cuda::SideStream;
 use amp::kernels::{
     bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,
     bucket_decode_amax, bucket_decode_sum, bucket_decode_sum_quantize, bucket_flag_scale_inv,
-    bucket_max, bucket_quantize, bucket_requantize, bucket_scales, decode_sum, Piece,
+    bucket_max, bucket_mean_bound, bucket_quantize, bucket_requantize, bucket_scales,
+    bucket_scales_sent, decode_sum, Piece,
 };
 use amp::{CurrentScaling, QType, ScaleRule, ScalingTensor};
 use anyhow::{ensure, Result};
@@ -315,6 +316,51 @@ fn bucket_kernels(dev: &Device) -> Result<()> {
         bucket_column_max(&mc.to_device(dev)?, 4, 4)?,
     );
     ok &= same("bucket_column_max", &xg, &xc)?;
+    for average in [false, true] {
+        let (bc, bg) = (
+            bucket_mean_bound(&mc, 4, 4, average)?,
+            bucket_mean_bound(&mc.to_device(dev)?, 4, 4, average)?,
+        );
+        ok &= same(&format!("bucket_mean_bound avg {average}"), &bg, &bc)?;
+    }
+    // What a rank sends: flagged scale_invs and its codes' exact amaxes,
+    // for each format (amaxes finite, inf, NaN, zero, and above the
+    // format's range at the scale: saturated).
+    for qtype in [QType::E4M3, QType::E5M2, QType::F16] {
+        let vals = |d: &Device, f: &dyn Fn(usize) -> f32| -> Result<Vec<Tensor>> {
+            Ok((0..70)
+                .map(|i| Tensor::new(&[f(i)], d))
+                .collect::<candle_core::Result<Vec<_>>>()?)
+        };
+        let amax = |i: usize| match i % 9 {
+            2 => f32::INFINITY,
+            4 => f32::NAN,
+            6 => 0.0,
+            _ => 0.37 * (i as f32 + 1.0),
+        };
+        let scale = |i: usize| {
+            if i % 5 == 0 {
+                1e6
+            } else {
+                2f32.powi((i % 7) as i32)
+            }
+        };
+        let sent = |d: &Device| -> Result<Tensor> {
+            let (si, sc, am) = (
+                vals(d, &|i| 1.0 / scale(i))?,
+                vals(d, &scale)?,
+                vals(d, &amax)?,
+            );
+            Ok(bucket_scales_sent(
+                &refs(&si),
+                &refs(&sc),
+                &refs(&am),
+                qtype,
+            )?)
+        };
+        let (sc, sg) = (sent(&Device::Cpu)?, sent(dev)?);
+        ok &= same_nan(&format!("bucket_scales_sent {qtype:?}"), &sg, &sc)?;
+    }
     // The scales a rank sends: scale_inv, NaN where the amax is not finite.
     let sinvs: Vec<f32> = (0..70).map(|i| 2f32.powi(i % 9 - 4)).collect();
     let amaxes: Vec<f32> = (0..70)

@@ -90,6 +90,20 @@ pub(crate) fn bucket_column_max(_: usize, _: usize, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
+pub(crate) fn bucket_scales_sent(_: crate::numerics::qtype::QType, _: Inputs<'_>) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
+pub(crate) fn bucket_mean_bound(
+    _: usize,
+    _: usize,
+    _: f32,
+    _: Option<f32>,
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}
+
 pub(crate) fn bucket_concat(_: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

@@ -386,6 +386,128 @@ impl Communicator for NcclComm {
             .collect())
     }
 
+    fn all_to_all_gather(
+        &self,
+        chunks: &[Tensor],
+        extra: &Tensor,
+    ) -> Result<(Vec<Tensor>, Tensor)> {
+        const OP: &str = "all_to_all_gather";
+        let (n, rank) = (self.world_size(), self.rank());
+        if chunks.len() != n {
+            return Err(Self::invalid(
+                OP,
+                format!("{} chunks for a world of {n}", chunks.len()),
+            ));
+        }
+        for c in chunks {
+            self.check(OP, c)?;
+        }
+        self.check(OP, extra)?;
+        let peer = |j: usize| i32::try_from(j).map_err(|_| Self::invalid(OP, format!("rank {j}")));
+        let chunks = chunks
+            .iter()
+            .map(|c| c.contiguous())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let extra = extra.contiguous()?;
+        let own_len = chunks[rank].elem_count();
+        let stream = self.side.cuda_stream();
+        // Receive buffers: a chunk shaped as this rank's own from every
+        // other rank (none when it is empty: both ends know), and the
+        // extras in rank order.
+        let mut outs = (0..n)
+            .map(|j| match j == rank || own_len == 0 {
+                true => Ok(None),
+                false => Output::new(OP, stream, chunks[rank].dtype(), own_len).map(Some),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let eb = nbytes(&extra);
+        let mut gathered = Output::new(OP, stream, extra.dtype(), n * extra.elem_count())?;
+        {
+            let guards: Vec<_> = chunks.iter().map(|c| c.storage_and_layout()).collect();
+            let (es, el) = extra.storage_and_layout();
+            let ev = buffer::bytes(OP, &es, el, extra.elem_count())?;
+            // Per peer, in the same order on every rank: its chunk, then
+            // the extra.
+            let mut sends = Vec::with_capacity(2 * n);
+            for (j, ((storage, layout), c)) in guards.iter().zip(&chunks).enumerate() {
+                if j != rank && c.elem_count() > 0 {
+                    sends.push((
+                        peer(j)?,
+                        buffer::bytes(OP, storage, layout, c.elem_count())?,
+                    ));
+                }
+            }
+            for j in (0..n).filter(|&j| j != rank && eb > 0) {
+                sends.push((peer(j)?, ev.slice(..)));
+            }
+            let mut views = Vec::with_capacity(n);
+            for out in outs.iter_mut().flatten() {
+                views.push(out.bytes(OP)?);
+            }
+            let mut whole = gathered.bytes(OP)?;
+            let mut ptr_guards = Vec::with_capacity(n + 1);
+            let mut recvs = Vec::with_capacity(2 * n);
+            let mut next = views.iter_mut();
+            for j in 0..n {
+                if j != rank && own_len > 0 {
+                    let v = next
+                        .next()
+                        .ok_or_else(|| Self::invalid(OP, "a receive buffer short".into()))?;
+                    let len = v.len();
+                    let (ptr, g) = v.device_ptr_mut(stream);
+                    ptr_guards.push(g);
+                    recvs.push((
+                        peer(j)?,
+                        Part {
+                            ptr,
+                            len,
+                            stream: stream.clone(),
+                        },
+                    ));
+                }
+            }
+            let (base, g) = whole.device_ptr_mut(stream);
+            ptr_guards.push(g);
+            let mut own_part = None;
+            for j in 0..n {
+                let part = Part {
+                    ptr: base + (j * eb) as u64,
+                    len: eb,
+                    stream: stream.clone(),
+                };
+                if j == rank {
+                    own_part = Some(part);
+                } else if eb > 0 {
+                    recvs.push((peer(j)?, part));
+                }
+            }
+            self.fenced(OP, || {
+                self.send_recv(OP, &sends, &mut recvs, own_part.map(|p| (&ev, p)))
+            })?;
+            drop(ptr_guards);
+        }
+        let sent: usize = (0..n)
+            .filter(|&j| j != rank)
+            .map(|j| nbytes(&chunks[j]))
+            .sum();
+        self.count(sent + (n - 1) * eb);
+        let mut dims = vec![n];
+        dims.extend_from_slice(extra.dims());
+        let gathered = gathered
+            .into_tensor(&self.cuda, n * extra.elem_count())
+            .reshape(dims)?;
+        let received = outs
+            .into_iter()
+            .enumerate()
+            .map(|(j, out)| match out {
+                Some(out) => out.into_tensor(&self.cuda, chunks[rank].shape()),
+                None if j == rank => chunks[rank].clone(),
+                None => chunks[rank].clone(),
+            })
+            .collect();
+        Ok((received, gathered))
+    }
+
     fn side_stream(&self) -> Option<&amp_core::SideStream> {
         Some(&self.side)
     }

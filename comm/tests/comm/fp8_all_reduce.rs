@@ -126,15 +126,30 @@ fn exact_inputs_give_one_rounding_of_the_exact_sum() {
                 for (r, res) in out.iter().enumerate() {
                     let ctx = format!("{q} N={world} len={len} rank {r}");
                     assert!(res.is_finite().unwrap(), "{ctx}");
+                    // one rounding of the exact sum at the result's scale,
+                    // which comes from a bound of the sum's amax: never
+                    // finer than the sum's own (nothing saturates), the
+                    // same for one rank
+                    let (at_scale, _) =
+                        ScalingTensor::quantize_with(&cpu(&sum), res.grad.meta()).unwrap();
+                    let at_scale = at_scale
+                        .dequantize(DType::F32)
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap();
                     let got = decoded(res);
-                    for (g, w) in got.iter().zip(&want_values) {
+                    for (g, w) in got.iter().zip(&at_scale) {
                         assert_eq!(g.to_bits(), w.to_bits(), "{ctx}");
                     }
-                    assert_eq!(
-                        res.grad.scale_inv().unwrap(),
-                        want.scale_inv().unwrap(),
-                        "{ctx}"
-                    );
+                    let (got_si, want_si) =
+                        (res.grad.scale_inv().unwrap(), want.scale_inv().unwrap());
+                    assert!(got_si >= want_si, "{ctx}: {got_si} < {want_si}");
+                    if world == 1 {
+                        for (g, w) in got.iter().zip(&want_values) {
+                            assert_eq!(g.to_bits(), w.to_bits(), "{ctx}");
+                        }
+                        assert_eq!(got_si, want_si, "{ctx}");
+                    }
                     assert_eq!(fingerprint(res), fingerprint(&out[0]), "{ctx}");
                 }
             }
@@ -204,16 +219,10 @@ fn fp8_sends_a_quarter_of_the_f32_all_reduce() {
         for (r, (fp8, f32_bytes)) in out.into_iter().enumerate() {
             let own = (len / world + usize::from(r < len % world)) as u64;
             let data = l - own + (n - 1) * own;
-            // The scales' gather (4 bytes to each other rank) and one
-            // one-element F32 all-reduce (the result's amax; rank 0 owns
-            // the element).
-            let scalars = if n == 1 {
-                0
-            } else if r == 0 {
-                4 * (n - 1) + 4 * (n - 1)
-            } else {
-                4 * (n - 1) + 4
-            };
+            // The scale's and the amax's gather (8 bytes to each other
+            // rank).
+            let scalars = 8 * (n - 1);
+            let _ = r;
             assert_eq!(f32_bytes, 4 * data, "N={world} rank {r}");
             assert_eq!(fp8, data + scalars, "N={world} rank {r}");
             if world > 1 {

@@ -368,6 +368,106 @@ pub(crate) fn bucket_flag_scale_inv(
     Ok(vec![wrap_f32(out, &dev, t)])
 }
 
+/// scale_inv_0..T-1, scale_0..T-1, amax_0..T-1 (one element each) ->
+/// [2T]: the flagged scale_invs, then the largest decoded values.
+pub(crate) fn bucket_scales_sent(
+    qtype: QType,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_scales_sent";
+    let t = inputs.len() / 3;
+    if t == 0 || inputs.len() != 3 * t {
+        return Err(arity(OP));
+    }
+    let dev = inputs[0].0.device().clone();
+    let stream = current_stream(&dev);
+    let views = inputs
+        .iter()
+        .map(|(s, l)| scalar_view(OP, s, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut guards = Vec::with_capacity(views.len());
+    let mut ptrs = Vec::with_capacity(views.len());
+    for v in &views {
+        let (p, g) = v.device_ptr(&stream);
+        ptrs.push(p);
+        guards.push(g);
+    }
+    // SAFETY: the launches write every element.
+    let mut out = unsafe { stream.alloc::<f32>(2 * t) }.w()?;
+    let fmt = match qtype {
+        QType::F16 => "f16",
+        q => fmt_name(OP, q)?,
+    };
+    let f = func(&dev, &format!("bucket_scales_sent_{fmt}"))?;
+    let total = t as i32;
+    for (c, chunk) in (0..t).collect::<Vec<_>>().chunks(ITEMS).enumerate() {
+        let mut a = BucketArgs::new();
+        for (k, &i) in chunk.iter().enumerate() {
+            a.src[k] = ptrs[i];
+            a.out_off[k] = ptrs[t + i];
+            a.aux[k] = ptrs[2 * t + i];
+            a.len[k] = 1;
+            a.t[k] = (c * ITEMS + k) as i32;
+        }
+        let count = chunk.len() as i32;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&a).arg(&count).arg(&total).arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (ITEMS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every pointer is a live one-element F32 (`guards`); t < T.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guards);
+    Ok(vec![wrap_f32(out, &dev, 2 * t)])
+}
+
+/// m [N, C] -> [count]: the bounds of `bucket_mean_bound`.
+pub(crate) fn bucket_mean_bound(
+    start: usize,
+    count: usize,
+    factor: f32,
+    inv_n: Option<f32>,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Vec<(CudaStorage, Shape)>> {
+    const OP: &str = "bucket_mean_bound";
+    let [(m, lm)] = inputs else {
+        return Err(arity(OP));
+    };
+    let [rows, cols] = lm.shape().dims() else {
+        return Err(arity(OP));
+    };
+    let dev = m.device().clone();
+    let stream = current_stream(&dev);
+    let v = view::<f32>(OP, m, lm)?;
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { stream.alloc::<f32>(count.max(1)) }.w()?;
+    let (r, c, st, n) = (*rows as i32, *cols as i32, start as i32, count as i32);
+    let (avg, inv) = (i32::from(inv_n.is_some()), inv_n.unwrap_or(1.0));
+    let f = func(&dev, OP)?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&v)
+        .arg(&r)
+        .arg(&c)
+        .arg(&st)
+        .arg(&n)
+        .arg(&factor)
+        .arg(&avg)
+        .arg(&inv)
+        .arg(&mut out);
+    let cfg = LaunchConfig {
+        grid_dim: ((count as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: rows x cols values in, count out, start + count <= cols
+    // (checked by the caller).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(vec![wrap_f32(out, &dev, count)])
+}
+
 /// m [N, C] -> [count]: column maxima from `start`, NaN as inf.
 pub(crate) fn bucket_column_max(
     start: usize,

@@ -64,7 +64,8 @@ pub(crate) mod transpose;
 pub(crate) use block::{block_dequantize, block_quantize, block_quantize_pair};
 pub(crate) use bucket::{
     bucket_amax, bucket_column_max, bucket_concat, bucket_copy_from, bucket_decode_sum,
-    bucket_flag_scale_inv, bucket_max, bucket_quantize, bucket_requantize, bucket_scales,
+    bucket_flag_scale_inv, bucket_max, bucket_mean_bound, bucket_quantize, bucket_requantize,
+    bucket_scales, bucket_scales_sent,
 };
 pub(crate) use cast::{amax, decoded_amax, dequantize, quantize, requantize};
 pub(crate) use decode_sum::decode_sum;
