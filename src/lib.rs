@@ -45,8 +45,9 @@ pub use amp_core::{
 /// 8.9 or newer, checked when the first kernel loads; `AMP_COMPUTE_CAP`
 /// overrides what the check believes), the memory pool's knobs a training
 /// loop sets once (`keep_freed_memory`, `skip_event_tracking`), the pool's
-/// peaks for memory reports, timing marks on the device's stream, and the
-/// side stream communication runs on. Each is a no-op or `None` off CUDA
+/// peaks for memory reports, timing marks on the device's stream, a read
+/// to the host that waits only when read, and the side stream
+/// communication runs on. Each is a no-op or `None` off CUDA
 /// where the docs say so.
 pub mod cuda {
     pub use amp_core::{check_capability, parse_capability, MIN_COMPUTE_CAPABILITY};
@@ -54,7 +55,7 @@ pub mod cuda {
     pub use amp_core::{compute_capability, ensure_supported, multiprocessors};
     pub use amp_core::{
         defer_side_work, device_memory, keep_freed_memory, pool_peaks, reset_pool_peaks,
-        set_pool_release_threshold, skip_event_tracking, SideStream, StreamMark,
+        set_pool_release_threshold, skip_event_tracking, HostReadback, SideStream, StreamMark,
     };
 }
 

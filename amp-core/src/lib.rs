@@ -73,6 +73,7 @@ pub use numerics::cuda::{
 pub use numerics::decode_sum::decode_sum;
 pub use numerics::format::{Fp8Format, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX};
 pub use numerics::qtype::QType;
+pub use numerics::readback::HostReadback;
 pub use numerics::recipe::{
     AmaxComputeAlgo, CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling,
     Format, OverrideLinearPrecision, MAX_AMAX_HISTORY_LEN, MAX_MARGIN,

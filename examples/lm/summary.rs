@@ -69,8 +69,10 @@ pub struct Summary {
     pub step_ms_max: f64,
     /// Every timed step's wall time in order, ms (to 0.01 ms).
     pub step_ms: Vec<f64>,
-    /// Median time of the forward pass (to a device synchronize) within a
-    /// timed step, ms; the rest of the step is backward, optimizer, loss read.
+    /// Median time of the forward pass within a timed step, ms: from the
+    /// step's start to the device's end of the forward (CUDA: timing events
+    /// on the stream, so the step runs on without waiting there; CPU: wall
+    /// time); the rest of the step is backward, optimizer, loss read.
     pub forward_ms_median: f64,
     /// Steps timed (after `timing_skip`).
     pub timed_steps: u64,

@@ -379,6 +379,7 @@ pub fn train_rank(
             amp::nn::set_telemetry(true);
         }
         let t = Instant::now();
+        let step_mark = amp::cuda::StreamMark::now(&cfg.device)?;
         if step_clock {
             eprintln!("step {step} starts at {t:?}");
         }
@@ -413,9 +414,9 @@ pub fn train_rank(
             x.narrow(0, (micro - 1) * m_rows, m_rows)?,
             y.narrow(0, (micro - 1) * m_rows, m_rows)?,
         );
-        // the forward inside the FP8 scope, then backward and step; a
-        // synchronize splits the step into forward and backward + update
-        let mut forward_secs = 0.0;
+        // the forward inside the FP8 scope, then backward and step; a mark
+        // on the stream where the forward ends times it without a wait
+        let mut forward_mark = None;
         // the second step's memory, phase by phase: the CUDA pool's, or on
         // the CPU the counted heap's above what it held before the model
         // (one rank in the process: ranks as threads share the heap)
@@ -447,8 +448,11 @@ pub fn train_rank(
                 } else {
                     loss
                 };
-                cfg.device.synchronize()?;
-                forward_secs = t.elapsed().as_secs_f64();
+                forward_mark = Some(amp::cuda::StreamMark::now(&cfg.device)?);
+                if step == start || probe {
+                    // the memory probes read the pool after the forward
+                    cfg.device.synchronize()?;
+                }
                 if step == start && cfg.device.is_cuda() {
                     forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
                 }
@@ -491,7 +495,9 @@ pub fn train_rank(
             let secs = t.elapsed().as_secs_f64();
             train_secs += secs;
             step_secs.push(secs);
-            forward_ms.push(forward_secs * 1e3);
+            if let Some(mark) = &forward_mark {
+                forward_ms.push(step_mark.ms_until(mark)?);
+            }
         }
         train_curve.push((step + 1, value));
         let done = step + 1;

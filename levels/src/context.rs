@@ -370,7 +370,7 @@ impl AmpOptimizer {
             grads = pending;
         }
         let Some(group) = &self.group else {
-            return Ok(self.opt.step(&grads)?);
+            return Ok(self.opt.step_owned(grads)?);
         };
         let device = grads.0.values().next().map(|g| match g {
             Grad::F32(t) => t.device().clone(),
@@ -387,7 +387,7 @@ impl AmpOptimizer {
         let mut total_sq = |part_sq: &Tensor| group.total_sq(part_sq);
         let outcome = self
             .opt
-            .step_partitioned(&grads, &holds_slice, &mut total_sq)?;
+            .step_partitioned(grads, &holds_slice, &mut total_sq)?;
         if let StepOutcome::Applied { .. } = outcome {
             let start = mark()?;
             group.after_step(&self.opt, &mut stats)?;

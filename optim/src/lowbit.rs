@@ -96,6 +96,8 @@ pub struct LowBitAdamW {
     pub(crate) scratch: std::sync::Mutex<Vec<f32>>,
     /// The moments' telemetry of the steps taken while it recorded.
     pub(crate) moment_records: Vec<MomentRecord>,
+    /// The step's outcome on its way to the host (GPU path).
+    pub(crate) outcome_read: amp_core::HostReadback,
 }
 
 impl LowBitAdamW {
@@ -157,6 +159,7 @@ impl LowBitAdamW {
             skipped: 0,
             scratch: std::sync::Mutex::new(Vec::new()),
             moment_records: Vec::new(),
+            outcome_read: amp_core::HostReadback::default(),
         })
     }
 
@@ -296,7 +299,7 @@ impl LowBitAdamW {
         sink: Option<&GradSink>,
     ) -> Result<StepOutcome> {
         let grads = self.backward(loss, sink)?;
-        self.step(&grads)
+        self.step_owned(grads)
     }
 
     /// [`backward_step_with`](Self::backward_step_with) without a sink.

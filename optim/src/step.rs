@@ -38,6 +38,18 @@ impl LowBitAdamW {
     /// [`Error::GradShape`] or [`Error::UnknownParam`], checked for every
     /// gradient before anything changes.
     pub fn step(&mut self, grads: &Grads) -> Result<StepOutcome> {
+        self.step_partitioned(grads.clone(), &|_| false, &mut |s| Ok(s.clone()))
+    }
+
+    /// [`step`](Self::step) that takes the gradients and drops them as soon
+    /// as the updates that read them are enqueued: on a GPU their memory
+    /// goes back to the pool before the host waits for the step's outcome,
+    /// not after (their frees then cost the host no time of an idle
+    /// device).
+    ///
+    /// # Errors
+    /// As [`step`](Self::step).
+    pub fn step_owned(&mut self, grads: Grads) -> Result<StepOutcome> {
         self.step_partitioned(grads, &|_| false, &mut |s| Ok(s.clone()))
     }
 
@@ -57,7 +69,7 @@ impl LowBitAdamW {
     /// As [`step`](Self::step); `reduce`'s.
     pub fn step_partitioned(
         &mut self,
-        grads: &Grads,
+        grads: Grads,
         partitioned: &dyn Fn(&str) -> bool,
         reduce: &mut ReduceNorm<'_>,
     ) -> Result<StepOutcome> {
@@ -88,7 +100,7 @@ impl LowBitAdamW {
         let mut ones = Ones::default();
         let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
         let (mut batch, mut batch_at) = (Vec::new(), Vec::new());
-        let plan = self.batch_plan(grads)?;
+        let plan = self.batch_plan(&grads)?;
         for (p, &batched) in self.params.iter().zip(&plan) {
             let Some(g) = grads.get(&p.name) else {
                 continue;
@@ -164,15 +176,17 @@ impl LowBitAdamW {
         let (grad_norm, grad_mul) =
             clip_math(sum_sq, 1.0 / self.scaler.scale, self.config.max_grad_norm);
         let grad_mul = Tensor::new(&[grad_mul], &device)?;
-        self.update_all(grads, &plan, &grad_mul, &mut ones)?;
+        self.update_all(&grads, &plan, &grad_mul, &mut ones)?;
         self.scaler.update(false);
         Ok(StepOutcome::Applied { grad_norm })
     }
 
     /// The rest of a step on a GPU: the norm, skip decision and multiplier
-    /// by a kernel (`ClipCoef`), the updates enqueued behind it, and then
-    /// one read of the outcome, so the host does not wait for the sums
-    /// before it enqueues the updates. A skipped step's kernels return at
+    /// by a kernel (`ClipCoef`), the outcome's copy to the host and the
+    /// updates enqueued behind it, the gradients dropped, and then one
+    /// wait for the outcome alone, so the host neither waits for the sums
+    /// before it enqueues the updates nor for the updates before it frees
+    /// what they replace. A skipped step's kernels return at
     /// once; the states they would have replaced are kept until the read
     /// and put back (an F32 weight, updated in place, was never written).
     /// With partitioned parameters (`reduce`), their part of the norm is
@@ -180,7 +194,7 @@ impl LowBitAdamW {
     /// path adds it.
     fn step_on_device(
         &mut self,
-        grads: &Grads,
+        grads: Grads,
         plan: &[bool],
         sums: &[(bool, Tensor)],
         amaxes: &[(bool, Tensor)],
@@ -205,8 +219,12 @@ impl LowBitAdamW {
         };
         let [outcome, grad_mul] = <[Tensor; 2]>::try_from(launch(&clip, &[&vals])?)
             .map_err(|_| kernel_error("clipping coefficient"))?;
+        // the outcome's copy queued before the updates: the host learns it
+        // as soon as the device has the norm, while the updates still run
+        self.outcome_read.queue(&outcome)?;
+        drop(outcome);
         if self.config.lean_step {
-            return self.step_lean(grads, plan, &outcome, &grad_mul, &mut ones);
+            return self.step_lean(&grads, plan, &grad_mul, &mut ones);
         }
         let before: Vec<(Weight, State, State, u64)> = self
             .params
@@ -222,8 +240,10 @@ impl LowBitAdamW {
             .collect::<Result<_>>()?;
         let step_before = self.step;
         let records_before = self.moment_records.len();
-        let updated = self.update_all(grads, plan, &grad_mul, &mut ones);
-        let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
+        let updated = self.update_all(&grads, plan, &grad_mul, &mut ones);
+        // freed behind the updates that read them, before the wait
+        drop(grads);
+        let [sum_sq, grad_norm] = <[f64; 2]>::try_from(self.outcome_read.wait()?)
             .map_err(|_| kernel_error("clipping outcome"))?;
         if sum_sq.is_finite() {
             // an error part way leaves the parameters before it updated
@@ -254,11 +274,10 @@ impl LowBitAdamW {
         &mut self,
         grads: &Grads,
         plan: &[bool],
-        outcome: &Tensor,
         grad_mul: &Tensor,
         ones: &mut Ones,
     ) -> Result<StepOutcome> {
-        let [sum_sq, grad_norm] = <[f64; 2]>::try_from(outcome.to_vec1::<f64>()?)
+        let [sum_sq, grad_norm] = <[f64; 2]>::try_from(self.outcome_read.wait()?)
             .map_err(|_| kernel_error("clipping outcome"))?;
         if !sum_sq.is_finite() {
             // as a skipped step of the other path leaves them: the

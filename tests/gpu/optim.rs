@@ -14,6 +14,11 @@ test_device!(step_grid, step_grid_cuda);
 test_device!(step_one_block, step_one_block_cuda);
 test_device!(sum_of_squares, sum_of_squares_cuda);
 test_device!(many_params, many_params_cuda);
+test_device!(
+    outcome_readback,
+    outcome_readback_cpu,
+    outcome_readback_cuda
+);
 
 /// Weight storages of the levels.
 #[derive(Debug, Clone, Copy)]
@@ -157,6 +162,39 @@ fn same_step(
 
 /// 41107 elements: 20 blocks of 2048 and a tail, not a multiple of 8 (the
 /// two launches).
+/// The optimizer's outcome read ([`amp::cuda::HostReadback`]): values of any
+/// length, the host slot grown and reused, a read queued before more work
+/// on the stream, a second queue replacing a first, no read twice.
+fn outcome_readback(dev: &Device) -> Result<()> {
+    let mut slot = amp::cuda::HostReadback::default();
+    for n in [2usize, 7, 3, 1000] {
+        let want: Vec<f64> = (0..n).map(|i| i as f64 * 0.25 - 1.5 + n as f64).collect();
+        // the values come from work still running when the copy is queued
+        // (a wait that returned early would read the last values)
+        let k = if dev.is_cuda() { 2048 } else { 64 };
+        let x = (Tensor::ones((k, k), DType::F32, dev)? * 1e-3)?;
+        let busy = x.matmul(&x)?.matmul(&x)?.matmul(&x)?.sum_all()?;
+        let zero = (busy.to_dtype(DType::F64)? * 0.0)?;
+        let t = Tensor::new(want.as_slice(), dev)?.broadcast_add(&zero)?;
+        slot.queue(&t)?;
+        drop(t);
+        // work queued after the copy does not change what it read
+        let _more = x.matmul(&x)?;
+        ensure!(slot.wait()? == want, "read of {n} values");
+        ensure!(slot.wait().is_err(), "a second wait without a queue");
+    }
+    slot.queue(&Tensor::zeros(0, DType::F64, dev)?)?;
+    ensure!(slot.wait()?.is_empty(), "no values");
+    slot.queue(&Tensor::new(&[1.0f64, 2.0], dev)?)?;
+    slot.queue(&Tensor::new(&[[3.0f64], [4.0]], dev)?)?;
+    ensure!(slot.wait()? == [3.0, 4.0], "the last queued read");
+    ensure!(
+        slot.queue(&Tensor::new(&[1.0f32], dev)?).is_err(),
+        "F32 refused"
+    );
+    Ok(())
+}
+
 fn step_grid(dev: &Device) -> Result<()> {
     combinations(dev, &mut Rng(0x005E_ED0F_AD4A), (37, 1111))
 }

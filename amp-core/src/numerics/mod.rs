@@ -4,7 +4,8 @@
 //! MS-AMP, the recipes and the config parsing behind them, the kernel
 //! mechanism every op of the project plugs into, and the kernels on raw
 //! storages: scaled casts (per tensor and per tile), the cast-transpose, requantize, the transpose,
-//! scalar gathers. `cuda` holds the CUDA bodies of those kernels (and of
+//! scalar gathers, a device-to-host read that waits only when read.
+//! `cuda` holds the CUDA bodies of those kernels (and of
 //! the scaling layer's) and the device plumbing the other layers'
 //! launchers share. Imports nothing of the layers above.
 
@@ -25,6 +26,7 @@ pub(crate) mod decode_sum;
 pub(crate) mod format;
 pub mod kernel;
 pub(crate) mod qtype;
+pub(crate) mod readback;
 pub(crate) mod recipe;
 pub(crate) mod requantize;
 pub(crate) mod scalars;
