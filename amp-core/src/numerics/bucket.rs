@@ -769,6 +769,33 @@ pub fn bucket_copy_from(srcs: &[&Tensor], pieces: &[Piece]) -> Result<Tensor> {
     Ok(c)
 }
 
+/// Columns `start..start + count` of the one input `m` (`[N, C]` F32),
+/// each folded over the rows in row order from 0 by `f` (NaN passed as
+/// inf): the CPU bodies of the column kernels.
+fn fold_columns(
+    name: &'static str,
+    inputs: &[(&CpuStorage, &Layout)],
+    start: usize,
+    count: usize,
+    f: impl Fn(f32, f32) -> f32,
+) -> Result<Vec<f32>> {
+    let [(m, lm)] = inputs else {
+        return Err(arity(name));
+    };
+    let [rows, cols] = lm.shape().dims() else {
+        return Err(arity(name));
+    };
+    let v = slice::<f32>(name, m, lm)?;
+    Ok((start..start + count)
+        .map(|c| {
+            (0..*rows).fold(0f32, |acc, r| {
+                let x = v[r * cols + c];
+                f(acc, if x.is_nan() { f32::INFINITY } else { x })
+            })
+        })
+        .collect())
+}
+
 /// m [N, C] (F32) -> [count]: the largest of column `start + c` over the
 /// rows, NaN counted as inf.
 pub(crate) struct BucketColumnMax {
@@ -779,26 +806,13 @@ pub(crate) struct BucketColumnMax {
 impl Kernel for BucketColumnMax {
     const NAME: &'static str = "bucket_column_max";
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        let [(m, lm)] = inputs else {
-            return Err(arity(Self::NAME));
-        };
-        let [rows, cols] = lm.shape().dims() else {
-            return Err(arity(Self::NAME));
-        };
-        let v = slice::<f32>(Self::NAME, m, lm)?;
-        let out = (self.start..self.start + self.count)
-            .map(|c| {
-                (0..*rows).fold(0f32, |acc, r| {
-                    let x = v[r * cols + c];
-                    let x = if x.is_nan() { f32::INFINITY } else { x };
-                    if x > acc {
-                        x
-                    } else {
-                        acc
-                    }
-                })
-            })
-            .collect();
+        let out = fold_columns(Self::NAME, inputs, self.start, self.count, |acc, x| {
+            if x > acc {
+                x
+            } else {
+                acc
+            }
+        })?;
         Ok(vec![(CpuStorage::F32(out), Shape::from(self.count))])
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
@@ -910,19 +924,10 @@ pub(crate) struct BucketMeanBound {
 impl Kernel for BucketMeanBound {
     const NAME: &'static str = "bucket_mean_bound";
     fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
-        let [(m, lm)] = inputs else {
-            return Err(arity(Self::NAME));
-        };
-        let [rows, cols] = lm.shape().dims() else {
-            return Err(arity(Self::NAME));
-        };
-        let v = slice::<f32>(Self::NAME, m, lm)?;
-        let out = (self.start..self.start + self.count)
-            .map(|c| {
-                let sum = (0..*rows).fold(0f32, |acc, r| {
-                    let x = v[r * cols + c];
-                    acc + if x.is_nan() { f32::INFINITY } else { x }
-                });
+        let sums = fold_columns(Self::NAME, inputs, self.start, self.count, |acc, x| acc + x)?;
+        let out = sums
+            .into_iter()
+            .map(|sum| {
                 let b = sum * self.factor;
                 match self.inv_n {
                     Some(inv) => b * inv + 0.0,

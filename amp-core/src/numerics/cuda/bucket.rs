@@ -331,41 +331,60 @@ pub(crate) fn bucket_flag_scale_inv(
     }
     let dev = inputs[0].0.device().clone();
     let stream = current_stream(&dev);
+    // SAFETY: the launches write every element.
+    let mut out = unsafe { stream.alloc::<f32>(t) }.w()?;
+    let f = func(&dev, OP)?;
+    with_scalar_ptrs(OP, inputs, &stream, |ptrs| {
+        for (c, chunk) in (0..t).collect::<Vec<_>>().chunks(ITEMS).enumerate() {
+            let mut a = BucketArgs::new();
+            for (k, &i) in chunk.iter().enumerate() {
+                a.src[k] = ptrs[i];
+                a.aux[k] = ptrs[t + i];
+                a.len[k] = 1;
+                a.t[k] = (c * ITEMS + k) as i32;
+            }
+            let count = chunk.len() as i32;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&a).arg(&count).arg(&mut out);
+            // SAFETY: every pointer is a live one-element F32; t < T.
+            unsafe { b.launch(one_block_of_items()) }.w()?;
+        }
+        Ok(())
+    })?;
+    Ok(vec![wrap_f32(out, &dev, t)])
+}
+
+/// One block of a thread per item (the launches over one-element inputs).
+fn one_block_of_items() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (ITEMS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Runs `launch` with the device addresses of one-element F32 `inputs`,
+/// kept live (cudarc's guards) until it has queued its launches.
+fn with_scalar_ptrs(
+    op: &'static str,
+    inputs: &[(&CudaStorage, &Layout)],
+    stream: &std::sync::Arc<CudaStream>,
+    launch: impl FnOnce(&[u64]) -> Result<()>,
+) -> Result<()> {
     let views = inputs
         .iter()
-        .map(|(s, l)| scalar_view(OP, s, l))
+        .map(|(s, l)| scalar_view(op, s, l))
         .collect::<Result<Vec<_>>>()?;
     let mut guards = Vec::with_capacity(views.len());
     let mut ptrs = Vec::with_capacity(views.len());
     for v in &views {
-        let (p, g) = v.device_ptr(&stream);
+        let (p, g) = v.device_ptr(stream);
         ptrs.push(p);
         guards.push(g);
     }
-    // SAFETY: the launches write every element.
-    let mut out = unsafe { stream.alloc::<f32>(t) }.w()?;
-    let f = func(&dev, OP)?;
-    for (c, chunk) in (0..t).collect::<Vec<_>>().chunks(ITEMS).enumerate() {
-        let mut a = BucketArgs::new();
-        for (k, &i) in chunk.iter().enumerate() {
-            a.src[k] = ptrs[i];
-            a.aux[k] = ptrs[t + i];
-            a.len[k] = 1;
-            a.t[k] = (c * ITEMS + k) as i32;
-        }
-        let count = chunk.len() as i32;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&a).arg(&count).arg(&mut out);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (ITEMS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: every pointer is a live one-element F32 (`guards`); t < T.
-        unsafe { b.launch(cfg) }.w()?;
-    }
+    let done = launch(&ptrs);
     drop(guards);
-    Ok(vec![wrap_f32(out, &dev, t)])
+    done
 }
 
 /// scale_inv_0..T-1, scale_0..T-1, amax_0..T-1 (one element each) ->
@@ -381,17 +400,6 @@ pub(crate) fn bucket_scales_sent(
     }
     let dev = inputs[0].0.device().clone();
     let stream = current_stream(&dev);
-    let views = inputs
-        .iter()
-        .map(|(s, l)| scalar_view(OP, s, l))
-        .collect::<Result<Vec<_>>>()?;
-    let mut guards = Vec::with_capacity(views.len());
-    let mut ptrs = Vec::with_capacity(views.len());
-    for v in &views {
-        let (p, g) = v.device_ptr(&stream);
-        ptrs.push(p);
-        guards.push(g);
-    }
     // SAFETY: the launches write every element.
     let mut out = unsafe { stream.alloc::<f32>(2 * t) }.w()?;
     let fmt = match qtype {
@@ -400,27 +408,24 @@ pub(crate) fn bucket_scales_sent(
     };
     let f = func(&dev, &format!("bucket_scales_sent_{fmt}"))?;
     let total = t as i32;
-    for (c, chunk) in (0..t).collect::<Vec<_>>().chunks(ITEMS).enumerate() {
-        let mut a = BucketArgs::new();
-        for (k, &i) in chunk.iter().enumerate() {
-            a.src[k] = ptrs[i];
-            a.out_off[k] = ptrs[t + i];
-            a.aux[k] = ptrs[2 * t + i];
-            a.len[k] = 1;
-            a.t[k] = (c * ITEMS + k) as i32;
+    with_scalar_ptrs(OP, inputs, &stream, |ptrs| {
+        for (c, chunk) in (0..t).collect::<Vec<_>>().chunks(ITEMS).enumerate() {
+            let mut a = BucketArgs::new();
+            for (k, &i) in chunk.iter().enumerate() {
+                a.src[k] = ptrs[i];
+                a.out_off[k] = ptrs[t + i];
+                a.aux[k] = ptrs[2 * t + i];
+                a.len[k] = 1;
+                a.t[k] = (c * ITEMS + k) as i32;
+            }
+            let count = chunk.len() as i32;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&a).arg(&count).arg(&total).arg(&mut out);
+            // SAFETY: every pointer is a live one-element F32; t < T.
+            unsafe { b.launch(one_block_of_items()) }.w()?;
         }
-        let count = chunk.len() as i32;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&a).arg(&count).arg(&total).arg(&mut out);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (ITEMS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: every pointer is a live one-element F32 (`guards`); t < T.
-        unsafe { b.launch(cfg) }.w()?;
-    }
-    drop(guards);
+        Ok(())
+    })?;
     Ok(vec![wrap_f32(out, &dev, 2 * t)])
 }
 
