@@ -6,8 +6,8 @@
 use crate::bucket_cast::{cat_nonempty, fused, inputs, metas_of, own_all};
 use crate::communicator::Communicator;
 use crate::error::Result;
+use crate::fp8_reduce::scales_sent;
 use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad};
-use crate::fp8_zero_bucket::scales_sent;
 use crate::rank_sum::rank_order_mean;
 use crate::shard::shard_range;
 use amp_core::{

@@ -60,7 +60,7 @@
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::shard::shard_range;
-use amp_core::{AmaxComputeAlgo, QType, ScaleRule, ScalingMeta, ScalingTensor};
+use amp_core::{bucket_scales_sent, AmaxComputeAlgo, QType, ScaleRule, ScalingMeta, ScalingTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 use std::ops::Range;
 
@@ -268,7 +268,7 @@ fn own_scale_chunk<C: Communicator + ?Sized>(
             flat.narrow(0, r.start, r.len())
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let sent = crate::fp8_zero_bucket::scales_sent(&[&own])?;
+    let sent = scales_sent(&[&own])?;
     let (received, gathered) = comm.all_to_all_gather(&chunks, &sent)?;
     let scale_invs = gathered.narrow(1, 0, 1)?.flatten_all()?;
     let (sum, _) =
@@ -302,6 +302,24 @@ pub fn fp8_all_gather<C: Communicator + ?Sized>(
         grad: ScalingTensor::from_parts(codes, meta)?,
         amax,
     })
+}
+
+/// What each rank sends with its codes ([`bucket_scales_sent`]): its `T`
+/// scale_invs (NaN where the tensor's amax is not finite) and its codes'
+/// `T` amaxes (the largest decoded values), `[2T]`; gathered, `[N, 2T]`
+/// holds rank `k`'s scale of tensor `t` at `[k, t]` and its amax at
+/// `[k, T + t]`. One launch (it may run on the communicator's stream);
+/// the tensors share one FP8 format.
+pub(crate) fn scales_sent(own: &[&ScalingTensor]) -> Result<Tensor> {
+    let sinv: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
+    let scale: Vec<&Tensor> = own.iter().map(|s| s.meta().scale()).collect();
+    let amax = own
+        .iter()
+        .map(|s| s.meta().amax())
+        .collect::<amp_core::Result<Vec<_>>>()?;
+    let amax: Vec<&Tensor> = amax.iter().collect();
+    let qtype = own.first().map_or(QType::E4M3, |s| s.qtype());
+    Ok(bucket_scales_sent(&sinv, &scale, &amax, qtype)?)
 }
 
 /// This rank's gradient as codes of `cfg.qtype` with its own scale: an FP8

@@ -16,12 +16,12 @@
 use crate::bucket_cast::{agreed_metas, cat_nonempty, fused, inputs, metas_of, own_all, Input};
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
-use crate::fp8_reduce::{Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
+use crate::fp8_reduce::{scales_sent, Fp8ReduceConfig, Fp8Reduced, Grad, ReducedShard};
 use crate::rank_sum::rank_order_mean;
 use crate::shard::{shard_len, shard_range};
 use amp_core::{
     bucket_amax, bucket_column_max, bucket_copy, bucket_copy_from, bucket_decode_sum,
-    bucket_requantize, bucket_scales, bucket_scales_sent, Piece, QType, ScalingTensor,
+    bucket_requantize, bucket_scales, Piece, QType, ScalingTensor,
 };
 use candle_core::{DType, Shape, Tensor};
 
@@ -120,24 +120,6 @@ where
             })
         })
         .collect()
-}
-
-/// What each rank sends with its codes ([`bucket_scales_sent`]): its `T`
-/// scale_invs (NaN where the tensor's amax is not finite) and its codes'
-/// `T` amaxes (the largest decoded values), `[2T]`; gathered, `[N, 2T]`
-/// holds rank `k`'s scale of tensor `t` at `[k, t]` and its amax at
-/// `[k, T + t]`. One launch (it may run on the communicator's stream);
-/// the tensors share one FP8 format.
-pub(crate) fn scales_sent(own: &[&ScalingTensor]) -> Result<Tensor> {
-    let sinv: Vec<&Tensor> = own.iter().map(|s| s.meta().scale_inv()).collect();
-    let scale: Vec<&Tensor> = own.iter().map(|s| s.meta().scale()).collect();
-    let amax = own
-        .iter()
-        .map(|s| s.meta().amax())
-        .collect::<amp_core::Result<Vec<_>>>()?;
-    let amax: Vec<&Tensor> = amax.iter().collect();
-    let qtype = own.first().map_or(QType::E4M3, |s| s.qtype());
-    Ok(bucket_scales_sent(&sinv, &scale, &amax, qtype)?)
 }
 
 /// [`fp8_reduce_scatter_bucket`] of the layers' FP8 gradients, every step
