@@ -63,6 +63,13 @@ impl HostReadback {
                 got: t.dtype(),
             });
         }
+        #[cfg(feature = "cuda")]
+        if let Some(Pending::Pinned(_, copied)) = self.pending.take() {
+            // a read not waited for may still be copying into the buffer
+            // this one reuses (from another stream where `t` is elsewhere)
+            use candle_core::cuda_backend::WrapErr;
+            copied.synchronize().w()?;
+        }
         self.pending = None;
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(_) = t.device() {
