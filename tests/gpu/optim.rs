@@ -160,8 +160,6 @@ fn same_step(
     ok
 }
 
-/// 41107 elements: 20 blocks of 2048 and a tail, not a multiple of 8 (the
-/// two launches).
 /// The optimizer's outcome read ([`amp::cuda::HostReadback`]): values of any
 /// length, the host slot grown and reused, a read queued before more work
 /// on the stream, a second queue replacing a first, no read twice.
@@ -195,6 +193,8 @@ fn outcome_readback(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// 41107 elements: 20 blocks of 2048 and a tail, not a multiple of 8 (the
+/// two launches).
 fn step_grid(dev: &Device) -> Result<()> {
     combinations(dev, &mut Rng(0x005E_ED0F_AD4A), (37, 1111))
 }

@@ -38,6 +38,19 @@ enum Pending {
     Pinned(usize, candle_core::cuda_backend::cudarc::driver::CudaEvent),
 }
 
+impl Drop for HostReadback {
+    /// A copy still in flight finishes before its page-locked buffer is
+    /// freed (cudarc's own wait on the buffer is off with event tracking).
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(Pending::Pinned(_, copied)) = self.pending.take() {
+            // nothing to report an error to: the driver's is dropped, as
+            // cudarc's own drops do
+            let _ = copied.synchronize();
+        }
+    }
+}
+
 impl std::fmt::Debug for HostReadback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostReadback")
@@ -50,8 +63,10 @@ impl HostReadback {
     const OP: &'static str = "HostReadback";
 
     /// Queues the read of `t`'s values (F64, any shape, read in row-major
-    /// order) behind the work queued on its device so far, replacing a
-    /// read queued before and not waited for.
+    /// order) behind the work queued on its device so far (on CUDA,
+    /// candle's stream: a tensor made on another stream must be ordered
+    /// before it, e.g. by `SideStream::compute_wait`), replacing a read
+    /// queued before and not waited for.
     ///
     /// # Errors
     /// [`Error::DType`] for a tensor other than F64; the driver's.
@@ -150,8 +165,8 @@ impl HostReadback {
             what: "the host buffer is gone".into(),
         })?;
         stream.memcpy_dtoh(&src, host).w()?;
-        // no blocking flag: the wait spins (the host has nothing else to
-        // do, and wakes as soon as the copy is done)
+        // no blocking flag: the wait follows the context's scheduling
+        // policy, as the stream synchronize of a plain read does
         let done = stream
             .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .w()?;

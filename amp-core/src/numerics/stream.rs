@@ -23,6 +23,13 @@
 //!   stream) alive until then, since freeing one returns its memory to
 //!   candle's stream while the side stream may still read it.
 //!
+//! The other direction needs no fence: a result the side stream made (its
+//! memory allocated there) may be freed from candle's stream's side at
+//! any time after `compute_wait`, since the side stream writes only after
+//! it has waited for candle's stream, and its own later allocations follow
+//! the free on its stream (the optimizer drops the averaged gradients as
+//! soon as their updates are queued).
+//!
 //! A closure given to `run` may only launch work that follows the stream:
 //! the `bucket_*` kernels and a bound communicator's collectives. A candle
 //! op inside it would run on candle's stream, unordered with the side
