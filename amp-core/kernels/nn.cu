@@ -380,11 +380,21 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
     }                                                                                                \
     extern "C" __global__ void col_sum_part_##TN(const T* x, float* part, size_t rows, int cols,     \
                                                 size_t rows_per_chunk) {                             \
-        col_sum_part_impl<T>(x, part, rows, cols, rows_per_chunk);                                   \
+        col_sum_part_impl<T, false>(x, part, rows, cols, rows_per_chunk, nullptr);                   \
     }                                                                                                \
     extern "C" __global__ void col_sum_part_v_##TN(const T* x, float* part, size_t rows, int cols,   \
                                                   size_t rows_per_chunk) {                           \
-        col_sum_part_v_impl<T>(x, part, rows, cols, rows_per_chunk);                                 \
+        col_sum_part_v_impl<T, false>(x, part, rows, cols, rows_per_chunk, nullptr);                 \
+    }                                                                                                \
+    extern "C" __global__ void col_sum_amax_part_##TN(const T* x, float* part, size_t rows,         \
+                                                     int cols, size_t rows_per_chunk,                \
+                                                     uint32_t* amax) {                               \
+        col_sum_part_impl<T, true>(x, part, rows, cols, rows_per_chunk, amax);                       \
+    }                                                                                                \
+    extern "C" __global__ void col_sum_amax_part_v_##TN(const T* x, float* part, size_t rows,       \
+                                                       int cols, size_t rows_per_chunk,              \
+                                                       uint32_t* amax) {                             \
+        col_sum_part_v_impl<T, true>(x, part, rows, cols, rows_per_chunk, amax);                     \
     }                                                                                                \
     extern "C" __global__ void rows_to_heads_##TN(const T* src, __nv_bfloat16* dst, int B, int T_,   \
                                                  int S, int H, int D, int which, int vec) {          \

@@ -73,22 +73,45 @@ __device__ void bias_add_impl(const T* __restrict__ x, const float* __restrict__
     }
 }
 
-template <typename T>
+// The largest of a 32 x 8 block's threads' `m` (|x|'s bits, as the amax
+// kernels of amp.cu take them: NaN's above inf's) into *out, atomically.
+__device__ __forceinline__ void block_amax_32x8(uint32_t m, uint32_t* out) {
+    __shared__ uint32_t s[8];
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (threadIdx.x == 0) s[threadIdx.y] = m;
+    __syncthreads();
+    if (threadIdx.y == 0 && threadIdx.x == 0) {
+        for (int k = 1; k < 8; ++k) m = max(m, s[k]);
+        atomicMax(out, m);
+    }
+}
+
+__device__ __forceinline__ uint32_t abs_bits_f(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+// The column sums' partials of a chunk of rows; with AMAX, also max |x| of
+// the elements read (into *amax, atomically), as amax_<T> computes it.
+template <typename T, bool AMAX>
 __device__ void col_sum_part_impl(const T* __restrict__ x, float* __restrict__ part, size_t rows,
-                                  int cols, size_t rows_per_chunk) {
+                                  int cols, size_t rows_per_chunk, uint32_t* amax) {
     __shared__ float sh[8][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     const size_t r0 = (size_t)blockIdx.y * rows_per_chunk;
     const size_t r1 = min(rows, r0 + rows_per_chunk);
     float a = 0.0f;
+    uint32_t m = 0;
     if (c < cols)
-        for (size_t r = r0 + threadIdx.y; r < r1; r += 8) a += ld(x, r * cols + c);
+        for (size_t r = r0 + threadIdx.y; r < r1; r += 8) {
+            const float v = ld(x, r * cols + c);
+            a += v;
+            if (AMAX) m = max(m, abs_bits_f(v));
+        }
     sh[threadIdx.y][threadIdx.x] = a;
     __syncthreads();
     if (threadIdx.y == 0 && c < cols) {
         for (int k = 1; k < 8; ++k) a += sh[k][threadIdx.x];
         part[(size_t)blockIdx.y * cols + c] = a;
     }
+    if (AMAX) block_amax_32x8(m, amax);
 }
 
 // col_sum_part_impl with 8 consecutive columns a thread (one 16-byte load
@@ -96,20 +119,24 @@ __device__ void col_sum_part_impl(const T* __restrict__ x, float* __restrict__ p
 // same sums in the same order (each column: rows r0 + ty, r0 + ty + 8, ...
 // in its lane, then lanes 1..7 added to lane 0 in order), so the same bits.
 // Needs cols % 8 == 0 and a 16-byte-aligned x.
-template <typename T>
+template <typename T, bool AMAX>
 __device__ void col_sum_part_v_impl(const T* __restrict__ x, float* __restrict__ part, size_t rows,
-                                    int cols, size_t rows_per_chunk) {
+                                    int cols, size_t rows_per_chunk, uint32_t* amax) {
     __shared__ float sh[8][32][9];
     const int c = (blockIdx.x * 32 + threadIdx.x) * 8;
     const size_t r0 = (size_t)blockIdx.y * rows_per_chunk;
     const size_t r1 = min(rows, r0 + rows_per_chunk);
     float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    uint32_t m = 0;
     if (c < cols) {
         for (size_t r = r0 + threadIdx.y; r < r1; r += 8) {
             float v[8];
             load<T, 8>(x, r * cols + c, v);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) a[j] += v[j];
+            for (int j = 0; j < 8; ++j) {
+                a[j] += v[j];
+                if (AMAX) m = max(m, abs_bits_f(v[j]));
+            }
         }
     }
 #pragma unroll
@@ -123,6 +150,7 @@ __device__ void col_sum_part_v_impl(const T* __restrict__ x, float* __restrict__
 #pragma unroll
         for (int j = 0; j < 8; ++j) part[(size_t)blockIdx.y * cols + c + j] = a[j];
     }
+    if (AMAX) block_amax_32x8(m, amax);
 }
 
 extern "C" __global__ void col_sum_final(const float* __restrict__ part, float* __restrict__ out, int cols,

@@ -63,6 +63,7 @@ macro_rules! test_device {
 }
 
 // (a crate root's modules sit beside it: these live in tests/gpu/)
+mod bias_amax;
 mod block;
 mod buckets;
 mod capability;

@@ -178,6 +178,42 @@ impl ScalingTensor {
         Self::cast_t_current(qtype, recipe, false, &[x, &amax], amax.clone())
     }
 
+    /// [`quantize_t`](Self::quantize_t) with `x`'s amax already taken (a
+    /// 1-element F32 tensor, bit for bit the [`amax`](crate::amax) of `x`,
+    /// as a pass that read `x` for another reason took it): the same
+    /// tensors without the amax pass.
+    ///
+    /// # Errors
+    /// As [`quantize_t`](Self::quantize_t); [`Error::Shape`] for an amax
+    /// that is not one element.
+    pub(crate) fn quantize_t_from_amax(
+        x: &Tensor,
+        qtype: QType,
+        recipe: &CurrentScaling,
+        amax: Tensor,
+    ) -> Result<(Self, Self, Tensor)> {
+        check_float("ScalingTensor::quantize_t", x)?;
+        if amax.elem_count() != 1 {
+            return Err(Error::Shape {
+                op: "ScalingTensor::quantize_t_from_amax",
+                lhs: amax.shape().clone(),
+                rhs: Shape::from(1usize),
+            });
+        }
+        let amax = amax.to_dtype(DType::F32)?.reshape(1)?;
+        let (rows, cols) = x.dims2().map_err(|_| Error::Rank {
+            op: "ScalingTensor::quantize_t",
+            expected: 2,
+            got: x.shape().clone(),
+        })?;
+        if !one_pass_t(qtype, rows, cols, x.device()) {
+            let (q, amax) = Self::quantize_from_amax(x, qtype, recipe, amax)?;
+            let qt = q.t()?;
+            return Ok((q, qt, amax));
+        }
+        Self::cast_t_current(qtype, recipe, false, &[x, &amax], amax.clone())
+    }
+
     /// The cast-transpose under current scaling: `op`'s outputs `[codes,
     /// codes_t, counts, scale, scale_inv]` of `inputs` (`[x, amax]`, and
     /// with `scaled` the FP16 source's scale_inv) as `(q, qᵀ, amax)`.

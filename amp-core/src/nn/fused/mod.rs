@@ -310,5 +310,18 @@ pub(crate) fn col_sum(x: &Tensor) -> Result<Tensor> {
         // the CUDA kernel reads F32 or BF16
         _ => x.to_dtype(DType::F32)?.contiguous()?,
     };
-    Ok(x.apply_op1_no_bwd(&pointwise::ColSum)?)
+    Ok(x.apply_op1_no_bwd(&pointwise::ColSum { amax: false })?)
+}
+
+/// [`col_sum`] and `x`'s amax (1-element F32, bit for bit what
+/// [`amax`](crate::amax) returns) from one pass over `x`: a bias gradient
+/// and the amax its output gradient's current-scaling cast needs.
+pub(crate) fn col_sum_amax(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let x = match x.dtype() {
+        DType::F32 | DType::BF16 => x.contiguous()?,
+        _ => x.to_dtype(DType::F32)?.contiguous()?,
+    };
+    let both = x.apply_op1_no_bwd(&pointwise::ColSum { amax: true })?;
+    let cols = both.elem_count() - 1;
+    Ok((both.narrow(0, 0, cols)?, both.narrow(0, cols, 1)?))
 }

@@ -122,24 +122,38 @@ impl CustomOp2 for BiasAdd {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
-        let db = dy.apply_op1_no_bwd(&ColSum)?.reshape(b.shape())?;
+        let db = dy
+            .apply_op1_no_bwd(&ColSum { amax: false })?
+            .reshape(b.shape())?;
         Ok((Some(dy), Some(db)))
     }
 }
 
 /// The sums over the rows (all dimensions but the last), F32, in the order
-/// of `cpu::col_sum` on both devices (the same bits).
-pub(super) struct ColSum;
+/// of `cpu::col_sum` on both devices (the same bits); with `amax`, one
+/// element more: `max |x|` as the `amax` kernel takes it, from the same
+/// pass over `x`.
+pub(super) struct ColSum {
+    pub amax: bool,
+}
 
 impl CustomOp1 for ColSum {
     fn name(&self) -> &'static str {
-        "amp_col_sum"
+        match self.amax {
+            true => "amp_col_sum_amax",
+            false => "amp_col_sum",
+        }
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let cols = last_dim(l);
-        let out = super::cpu::col_sum(&f32s(x, l)?, cols);
-        Ok((CpuStorage::F32(out), Shape::from(cols)))
+        let xs = f32s(x, l)?;
+        let mut out = super::cpu::col_sum(&xs, cols);
+        if self.amax {
+            out.push(crate::numerics::cast::amax_of(&xs));
+        }
+        let n = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(n)))
     }
 
     #[cfg(feature = "cuda")]
@@ -148,7 +162,16 @@ impl CustomOp1 for ColSum {
         x: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::layout::col_sum(x, l).map_err(wrap)?;
-        Ok((out, Shape::from(last_dim(l))))
+        let cols = last_dim(l);
+        Ok(match self.amax {
+            true => (
+                super::cuda::layout::col_sum_amax(x, l).map_err(wrap)?,
+                Shape::from(cols + 1),
+            ),
+            false => (
+                super::cuda::layout::col_sum(x, l).map_err(wrap)?,
+                Shape::from(cols),
+            ),
+        })
     }
 }

@@ -157,12 +157,16 @@ pub(crate) fn record_block(
 pub(crate) enum Source<'a> {
     Tensor(&'a Tensor),
     Scaled(&'a ScalingTensor),
+    /// A tensor and its amax, taken by a pass that read it for another
+    /// reason (the bias gradient's column sums): current scaling casts
+    /// without an amax pass of their own; delayed scaling ignores it.
+    Measured(&'a Tensor, &'a Tensor),
 }
 
 impl Source<'_> {
     fn device(&self) -> &candle_core::Device {
         match self {
-            Self::Tensor(t) => t.device(),
+            Self::Tensor(t) | Self::Measured(t, _) => t.device(),
             Self::Scaled(t) => t.device(),
         }
     }
@@ -170,9 +174,19 @@ impl Source<'_> {
     /// The value as a plain tensor (the casts without an in-place path).
     fn tensor(&self) -> Result<Tensor> {
         match self {
-            Self::Tensor(t) => Ok((*t).clone()),
+            Self::Tensor(t) | Self::Measured(t, _) => Ok((*t).clone()),
             Self::Scaled(t) => t.dequantize(candle_core::DType::F32),
         }
+    }
+
+    /// The cast, current scaling by `r`.
+    fn quantize(&self, qtype: QType, r: &CurrentScaling) -> Result<ScalingTensor> {
+        Ok(match self {
+            Self::Measured(t, amax) => {
+                ScalingTensor::quantize_from_amax(t, qtype, r, (*amax).clone())?.0
+            }
+            _ => ScalingTensor::quantize(&self.tensor()?, qtype, r)?.0,
+        })
     }
 
     /// The cast and its transpose, current scaling by `r`.
@@ -183,6 +197,9 @@ impl Source<'_> {
     ) -> Result<(ScalingTensor, ScalingTensor)> {
         let (q, qt, _) = match self {
             Self::Tensor(t) => ScalingTensor::quantize_t(t, qtype, r)?,
+            Self::Measured(t, amax) => {
+                ScalingTensor::quantize_t_from_amax(t, qtype, r, (*amax).clone())?
+            }
             Self::Scaled(w) => w.requantize_t(qtype, r)?,
         };
         Ok((q, qt))
@@ -191,7 +208,7 @@ impl Source<'_> {
     /// The cast and its transpose with `meta`'s scale.
     fn quantize_with_t(&self, meta: &ScalingMeta) -> Result<(ScalingTensor, ScalingTensor)> {
         let (q, qt, _) = match self {
-            Self::Tensor(t) => ScalingTensor::quantize_with_t(t, meta)?,
+            Self::Tensor(t) | Self::Measured(t, _) => ScalingTensor::quantize_with_t(t, meta)?,
             Self::Scaled(w) => w.requantize_with_t(meta)?,
         };
         Ok((q, qt))
@@ -249,10 +266,7 @@ fn cast_scaled(
             let (q, qt) = x.quantize_t(format.into(), r)?;
             Ok((q, Some(qt)))
         }
-        Scaling::Current(r) => Ok((
-            ScalingTensor::quantize(&x.tensor()?, format.into(), r)?.0,
-            None,
-        )),
+        Scaling::Current(r) => Ok((x.quantize(format.into(), r)?, None)),
         Scaling::Delayed(recipe) => {
             let mut guard = state.lock().map_err(|_| Error::Poisoned {
                 op: "fp8 linear cast",

@@ -37,7 +37,8 @@ use std::sync::{Arc, Mutex};
 pub use fuse::Fuse;
 pub use layer_scaling::LayerScaling;
 pub use switches::{
-    fp8_activation_inputs, native_op_on_cuda, set_fp8_activation_inputs, set_native_op_on_cuda,
+    fp8_activation_inputs, fused_bias_amax, native_op_on_cuda, set_fp8_activation_inputs,
+    set_fused_bias_amax, set_native_op_on_cuda,
 };
 
 /// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.

@@ -282,7 +282,14 @@ fn wrap(e: Error) -> candle_core::Error {
 impl Fp8LinearOp {
     /// dgrad (when `need_dx`) and wgrad; the weight gradient goes to the sink
     /// (returned `None`) or back to candle.
-    fn backward(&self, dy: &Tensor, need_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    /// dx and dW from dy; `dy_amax`, where a pass that read dy already took
+    /// its amax (the bias gradient's), spares a current-scaling cast its own.
+    fn backward(
+        &self,
+        dy: &Tensor,
+        need_dx: bool,
+        dy_amax: Option<&Tensor>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
         let p = &self.plan;
         if let Some(r) = &p.block {
@@ -293,8 +300,12 @@ impl Fp8LinearOp {
             return self.weight_grad(dx, dw);
         }
         let (dyq, dyq_t) = if p.dgrad || p.wgrad {
+            let source = match dy_amax {
+                Some(a) => Source::Measured(&dy, a),
+                None => Source::Tensor(&dy),
+            };
             let (q, qt) = cast(
-                Source::Tensor(&dy),
+                source,
                 p.bwd_format,
                 &p.scaling,
                 &self.state,
@@ -515,7 +526,25 @@ impl CustomOp3 for Fp8LinearOp {
         // the op flattens its input: dy to 2-D, dx back to x's shape
         let out_dim = dy.dim(candle_core::D::Minus1)?;
         let dy2 = dy.reshape(((), out_dim))?;
-        let (dx, dw) = self.backward(&dy2, x.track_op()).map_err(wrap)?;
+        // the bias gradient's pass over dy also takes the amax that dy's
+        // current-scaling cast needs (`set_fused_bias_amax`)
+        let p = &self.plan;
+        let fused_bias = self.has_bias
+            && b.track_op()
+            && super::switches::fused_bias_amax()
+            && p.block.is_none()
+            && (p.dgrad || p.wgrad)
+            && matches!(p.scaling, Scaling::Current(_));
+        let (db_sum, dy_amax) = match fused_bias {
+            true => {
+                let (sum, amax) = crate::nn::fused::col_sum_amax(&dy2).map_err(wrap)?;
+                (Some(sum), Some(amax))
+            }
+            false => (None, None),
+        };
+        let (dx, dw) = self
+            .backward(&dy2, x.track_op(), dy_amax.as_ref())
+            .map_err(wrap)?;
         let dx = match dx {
             Some(d) => match self.activation {
                 Some(act) => {
@@ -548,12 +577,11 @@ impl CustomOp3 for Fp8LinearOp {
             (_, false, _) => None,
         };
         let db = if self.has_bias && b.track_op() {
-            Some(
-                crate::nn::fused::col_sum(&dy2)
-                    .map_err(wrap)?
-                    .to_dtype(b.dtype())?
-                    .reshape(b.shape())?,
-            )
+            let sum = match db_sum {
+                Some(s) => s,
+                None => crate::nn::fused::col_sum(&dy2).map_err(wrap)?,
+            };
+            Some(sum.to_dtype(b.dtype())?.reshape(b.shape())?)
         } else {
             None
         };

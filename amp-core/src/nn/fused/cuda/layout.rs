@@ -42,6 +42,16 @@ pub(crate) fn bias_add(
 
 /// The sums over the rows of `x`, F32 `[cols]`, in a fixed order.
 pub(crate) fn col_sum(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
+    col_sums(x, lx, false)
+}
+
+/// [`col_sum`] and, read in the same pass, `max |x|` (as the `amax`
+/// kernel takes it): F32 `[cols + 1]`, the sums then the amax.
+pub(crate) fn col_sum_amax(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
+    col_sums(x, lx, true)
+}
+
+fn col_sums(x: &CudaStorage, lx: &Layout, amax: bool) -> Result<CudaStorage> {
     const OP: &str = "col_sum";
     let dev = x.device().clone();
     let cols = lx.dims().last().copied().unwrap_or(1).max(1);
@@ -50,23 +60,42 @@ pub(crate) fn col_sum(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
     let (chunks, per_chunk) = chunking(rows);
     let chunks_i = chunks as i32;
     let stream = dev.cuda_stream();
-    // SAFETY: every element of each is written by the kernel that fills it.
+    // SAFETY: every element of each is written by the kernel that fills it
+    // (the amax's, after `cols`, starts at 0: the kernel takes maxima).
     let mut part = unsafe { dev.alloc::<f32>(chunks * cols)? };
-    let mut out = unsafe { dev.alloc::<f32>(cols)? };
+    let mut out = match amax {
+        true => dev.alloc_zeros::<f32>(cols + 1)?,
+        false => unsafe { dev.alloc::<f32>(cols)? },
+    };
     with_float!(OP, x, |T| {
         let xv = view::<T>(OP, x, lx)?;
         // 8 columns a thread where rows are whole 16-byte words
         let wide = cols % 8 == 0 && vec_ok(8, &[&xv], &dev) == 1;
-        let name = if wide {
-            "col_sum_part_v"
-        } else {
-            "col_sum_part"
+        let name = match (amax, wide) {
+            (false, false) => "col_sum_part",
+            (false, true) => "col_sum_part_v",
+            (true, false) => "col_sum_amax_part",
+            (true, true) => "col_sum_amax_part_v",
         };
         let f = nn_func(&dev, &format!("{name}_{}", suffix(x.dtype())))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv).arg(&mut part).arg(&rows).arg(&c).arg(&per_chunk);
         let cfg = chunk_cfg(if wide { cols / 8 } else { cols }, chunks);
-        unsafe { b.launch(cfg) }.w()?;
+        if amax {
+            let mut at = out.slice_mut(cols..cols + 1);
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&mut part)
+                .arg(&rows)
+                .arg(&c)
+                .arg(&per_chunk)
+                .arg(&mut at);
+            // SAFETY: rows x cols in, chunks x cols partials and the one
+            // amax (F32 bits as u32) out.
+            unsafe { b.launch(cfg) }.w()?;
+        } else {
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv).arg(&mut part).arg(&rows).arg(&c).arg(&per_chunk);
+            unsafe { b.launch(cfg) }.w()?;
+        }
         Ok::<_, Error>(())
     })?;
     sum_chunks(&dev, "col_sum_final", &part, &mut out, c, chunks_i)?;

@@ -1,0 +1,106 @@
+//! The bias gradient's pass taking the output gradient's amax
+//! (`amp::nn::set_fused_bias_amax`): a Linear's gradients (input, weight,
+//! bias) bit for bit those of the separate passes on the same device,
+//! under current scaling, for BF16 and F32 activations, rows that take the
+//! 8-column path and odd ones that do not, and an output gradient holding
+//! inf (the flagged cast); with Transformer Engine's scale rule too (a
+//! power-of-two scale hides an amax off by a power of two).
+
+use crate::util::same;
+use amp::nn::{self, fp8_autocast, ComputeMode};
+use amp::{CurrentScaling, ScaleRule};
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+
+test_device!(fused_bias_amax, fused_bias_amax_cpu, fused_bias_amax_cuda);
+
+/// The gradients of `sum(layer(x) * r)` with the switch at `fused`: x's,
+/// then the layer's variables' in name order.
+fn grads(
+    layer: &nn::Linear,
+    varmap: &VarMap,
+    x: &Var,
+    r: &Tensor,
+    rule: ScaleRule,
+    fused: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    nn::set_fused_bias_amax(fused);
+    let store = {
+        let recipe = CurrentScaling {
+            scale_rule: rule,
+            ..Default::default()
+        };
+        let _s = fp8_autocast(true, ComputeMode::Fp8Current(recipe));
+        let y = layer.forward(x.as_tensor())?;
+        let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
+        loss.backward()
+    };
+    nn::set_fused_bias_amax(false);
+    let store = store?;
+    let mut out = Vec::new();
+    if let Some(g) = store.get(x.as_tensor()) {
+        out.push(("x".to_string(), g.clone()));
+    }
+    let vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned varmap"))?
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect::<std::collections::BTreeMap<_, _>>();
+    for (name, var) in vars {
+        if let Some(g) = store.get(var.as_tensor()) {
+            out.push((name, g.clone()));
+        }
+    }
+    Ok(out)
+}
+
+fn fused_bias_amax(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    for (m, inp, out, dtype, poison) in [
+        (64usize, 128usize, 48usize, DType::BF16, false),
+        (33, 40, 17, DType::BF16, false),
+        (64, 128, 48, DType::F32, false),
+        (40, 64, 24, DType::BF16, true),
+    ] {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let layer = nn::linear(inp, out, vb.pp("fc"))?;
+        // a bias that is not zero, so its gradient path is the layer's own
+        for var in varmap.all_vars() {
+            if var.dims().len() == 1 {
+                var.set(&Tensor::randn(0f32, 0.1, var.dims(), &Device::Cpu)?.to_device(dev)?)?;
+            }
+        }
+        let x = Tensor::randn(0f32, 1.0, (m, inp), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(dev)?;
+        let x = Var::from_tensor(&x)?;
+        let mut r = Tensor::randn(0f32, 1.0, (m, out), &Device::Cpu)?;
+        if poison {
+            let mut v = r.flatten_all()?.to_vec1::<f32>()?;
+            v[5] = f32::INFINITY;
+            r = Tensor::from_vec(v, (m, out), &Device::Cpu)?;
+        }
+        let r = r.to_device(dev)?;
+        for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
+            let apart = grads(&layer, &varmap, &x, &r, rule, false)?;
+            let fused = grads(&layer, &varmap, &x, &r, rule, true)?;
+            ensure!(
+                apart.len() == fused.len() && apart.len() == 3,
+                "x, weight and bias gradients"
+            );
+            for ((name, a), (_, f)) in apart.iter().zip(&fused) {
+                let what = format!("{m}x{inp}->{out} {dtype:?} inf {poison} {rule:?}: {name}");
+                ok &= same(&what, f, a)?;
+            }
+        }
+    }
+    ensure!(
+        ok,
+        "the fused pass changed a gradient (see the lines above)"
+    );
+    Ok(())
+}
