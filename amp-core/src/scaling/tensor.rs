@@ -40,6 +40,18 @@ pub(crate) fn one_pass_t(to: QType, rows: usize, cols: usize, device: &Device) -
 }
 
 /// A cast's source must be F32, F16 or BF16.
+/// A given amax as the casts take it: one element, F32, shape `[1]`.
+fn one_amax(op: &'static str, amax: Tensor) -> Result<Tensor> {
+    if amax.elem_count() != 1 {
+        return Err(Error::Shape {
+            op,
+            lhs: amax.shape().clone(),
+            rhs: Shape::from(1usize),
+        });
+    }
+    Ok(amax.to_dtype(DType::F32)?.reshape(1)?)
+}
+
 pub(crate) fn check_float(op: &'static str, x: &Tensor) -> Result<()> {
     match x.dtype() {
         DType::F32 | DType::F16 | DType::BF16 => Ok(()),
@@ -108,14 +120,7 @@ impl ScalingTensor {
         amax: Tensor,
     ) -> Result<(Self, Tensor)> {
         check_float("ScalingTensor::quantize", x)?;
-        if amax.elem_count() != 1 {
-            return Err(Error::Shape {
-                op: "ScalingTensor::quantize_from_amax",
-                lhs: amax.shape().clone(),
-                rhs: Shape::from(1usize),
-            });
-        }
-        let amax = amax.to_dtype(DType::F32)?.reshape(1)?;
+        let amax = one_amax("ScalingTensor::quantize_from_amax", amax)?;
         let op = Quantize {
             qtype,
             from_amax: Some(FromAmax::of(recipe)),
@@ -163,19 +168,9 @@ impl ScalingTensor {
         recipe: &CurrentScaling,
     ) -> Result<(Self, Self, Tensor)> {
         check_float("ScalingTensor::quantize_t", x)?;
-        let (rows, cols) = x.dims2().map_err(|_| Error::Rank {
-            op: "ScalingTensor::quantize_t",
-            expected: 2,
-            got: x.shape().clone(),
-        })?;
-        if !one_pass_t(qtype, rows, cols, x.device()) {
-            let (q, amax) = Self::quantize(x, qtype, recipe)?;
-            let qt = q.t()?;
-            return Ok((q, qt, amax));
-        }
         let [amax] =
             <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
-        Self::cast_t_current(qtype, recipe, false, &[x, &amax], amax.clone())
+        Self::quantize_t_from_amax(x, qtype, recipe, amax)
     }
 
     /// [`quantize_t`](Self::quantize_t) with `x`'s amax already taken (a
@@ -193,14 +188,7 @@ impl ScalingTensor {
         amax: Tensor,
     ) -> Result<(Self, Self, Tensor)> {
         check_float("ScalingTensor::quantize_t", x)?;
-        if amax.elem_count() != 1 {
-            return Err(Error::Shape {
-                op: "ScalingTensor::quantize_t_from_amax",
-                lhs: amax.shape().clone(),
-                rhs: Shape::from(1usize),
-            });
-        }
-        let amax = amax.to_dtype(DType::F32)?.reshape(1)?;
+        let amax = one_amax("ScalingTensor::quantize_t_from_amax", amax)?;
         let (rows, cols) = x.dims2().map_err(|_| Error::Rank {
             op: "ScalingTensor::quantize_t",
             expected: 2,

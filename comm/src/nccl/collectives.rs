@@ -202,6 +202,18 @@ impl NcclComm {
         Ok(out)
     }
 
+    /// One chunk a rank, each on this communicator's device.
+    fn check_chunks(&self, op: &'static str, chunks: &[Tensor]) -> Result<()> {
+        let n = self.world_size();
+        if chunks.len() != n {
+            return Err(Self::invalid(
+                op,
+                format!("{} chunks for a world of {n}", chunks.len()),
+            ));
+        }
+        chunks.iter().try_for_each(|c| self.check(op, c))
+    }
+
     fn invalid(op: &'static str, what: String) -> Error {
         Error::InvalidArgument { op, what }
     }
@@ -326,15 +338,7 @@ impl Communicator for NcclComm {
     fn all_to_all(&self, chunks: &[Tensor]) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
         let (n, rank) = (self.world_size(), self.rank());
-        if chunks.len() != n {
-            return Err(Self::invalid(
-                OP,
-                format!("{} chunks for a world of {n}", chunks.len()),
-            ));
-        }
-        for c in chunks {
-            self.check(OP, c)?;
-        }
+        self.check_chunks(OP, chunks)?;
         let own = &chunks[rank];
         let peer = |j: usize| i32::try_from(j).map_err(|_| Self::invalid(OP, format!("rank {j}")));
         let chunks = chunks
@@ -393,15 +397,7 @@ impl Communicator for NcclComm {
     ) -> Result<(Vec<Tensor>, Tensor)> {
         const OP: &str = "all_to_all_gather";
         let (n, rank) = (self.world_size(), self.rank());
-        if chunks.len() != n {
-            return Err(Self::invalid(
-                OP,
-                format!("{} chunks for a world of {n}", chunks.len()),
-            ));
-        }
-        for c in chunks {
-            self.check(OP, c)?;
-        }
+        self.check_chunks(OP, chunks)?;
         self.check(OP, extra)?;
         let peer = |j: usize| i32::try_from(j).map_err(|_| Self::invalid(OP, format!("rank {j}")));
         let chunks = chunks
