@@ -407,8 +407,13 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
         else heads_to_rows_impl<T, 1>(src, dst, B, T_, S, H, D, which);                              \
     }                                                                                                \
     extern "C" __global__ void gelu_fwd_##TN(const T* x, T* y, size_t n, int vec) {                  \
-        if (vec) gelu_fwd_impl<T, Pack<T>::N>(x, y, n);                                              \
-        else gelu_fwd_impl<T, 1>(x, y, n);                                                           \
+        if (vec) gelu_fwd_impl<T, Pack<T>::N, false>(x, y, n, nullptr);                              \
+        else gelu_fwd_impl<T, 1, false>(x, y, n, nullptr);                                           \
+    }                                                                                                \
+    extern "C" __global__ void gelu_fwd_amax_##TN(const T* x, T* y, size_t n, int vec,              \
+                                                 uint32_t* amax) {                                   \
+        if (vec) gelu_fwd_impl<T, Pack<T>::N, true>(x, y, n, amax);                                  \
+        else gelu_fwd_impl<T, 1, true>(x, y, n, amax);                                               \
     }                                                                                                \
     extern "C" __global__ void gelu_bwd_##TN(const T* x, const T* dy, T* dx, size_t n, int vec) {    \
         if (vec) gelu_bwd_impl<T, Pack<T>::N>(x, dy, dx, n);                                         \

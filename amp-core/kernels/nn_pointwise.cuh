@@ -16,20 +16,46 @@ __device__ __forceinline__ float gelu_grad(float x) {
     return 0.5f * th + (0.0535161f * x3 + 0.398942f * x) * (1.0f - th * th) + 0.5f;
 }
 
-template <typename T, int W>
-__device__ void gelu_fwd_impl(const T* __restrict__ x, T* __restrict__ y, size_t n) {
+__device__ __forceinline__ uint32_t abs_bits_f(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+// The largest of a 1-D block's threads' `m` (|x|'s bits, as the amax
+// kernels of amp.cu take them: NaN's above inf's) into *out, atomically.
+__device__ __forceinline__ void block_amax_1d(uint32_t m, uint32_t* out) {
+    __shared__ uint32_t s[32];
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) s[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < (int)(blockDim.x >> 5); ++k) m = max(m, s[k]);
+        atomicMax(out, m);
+    }
+}
+
+// GELU; with AMAX also max |y| of the stored (rounded) outputs into *amax.
+template <typename T, int W, bool AMAX>
+__device__ void gelu_fwd_impl(const T* __restrict__ x, T* __restrict__ y, size_t n, uint32_t* amax) {
     const size_t stride = (size_t)gridDim.x * blockDim.x * W;
+    uint32_t m = 0;
     for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * W; i < n; i += stride) {
         float v[W];
         if (i + W <= n) {
             load<T, W>(x, i, v);
 #pragma unroll
-            for (int k = 0; k < W; ++k) v[k] = gelu_f(v[k]);
+            for (int k = 0; k < W; ++k) {
+                v[k] = gelu_f(v[k]);
+                if (AMAX) m = max(m, abs_bits_f(rounded(y, v[k])));
+            }
             store<T, W>(y, i, v);
         } else {
-            for (size_t k = i; k < n; ++k) st(y, k, gelu_f(ld(x, k)));
+            for (size_t k = i; k < n; ++k) {
+                const float g = gelu_f(ld(x, k));
+                if (AMAX) m = max(m, abs_bits_f(rounded(y, g)));
+                st(y, k, g);
+            }
         }
     }
+    if (AMAX) block_amax_1d(m, amax);
 }
 
 template <typename T, int W>
@@ -85,8 +111,6 @@ __device__ __forceinline__ void block_amax_32x8(uint32_t m, uint32_t* out) {
         atomicMax(out, m);
     }
 }
-
-__device__ __forceinline__ uint32_t abs_bits_f(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
 // The column sums' partials of a chunk of rows; with AMAX, also max |x| of
 // the elements read (into *amax, atomically), as amax_<T> computes it.

@@ -169,12 +169,13 @@ struct Args {
     /// matmul and graph.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = true, default_missing_value = "true", action = clap::ArgAction::Set)]
     native_op: bool,
-    /// Under current scaling, a Linear with a bias takes its output
-    /// gradient's amax from the pass that sums the bias gradient, not from
-    /// a pass of its own (`amp::nn::set_fused_bias_amax`): the same values,
-    /// one read of each output gradient less. Off by default until measured.
+    /// Under current scaling, the Linears' FP8 casts take their amax from
+    /// the pass that produced the tensor (an output gradient's from the
+    /// bias gradient's column sums, the MLP's second input's from its GELU)
+    /// instead of a pass of their own (`amp::nn::set_producer_amax`): the
+    /// same values, one read less per cast. Off by default until measured.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
-    fused_bias_amax: bool,
+    producer_amax: bool,
     /// At the FP8 levels, keep the MLP's activation input (GELU's or
     /// SwiGLU's) for its backward as E4M3 with one scale per 1 x 128 tile
     /// instead of at the activations' width (COAT's FP8 activations): less
@@ -361,7 +362,7 @@ pub fn main() -> Result<()> {
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     amp::nn::set_flash_attention(!args.no_flash);
     amp::nn::set_native_op_on_cuda(args.native_op);
-    amp::nn::set_fused_bias_amax(args.fused_bias_amax);
+    amp::nn::set_producer_amax(args.producer_amax);
     if args.recipe.is_some()
         && !matches!(
             args.compute,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ab-option.sh [CARRY] [SIZE] [LEVEL] [OPTION] [PAIRS]: one build's GPT
-# example with and without OPTION (e.g. --fused-bias-amax), alternated
+# example with and without OPTION (e.g. --producer-amax), alternated
 # (off, on) PAIRS times on the same GPU: a change that a switch keeps off
 # until measured, timed against itself. 8 x 1024, BF16 activations,
 # fp8-current; one line a run (tokens/s, step, peak, validation loss: the
@@ -8,9 +8,9 @@
 #
 # CARRY (default .carry/gpu) holds gpt.gz. Env: STEPS (20), SKIP (5).
 #
-#   bash scripts/gpu/ab-option.sh .carry/gpu 350m O2 --fused-bias-amax 3
+#   bash scripts/gpu/ab-option.sh .carry/gpu 350m O2 --producer-amax 3
 set -uo pipefail
-CARRY=${1:-.carry/gpu}; SIZE=${2:-350m}; LEVEL=${3:-O2}; OPTION=${4:---fused-bias-amax}; PAIRS=${5:-3}
+CARRY=${1:-.carry/gpu}; SIZE=${2:-350m}; LEVEL=${3:-O2}; OPTION=${4:---producer-amax}; PAIRS=${5:-3}
 source "$(dirname "$0")/lib.sh"
 unpack gpt; need gpt
 run() { # LABEL ARGS...

@@ -63,7 +63,6 @@ macro_rules! test_device {
 }
 
 // (a crate root's modules sit beside it: these live in tests/gpu/)
-mod bias_amax;
 mod block;
 mod buckets;
 mod capability;
@@ -74,6 +73,7 @@ mod fused;
 mod gemm;
 mod native_op;
 mod optim;
+mod producer_amax;
 mod rope;
 mod selective;
 mod util;

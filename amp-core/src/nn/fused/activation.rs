@@ -57,6 +57,27 @@ impl Activation {
         })
     }
 
+    /// [`detached`](Self::detached) and, for GELU, the output's amax (F32
+    /// `[1]`, bit for bit [`amax`](crate::amax) of the output) from the same
+    /// pass on CUDA: what an FP8 cast of the output under current scaling
+    /// needs. `None` for SwiGLU.
+    pub(crate) fn detached_amax(self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        match self {
+            Self::Gelu => {
+                let x = x.detach().contiguous()?;
+                super::float_dtype("gelu", &x)?;
+                let [y, amax] =
+                    <[Tensor; 2]>::try_from(crate::numerics::kernel::launch(&GeluAmax, &[&x])?)
+                        .map_err(|_| Error::Unsupported {
+                            op: "gelu_amax",
+                            what: "two outputs".into(),
+                        })?;
+                Ok((y, Some(amax)))
+            }
+            Self::SwiGlu => Ok((self.detached(x)?, None)),
+        }
+    }
+
     /// The gradient of the activation's input `z` from its output's `dy`,
     /// detached: the backward of a layer that applied it inside its op.
     pub(crate) fn backward_detached(self, z: &Tensor, dy: &Tensor) -> Result<Tensor> {
@@ -186,5 +207,44 @@ impl CustomOp2 for SwiGluBwd {
         }
         let out = super::cuda::ops::swiglu(x, lx, Some((g, lg))).map_err(wrap)?;
         Ok((out, lx.shape().clone()))
+    }
+}
+
+/// GELU of `x` and `max |y|` of its stored outputs: `[y, amax]`.
+struct GeluAmax;
+
+impl crate::numerics::kernel::Kernel for GeluAmax {
+    const NAME: &'static str = "gelu_amax";
+
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(x, l)] = inputs else {
+            return Err(Error::Unsupported {
+                op: Self::NAME,
+                what: "one input".into(),
+            });
+        };
+        let (y, shape) = Gelu.cpu_fwd(x, l)?;
+        // the amax of what is stored (rounded to x's dtype), as `amax` reads it
+        let stored = f32s(&y, &Layout::contiguous(shape.clone()))?;
+        let amax = crate::numerics::cast::amax_of(&stored);
+        Ok(vec![
+            (y, shape),
+            (CpuStorage::F32(vec![amax]), Shape::from(1usize)),
+        ])
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        inputs: &[(&candle_core::CudaStorage, &Layout)],
+    ) -> Result<Vec<(candle_core::CudaStorage, Shape)>> {
+        let [(x, l)] = inputs else {
+            return Err(Error::Unsupported {
+                op: Self::NAME,
+                what: "one input".into(),
+            });
+        };
+        let (y, amax) = super::cuda::ops::gelu_amax(x, l)?;
+        Ok(vec![(y, l.shape().clone()), (amax, Shape::from(1usize))])
     }
 }

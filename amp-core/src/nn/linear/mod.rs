@@ -37,8 +37,8 @@ use std::sync::{Arc, Mutex};
 pub use fuse::Fuse;
 pub use layer_scaling::LayerScaling;
 pub use switches::{
-    fp8_activation_inputs, fused_bias_amax, native_op_on_cuda, set_fp8_activation_inputs,
-    set_fused_bias_amax, set_native_op_on_cuda,
+    fp8_activation_inputs, native_op_on_cuda, producer_amax, set_fp8_activation_inputs,
+    set_native_op_on_cuda, set_producer_amax,
 };
 
 /// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.
@@ -482,10 +482,16 @@ impl Linear {
         let act_z = (activation.is_some() && handoff.is_some())
             .then(|| KeptInput::new(x, fp8_z))
             .transpose()?;
-        let x = &match activation {
-            Some(act) => act.detached(x)?,
-            None => x.clone(),
+        // the activation's pass may take the amax its output's cast needs
+        // (`set_producer_amax`, current scaling)
+        let (x, x_amax) = match activation {
+            Some(act) if producer_amax() && matches!(mode, ComputeMode::Fp8Current(_)) => {
+                act.detached_amax(x)?
+            }
+            Some(act) => (act.detached(x)?, None),
+            None => (x.clone(), None),
         };
+        let x = &x;
         let sink = self
             .sink
             .lock()
@@ -612,8 +618,12 @@ impl Linear {
             (None, None)
         };
         let (xq, xq_t) = if fprop || wgrad {
+            let source = match &x_amax {
+                Some(a) => Source::Measured(x, a),
+                None => Source::Tensor(x),
+            };
             let (q, qt) = cast(
-                Source::Tensor(x),
+                source,
                 fwd,
                 &scaling,
                 &self.scaling,

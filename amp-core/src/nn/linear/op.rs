@@ -527,11 +527,11 @@ impl CustomOp3 for Fp8LinearOp {
         let out_dim = dy.dim(candle_core::D::Minus1)?;
         let dy2 = dy.reshape(((), out_dim))?;
         // the bias gradient's pass over dy also takes the amax that dy's
-        // current-scaling cast needs (`set_fused_bias_amax`)
+        // current-scaling cast needs (`set_producer_amax`)
         let p = &self.plan;
         let fused_bias = self.has_bias
             && b.track_op()
-            && super::switches::fused_bias_amax()
+            && super::switches::producer_amax()
             && p.block.is_none()
             && (p.dgrad || p.wgrad)
             && matches!(p.scaling, Scaling::Current(_));

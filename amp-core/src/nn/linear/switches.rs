@@ -1,8 +1,8 @@
 //! Switches of the Linear layers' behaviour that a run sets once: the
 //! MLP's activation input kept in FP8 (per thread), O0's products
 //! through the layers' op on CUDA (process-wide, on by default) and the
-//! bias gradient's pass taking the output gradient's amax (process-wide,
-//! off by default).
+//! casts' amaxes taken from their tensors' producers (process-wide, off by
+//! default).
 
 thread_local! {
     static FP8_ACTIVATION_INPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -48,20 +48,21 @@ pub fn native_op_on_cuda() -> bool {
     NATIVE_OP_ON_CUDA.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-static FUSED_BIAS_AMAX: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static PRODUCER_AMAX: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Under current scaling, a Linear with a bias takes its output gradient's
-/// amax (for that gradient's FP8 cast) from the same pass over the
-/// gradient that sums its columns into the bias gradient, instead of a pass
-/// of its own: one read of the gradient less per layer and step, the same
-/// values bit for bit (the amax and the sums are those of the separate
+/// Under current scaling, a Linear takes the amax an FP8 cast needs from
+/// the pass that produced (or already read) the tensor, instead of a pass
+/// of its own: its output gradient's from the bias gradient's column sums
+/// (a Linear with a bias), its input's from the GELU it applies to it (the
+/// MLP's second Linear). One read of the tensor less per cast, the same
+/// values bit for bit (the amaxes and outputs are those of the separate
 /// kernels). Off by default until measured on a GPU. Process-wide, as
 /// [`set_native_op_on_cuda`].
-pub fn set_fused_bias_amax(on: bool) {
-    FUSED_BIAS_AMAX.store(on, std::sync::atomic::Ordering::Relaxed);
+pub fn set_producer_amax(on: bool) {
+    PRODUCER_AMAX.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether [`set_fused_bias_amax`] is on.
-pub fn fused_bias_amax() -> bool {
-    FUSED_BIAS_AMAX.load(std::sync::atomic::Ordering::Relaxed)
+/// Whether [`set_producer_amax`] is on.
+pub fn producer_amax() -> bool {
+    PRODUCER_AMAX.load(std::sync::atomic::Ordering::Relaxed)
 }

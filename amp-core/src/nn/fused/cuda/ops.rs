@@ -386,6 +386,30 @@ pub(crate) fn gelu(
     })
 }
 
+/// GELU of `x` and, from the same pass, `max |y|` of the stored outputs
+/// (F32 `[1]`, as the `amax` kernel takes it).
+pub(crate) fn gelu_amax(x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "gelu";
+    let dev = x.device().clone();
+    let n = lx.shape().elem_count();
+    let stream = dev.cuda_stream();
+    let mut amax = dev.alloc_zeros::<f32>(1)?;
+    let y = with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let pack = 16 / std::mem::size_of::<T>();
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(n)? };
+        let vec = vec_ok(pack, &[&xv], &dev);
+        let f = nn_func(&dev, &format!("gelu_fwd_amax_{}", suffix(x.dtype())))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv).arg(&mut out).arg(&n).arg(&vec).arg(&mut amax);
+        // SAFETY: n elements in and out, one amax (F32 bits as u32).
+        unsafe { b.launch(grid(&dev, n.div_ceil(pack))?) }.w()?;
+        Ok(store(out, &dev))
+    })?;
+    Ok((y, store(amax, &dev)))
+}
+
 /// SwiGLU of rows `[rows, 2 f]` to `[rows, f]`, or with `dy` (`[rows, f]`)
 /// its gradient `[rows, 2 f]`.
 pub(crate) fn swiglu(

@@ -1,44 +1,58 @@
-//! The bias gradient's pass taking the output gradient's amax
-//! (`amp::nn::set_fused_bias_amax`): a Linear's gradients (input, weight,
-//! bias) bit for bit those of the separate passes on the same device,
+//! The casts' amaxes taken from their tensors' producers
+//! (`amp::nn::set_producer_amax`): the output gradient's from the bias
+//! gradient's column sums, the input's from the GELU the Linear applies to
+//! it. A Linear's output and gradients (input, weight, bias) bit for bit
+//! those of the separate passes on the same device,
 //! under current scaling, for BF16 and F32 activations, rows that take the
 //! 8-column path and odd ones that do not, and an output gradient holding
 //! inf (the flagged cast); with Transformer Engine's scale rule too (a
 //! power-of-two scale hides an amax off by a power of two).
 
 use crate::util::same;
-use amp::nn::{self, fp8_autocast, ComputeMode};
+use amp::nn::{self, fp8_autocast, Activation, ComputeMode, Fuse};
 use amp::{CurrentScaling, ScaleRule};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 
-test_device!(fused_bias_amax, fused_bias_amax_cpu, fused_bias_amax_cuda);
+test_device!(producer_amax, producer_amax_cpu, producer_amax_cuda);
 
-/// The gradients of `sum(layer(x) * r)` with the switch at `fused`: x's,
-/// then the layer's variables' in name order.
+/// The output and the gradients of `sum(layer(x) * r)` (with `gelu`,
+/// `layer(gelu(x))`, the GELU inside the layer's op) with the switch at
+/// `fused`: y, x's gradient, then the layer's variables' in name order.
+#[allow(clippy::too_many_arguments)]
 fn grads(
     layer: &nn::Linear,
     varmap: &VarMap,
     x: &Var,
     r: &Tensor,
     rule: ScaleRule,
+    gelu: bool,
     fused: bool,
 ) -> Result<Vec<(String, Tensor)>> {
-    nn::set_fused_bias_amax(fused);
+    nn::set_producer_amax(fused);
     let store = {
         let recipe = CurrentScaling {
             scale_rule: rule,
             ..Default::default()
         };
         let _s = fp8_autocast(true, ComputeMode::Fp8Current(recipe));
-        let y = layer.forward(x.as_tensor())?;
+        let y = match gelu {
+            true => layer.forward_with(
+                x.as_tensor(),
+                Fuse {
+                    activation: Some(Activation::Gelu),
+                    ..Default::default()
+                },
+            )?,
+            false => layer.forward(x.as_tensor())?,
+        };
         let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
-        loss.backward()
+        loss.backward().map(|g| (y, g))
     };
-    nn::set_fused_bias_amax(false);
-    let store = store?;
-    let mut out = Vec::new();
+    nn::set_producer_amax(false);
+    let (y, store) = store?;
+    let mut out = vec![("y".to_string(), y)];
     if let Some(g) = store.get(x.as_tensor()) {
         out.push(("x".to_string(), g.clone()));
     }
@@ -57,7 +71,7 @@ fn grads(
     Ok(out)
 }
 
-fn fused_bias_amax(dev: &Device) -> Result<()> {
+fn producer_amax(dev: &Device) -> Result<()> {
     let mut ok = true;
     for (m, inp, out, dtype, poison) in [
         (64usize, 128usize, 48usize, DType::BF16, false),
@@ -85,15 +99,21 @@ fn fused_bias_amax(dev: &Device) -> Result<()> {
             r = Tensor::from_vec(v, (m, out), &Device::Cpu)?;
         }
         let r = r.to_device(dev)?;
-        for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
-            let apart = grads(&layer, &varmap, &x, &r, rule, false)?;
-            let fused = grads(&layer, &varmap, &x, &r, rule, true)?;
+        for (rule, gelu) in [
+            (ScaleRule::PowerOfTwo, false),
+            (ScaleRule::Te, false),
+            (ScaleRule::PowerOfTwo, true),
+            (ScaleRule::Te, true),
+        ] {
+            let apart = grads(&layer, &varmap, &x, &r, rule, gelu, false)?;
+            let fused = grads(&layer, &varmap, &x, &r, rule, gelu, true)?;
             ensure!(
-                apart.len() == fused.len() && apart.len() == 3,
-                "x, weight and bias gradients"
+                apart.len() == fused.len() && apart.len() == 4,
+                "the output, and x, weight and bias gradients"
             );
             for ((name, a), (_, f)) in apart.iter().zip(&fused) {
-                let what = format!("{m}x{inp}->{out} {dtype:?} inf {poison} {rule:?}: {name}");
+                let what =
+                    format!("{m}x{inp}->{out} {dtype:?} inf {poison} {rule:?} gelu {gelu}: {name}");
                 ok &= same(&what, f, a)?;
             }
         }
