@@ -72,6 +72,12 @@ fn grads(
 }
 
 fn producer_amax(dev: &Device) -> Result<()> {
+    // the switch is process-wide: the CPU and CUDA runs of this body one
+    // at a time, so that each run's "apart" pass has it off
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let mut ok = true;
     for (m, inp, out, dtype, poison) in [
         (64usize, 128usize, 48usize, DType::BF16, false),
