@@ -173,8 +173,9 @@ struct Args {
     /// the pass that produced the tensor (an output gradient's from the
     /// bias gradient's column sums, the MLP's second input's from its GELU)
     /// instead of a pass of their own (`amp::nn::set_producer_amax`): the
-    /// same values, one read less per cast. Off by default until measured.
-    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = false, default_missing_value = "true", action = clap::ArgAction::Set)]
+    /// same values, one read less per cast. On by default (`--producer-amax
+    /// false`: the separate amax passes).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = true, default_missing_value = "true", action = clap::ArgAction::Set)]
     producer_amax: bool,
     /// At the FP8 levels, keep the MLP's activation input (GELU's or
     /// SwiGLU's) for its backward as E4M3 with one scale per 1 x 128 tile

@@ -8,7 +8,7 @@
 #
 # CARRY (default .carry/gpu) holds gpt.gz. Env: STEPS (20), SKIP (5).
 #
-#   bash scripts/gpu/ab-option.sh .carry/gpu 350m O2 --producer-amax 3
+#   bash scripts/gpu/ab-option.sh .carry/gpu 350m O2 "--producer-amax false" 3
 set -uo pipefail
 CARRY=${1:-.carry/gpu}; SIZE=${2:-350m}; LEVEL=${3:-O2}; OPTION=${4:---producer-amax}; PAIRS=${5:-3}
 source "$(dirname "$0")/lib.sh"

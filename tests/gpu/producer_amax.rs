@@ -30,6 +30,7 @@ fn grads(
     gelu: bool,
     fused: bool,
 ) -> Result<Vec<(String, Tensor)>> {
+    let before = nn::producer_amax();
     nn::set_producer_amax(fused);
     let store = {
         let recipe = CurrentScaling {
@@ -50,7 +51,7 @@ fn grads(
         let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
         loss.backward().map(|g| (y, g))
     };
-    nn::set_producer_amax(false);
+    nn::set_producer_amax(before);
     let (y, store) = store?;
     let mut out = vec![("y".to_string(), y)];
     if let Some(g) = store.get(x.as_tensor()) {
