@@ -163,159 +163,7 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
 
 #include "nn_xent.cuh"
 
-// ---------------------------------------------------------------------------
-// LayerNorm over rows of `cols`: y = (x - mean) * rstd * w + b, with
-// rstd = 1 / sqrt(var + eps), var the mean of (x - mean)^2. One warp per row.
-// Each kernel takes `rms`: RMSNorm, the same with the mean taken as 0 (the
-// caller passes a zero b; its gradient is not used).
-
-// With `rms` (RMSNorm) the mean is taken as 0: var is the mean of x^2.
-template <typename T, int W>
-__device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int lane, int rms) {
-    float s = 0.0f;
-    if (!rms) {
-        for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
-            float v[W];
-            load<T, W>(x, j0, v);
-#pragma unroll
-            for (int k = 0; k < W; ++k) s += v[k];
-        }
-    }
-    const float mean = rms ? 0.0f : warp_sum(s) / (float)cols;
-    float q = 0.0f;
-    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
-        float v[W];
-        load<T, W>(x, j0, v);
-#pragma unroll
-        for (int k = 0; k < W; ++k) q += (v[k] - mean) * (v[k] - mean);
-    }
-    const float var = warp_sum(q) / (float)cols;
-    return make_float2(mean, 1.0f / sqrtf(var + eps));
-}
-
-template <typename T, int W>
-__device__ void layer_norm_fwd_impl(const T* __restrict__ x, const float* __restrict__ w,
-                                    const float* __restrict__ b, T* __restrict__ y, size_t rows,
-                                    int cols, float eps, int rms) {
-    const int lane = threadIdx.x & 31;
-    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const T* xr = x + row * cols;
-    const float2 st = row_stats<T, W>(xr, cols, eps, lane, rms);
-    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
-        float v[W];
-        load<T, W>(xr, j0, v);
-#pragma unroll
-        for (int k = 0; k < W; ++k) v[k] = (v[k] - st.x) * st.y * w[j0 + k] + b[j0 + k];
-        store<T, W>(y + row * cols, j0, v);
-    }
-}
-
-// stats[2r], stats[2r + 1] = mean, rstd of row r (for the weight gradient).
-template <typename T, int W>
-__device__ void layer_norm_stats_impl(const T* __restrict__ x, float* __restrict__ stats, size_t rows,
-                                      int cols, float eps, int rms) {
-    const int lane = threadIdx.x & 31;
-    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const float2 st = row_stats<T, W>(x + row * cols, cols, eps, lane, rms);
-    if (lane == 0) {
-        stats[2 * row] = st.x;
-        stats[2 * row + 1] = st.y;
-    }
-}
-
-// dx = rstd * (w dy - mean(w dy) - xhat * mean(w dy xhat)); RMSNorm has no
-// mean(w dy) term.
-template <typename T, int W>
-__device__ void layer_norm_dx_impl(const T* __restrict__ x, const float* __restrict__ w,
-                                   const T* __restrict__ dy, const T* __restrict__ res,
-                                   T* __restrict__ dx, size_t rows, int cols, float eps, int rms) {
-    const int lane = threadIdx.x & 31;
-    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const size_t base = row * cols;
-    const float2 st = row_stats<T, W>(x + base, cols, eps, lane, rms);
-    float s1 = 0.0f, s2 = 0.0f;
-    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
-        float v[W], g[W];
-        load<T, W>(x + base, j0, v);
-        load<T, W>(dy + base, j0, g);
-#pragma unroll
-        for (int k = 0; k < W; ++k) {
-            const float wg = w[j0 + k] * g[k];
-            s1 += wg;
-            s2 += wg * ((v[k] - st.x) * st.y);
-        }
-    }
-    s1 = rms ? 0.0f : warp_sum(s1) / (float)cols;
-    s2 = warp_sum(s2) / (float)cols;
-    for (int j0 = lane * W; j0 < cols; j0 += 32 * W) {
-        float v[W], g[W];
-        load<T, W>(x + base, j0, v);
-        load<T, W>(dy + base, j0, g);
-#pragma unroll
-        for (int k = 0; k < W; ++k) {
-            const float xhat = (v[k] - st.x) * st.y;
-            v[k] = st.y * (w[j0 + k] * g[k] - s1 - xhat * s2);
-        }
-        if (res) {
-            // the gradient, then a residual's gradient added to it in T as
-            // candle's add would (two values of T summed in f32, rounded)
-            float r[W];
-            load<T, W>(res + base, j0, r);
-#pragma unroll
-            for (int k = 0; k < W; ++k) v[k] = rounded(dx, v[k]) + r[k];
-        }
-        store<T, W>(dx + base, j0, v);
-    }
-}
-
-// Partial sums of dw = sum_rows dy * xhat and db = sum_rows dy over the
-// rows of one chunk: block (32, 8), grid (ceil(cols / 32), chunks);
-// part[(2 * chunk) * cols + c] (dw) and part[(2 * chunk + 1) * cols + c] (db).
-template <typename T>
-__device__ void layer_norm_dwdb_part_impl(const T* __restrict__ x, const T* __restrict__ dy,
-                                          const float* __restrict__ stats, float* __restrict__ part,
-                                          size_t rows, int cols, size_t rows_per_chunk) {
-    __shared__ float sw[8][33], sb[8][33];
-    const int c = blockIdx.x * 32 + threadIdx.x;
-    const size_t r0 = (size_t)blockIdx.y * rows_per_chunk;
-    const size_t r1 = min(rows, r0 + rows_per_chunk);
-    float aw = 0.0f, ab = 0.0f;
-    if (c < cols) {
-        for (size_t r = r0 + threadIdx.y; r < r1; r += 8) {
-            const float g = ld(dy, r * cols + c);
-            aw += g * ((ld(x, r * cols + c) - stats[2 * r]) * stats[2 * r + 1]);
-            ab += g;
-        }
-    }
-    sw[threadIdx.y][threadIdx.x] = aw;
-    sb[threadIdx.y][threadIdx.x] = ab;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < cols) {
-        for (int k = 1; k < 8; ++k) {
-            aw += sw[k][threadIdx.x];
-            ab += sb[k][threadIdx.x];
-        }
-        part[(2 * (size_t)blockIdx.y) * cols + c] = aw;
-        part[(2 * (size_t)blockIdx.y + 1) * cols + c] = ab;
-    }
-}
-
-// out[0..cols] = dw, out[cols..2 cols] = db: the chunks' partials in order.
-extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, float* __restrict__ out,
-                                               int cols, int chunks) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
-        float aw = 0.0f, ab = 0.0f;
-        for (int k = 0; k < chunks; ++k) {
-            aw += part[(2 * (size_t)k) * cols + c];
-            ab += part[(2 * (size_t)k + 1) * cols + c];
-        }
-        out[c] = aw;
-        out[cols + c] = ab;
-    }
-}
+#include "nn_norm.cuh"
 
 #include "nn_pointwise.cuh"
 
@@ -350,28 +198,6 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
                                                      T* dx, int cols, int vec) {                     \
         if (vec) cross_entropy_bwd_impl<T, Pack<T>::N>(x, t, gl, dx, cols);                          \
         else cross_entropy_bwd_impl<T, 1>(x, t, gl, dx, cols);                                       \
-    }                                                                                                \
-    extern "C" __global__ void layer_norm_fwd_##TN(const T* x, const float* w, const float* b, T* y, \
-                                                  size_t rows, int cols, float eps, int vec,         \
-                                                  int rms) {                                         \
-        if (vec) layer_norm_fwd_impl<T, Pack<T>::N>(x, w, b, y, rows, cols, eps, rms);               \
-        else layer_norm_fwd_impl<T, 1>(x, w, b, y, rows, cols, eps, rms);                            \
-    }                                                                                                \
-    extern "C" __global__ void layer_norm_dx_##TN(const T* x, const float* w, const T* dy,          \
-                                                 const T* res, T* dx, size_t rows, int cols,         \
-                                                 float eps, int vec, int rms) {                      \
-        if (vec) layer_norm_dx_impl<T, Pack<T>::N>(x, w, dy, res, dx, rows, cols, eps, rms);         \
-        else layer_norm_dx_impl<T, 1>(x, w, dy, res, dx, rows, cols, eps, rms);                      \
-    }                                                                                                \
-    extern "C" __global__ void layer_norm_stats_##TN(const T* x, float* stats, size_t rows, int cols,\
-                                                    float eps, int vec, int rms) {                   \
-        if (vec) layer_norm_stats_impl<T, Pack<T>::N>(x, stats, rows, cols, eps, rms);               \
-        else layer_norm_stats_impl<T, 1>(x, stats, rows, cols, eps, rms);                            \
-    }                                                                                                \
-    extern "C" __global__ void layer_norm_dwdb_part_##TN(const T* x, const T* dy, const float* stats,\
-                                                        float* part, size_t rows, int cols,          \
-                                                        size_t rows_per_chunk) {                     \
-        layer_norm_dwdb_part_impl<T>(x, dy, stats, part, rows, cols, rows_per_chunk);                \
     }                                                                                                \
     extern "C" __global__ void bias_add_##TN(const T* x, const float* b, T* y, size_t n, int cols,    \
                                             int vec) {                                               \
@@ -434,3 +260,5 @@ extern "C" __global__ void layer_norm_dwdb_sum(const float* __restrict__ part, f
 
 NN_KERNELS(f32, float)
 NN_KERNELS(bf16, __nv_bfloat16)
+NORM_KERNELS(f32, float)
+NORM_KERNELS(bf16, __nv_bfloat16)

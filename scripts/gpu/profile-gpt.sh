@@ -9,7 +9,9 @@
 # profiled steps, which divide the totals), EXTRA (more gpt arguments),
 # DETAIL (a regex: ncu_summary.py also splits the kernels it matches by
 # grid size), PROG (gpt; llama profiles the Llama example), VOCAB (50304),
-# BATCH (8), SEQ (1024).
+# BATCH (8), SEQ (1024), CACHE (all: ncu flushes the caches before each
+# kernel, every kernel timed cold; none: each kernel finds what the one
+# before left in L2, as in a run).
 #
 #   STEPS=2 EXTRA="--activations bf16" bash scripts/gpu/profile-gpt.sh .carry/gpu 125m O2:fp8-current
 set -uo pipefail
@@ -28,7 +30,7 @@ for r in $RUNS; do
   echo "== plain $SIZE $level $compute" | tee -a "$OUT/profile.log"
   timeout 120 "$BIN/$PROG" "${args[@]}" --steps 6 --timing-skip 2 2>&1 | grep '^{' | tee -a "$OUT/profile.log"
   echo "== ncu $SIZE $level $compute ($STEPS steps)" | tee -a "$OUT/profile.log"
-  timeout 300 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+  timeout 300 ncu --clock-control none --cache-control "${CACHE:-all}" --csv --metrics gpu__time_duration.sum \
     "$BIN/$PROG" "${args[@]}" --steps "$STEPS" > "$BIN/ncu-$level.csv" 2> "$BIN/ncu-$level.err"
   echo "rc=$?" | tee -a "$OUT/profile.log"
   tail -3 "$BIN/ncu-$level.err" | tee -a "$OUT/profile.log"

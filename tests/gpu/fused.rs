@@ -50,7 +50,17 @@ fn pointwise(dev: &Device) -> Result<()> {
     let mut rng = Rng(0x5eed_f00d);
     let mut ok = true;
     for dtype in [DType::F32, DType::BF16] {
-        for (rows, cols) in [(64usize, 768usize), (37, 50304), (33, 101)] {
+        // LayerNorm's rows in registers (up to 2,048 BF16 or 1,024 F32
+        // columns on the 16-byte path: 768, 1024, 2048) and read again
+        // (4096, and 101 off the 16-byte path)
+        for (rows, cols) in [
+            (64usize, 768usize),
+            (37, 50304),
+            (33, 101),
+            (9, 1024),
+            (5, 2048),
+            (3, 4096),
+        ] {
             let (xc, xg) = var(&mut rng, &[rows, cols], dtype, dev)?;
             let t: Vec<u32> = (0..rows).map(|i| ((i * 7919) % cols) as u32).collect();
             let (tc, tg) = (

@@ -229,6 +229,7 @@ impl CustomOp3 for LayerNormToken {
             rms: self.rms,
             dx: false,
             res: dres,
+            stats: Default::default(),
         };
         op.bwd(x, w, b, res, &dy)
     }

@@ -238,6 +238,7 @@ pub(crate) fn norm(
         rms,
         dx: false,
         res: None,
+        stats: Default::default(),
     };
     Ok(x.contiguous()?
         .apply_op3(&weight.contiguous()?, &vector(bias, dim)?, op)?)

@@ -241,6 +241,35 @@ pub(super) struct LayerNormOp {
     pub rms: bool,
     pub dx: bool,
     pub res: Option<Tensor>,
+    /// With `dx`, where the input gradient's kernel leaves the rows'
+    /// statistics for the weight gradient's op of the same backward.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub stats: RowStats,
+}
+
+/// The rows' (mean, rstd) that a LayerNorm's input-gradient kernel writes
+/// on CUDA and the weight-gradient op of the same backward takes, so that
+/// op does not read x once more for them (it computes them itself where
+/// the cell is empty: the CPU, or an input gradient not taken).
+#[derive(Clone, Default)]
+pub(super) struct RowStats(
+    #[cfg(feature = "cuda")]
+    std::sync::Arc<
+        std::sync::Mutex<Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>>>,
+    >,
+);
+
+#[cfg(feature = "cuda")]
+impl RowStats {
+    fn put(&self, s: candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>) {
+        if let Ok(mut g) = self.0.lock() {
+            *g = Some(s);
+        }
+    }
+
+    fn take(&self) -> Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>> {
+        self.0.lock().ok().and_then(|mut g| g.take())
+    }
 }
 
 /// `v` rounded to `dtype`'s precision (F32 and wider: itself).
@@ -313,6 +342,13 @@ impl CustomOp3 for LayerNormOp {
             },
             None => None,
         };
+        let mut stats = match self.dx {
+            true => {
+                let rows = lx.shape().elem_count() / last_dim(lx).max(1);
+                Some(super::cuda::ops::row_stats_buffer(x.device(), rows).map_err(wrap)?)
+            }
+            false => None,
+        };
         let out = super::cuda::ops::layer_norm(
             (x, lx),
             (w, lw),
@@ -321,8 +357,12 @@ impl CustomOp3 for LayerNormOp {
             self.dx,
             self.rms,
             res,
+            stats.as_mut(),
         )
         .map_err(wrap)?;
+        if let Some(s) = stats {
+            self.stats.put(s);
+        }
         Ok((out, lx.shape().clone()))
     }
 
@@ -335,11 +375,13 @@ impl CustomOp3 for LayerNormOp {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
+        let stats = RowStats::default();
         let op = LayerNormOp {
             eps: self.eps,
             rms: self.rms,
             dx: true,
             res: self.res.as_ref().map(Tensor::contiguous).transpose()?,
+            stats: stats.clone(),
         };
         let dx = x.apply_op3_no_bwd(w, &dy, &op)?;
         let dwdb = x.apply_op2_no_bwd(
@@ -347,6 +389,7 @@ impl CustomOp3 for LayerNormOp {
             &LayerNormDwDb {
                 eps: self.eps,
                 rms: self.rms,
+                stats,
             },
         )?;
         Ok((Some(dx), Some(dwdb.get(0)?), Some(dwdb.get(1)?)))
@@ -357,6 +400,9 @@ impl CustomOp3 for LayerNormOp {
 struct LayerNormDwDb {
     eps: f32,
     rms: bool,
+    /// The rows' statistics where the input gradient's op left them.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    stats: RowStats,
 }
 
 impl CustomOp2 for LayerNormDwDb {
@@ -385,7 +431,8 @@ impl CustomOp2 for LayerNormDwDb {
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let out =
-            super::cuda::ops::layer_norm_dwdb(x, lx, g, lg, self.eps, self.rms).map_err(wrap)?;
+            super::cuda::ops::layer_norm_dwdb(x, lx, g, lg, self.eps, self.rms, self.stats.take())
+                .map_err(wrap)?;
         Ok((out, Shape::from((2, last_dim(lx)))))
     }
 }

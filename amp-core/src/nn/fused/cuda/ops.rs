@@ -9,7 +9,7 @@ pub(super) use crate::nn::fused::cpu::chunking;
 use crate::numerics::cuda::launch::{aligned, grid, view, THREADS};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
@@ -188,10 +188,25 @@ pub(crate) fn cross_entropy_bwd(
     })
 }
 
+/// Packs a lane at most in the register-held LayerNorm kernels
+/// (`layer_norm_*_r{P}`): rows of up to 32 x 8 packs (2,048 BF16 or 1,024
+/// F32 columns) take them, wider ones the kernels that read the row again.
+const NORM_MAX_PACKS: usize = 8;
+
+/// The register-held kernels' `P` for rows of `cols` elements of `T` on the
+/// 16-byte path: the smallest of 1, 2, 4, 8 packs a lane that covers a row.
+fn norm_packs<T>(cols: usize) -> Option<usize> {
+    let per_round = 32 * (16 / std::mem::size_of::<T>());
+    let p = cols.div_ceil(per_round).max(1).next_power_of_two();
+    (p <= NORM_MAX_PACKS).then_some(p)
+}
+
 /// LayerNorm forward, `(x - mean) * rstd * w + third` per row, or with
 /// `dx` its input gradient for `third` = dy, plus `res` (x's shape and
 /// dtype: a residual's gradient) where given; `rms`: RMSNorm (the mean
-/// taken as 0).
+/// taken as 0). With `dx`, `stats` (2 F32 a row, where given) receives
+/// each row's mean and rstd as [`layer_norm_dwdb`] computes them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_norm(
     (x, lx): (&CudaStorage, &Layout),
     (w, lw): (&CudaStorage, &Layout),
@@ -200,6 +215,7 @@ pub(crate) fn layer_norm(
     dx: bool,
     rms: bool,
     res: Option<(&CudaStorage, &Layout)>,
+    stats: Option<&mut CudaSlice<f32>>,
 ) -> Result<CudaStorage> {
     const OP: &str = "layer_norm";
     let rms = i32::from(rms);
@@ -210,6 +226,15 @@ pub(crate) fn layer_norm(
     let c = cols_i32(OP, cols)?;
     let wv = view::<f32>(OP, w, lw)?;
     let stream = dev.cuda_stream();
+    if let Some(s) = &stats {
+        if s.len() < 2 * rows {
+            return Err(Error::LengthMismatch {
+                op: OP,
+                src: 2 * rows,
+                dst: s.len(),
+            });
+        }
+    }
     with_float!(OP, x, |T| {
         let xv = view::<T>(OP, x, lx)?;
         // SAFETY: every element is written.
@@ -231,7 +256,8 @@ pub(crate) fn layer_norm(
             let mut views = vec![&xv, &gv];
             views.extend(rv.as_ref());
             let vec = vec_ok(cols, &views, &dev);
-            // a null pointer where there is no residual gradient
+            // null pointers where there is no residual gradient or no
+            // statistics to keep
             let (rp, _guard) = match &rv {
                 Some(r) => {
                     let (p, g) = r.device_ptr(&stream);
@@ -239,37 +265,65 @@ pub(crate) fn layer_norm(
                 }
                 None => (0, None),
             };
-            let f = nn_func(&dev, &format!("layer_norm_dx_{sfx}"))?;
+            let (sp, _sguard) = match stats {
+                Some(s) => {
+                    let (p, g) = s.device_ptr_mut(&stream);
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
+            let reg = norm_packs::<T>(cols).filter(|_| vec == 1 && aligned(&wv, &dev));
+            let f = match reg {
+                Some(p) => nn_func(&dev, &format!("layer_norm_dx_r{p}_{sfx}"))?,
+                None => nn_func(&dev, &format!("layer_norm_dx_{sfx}"))?,
+            };
             let mut b = stream.launch_builder(&f);
-            b.arg(&xv)
-                .arg(&wv)
-                .arg(&gv)
-                .arg(&rp)
-                .arg(&mut out)
-                .arg(&rows)
-                .arg(&c);
-            b.arg(&eps).arg(&vec).arg(&rms);
+            b.arg(&xv).arg(&wv).arg(&gv).arg(&rp).arg(&mut out).arg(&sp);
+            b.arg(&rows).arg(&c).arg(&eps);
+            if reg.is_none() {
+                b.arg(&vec);
+            }
+            b.arg(&rms);
             unsafe { b.launch(warp_rows(rows)) }.w()?;
         } else {
             let bv = view::<f32>(OP, third, l3)?;
             let vec = vec_ok(cols, &[&xv], &dev);
-            let f = nn_func(&dev, &format!("layer_norm_fwd_{sfx}"))?;
+            let reg = norm_packs::<T>(cols)
+                .filter(|_| vec == 1 && aligned(&wv, &dev) && aligned(&bv, &dev));
+            let f = match reg {
+                Some(p) => nn_func(&dev, &format!("layer_norm_fwd_r{p}_{sfx}"))?,
+                None => nn_func(&dev, &format!("layer_norm_fwd_{sfx}"))?,
+            };
             let mut b = stream.launch_builder(&f);
             b.arg(&xv)
                 .arg(&wv)
                 .arg(&bv)
                 .arg(&mut out)
                 .arg(&rows)
-                .arg(&c);
-            b.arg(&eps).arg(&vec).arg(&rms);
+                .arg(&c)
+                .arg(&eps);
+            if reg.is_none() {
+                b.arg(&vec);
+            }
+            b.arg(&rms);
             unsafe { b.launch(warp_rows(rows)) }.w()?;
         }
         Ok(store(out, &dev))
     })
 }
 
+/// Room for the row statistics (mean, rstd) of `rows` rows, which the
+/// input gradient's kernel fills for [`layer_norm_dwdb`].
+pub(crate) fn row_stats_buffer(dev: &CudaDevice, rows: usize) -> Result<CudaSlice<f32>> {
+    // SAFETY: the kernel that takes it writes every row's pair before a
+    // reader runs (the same stream).
+    Ok(unsafe { dev.alloc::<f32>(2 * rows.max(1))? })
+}
+
 /// LayerNorm weight and bias gradients, F32 `[2, cols]` (`dw`, then `db`):
-/// row statistics, per-chunk partial sums, then the chunks summed in order.
+/// row statistics (`stats` where the input gradient's kernel already
+/// wrote them, else a pass of their own), per-chunk partial sums, then the
+/// chunks summed in order.
 pub(crate) fn layer_norm_dwdb(
     x: &CudaStorage,
     lx: &Layout,
@@ -277,6 +331,7 @@ pub(crate) fn layer_norm_dwdb(
     ldy: &Layout,
     eps: f32,
     rms: bool,
+    stats: Option<CudaSlice<f32>>,
 ) -> Result<CudaStorage> {
     const OP: &str = "layer_norm_bwd";
     let rms = i32::from(rms);
@@ -288,8 +343,13 @@ pub(crate) fn layer_norm_dwdb(
     let (chunks, per_chunk) = chunking(rows);
     let chunks_i = chunks as i32;
     let stream = dev.cuda_stream();
+    let given = stats.filter(|s| s.len() >= 2 * rows);
+    let fresh = given.is_none();
+    let mut stats = match given {
+        Some(s) => s,
+        None => row_stats_buffer(&dev, rows)?,
+    };
     // SAFETY: every element of each is written by the kernel that fills it.
-    let mut stats = unsafe { dev.alloc::<f32>(2 * rows.max(1))? };
     let mut part = unsafe { dev.alloc::<f32>(2 * chunks * cols)? };
     let mut out = unsafe { dev.alloc::<f32>(2 * cols)? };
     with_float!(OP, x, |T| {
@@ -297,16 +357,18 @@ pub(crate) fn layer_norm_dwdb(
         let gv = view::<T>(OP, dy, ldy)?;
         let vec = vec_ok(cols, &[&xv], &dev);
         let sfx = suffix(x.dtype());
-        let f = nn_func(&dev, &format!("layer_norm_stats_{sfx}"))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&xv)
-            .arg(&mut stats)
-            .arg(&rows)
-            .arg(&c)
-            .arg(&eps)
-            .arg(&vec)
-            .arg(&rms);
-        unsafe { b.launch(warp_rows(rows)) }.w()?;
+        if fresh {
+            let f = nn_func(&dev, &format!("layer_norm_stats_{sfx}"))?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&mut stats)
+                .arg(&rows)
+                .arg(&c)
+                .arg(&eps)
+                .arg(&vec)
+                .arg(&rms);
+            unsafe { b.launch(warp_rows(rows)) }.w()?;
+        }
         let f = nn_func(&dev, &format!("layer_norm_dwdb_part_{sfx}"))?;
         let mut b = stream.launch_builder(&f);
         b.arg(&xv)
