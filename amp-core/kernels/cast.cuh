@@ -128,17 +128,21 @@ __device__ __forceinline__ uint32_t quantize4(const float* x, float scale, uint3
 
 // ------------------------------------------------------------------ scale --
 // The scale a cast applies: `*scale_p` (delayed scaling: the meta's), or
-// with `amax_in` (current scaling) compute_scale(rule, *amax_in, 1, max,
-// margin), the scale_update of a one-slot history with no previous scale,
-// which the first thread of the grid also writes out with its inverse.
+// with `amax_in` (current scaling) compute_scale(rule & 1, *amax_in, 1,
+// max, margin), the scale_update of a one-slot history with no previous
+// scale, which the first thread of the grid also writes out with its
+// inverse; with bit 1 of `rule` set, the inverse times (amax * 0 + 1), as
+// flag_scale_inv would make it (NaN where the amax is not finite).
 __device__ __forceinline__ float cast_scale(const float* scale_p, const float* amax_in, int rule,
                                             unsigned margin, float max, float* scale_out,
                                             float* scale_inv_out) {
     if (!amax_in) return *scale_p;
-    const float s = compute_scale(rule, *amax_in, 1.0f, max, margin);
+    const float amax = *amax_in;
+    const float s = compute_scale(rule & 1, amax, 1.0f, max, margin);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
         *scale_out = s;
-        *scale_inv_out = 1.0f / s;
+        const float inv = 1.0f / s;
+        *scale_inv_out = (rule & 2) ? __fmul_rn(inv, __fadd_rn(__fmul_rn(amax, 0.0f), 1.0f)) : inv;
     }
     return s;
 }

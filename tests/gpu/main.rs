@@ -69,6 +69,7 @@ mod capability;
 mod capture;
 mod casts;
 mod codecs;
+mod flag;
 mod fused;
 mod gemm;
 mod native_op;

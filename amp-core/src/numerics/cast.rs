@@ -197,7 +197,15 @@ impl Kernel for Quantize {
         let counts = (CpuStorage::I64(counts.to_vec()), Shape::from(2usize));
         Ok(match self.from_amax {
             // the amax was an input: not returned again
-            Some(_) => vec![(codes, shape), counts, one(scale), one(1.0 / scale)],
+            Some(from) => {
+                let inv = 1.0 / scale;
+                let inv = match from.flag {
+                    // flag_scale_inv's value: NaN where the amax is not finite
+                    true => inv * (scalar(Self::NAME, s, ls)? * 0.0 + 1.0),
+                    false => inv,
+                };
+                vec![(codes, shape), counts, one(scale), one(inv)]
+            }
             None => vec![(codes, shape), one(amax), counts],
         })
     }

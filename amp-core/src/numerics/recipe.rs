@@ -520,6 +520,15 @@ impl FromAmax {
         Self {
             rule: recipe.scale_rule,
             margin: recipe.margin,
+            flag: false,
+        }
+    }
+
+    /// [`of`](Self::of) with the scale_inv flagged by the amax.
+    pub(crate) fn flagged(recipe: &CurrentScaling) -> Self {
+        Self {
+            flag: true,
+            ..Self::of(recipe)
         }
     }
 }

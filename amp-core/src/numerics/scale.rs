@@ -79,6 +79,10 @@ fn pow2(e: i32) -> f32 {
 pub(crate) struct FromAmax {
     pub rule: ScaleRule,
     pub margin: u32,
+    /// The scale_inv written carries the amax's finiteness: `scale_inv *
+    /// (amax * 0 + 1)`, NaN where the amax is not finite (the FP8 Linear's
+    /// flag, `scaling/flag.rs`), in the cast's own launch.
+    pub flag: bool,
 }
 
 impl FromAmax {

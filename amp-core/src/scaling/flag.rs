@@ -18,6 +18,10 @@ use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
 /// where an affine and a product took two.
 pub(crate) fn flagged_by_amax(t: &ScalingTensor) -> Result<ScalingTensor> {
     let m = t.meta();
+    if m.flagged() {
+        // the cast kernel multiplied the flag in already
+        return Ok(t.clone());
+    }
     let [scale_inv] = <[Tensor; 1]>::try_from(launch(&FlagScaleInv, &[m.scale_inv(), &m.amax()?])?)
         .map_err(|_| arity(FlagScaleInv::NAME))?;
     let meta = ScalingMeta::from_parts(

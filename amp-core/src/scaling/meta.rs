@@ -28,6 +28,9 @@ pub struct ScalingMeta {
     amax_history: Tensor,
     updates: u64,
     last_cast: Option<Tensor>,
+    /// Whether `scale_inv` already carries the cast's non-finite flag
+    /// (`scaling/flag.rs`): written so by the cast kernel itself.
+    flagged: bool,
 }
 
 impl ScalingMeta {
@@ -45,6 +48,7 @@ impl ScalingMeta {
             amax_history: Tensor::zeros(amax_history_len, DType::F32, device)?,
             updates: 0,
             last_cast: None,
+            flagged: false,
         })
     }
 
@@ -111,6 +115,7 @@ impl ScalingMeta {
             amax_history,
             updates: 0,
             last_cast: None,
+            flagged: false,
         })
     }
 
@@ -154,6 +159,18 @@ impl ScalingMeta {
     pub(crate) fn with_last_cast(mut self, counts: Tensor) -> Self {
         self.last_cast = Some(counts);
         self
+    }
+
+    /// The same metadata, its scale_inv marked as carrying the cast's
+    /// non-finite flag (the cast kernel multiplied it in).
+    pub(crate) fn with_flag(mut self) -> Self {
+        self.flagged = true;
+        self
+    }
+
+    /// Whether the scale_inv carries the non-finite flag already.
+    pub(crate) fn flagged(&self) -> bool {
+        self.flagged
     }
 
     /// Folds the amax of a cast made with this metadata into slot 0 (as
@@ -297,6 +314,7 @@ impl ScalingMeta {
             amax_history,
             updates: 1,
             last_cast: None,
+            flagged: false,
         })
     }
 

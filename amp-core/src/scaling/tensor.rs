@@ -119,16 +119,28 @@ impl ScalingTensor {
         recipe: &CurrentScaling,
         amax: Tensor,
     ) -> Result<(Self, Tensor)> {
+        Self::quantize_from_amax_as(x, qtype, FromAmax::of(recipe), amax)
+    }
+
+    /// [`quantize_from_amax`](Self::quantize_from_amax) with the scale
+    /// computed as `from` says (its `flag`: the scale_inv flagged by the
+    /// amax, the metadata marked so).
+    pub(crate) fn quantize_from_amax_as(
+        x: &Tensor,
+        qtype: QType,
+        from: FromAmax,
+        amax: Tensor,
+    ) -> Result<(Self, Tensor)> {
         check_float("ScalingTensor::quantize", x)?;
         let amax = one_amax("ScalingTensor::quantize_from_amax", amax)?;
         let op = Quantize {
             qtype,
-            from_amax: Some(FromAmax::of(recipe)),
+            from_amax: Some(from),
         };
         let [data, counts, scale, scale_inv] = <[Tensor; 4]>::try_from(launch(&op, &[x, &amax])?)
             .map_err(|_| arity(Quantize::NAME))?;
         Ok((
-            Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?,
+            Self::from_current(data, qtype, scale, scale_inv, &amax, counts, from.flag)?,
             amax,
         ))
     }
@@ -187,6 +199,37 @@ impl ScalingTensor {
         recipe: &CurrentScaling,
         amax: Tensor,
     ) -> Result<(Self, Self, Tensor)> {
+        Self::quantize_t_from_amax_as(x, qtype, FromAmax::of(recipe), amax)
+    }
+
+    /// [`quantize_t`](Self::quantize_t) with the scale computed as `from`
+    /// says, from `amax` where given (else a pass of its own).
+    pub(crate) fn quantize_t_as(
+        x: &Tensor,
+        qtype: QType,
+        from: FromAmax,
+        amax: Option<Tensor>,
+    ) -> Result<(Self, Self, Tensor)> {
+        let amax = match amax {
+            Some(a) => a,
+            None => {
+                check_float("ScalingTensor::quantize_t", x)?;
+                let [a] =
+                    <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
+                a
+            }
+        };
+        Self::quantize_t_from_amax_as(x, qtype, from, amax)
+    }
+
+    /// [`quantize_t_from_amax`](Self::quantize_t_from_amax) with the scale
+    /// computed as `from` says.
+    fn quantize_t_from_amax_as(
+        x: &Tensor,
+        qtype: QType,
+        from: FromAmax,
+        amax: Tensor,
+    ) -> Result<(Self, Self, Tensor)> {
         check_float("ScalingTensor::quantize_t", x)?;
         let amax = one_amax("ScalingTensor::quantize_t_from_amax", amax)?;
         let (rows, cols) = x.dims2().map_err(|_| Error::Rank {
@@ -195,11 +238,11 @@ impl ScalingTensor {
             got: x.shape().clone(),
         })?;
         if !one_pass_t(qtype, rows, cols, x.device()) {
-            let (q, amax) = Self::quantize_from_amax(x, qtype, recipe, amax)?;
+            let (q, amax) = Self::quantize_from_amax_as(x, qtype, from, amax)?;
             let qt = q.t()?;
             return Ok((q, qt, amax));
         }
-        Self::cast_t_current(qtype, recipe, false, &[x, &amax], amax.clone())
+        Self::cast_t_current(qtype, from, false, &[x, &amax], amax.clone())
     }
 
     /// The cast-transpose under current scaling: `op`'s outputs `[codes,
@@ -207,19 +250,19 @@ impl ScalingTensor {
     /// with `scaled` the FP16 source's scale_inv) as `(q, qᵀ, amax)`.
     pub(super) fn cast_t_current(
         qtype: QType,
-        recipe: &CurrentScaling,
+        from: FromAmax,
         scaled: bool,
         inputs: &[&Tensor],
         amax: Tensor,
     ) -> Result<(Self, Self, Tensor)> {
         let op = QuantizeT {
             qtype,
-            from_amax: Some(FromAmax::of(recipe)),
+            from_amax: Some(from),
             scaled,
         };
         let [data, data_t, counts, scale, scale_inv] =
             <[Tensor; 5]>::try_from(launch(&op, inputs)?).map_err(|_| arity(QuantizeT::NAME))?;
-        let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts)?;
+        let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts, from.flag)?;
         let qt = q.with_data(data_t);
         Ok((q, qt, amax))
     }
@@ -285,9 +328,11 @@ impl ScalingTensor {
         scale_inv: Tensor,
         amax: &Tensor,
         counts: Tensor,
+        flagged: bool,
     ) -> Result<Self> {
         let meta =
             ScalingMeta::from_parts(qtype, scale, scale_inv, amax.clone())?.with_last_cast(counts);
+        let meta = if flagged { meta.with_flag() } else { meta };
         Ok(Self { data, meta })
     }
 
@@ -479,7 +524,7 @@ impl ScalingTensor {
         .map_err(|_| arity(DecodedAmax::NAME))?;
         Self::cast_t_current(
             qtype,
-            recipe,
+            FromAmax::of(recipe),
             true,
             &[&self.data, &amax, scale_inv],
             amax.clone(),

@@ -150,6 +150,14 @@ pub(crate) fn record_block(
     store(casts, slot, Pending::of_block(b, source)?)
 }
 
+/// Current scaling by `r`, the scale_inv flagged by the amax with `flag`.
+fn from_amax(r: &CurrentScaling, flag: bool) -> crate::numerics::scale::FromAmax {
+    match flag {
+        true => crate::numerics::scale::FromAmax::flagged(r),
+        false => crate::numerics::scale::FromAmax::of(r),
+    }
+}
+
 /// What a cast reads: a tensor, or a scaling tensor's value (a weight
 /// stored in FP16, cast from its codes without an F32 copy where the
 /// cast-transpose takes it).
@@ -179,26 +187,36 @@ impl Source<'_> {
         }
     }
 
-    /// The cast, current scaling by `r`.
-    fn quantize(&self, qtype: QType, r: &CurrentScaling) -> Result<ScalingTensor> {
+    /// The cast, current scaling by `r`; with `flag`, its scale_inv
+    /// carries the non-finite flag (flag.rs), written by the cast itself
+    /// (a tensor's cast; a scaled weight's is not flagged).
+    fn quantize(&self, qtype: QType, r: &CurrentScaling, flag: bool) -> Result<ScalingTensor> {
+        let from = from_amax(r, flag);
         Ok(match self {
             Self::Measured(t, amax) => {
-                ScalingTensor::quantize_from_amax(t, qtype, r, (*amax).clone())?.0
+                ScalingTensor::quantize_from_amax_as(t, qtype, from, (*amax).clone())?.0
             }
-            _ => ScalingTensor::quantize(&self.tensor()?, qtype, r)?.0,
+            Self::Tensor(t) => {
+                let amax = crate::numerics::cast::amax(t)?;
+                ScalingTensor::quantize_from_amax_as(t, qtype, from, amax)?.0
+            }
+            Self::Scaled(_) => ScalingTensor::quantize(&self.tensor()?, qtype, r)?.0,
         })
     }
 
-    /// The cast and its transpose, current scaling by `r`.
+    /// The cast and its transpose, current scaling by `r`; `flag` as in
+    /// [`quantize`](Self::quantize).
     fn quantize_t(
         &self,
         qtype: QType,
         r: &CurrentScaling,
+        flag: bool,
     ) -> Result<(ScalingTensor, ScalingTensor)> {
+        let from = from_amax(r, flag);
         let (q, qt, _) = match self {
-            Self::Tensor(t) => ScalingTensor::quantize_t(t, qtype, r)?,
+            Self::Tensor(t) => ScalingTensor::quantize_t_as(t, qtype, from, None)?,
             Self::Measured(t, amax) => {
-                ScalingTensor::quantize_t_from_amax(t, qtype, r, (*amax).clone())?
+                ScalingTensor::quantize_t_as(t, qtype, from, Some((*amax).clone()))?
             }
             Self::Scaled(w) => w.requantize_t(qtype, r)?,
         };
@@ -261,12 +279,15 @@ fn cast_scaled(
             (ScalingTensor::quantize_with(&x.tensor()?, meta)?.0, None)
         })
     };
+    // the input's and the output gradient's casts carry the FP8 GEMMs'
+    // non-finite flag in their scale_inv (flag.rs) from the cast kernel
+    let flag = !matches!(role, Role::Weight);
     match scaling {
         Scaling::Current(r) if transpose => {
-            let (q, qt) = x.quantize_t(format.into(), r)?;
+            let (q, qt) = x.quantize_t(format.into(), r, flag)?;
             Ok((q, Some(qt)))
         }
-        Scaling::Current(r) => Ok((x.quantize(format.into(), r)?, None)),
+        Scaling::Current(r) => Ok((x.quantize(format.into(), r, flag)?, None)),
         Scaling::Delayed(recipe) => {
             let mut guard = state.lock().map_err(|_| Error::Poisoned {
                 op: "fp8 linear cast",

@@ -231,10 +231,11 @@ impl Current {
             return Ok(None);
         };
         Ok(Some(Self {
+            // bit 0 the rule, bit 1 the flag (cast_scale in cast.cuh)
             rule: match from.rule {
                 crate::numerics::scale::ScaleRule::Te => 0,
                 crate::numerics::scale::ScaleRule::PowerOfTwo => 1,
-            },
+            } | (i32::from(from.flag) << 1),
             margin: from.margin,
             max: qtype.max(),
             // SAFETY (both): the kernel's first thread writes them.
