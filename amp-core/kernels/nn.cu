@@ -163,9 +163,9 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
 
 #include "nn_xent.cuh"
 
-#include "nn_norm.cuh"
-
 #include "nn_pointwise.cuh"
+
+#include "nn_norm.cuh"
 
 #include "nn_swiglu.cuh"
 

@@ -1,5 +1,6 @@
 // LayerNorm and RMSNorm, forward and backward (included by nn.cu, which
-// defines ld/st, load/store, Pack and warp_sum).
+// defines ld/st, load/store, Pack and warp_sum; nn_pointwise.cuh the amax
+// helpers).
 //
 // LayerNorm over rows of `cols`: y = (x - mean) * rstd * w + b, with
 // rstd = 1 / sqrt(var + eps), var the mean of (x - mean)^2. One warp per row.
@@ -245,14 +246,17 @@ __device__ __forceinline__ float2 reg_stats(const uint4 (&raw)[P], int cols, flo
     return make_float2(mean, 1.0f / sqrtf(var + eps));
 }
 
+// Returns max |y| of the lane's stored (rounded) outputs as bits (0 off the
+// rows), for the amax entry point.
 template <typename T, int P>
-__device__ void layer_norm_fwd_reg_impl(const T* __restrict__ x, const float* __restrict__ w,
-                                        const float* __restrict__ b, T* __restrict__ y, size_t rows,
-                                        int cols, float eps, int rms) {
+__device__ uint32_t layer_norm_fwd_reg_impl(const T* __restrict__ x, const float* __restrict__ w,
+                                            const float* __restrict__ b, T* __restrict__ y,
+                                            size_t rows, int cols, float eps, int rms) {
     constexpr int W = Pack<T>::N;
     const int lane = threadIdx.x & 31;
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
+    uint32_t m = 0;
+    if (row >= rows) return m;
     uint4 raw[P];
     load_row<T, W, P>(x + row * cols, cols, lane, raw);
     const float2 st = reg_stats<T, W, P>(raw, cols, eps, lane, rms);
@@ -265,9 +269,13 @@ __device__ void layer_norm_fwd_reg_impl(const T* __restrict__ x, const float* __
         load_f32<W>(w + j0, wv);
         load_f32<W>(b + j0, bv);
 #pragma unroll
-        for (int k = 0; k < W; ++k) v[k] = (v[k] - st.x) * st.y * wv[k] + bv[k];
+        for (int k = 0; k < W; ++k) {
+            v[k] = (v[k] - st.x) * st.y * wv[k] + bv[k];
+            m = max(m, abs_bits_f(rounded(y, v[k])));
+        }
         store<T, W>(y + row * cols, j0, v);
     }
+    return m;
 }
 
 template <typename T, int P>
@@ -366,6 +374,12 @@ __device__ void layer_norm_dx_reg_impl(const T* __restrict__ x, const float* __r
                                                          T* y, size_t rows, int cols, float eps,     \
                                                          int rms) {                                  \
         layer_norm_fwd_reg_impl<T, P>(x, w, b, y, rows, cols, eps, rms);                             \
+    }                                                                                                \
+    extern "C" __global__ void layer_norm_fwd_amax_r##P##_##TN(const T* x, const float* w,           \
+                                                              const float* b, T* y, size_t rows,     \
+                                                              int cols, float eps, int rms,          \
+                                                              uint32_t* amax) {                      \
+        block_amax_1d(layer_norm_fwd_reg_impl<T, P>(x, w, b, y, rows, cols, eps, rms), amax);        \
     }                                                                                                \
     extern "C" __global__ void layer_norm_dx_r##P##_##TN(const T* x, const float* w, const T* dy,   \
                                                         const T* res, T* dx, float* stats,           \

@@ -1,7 +1,8 @@
 //! The casts' amaxes taken from their tensors' producers
 //! (`amp::nn::set_producer_amax`): the output gradient's from the bias
 //! gradient's column sums, the input's from the GELU the Linear applies to
-//! it. A Linear's output and gradients (input, weight, bias) bit for bit
+//! it or from the LayerNorm handed to it (`Fuse::norm`). A Linear's output
+//! and gradients (input, weight, bias; the LayerNorm's too) bit for bit
 //! those of the separate passes on the same device,
 //! under current scaling, for BF16 and F32 activations, rows that take the
 //! 8-column path and odd ones that do not, and an output gradient holding
@@ -17,20 +18,30 @@ use candle_nn::{VarBuilder, VarMap};
 
 test_device!(producer_amax, producer_amax_cpu, producer_amax_cuda);
 
-/// The output and the gradients of `sum(layer(x) * r)` (with `gelu`,
-/// `layer(gelu(x))`, the GELU inside the layer's op) with the switch at
-/// `fused`: y, x's gradient, then the layer's variables' in name order.
+/// What the Linear applies to its input inside its op.
+#[derive(Clone, Copy, Debug)]
+enum Before {
+    Nothing,
+    Gelu,
+    /// The LayerNorm, handed to the op.
+    Norm,
+}
+
+/// The output and the gradients of `sum(layer(before(x)) * r)` with the
+/// switch at `fused`: y, x's gradient, then the variables' (the layer's,
+/// the LayerNorm's) in name order.
 #[allow(clippy::too_many_arguments)]
 fn grads(
     layer: &nn::Linear,
+    norm: &nn::LayerNorm,
     varmap: &VarMap,
     x: &Var,
     r: &Tensor,
     rule: ScaleRule,
-    gelu: bool,
+    before: Before,
     fused: bool,
 ) -> Result<Vec<(String, Tensor)>> {
-    let before = nn::producer_amax();
+    let was = nn::producer_amax();
     nn::set_producer_amax(fused);
     let store = {
         let recipe = CurrentScaling {
@@ -38,20 +49,27 @@ fn grads(
             ..Default::default()
         };
         let _s = fp8_autocast(true, ComputeMode::Fp8Current(recipe));
-        let y = match gelu {
-            true => layer.forward_with(
+        let y = match before {
+            Before::Gelu => layer.forward_with(
                 x.as_tensor(),
                 Fuse {
                     activation: Some(Activation::Gelu),
                     ..Default::default()
                 },
             )?,
-            false => layer.forward(x.as_tensor())?,
+            Before::Norm => layer.forward_with(
+                x.as_tensor(),
+                Fuse {
+                    norm: Some(norm),
+                    ..Default::default()
+                },
+            )?,
+            Before::Nothing => layer.forward(x.as_tensor())?,
         };
         let loss = (y.to_dtype(DType::F32)? * r)?.sum_all()?;
         loss.backward().map(|g| (y, g))
     };
-    nn::set_producer_amax(before);
+    nn::set_producer_amax(was);
     let (y, store) = store?;
     let mut out = vec![("y".to_string(), y)];
     if let Some(g) = store.get(x.as_tensor()) {
@@ -89,6 +107,7 @@ fn producer_amax(dev: &Device) -> Result<()> {
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
         let layer = nn::linear(inp, out, vb.pp("fc"))?;
+        let norm = nn::layer_norm(inp, 1e-5, vb.pp("ln"))?;
         // a bias that is not zero, so its gradient path is the layer's own
         for var in varmap.all_vars() {
             if var.dims().len() == 1 {
@@ -106,22 +125,21 @@ fn producer_amax(dev: &Device) -> Result<()> {
             r = Tensor::from_vec(v, (m, out), &Device::Cpu)?;
         }
         let r = r.to_device(dev)?;
-        for (rule, gelu) in [
-            (ScaleRule::PowerOfTwo, false),
-            (ScaleRule::Te, false),
-            (ScaleRule::PowerOfTwo, true),
-            (ScaleRule::Te, true),
-        ] {
-            let apart = grads(&layer, &varmap, &x, &r, rule, gelu, false)?;
-            let fused = grads(&layer, &varmap, &x, &r, rule, gelu, true)?;
-            ensure!(
-                apart.len() == fused.len() && apart.len() == 4,
-                "the output, and x, weight and bias gradients"
-            );
-            for ((name, a), (_, f)) in apart.iter().zip(&fused) {
-                let what =
-                    format!("{m}x{inp}->{out} {dtype:?} inf {poison} {rule:?} gelu {gelu}: {name}");
-                ok &= same(&what, f, a)?;
+        for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
+            for before in [Before::Nothing, Before::Gelu, Before::Norm] {
+                let apart = grads(&layer, &norm, &varmap, &x, &r, rule, before, false)?;
+                let fused = grads(&layer, &norm, &varmap, &x, &r, rule, before, true)?;
+                let want = if matches!(before, Before::Norm) { 6 } else { 4 };
+                ensure!(
+                    apart.len() == fused.len() && apart.len() == want,
+                    "the output, and x's and every variable's gradient ({before:?})"
+                );
+                for ((name, a), (_, f)) in apart.iter().zip(&fused) {
+                    let what = format!(
+                        "{m}x{inp}->{out} {dtype:?} inf {poison} {rule:?} {before:?}: {name}"
+                    );
+                    ok &= same(&what, f, a)?;
+                }
             }
         }
     }

@@ -12,6 +12,10 @@
 use crate::error::{Error, Result};
 use candle_core::{DType, Module, Tensor, D};
 
+/// A LayerNorm's output handed to the next op: `(out, amax where asked,
+/// token, handoff)` (see `fused::layer_norm_handoff`).
+pub(crate) type HandedNorm = (Tensor, Option<Tensor>, Tensor, super::fused::Handoff);
+
 /// Layer normalisation over the last dimension with a learned scale
 /// (`weight`, init 1) and shift (`bias`, init 0), F32 parameters; or its
 /// RMS form ([`LayerNorm::new_rms`], [`rms_norm`]): `x / sqrt(mean(x²) +
@@ -162,14 +166,22 @@ impl LayerNorm {
         &self,
         x: &Tensor,
         res_grad: Option<super::fused::ResidualGrad>,
-    ) -> Result<Option<(Tensor, Tensor, super::fused::Handoff)>> {
+        want_amax: bool,
+    ) -> Result<Option<HandedNorm>> {
         self.check(x)?;
         let tracked = x.track_op() || self.weight.track_op() || self.bias.track_op();
         if !(tracked && self.fused_kernels(x)) {
             return Ok(None);
         }
-        super::fused::layer_norm_handoff(x, &self.weight, &self.bias, self.eps, self.rms, res_grad)
-            .map(Some)
+        super::fused::layer_norm_handoff(
+            x,
+            &self.weight,
+            &self.bias,
+            (self.eps, self.rms),
+            res_grad,
+            want_amax,
+        )
+        .map(Some)
     }
 }
 

@@ -160,8 +160,9 @@ impl ResidualGrad {
 
 /// LayerNorm of `x` (F32 `weight` and `bias`, F32 or BF16 `x`, as
 /// [`layer_norm`](super::layer_norm); `rms`: [`rms_norm`](super::rms_norm)
-/// with a zero `bias`) handed to the next op: `(out, token,
-/// handoff)`. `out` is detached; the token (F32 `[1]`) stands for it in the
+/// with a zero `bias`) handed to the next op: `(out, amax, token,
+/// handoff)`, with `want_amax` `amax` the max |out| that the normalisation's
+/// pass took (see `norm_amax`). `out` is detached; the token (F32 `[1]`) stands for it in the
 /// graph, and the LayerNorm's backward (input, weight and bias gradients)
 /// runs from the gradient the consumer leaves in `handoff`, with the
 /// residual gradient of `res_grad` (see [`ResidualGrad`]) added to the
@@ -173,11 +174,18 @@ pub(crate) fn layer_norm_handoff(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
-    eps: f64,
-    rms: bool,
+    (eps, rms): (f64, bool),
     res_grad: Option<ResidualGrad>,
-) -> Result<(Tensor, Tensor, Handoff)> {
-    let out = super::norm(&x.detach(), &weight.detach(), &bias.detach(), eps, rms)?;
+    want_amax: bool,
+) -> Result<(Tensor, Option<Tensor>, Tensor, Handoff)> {
+    let (x0, w0, b0) = (x.detach(), weight.detach(), bias.detach());
+    let (out, amax) = match want_amax {
+        true => {
+            let (out, amax) = super::norm_amax(&x0, &w0, &b0, eps, rms)?;
+            (out, Some(amax))
+        }
+        false => (super::norm(&x0, &w0, &b0, eps, rms)?, None),
+    };
     let handoff = Handoff::default();
     if let Some(r) = &res_grad {
         r.attach_reader()?;
@@ -192,7 +200,7 @@ pub(crate) fn layer_norm_handoff(
     let token = x
         .contiguous()?
         .apply_op3(&weight.contiguous()?, &super::vector(bias, dim)?, op)?;
-    Ok((out, token, handoff))
+    Ok((out, amax, token, handoff))
 }
 
 /// The LayerNorm's graph node: a one-element output; backward from the

@@ -214,6 +214,47 @@ pub(crate) fn norm(
     eps: f64,
     rms: bool,
 ) -> Result<Tensor> {
+    let dim = check_norm(x, weight, bias)?;
+    let op = ops::LayerNormOp {
+        eps: eps as f32,
+        rms,
+        dx: false,
+        res: None,
+        stats: Default::default(),
+    };
+    Ok(x.contiguous()?
+        .apply_op3(&weight.contiguous()?, &vector(bias, dim)?, op)?)
+}
+
+/// [`norm`] of detached tensors and `max |y|` of its stored output
+/// (1-element F32, bit for bit [`amax`](crate::amax) of `y`), in the
+/// normalisation's own pass where the CUDA kernel holds the row in
+/// registers: what a current-scaling cast of `y` needs. No graph node.
+pub(crate) fn norm_amax(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    rms: bool,
+) -> Result<(Tensor, Tensor)> {
+    let dim = check_norm(x, weight, bias)?;
+    let op = ops::LayerNormAmax {
+        eps: eps as f32,
+        rms,
+    };
+    let inputs = [
+        &x.detach().contiguous()?,
+        &weight.detach().contiguous()?,
+        &vector(&bias.detach(), dim)?,
+    ];
+    let [y, amax] = <[Tensor; 2]>::try_from(crate::numerics::kernel::launch(&op, &inputs)?)
+        .map_err(|_| crate::numerics::kernel::arity("layer_norm_amax"))?;
+    Ok((y, amax))
+}
+
+/// A LayerNorm's inputs checked: a float `x` whose last dimension is the
+/// F32 weight's and bias's length (returned).
+fn check_norm(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<usize> {
     const OP: &str = "layer_norm";
     float_dtype(OP, x)?;
     let dim = weight.elem_count();
@@ -233,15 +274,7 @@ pub(crate) fn norm(
             });
         }
     }
-    let op = ops::LayerNormOp {
-        eps: eps as f32,
-        rms,
-        dx: false,
-        res: None,
-        stats: Default::default(),
-    };
-    Ok(x.contiguous()?
-        .apply_op3(&weight.contiguous()?, &vector(bias, dim)?, op)?)
+    Ok(dim)
 }
 
 /// A parameter as a contiguous vector of `dim` elements: itself where it is

@@ -396,6 +396,54 @@ impl CustomOp3 for LayerNormOp {
     }
 }
 
+/// LayerNorm (or RMSNorm) of `(x, w, b)` and `max |y|` of its stored
+/// outputs: `[y, amax]`, the amax bit for bit the `amax` kernel's of `y`.
+pub(super) struct LayerNormAmax {
+    pub eps: f32,
+    pub rms: bool,
+}
+
+impl crate::numerics::kernel::Kernel for LayerNormAmax {
+    const NAME: &'static str = "layer_norm_amax";
+
+    fn cpu(
+        &self,
+        inputs: &[(&CpuStorage, &Layout)],
+    ) -> crate::error::Result<Vec<(CpuStorage, Shape)>> {
+        let [(x, lx), (w, lw), (b, lb)] = inputs else {
+            return Err(crate::numerics::kernel::arity(Self::NAME));
+        };
+        let v = cpu::layer_norm_fwd(
+            &f32s(x, lx)?,
+            &f32s(w, lw)?,
+            &f32s(b, lb)?,
+            self.eps,
+            self.rms,
+        );
+        let y = store(v, x.dtype());
+        // the amax of what is stored (rounded to x's dtype), as `amax` reads it
+        let stored = f32s(&y, &Layout::contiguous(lx.shape().clone()))?;
+        let amax = crate::numerics::cast::amax_of(&stored);
+        Ok(vec![
+            (y, lx.shape().clone()),
+            (CpuStorage::F32(vec![amax]), Shape::from(1usize)),
+        ])
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        inputs: &[(&candle_core::CudaStorage, &Layout)],
+    ) -> crate::error::Result<Vec<(candle_core::CudaStorage, Shape)>> {
+        let [(x, lx), (w, lw), (b, lb)] = inputs else {
+            return Err(crate::numerics::kernel::arity(Self::NAME));
+        };
+        let (y, amax) =
+            super::cuda::ops::layer_norm_amax((x, lx), (w, lw), (b, lb), self.eps, self.rms)?;
+        Ok(vec![(y, lx.shape().clone()), (amax, Shape::from(1usize))])
+    }
+}
+
 /// LayerNorm's weight and bias gradients of `(x, dy)`: F32 `[2, cols]`.
 struct LayerNormDwDb {
     eps: f32,

@@ -4,9 +4,11 @@
 //! inside its op.
 
 use super::op::Origin;
+use super::switches::producer_amax;
 use super::Linear;
 use crate::error::{Error, Result};
 use crate::nn::fused::{Handoff, ResidualGrad};
+use crate::nn::mode::ComputeMode;
 use crate::nn::norm::LayerNorm;
 use crate::nn::Activation;
 use candle_core::Tensor;
@@ -50,6 +52,10 @@ pub(super) struct OpFuse<'a> {
     /// Under `nn::selective`, what a handed input can be computed again
     /// from in backward (without it the op keeps its FP8 codes).
     pub origin: Option<Origin>,
+    /// The input's amax, taken by the pass that produced it (a handed
+    /// LayerNorm's, `set_producer_amax`): its cast takes no pass of its
+    /// own. Without an activation only (an activation's own amax wins).
+    pub input_amax: Option<Tensor>,
 }
 
 impl Linear {
@@ -78,24 +84,28 @@ impl Linear {
         Ok(())
     }
 
-    /// LayerNorm of `x` for the op: handed (`(out, Some((token, handoff)))`)
-    /// where `hand` holds and the LayerNorm can hand it, else run in the
-    /// graph (`(out, None)`).
+    /// LayerNorm of `x` for the op: handed (`(out, Some((token, handoff)),
+    /// amax)`) where `hand` holds and the LayerNorm can hand it, else run
+    /// in the graph (`(out, None, None)`). A handed output comes with its
+    /// amax from the LayerNorm's own pass where the op's cast can take it:
+    /// current scaling and `set_producer_amax`.
     fn normed(
         norm: Option<&LayerNorm>,
         x: &Tensor,
         hand: bool,
         res_grad: Option<ResidualGrad>,
-    ) -> Result<(Option<Tensor>, Option<Handed>)> {
+        mode: &ComputeMode,
+    ) -> Result<(Option<Tensor>, Option<Handed>, Option<Tensor>)> {
         let Some(ln) = norm else {
-            return Ok((None, None));
+            return Ok((None, None, None));
         };
         if hand {
-            if let Some((out, token, h)) = ln.try_handoff(x, res_grad)? {
-                return Ok((Some(out), Some((token, h))));
+            let want_amax = producer_amax() && matches!(mode, ComputeMode::Fp8Current(_));
+            if let Some((out, amax, token, h)) = ln.try_handoff(x, res_grad, want_amax)? {
+                return Ok((Some(out), Some((token, h)), amax));
             }
         }
-        Ok((Some(ln.try_forward(x)?), None))
+        Ok((Some(ln.try_forward(x)?), None, None))
     }
 
     /// A handed LayerNorm's output as `nn::selective` computes it again:
@@ -156,7 +166,8 @@ impl Linear {
         let (weight, out_dim, mode) = self.prepare_for(x, act)?;
         self.check_residual(x, out_dim, fuse.residual)?;
         let own_op = Self::own_op(&mode, &weight, x);
-        let (normed, handoff) = Self::normed(fuse.norm, x, own_op && act.is_none(), None)?;
+        let (normed, handoff, input_amax) =
+            Self::normed(fuse.norm, x, own_op && act.is_none(), None, &mode)?;
         let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
         // the op decides whether it takes the residual (it adds it outside
@@ -170,6 +181,7 @@ impl Linear {
                     hand_out: None,
                     residual_grad: None,
                     origin,
+                    input_amax,
                 };
                 return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
             }
@@ -205,7 +217,7 @@ impl Linear {
                 what: "an activation or a residual on a handed-on output".into(),
             });
         }
-        let (normed, handoff) = Self::normed(fuse.norm, x, true, res_grad)?;
+        let (normed, handoff, input_amax) = Self::normed(fuse.norm, x, true, res_grad, &mode)?;
         let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
         let out = Handoff::default();
@@ -214,6 +226,7 @@ impl Linear {
             handoff,
             hand_out: Some((out.clone(), &mut value)),
             origin,
+            input_amax,
             ..Default::default()
         };
         let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;

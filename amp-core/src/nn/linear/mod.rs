@@ -448,6 +448,7 @@ impl Linear {
             hand_out,
             residual_grad,
             origin,
+            input_amax,
         } = fuse;
         // Under `nn::selective`, where the input's FP8 codes can be cast
         // again from a tensor kept anyway: the activation's input (the op
@@ -489,7 +490,7 @@ impl Linear {
                 act.detached_amax(x)?
             }
             Some(act) => (act.detached(x)?, None),
-            None => (x.clone(), None),
+            None => (x.clone(), input_amax),
         };
         let x = &x;
         let sink = self

@@ -312,6 +312,69 @@ pub(crate) fn layer_norm(
     })
 }
 
+/// LayerNorm forward of `(x, w, b)` (as [`layer_norm`]) and `max |y|` of
+/// its stored outputs (1-element F32, bits as the amax kernel takes them):
+/// one pass where the rows take the register-held kernel, else the
+/// forward, then the amax kernel.
+pub(crate) fn layer_norm_amax(
+    (x, lx): (&CudaStorage, &Layout),
+    (w, lw): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+    eps: f32,
+    rms: bool,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "layer_norm_amax";
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let n = lx.shape().elem_count();
+    let rows = n / cols.max(1);
+    let c = cols_i32(OP, cols)?;
+    let wv = view::<f32>(OP, w, lw)?;
+    let bv = view::<f32>(OP, b, lb)?;
+    let stream = dev.cuda_stream();
+    let reg = with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let vec = vec_ok(cols, &[&xv], &dev);
+        Ok::<_, Error>(
+            norm_packs::<T>(cols).filter(|_| vec == 1 && aligned(&wv, &dev) && aligned(&bv, &dev)),
+        )
+    })?;
+    let Some(p) = reg else {
+        let y = layer_norm((x, lx), (w, lw), (b, lb), eps, false, rms, None, None)?;
+        let layout = Layout::contiguous(lx.shape().clone());
+        let mut out = crate::numerics::cuda::amax(&[(&y, &layout)])?;
+        let (amax, _) = out.pop().ok_or(Error::Unsupported {
+            op: OP,
+            what: "an amax output".into(),
+        })?;
+        return Ok((y, amax));
+    };
+    let rms = i32::from(rms);
+    let mut amax = dev.alloc_zeros::<f32>(1)?;
+    let y = with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(n)? };
+        let f = nn_func(
+            &dev,
+            &format!("layer_norm_fwd_amax_r{p}_{}", suffix(x.dtype())),
+        )?;
+        let mut bld = stream.launch_builder(&f);
+        bld.arg(&xv)
+            .arg(&wv)
+            .arg(&bv)
+            .arg(&mut out)
+            .arg(&rows)
+            .arg(&c)
+            .arg(&eps)
+            .arg(&rms)
+            .arg(&mut amax);
+        unsafe { bld.launch(warp_rows(rows)) }.w()?;
+        Ok::<_, Error>(store(out, &dev))
+    })?;
+    Ok((y, store(amax, &dev)))
+}
+
 /// Room for the row statistics (mean, rstd) of `rows` rows, which the
 /// input gradient's kernel fills for [`layer_norm_dwdb`].
 pub(crate) fn row_stats_buffer(dev: &CudaDevice, rows: usize) -> Result<CudaSlice<f32>> {
