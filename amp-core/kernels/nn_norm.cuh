@@ -278,6 +278,15 @@ __device__ uint32_t layer_norm_fwd_reg_impl(const T* __restrict__ x, const float
     return m;
 }
 
+// Pack p's x and dy values and the weights of its columns.
+template <typename T, int W>
+__device__ __forceinline__ void unpack_xgw(const uint4& xp, const uint4& gp, const float* __restrict__ w,
+                                           float* v, float* g, float* wv) {
+    unpack<T, W>(xp, v);
+    unpack<T, W>(gp, g);
+    load_f32<W>(w, wv);
+}
+
 template <typename T, int P>
 __device__ void layer_norm_dx_reg_impl(const T* __restrict__ x, const float* __restrict__ w,
                                        const T* __restrict__ dy, const T* __restrict__ res,
@@ -302,9 +311,7 @@ __device__ void layer_norm_dx_reg_impl(const T* __restrict__ x, const float* __r
         const int j0 = pack_col<W>(lane, p);
         if (j0 >= cols) continue;
         float v[W], g[W], wv[W];
-        unpack<T, W>(xr[p], v);
-        unpack<T, W>(gr[p], g);
-        load_f32<W>(w + j0, wv);
+        unpack_xgw<T, W>(xr[p], gr[p], w + j0, v, g, wv);
 #pragma unroll
         for (int k = 0; k < W; ++k) {
             const float wg = wv[k] * g[k];
@@ -319,9 +326,7 @@ __device__ void layer_norm_dx_reg_impl(const T* __restrict__ x, const float* __r
         const int j0 = pack_col<W>(lane, p);
         if (j0 >= cols) continue;
         float v[W], g[W], wv[W];
-        unpack<T, W>(xr[p], v);
-        unpack<T, W>(gr[p], g);
-        load_f32<W>(w + j0, wv);
+        unpack_xgw<T, W>(xr[p], gr[p], w + j0, v, g, wv);
 #pragma unroll
         for (int k = 0; k < W; ++k) {
             const float xhat = (v[k] - st.x) * st.y;

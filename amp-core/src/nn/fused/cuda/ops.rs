@@ -78,6 +78,14 @@ pub(super) fn cols_i32(op: &'static str, cols: usize) -> Result<i32> {
     })
 }
 
+/// The row geometry of `lx`: `(cols, rows, elements, cols as i32)` (the
+/// last dimension is a row).
+pub(super) fn row_geometry(op: &'static str, lx: &Layout) -> Result<(usize, usize, usize, i32)> {
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    let n = lx.shape().elem_count();
+    Ok((cols, n / cols.max(1), n, cols_i32(op, cols)?))
+}
+
 pub(super) fn store<T: CudaDType + DeviceRepr>(
     s: candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
     dev: &CudaDevice,
@@ -140,9 +148,7 @@ pub(crate) fn cross_entropy_fwd(
 ) -> Result<CudaStorage> {
     const OP: &str = "cross_entropy";
     let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1);
-    let rows = lx.shape().elem_count() / cols.max(1);
-    let c = cols_i32(OP, cols)?;
+    let (cols, rows, _, c) = row_geometry(OP, lx)?;
     let tv = view::<u32>(OP, t, lt)?;
     let stream = dev.cuda_stream();
     let mut out = unsafe { dev.alloc::<f32>(2 * rows)? };
@@ -169,9 +175,7 @@ pub(crate) fn cross_entropy_bwd(
 ) -> Result<CudaStorage> {
     const OP: &str = "cross_entropy_bwd";
     let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1);
-    let rows = lx.shape().elem_count() / cols.max(1);
-    let c = cols_i32(OP, cols)?;
+    let (cols, rows, _, c) = row_geometry(OP, lx)?;
     let tv = view::<u32>(OP, t, lt)?;
     let gv = view::<f32>(OP, gl, lg)?;
     let stream = dev.cuda_stream();
@@ -220,10 +224,7 @@ pub(crate) fn layer_norm(
     const OP: &str = "layer_norm";
     let rms = i32::from(rms);
     let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1);
-    let n = lx.shape().elem_count();
-    let rows = n / cols.max(1);
-    let c = cols_i32(OP, cols)?;
+    let (cols, rows, n, c) = row_geometry(OP, lx)?;
     let wv = view::<f32>(OP, w, lw)?;
     let stream = dev.cuda_stream();
     if let Some(s) = &stats {
@@ -325,10 +326,7 @@ pub(crate) fn layer_norm_amax(
 ) -> Result<(CudaStorage, CudaStorage)> {
     const OP: &str = "layer_norm_amax";
     let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1);
-    let n = lx.shape().elem_count();
-    let rows = n / cols.max(1);
-    let c = cols_i32(OP, cols)?;
+    let (cols, rows, n, c) = row_geometry(OP, lx)?;
     let wv = view::<f32>(OP, w, lw)?;
     let bv = view::<f32>(OP, b, lb)?;
     let stream = dev.cuda_stream();
@@ -399,10 +397,7 @@ pub(crate) fn layer_norm_dwdb(
     const OP: &str = "layer_norm_bwd";
     let rms = i32::from(rms);
     let dev = x.device().clone();
-    let cols = lx.dims().last().copied().unwrap_or(1);
-    let n = lx.shape().elem_count();
-    let rows = n / cols.max(1);
-    let c = cols_i32(OP, cols)?;
+    let (cols, rows, _, c) = row_geometry(OP, lx)?;
     let (chunks, per_chunk) = chunking(rows);
     let chunks_i = chunks as i32;
     let stream = dev.cuda_stream();
