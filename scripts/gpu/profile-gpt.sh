@@ -11,7 +11,8 @@
 # grid size), PROG (gpt; llama profiles the Llama example), VOCAB (50304),
 # BATCH (8), SEQ (1024), CACHE (all: ncu flushes the caches before each
 # kernel, every kernel timed cold; none: each kernel finds what the one
-# before left in L2, as in a run).
+# before left in L2, as in a run), STEP (1: ncu_summary.py also splits out
+# one whole step, its forward and one layer's forward; needs STEPS >= 2).
 #
 #   STEPS=2 EXTRA="--activations bf16" bash scripts/gpu/profile-gpt.sh .carry/gpu 125m O2:fp8-current
 set -uo pipefail
