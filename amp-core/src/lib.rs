@@ -85,5 +85,6 @@ pub use numerics::{config, kernel};
 pub use scaling::block::BlockTensor;
 pub use scaling::meta::ScalingMeta;
 pub use scaling::sink::{with_sink_listener, GradSink};
+pub use scaling::telemetry::{set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES};
 pub use scaling::tensor::ScalingTensor;
 pub use scaling::weight::{Weight, WeightSlot};

@@ -194,7 +194,7 @@ impl LowBitAdamW {
     }
 
     /// The moments' records of the steps taken while telemetry recorded
-    /// (`amp_core::nn::set_telemetry`: each new low-bit moment measured
+    /// (`amp_core::set_telemetry`: each new low-bit moment measured
     /// against its F32 value, see [`MomentRecord`]), oldest first; taking
     /// them empties the list. Skipped steps leave none.
     pub fn take_moment_telemetry(&mut self) -> Vec<MomentRecord> {

@@ -1,5 +1,5 @@
 //! Precision telemetry of the Adam moments. While amp-core's telemetry
-//! records in this thread (`amp_core::nn::set_telemetry`), each update of a
+//! records in this thread (`amp_core::set_telemetry`), each update of a
 //! parameter with low-bit moments also measures each new moment against
 //! its F32 value (the previous moment decoded, the step's gradient times
 //! its multiplier, Adam's recurrences in F32): amax, scale, elements
@@ -12,7 +12,7 @@ use crate::adamw::AdamWConfig;
 use crate::error::Result;
 use crate::grad::Grad;
 use crate::state::State;
-use amp_core::nn::CastRecord;
+use amp_core::CastRecord;
 use candle_core::Tensor;
 
 /// One parameter's moments after one applied step.
@@ -40,7 +40,7 @@ pub(crate) struct Before {
 /// update, where telemetry records and both moments are low-bit.
 pub(crate) fn before([m, v]: [&State; 2], g: &Grad, grad_mul: &Tensor) -> Result<Option<Before>> {
     let low_bit = |s: &State| !matches!(s, State::F32(_));
-    if !amp_core::nn::telemetry_enabled() || !low_bit(m) || !low_bit(v) {
+    if !amp_core::telemetry_enabled() || !low_bit(m) || !low_bit(v) {
         return Ok(None);
     }
     Ok(Some(Before {

@@ -46,9 +46,11 @@ mod norm;
 mod precomputed;
 mod recompute;
 mod selective;
-mod telemetry;
 
 pub use crate::scaling::sink::GradSink;
+pub use crate::scaling::telemetry::{
+    set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES,
+};
 pub use blocks::{
     causal_self_attention, layer_norm_linear, layer_norm_mlp, layer_norm_mlp_with,
     linear_cross_entropy, pre_norm_mlp, pre_norm_mlp_with, rope_self_attention, LayerNormLinear,
@@ -68,4 +70,3 @@ pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Au
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use recompute::recompute;
 pub use selective::selective;
-pub use telemetry::{set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES};

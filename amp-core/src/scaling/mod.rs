@@ -5,13 +5,16 @@
 //! ([`ScalingTensor`](tensor::ScalingTensor), and per tile
 //! [`BlockTensor`](block::BlockTensor)), how a parameter is stored
 //! ([`Weight`](weight::Weight), [`WeightSlot`](weight::WeightSlot)), where
-//! FP8 weight gradients go ([`GradSink`](sink::GradSink)) and the
-//! non-finite flag a GEMM operand carries into its output.
+//! FP8 weight gradients go ([`GradSink`](sink::GradSink)), the
+//! non-finite flag a GEMM operand carries into its output, and the casts'
+//! precision telemetry ([`CastRecord`](telemetry::CastRecord)), which the
+//! layers and the optimizer both record.
 
 pub(crate) mod block;
 pub(crate) mod flag;
 pub(crate) mod meta;
 pub(crate) mod sink;
 pub(crate) mod stats;
+pub(crate) mod telemetry;
 pub(crate) mod tensor;
 pub(crate) mod weight;

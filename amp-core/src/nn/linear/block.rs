@@ -33,11 +33,11 @@ use crate::error::Result;
 use crate::gemm::block::{block_gemm, block_gemm_fused};
 use crate::gemm::Epilogue;
 use crate::nn::linear::layer_scaling::{record_block, LastCasts, Role};
-use crate::nn::telemetry::telemetry_enabled;
 use crate::numerics::block::Tiling;
 use crate::numerics::recipe::TileRecipe;
 use crate::numerics::transpose::transpose_2d;
 use crate::scaling::block::BlockTensor;
+use crate::scaling::telemetry::telemetry_enabled;
 use candle_core::{DType, Tensor};
 
 fn fmt(r: &TileRecipe, fwd: bool) -> crate::numerics::qtype::QType {

@@ -3,12 +3,12 @@
 //! `fp8_meta`) and the casts that use them.
 
 use crate::error::{Error, Result};
-use crate::nn::telemetry::{telemetry_enabled, Pending};
 use crate::numerics::format::Fp8Format;
 use crate::numerics::qtype::QType;
 use crate::numerics::recipe::{CurrentScaling, DelayedScaling};
 use crate::scaling::block::BlockTensor;
 use crate::scaling::meta::ScalingMeta;
+use crate::scaling::telemetry::{telemetry_enabled, Pending};
 use crate::scaling::tensor::ScalingTensor;
 use candle_core::Tensor;
 use std::sync::{Arc, Mutex};

@@ -3,9 +3,10 @@
 //! output gradient, and of its weight gradient where a sink takes it,
 //! leaves a record on the device: the cast's amax and scale, how many
 //! elements it saturated and flushed to zero, and its relative error
-//! against the tensor it was cast from. [`Linear::take_telemetry`]
-//! (super::Linear::take_telemetry) reads them back. Off (the default) a
-//! cast pays one thread-local read.
+//! against the tensor it was cast from; the layers' `take_telemetry` reads
+//! them back, and the low-bit optimizer records its moments' casts the
+//! same way. Below the layers, so that both can record. Off (the default)
+//! a cast pays one thread-local read.
 
 use crate::error::{Error, Result};
 use crate::scaling::block::BlockTensor;
@@ -34,7 +35,7 @@ pub fn telemetry_enabled() -> bool {
 }
 
 /// The roles of a Linear's records, in the order
-/// [`Linear::take_telemetry`](super::Linear::take_telemetry) returns them:
+/// `nn::Linear::take_telemetry` returns them:
 /// the input, the weight, the output gradient (the GEMMs' operands) and
 /// the weight gradient as the sink keeps it.
 pub const TELEMETRY_ROLES: [&str; 4] = ["input", "weight", "grad_output", "weight_grad"];
