@@ -179,31 +179,14 @@ impl ScalingTensor {
         qtype: QType,
         recipe: &CurrentScaling,
     ) -> Result<(Self, Self, Tensor)> {
-        check_float("ScalingTensor::quantize_t", x)?;
-        let [amax] =
-            <[Tensor; 1]>::try_from(launch(&Amax, &[x])?).map_err(|_| arity(Amax::NAME))?;
-        Self::quantize_t_from_amax(x, qtype, recipe, amax)
-    }
-
-    /// [`quantize_t`](Self::quantize_t) with `x`'s amax already taken (a
-    /// 1-element F32 tensor, bit for bit the [`amax`](crate::amax) of `x`,
-    /// as a pass that read `x` for another reason took it): the same
-    /// tensors without the amax pass.
-    ///
-    /// # Errors
-    /// As [`quantize_t`](Self::quantize_t); [`Error::Shape`] for an amax
-    /// that is not one element.
-    pub(crate) fn quantize_t_from_amax(
-        x: &Tensor,
-        qtype: QType,
-        recipe: &CurrentScaling,
-        amax: Tensor,
-    ) -> Result<(Self, Self, Tensor)> {
-        Self::quantize_t_from_amax_as(x, qtype, FromAmax::of(recipe), amax)
+        Self::quantize_t_as(x, qtype, FromAmax::of(recipe), None)
     }
 
     /// [`quantize_t`](Self::quantize_t) with the scale computed as `from`
-    /// says, from `amax` where given (else a pass of its own).
+    /// says, from `amax` where given (a 1-element F32 tensor, bit for bit
+    /// the [`amax`](crate::amax) of `x`, as a pass that read `x` for another
+    /// reason took it: the same tensors without the amax pass; an amax of
+    /// another size is [`Error::Shape`]), else from a pass of its own.
     pub(crate) fn quantize_t_as(
         x: &Tensor,
         qtype: QType,
@@ -222,8 +205,7 @@ impl ScalingTensor {
         Self::quantize_t_from_amax_as(x, qtype, from, amax)
     }
 
-    /// [`quantize_t_from_amax`](Self::quantize_t_from_amax) with the scale
-    /// computed as `from` says.
+    /// [`quantize_t_as`](Self::quantize_t_as) from a given amax.
     fn quantize_t_from_amax_as(
         x: &Tensor,
         qtype: QType,
