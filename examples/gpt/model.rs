@@ -165,15 +165,18 @@ pub struct Gpt {
 
 impl Block {
     /// `h` through the block: attention then MLP, each with its residual
-    /// (`amp::nn::causal_self_attention`: the products in BF16 on CUDA, as
+    /// (`amp::nn::pre_norm_block`: the products in BF16 on CUDA, as
     /// PyTorch autocast; the scale and mask inside the fused softmax; at
-    /// the FP8 levels every tensor between ln_1 and c_proj handed from op
-    /// to op outside candle's graph, the residual added inside c_proj's
-    /// op; `amp::nn::pre_norm_mlp` likewise for ln_2, c_fc, GELU and the
-    /// projection).
+    /// the FP8 levels every tensor between ln_1 and the MLP's projection,
+    /// the stream between the halves included, handed from op to op
+    /// outside candle's graph, each residual added inside its projection's
+    /// op).
     fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
-        let h = nn::causal_self_attention(h, &self.ln_1, &self.c_attn, &self.c_proj, self.n_head)?;
-        nn::pre_norm_mlp(&h, &self.ln_2, &self.c_fc, &self.mlp_proj, true)
+        nn::pre_norm_block(
+            h,
+            (&self.ln_1, &self.c_attn, &self.c_proj, self.n_head),
+            (&self.ln_2, &self.c_fc, &self.mlp_proj, nn::Activation::Gelu),
+        )
     }
 
     /// The parameters whose gradients candle's `GradStore` collects.

@@ -43,7 +43,14 @@ pub fn causal_self_attention(
         let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
         let (y, token, from, kept) = fused::causal_attention_handed(&x, &token, &from, heads)?;
         drop(x);
-        return proj.forward_from(&y, (token, from), None, Some(h), Some(res_grad), kept);
+        return proj.forward_from(
+            &y,
+            (token, from),
+            None,
+            (Some(h), None),
+            Some(res_grad),
+            kept,
+        );
     }
     let y = fused::causal_attention_qkv(&qkv.forward_with(h, normed)?, heads)?;
     proj.forward_with(
@@ -87,7 +94,14 @@ pub fn rope_self_attention(
         let (x, token, from) = qkv.forward_handing(h, normed, Some(res_grad.clone()))?;
         let (y, token, to) = fused::rope_attention_handed(&x, &token, &from, heads, tables)?;
         drop(x);
-        return proj.forward_from(&y, (token, to), None, Some(h), Some(res_grad), false);
+        return proj.forward_from(
+            &y,
+            (token, to),
+            None,
+            (Some(h), None),
+            Some(res_grad),
+            false,
+        );
     }
     let y = fused::rope_attention_qkv(&qkv.forward_with(h, normed)?, heads, tables)?;
     proj.forward_with(
@@ -143,7 +157,7 @@ pub fn pre_norm_mlp_with(
     if fc1.runs_own_op(h)? && fc2.runs_own_op(h)? {
         let res_grad = res.map(|_| fused::ResidualGrad::default());
         let (m, token, from) = fc1.forward_handing(h, normed, res_grad.clone())?;
-        return fc2.forward_from(&m, (token, from), Some(act), res, res_grad, false);
+        return fc2.forward_from(&m, (token, from), Some(act), (res, None), res_grad, false);
     }
     let m = fc1.forward_with(h, normed)?;
     fc2.forward_with(
@@ -153,6 +167,70 @@ pub fn pre_norm_mlp_with(
             residual: res,
             ..Default::default()
         },
+    )
+}
+
+/// A whole pre-LayerNorm block, `m = h + proj(attention(qkv(norm_1(h))))`
+/// then `m + fc2(act(fc1(norm_2(m))))`: [`causal_self_attention`] then
+/// [`pre_norm_mlp_with`] with its residual, and where all four Linears run
+/// their own ops `m` too is handed from op to op: the projection's op hands
+/// it to `norm_2` and to `fc2`'s op (its residual), so candle neither keeps
+/// it nor zero-fills and adds its one gradient (a `[batch, seq, dim]`
+/// fill and add a block); the norm's backward gives `m`'s whole gradient
+/// (the residual's added, as within each half) to the projection's op.
+/// The values are those of the two calls.
+///
+/// # Errors
+/// As [`causal_self_attention`] and [`pre_norm_mlp_with`].
+#[allow(clippy::too_many_arguments)]
+pub fn pre_norm_block(
+    h: &Tensor,
+    (norm_1, qkv, proj, heads): (&LayerNorm, &Linear, &Linear, usize),
+    (norm_2, fc1, fc2, act): (&LayerNorm, &Linear, &Linear, Activation),
+) -> Result<Tensor> {
+    // every part its own op, the two residuals inside the ops (which hand
+    // on the first), and a graph to hand along
+    let own = h.track_op()
+        && qkv.runs_own_op(h)?
+        && proj.takes_residual(h)?
+        && fc1.runs_own_op(h)?
+        && fc2.takes_residual(h)?;
+    if !own {
+        let m = causal_self_attention(h, norm_1, qkv, proj, heads)?;
+        return pre_norm_mlp_with(&m, norm_2, fc1, fc2, true, act);
+    }
+    // the attention half, its output handed on
+    let normed_1 = Fuse {
+        norm: Some(norm_1),
+        ..Default::default()
+    };
+    let res_1 = fused::ResidualGrad::default();
+    let (x, token, from) = qkv.forward_handing(h, normed_1, Some(res_1.clone()))?;
+    let (y, token, from, kept) = fused::causal_attention_handed(&x, &token, &from, heads)?;
+    drop(x);
+    let (m, m_token, m_from) =
+        proj.forward_from_handing(&y, (token, from), (Some(h), None), Some(res_1), kept)?;
+    drop(y);
+    // the MLP half on the handed stream: norm_2 takes m's token, fc2 adds
+    // m's value with its token standing for it in the graph
+    let normed_2 = Fuse {
+        norm: Some(norm_2),
+        ..Default::default()
+    };
+    let res_2 = fused::ResidualGrad::default();
+    let (z, token, from) = fc1.forward_handing_from(
+        &m,
+        Some((m_token.clone(), m_from)),
+        normed_2,
+        Some(res_2.clone()),
+    )?;
+    fc2.forward_from(
+        &z,
+        (token, from),
+        Some(act),
+        (Some(&m), Some(&m_token)),
+        Some(res_2),
+        false,
     )
 }
 

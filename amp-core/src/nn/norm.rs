@@ -167,9 +167,14 @@ impl LayerNorm {
         x: &Tensor,
         res_grad: Option<super::fused::ResidualGrad>,
         want_amax: bool,
+        x_from: Option<(Tensor, super::fused::Handoff)>,
     ) -> Result<Option<HandedNorm>> {
         self.check(x)?;
-        let tracked = x.track_op() || self.weight.track_op() || self.bias.track_op();
+        let x_tracked = match &x_from {
+            Some((token, _)) => token.track_op(),
+            None => x.track_op(),
+        };
+        let tracked = x_tracked || self.weight.track_op() || self.bias.track_op();
         if !(tracked && self.fused_kernels(x)) {
             return Ok(None);
         }
@@ -178,7 +183,7 @@ impl LayerNorm {
             &self.weight,
             &self.bias,
             (self.eps, self.rms),
-            res_grad,
+            (res_grad, x_from),
             want_amax,
         )
         .map(Some)

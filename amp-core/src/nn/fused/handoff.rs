@@ -175,7 +175,7 @@ pub(crate) fn layer_norm_handoff(
     weight: &Tensor,
     bias: &Tensor,
     (eps, rms): (f64, bool),
-    res_grad: Option<ResidualGrad>,
+    (res_grad, x_from): (Option<ResidualGrad>, Option<(Tensor, Handoff)>),
     want_amax: bool,
 ) -> Result<(Tensor, Option<Tensor>, Tensor, Handoff)> {
     let (x0, w0, b0) = (x.detach(), weight.detach(), bias.detach());
@@ -190,16 +190,21 @@ pub(crate) fn layer_norm_handoff(
     if let Some(r) = &res_grad {
         r.attach_reader()?;
     }
+    // a handed input: its token is the graph's argument, the value is kept
+    // here for the backward, whose input gradient goes back to its producer
+    let (arg0, input) = match x_from {
+        Some((token, from)) => (token, Some((x0, from))),
+        None => (x.contiguous()?, None),
+    };
     let op = LayerNormToken {
         eps: eps as f32,
         rms,
         handoff: handoff.clone(),
         res_grad,
+        input,
     };
     let dim = weight.elem_count();
-    let token = x
-        .contiguous()?
-        .apply_op3(&weight.contiguous()?, &super::vector(bias, dim)?, op)?;
+    let token = arg0.apply_op3(&weight.contiguous()?, &super::vector(bias, dim)?, op)?;
     Ok((out, amax, token, handoff))
 }
 
@@ -210,6 +215,9 @@ struct LayerNormToken {
     rms: bool,
     handoff: Handoff,
     res_grad: Option<ResidualGrad>,
+    /// A handed input: its value (the graph's first argument is its
+    /// token) and the handoff its gradient goes to.
+    input: Option<(Tensor, Handoff)>,
 }
 
 impl CustomOp3 for LayerNormToken {
@@ -239,7 +247,15 @@ impl CustomOp3 for LayerNormToken {
             res: dres,
             stats: Default::default(),
         };
-        op.bwd(x, w, b, res, &dy)
+        let Some((value, from)) = &self.input else {
+            return op.bwd(x, w, b, res, &dy);
+        };
+        let (dx, dw, db) = op.bwd(&value.contiguous()?, w, b, res, &dy)?;
+        if let Some(dx) = dx {
+            from.put(dx).map_err(candle_core::Error::wrap)?;
+        }
+        let token_grad = Handoff::token_grad(x).map_err(candle_core::Error::wrap)?;
+        Ok((Some(token_grad), dw, db))
     }
 }
 

@@ -11,6 +11,7 @@ use crate::nn::fused::{Handoff, ResidualGrad};
 use crate::nn::mode::ComputeMode;
 use crate::nn::norm::LayerNorm;
 use crate::nn::Activation;
+use crate::scaling::weight::Weight;
 use candle_core::Tensor;
 
 /// A handed tensor's token and its handoff.
@@ -56,6 +57,10 @@ pub(super) struct OpFuse<'a> {
     /// LayerNorm's, `set_producer_amax`): its cast takes no pass of its
     /// own. Without an activation only (an activation's own amax wins).
     pub input_amax: Option<Tensor>,
+    /// With `residual`: the residual is a handed tensor (`residual` its
+    /// value) whose token stands for it in the graph; its gradient goes to
+    /// `residual_grad`, which must have a reader.
+    pub residual_token: Option<&'a Tensor>,
 }
 
 impl Linear {
@@ -89,21 +94,30 @@ impl Linear {
     /// in the graph (`(out, None, None)`). A handed output comes with its
     /// amax from the LayerNorm's own pass where the op's cast can take it:
     /// current scaling and `set_producer_amax`.
+    /// With `x_from` (`x` handed from another op: its token and handoff)
+    /// the LayerNorm must hand, or it is an error.
     fn normed(
         norm: Option<&LayerNorm>,
         x: &Tensor,
         hand: bool,
-        res_grad: Option<ResidualGrad>,
+        (res_grad, x_from): (Option<ResidualGrad>, Option<Handed>),
         mode: &ComputeMode,
     ) -> Result<(Option<Tensor>, Option<Handed>, Option<Tensor>)> {
         let Some(ln) = norm else {
-            return Ok((None, None, None));
+            return match x_from {
+                None => Ok((None, None, None)),
+                Some(_) => Err(handed_input_unused()),
+            };
         };
+        let handed_in = x_from.is_some();
         if hand {
             let want_amax = producer_amax() && matches!(mode, ComputeMode::Fp8Current(_));
-            if let Some((out, amax, token, h)) = ln.try_handoff(x, res_grad, want_amax)? {
+            if let Some((out, amax, token, h)) = ln.try_handoff(x, res_grad, want_amax, x_from)? {
                 return Ok((Some(out), Some((token, h)), amax));
             }
+        }
+        if handed_in {
+            return Err(handed_input_unused());
         }
         Ok((Some(ln.try_forward(x)?), None, None))
     }
@@ -167,7 +181,7 @@ impl Linear {
         self.check_residual(x, out_dim, fuse.residual)?;
         let own_op = Self::own_op(&mode, &weight, x);
         let (normed, handoff, input_amax) =
-            Self::normed(fuse.norm, x, own_op && act.is_none(), None, &mode)?;
+            Self::normed(fuse.norm, x, own_op && act.is_none(), (None, None), &mode)?;
         let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
         // the op decides whether it takes the residual (it adds it outside
@@ -182,6 +196,7 @@ impl Linear {
                     residual_grad: None,
                     origin,
                     input_amax,
+                    residual_token: None,
                 };
                 return self.scaled_forward(x, &weight, &mode, out_dim, op_fuse);
             }
@@ -200,6 +215,23 @@ impl Linear {
         Ok(Self::own_op(&self.mode(), &*self.weight.read()?, x))
     }
 
+    /// Whether the layer's op on `x` takes a tracked residual inside it
+    /// (its own op, with the weight's gradient going to a sink): the
+    /// condition for handing on an output that has a residual.
+    pub(crate) fn takes_residual(&self, x: &Tensor) -> Result<bool> {
+        let mode = self.mode();
+        let weight = self.weight.read()?;
+        let sink = self
+            .sink
+            .lock()
+            .map_err(|_| Error::Poisoned {
+                op: "Linear::takes_residual",
+            })?
+            .is_some();
+        let native_f32 = matches!((&mode, &*weight), (ComputeMode::Native, Weight::F32(_)));
+        Ok(Self::own_op(&mode, &weight, x) && sink && !native_f32)
+    }
+
     /// [`forward_with`](Self::forward_with) whose output is handed on:
     /// `(out, token, handoff)` (see `fused::Handoff`); a handed LayerNorm
     /// adds `res_grad`'s gradient (see `ResidualGrad`) to its input's. The
@@ -210,6 +242,20 @@ impl Linear {
         fuse: Fuse<'_>,
         res_grad: Option<ResidualGrad>,
     ) -> Result<(Tensor, Tensor, Handoff)> {
+        self.forward_handing_from(x, None, fuse, res_grad)
+    }
+
+    /// [`forward_handing`](Self::forward_handing) of an `x` that is itself
+    /// handed from another op where `x_from` is given (its token and
+    /// handoff): `fuse.norm` takes it, and the norm's backward leaves `x`'s
+    /// gradient in that handoff (an error where the norm cannot hand).
+    pub(crate) fn forward_handing_from(
+        &self,
+        x: &Tensor,
+        x_from: Option<Handed>,
+        fuse: Fuse<'_>,
+        res_grad: Option<ResidualGrad>,
+    ) -> Result<(Tensor, Tensor, Handoff)> {
         let (weight, out_dim, mode) = self.prepare(x)?;
         if fuse.activation.is_some() || fuse.residual.is_some() {
             return Err(Error::Unsupported {
@@ -217,7 +263,8 @@ impl Linear {
                 what: "an activation or a residual on a handed-on output".into(),
             });
         }
-        let (normed, handoff, input_amax) = Self::normed(fuse.norm, x, true, res_grad, &mode)?;
+        let (normed, handoff, input_amax) =
+            Self::normed(fuse.norm, x, true, (res_grad, x_from), &mode)?;
         let origin = Self::norm_origin(fuse.norm, x, &handoff);
         let x = normed.as_ref().unwrap_or(x);
         let out = Handoff::default();
@@ -239,7 +286,8 @@ impl Linear {
 
     /// The layer on a tensor handed from another op (`token` stands for
     /// `x` in the graph, `from` takes its gradient), `activation` on it and
-    /// `residual` added as in [`forward_with`](Self::forward_with), its
+    /// `residual` added as in [`forward_with`](Self::forward_with) (with
+    /// `residual_token`, a handed residual: see `forward_from_handing`), its
     /// gradient left in `res_grad` where a reader is attached (see
     /// `ResidualGrad`); the caller checks [`runs_own_op`](Self::runs_own_op)
     /// first. `kept`: the op that handed `x` keeps it until its backward
@@ -249,7 +297,7 @@ impl Linear {
         x: &Tensor,
         (token, from): Handed,
         activation: Option<Activation>,
-        residual: Option<&Tensor>,
+        (residual, residual_token): (Option<&Tensor>, Option<&Tensor>),
         res_grad: Option<ResidualGrad>,
         kept: bool,
     ) -> Result<Tensor> {
@@ -258,11 +306,56 @@ impl Linear {
         let op_fuse = OpFuse {
             activation,
             residual,
+            residual_token,
             handoff: Some((token, from)),
             residual_grad: res_grad,
             origin: kept.then(|| Origin::Value(x.clone())),
             ..Default::default()
         };
         self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)
+    }
+
+    /// [`forward_from`](Self::forward_from) (no activation) whose output is
+    /// handed on: `(out, token, handoff)`; `residual` as there, or with
+    /// `residual_token` a handed residual (its value, and the token that
+    /// stands for it in the graph), whose gradient goes to `res_grad`
+    /// (with a reader attached: an error otherwise). The caller checks
+    /// [`runs_own_op`](Self::runs_own_op) first.
+    pub(crate) fn forward_from_handing(
+        &self,
+        x: &Tensor,
+        (token, from): Handed,
+        (residual, residual_token): (Option<&Tensor>, Option<&Tensor>),
+        res_grad: Option<ResidualGrad>,
+        kept: bool,
+    ) -> Result<(Tensor, Tensor, Handoff)> {
+        let (weight, out_dim, mode) = self.prepare(x)?;
+        self.check_residual(x, out_dim, residual)?;
+        let out = Handoff::default();
+        let mut value = None;
+        let op_fuse = OpFuse {
+            residual,
+            residual_token,
+            handoff: Some((token, from)),
+            hand_out: Some((out.clone(), &mut value)),
+            residual_grad: res_grad,
+            origin: kept.then(|| Origin::Value(x.clone())),
+            ..Default::default()
+        };
+        let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
+        let value = value.ok_or(Error::Unsupported {
+            op: "Linear::forward_from_handing",
+            what: "no output handed".into(),
+        })?;
+        Ok((value, token, out))
+    }
+}
+
+/// A handed input that the call could not take (no LayerNorm to take it,
+/// or one that cannot hand).
+fn handed_input_unused() -> Error {
+    Error::Unsupported {
+        op: "Linear::forward_handing_from",
+        what: "a handed input needs a LayerNorm that hands (fused kernels, a tracked graph)".into(),
     }
 }

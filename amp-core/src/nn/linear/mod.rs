@@ -449,6 +449,7 @@ impl Linear {
             residual_grad,
             origin,
             input_amax,
+            residual_token,
         } = fuse;
         // Under `nn::selective`, where the input's FP8 codes can be cast
         // again from a tensor kept anyway: the activation's input (the op
@@ -510,8 +511,11 @@ impl Linear {
         // the sink (the residual takes the weight's argument slot) and it is
         // tracked (else the op might not be built, and the sink not fed);
         // otherwise it is added after the op.
+        // A handed residual (its token in the graph) is always the op's.
         let (residual, residual_after) = match residual {
-            Some(r) if sink.is_some() && r.track_op() => (Some(r), None),
+            Some(r) if sink.is_some() && (r.track_op() || residual_token.is_some()) => {
+                (Some(r), None)
+            }
             r => (None, r),
         };
         // the residual's gradient to a LayerNorm reading the same tensor
@@ -519,6 +523,14 @@ impl Linear {
             (Some(_), Some(rg)) if rg.attach_writer()? => Some(rg),
             _ => None,
         };
+        if residual_token.is_some() && (residual.is_none() || residual_grad.is_none()) {
+            return Err(Error::Unsupported {
+                op: "Linear::forward",
+                what:
+                    "a handed residual without a gradient sink or a LayerNorm reading its gradient"
+                        .into(),
+            });
+        }
         if sink.is_none() && !matches!(weight, Weight::F32(_)) {
             return Err(Error::Unsupported {
                 op: "Linear::forward",
@@ -735,8 +747,8 @@ impl Linear {
         // plain data, as for the first layer of a model.
         let w_arg = match (weight, residual) {
             (Weight::F32(var), _) if sink.is_none() => var.as_tensor().clone(),
-            // with a sink the residual takes the weight's place
-            (_, Some(r)) => r.clone(),
+            // with a sink the residual (or its token) takes the weight's place
+            (_, Some(r)) => residual_token.cloned().unwrap_or_else(|| r.clone()),
             _ => Var::zeros(1, DType::F32, x.device())?.as_tensor().clone(),
         };
         // without a bias the weight argument stands in (its third gradient
@@ -751,6 +763,7 @@ impl Linear {
         let epilogue = tracked
             && !in_gemm
             && hand_out.is_none()
+            && residual_token.is_none()
             && self
                 .bias
                 .as_ref()
