@@ -174,7 +174,12 @@ impl Block {
     fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
         nn::pre_norm_block(
             h,
-            (&self.ln_1, &self.c_attn, &self.c_proj, self.n_head),
+            (
+                &self.ln_1,
+                &self.c_attn,
+                &self.c_proj,
+                nn::BlockAttention::Causal { heads: self.n_head },
+            ),
             (&self.ln_2, &self.c_fc, &self.mlp_proj, nn::Activation::Gelu),
         )
     }

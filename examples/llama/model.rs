@@ -178,12 +178,21 @@ struct Block {
 }
 
 impl Block {
-    /// `h` through the layer: attention then MLP, each with its residual.
+    /// `h` through the layer: attention then MLP, each with its residual
+    /// (`amp::nn::pre_norm_block`: at the FP8 levels every tensor between
+    /// the attention's norm and the MLP's down projection handed from op
+    /// to op, the stream between the halves included).
     fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
-        let rope = (&self.cos, &self.sin);
-        let h = nn::rope_self_attention(h, &self.attn_norm, &self.qkv, &self.o, self.heads, rope)?;
+        let attention = nn::BlockAttention::Rope {
+            heads: self.heads,
+            tables: (&self.cos, &self.sin),
+        };
         let m = &self.mlp;
-        nn::pre_norm_mlp_with(&h, &m.norm, &m.fc1, &m.fc2, true, Activation::SwiGlu)
+        nn::pre_norm_block(
+            h,
+            (&self.attn_norm, &self.qkv, &self.o, attention),
+            (&m.norm, &m.fc1, &m.fc2, Activation::SwiGlu),
+        )
     }
 
     /// The parameters whose gradients candle's `GradStore` collects.

@@ -162,27 +162,28 @@ fn handed_self_attention_equals_the_parts_in_sequence() {
 }
 
 /// `nn::pre_norm_block` (the stream between the halves handed too) gives
-/// the values of `nn::causal_self_attention` then `nn::pre_norm_mlp`, the
-/// output and every gradient (input, both LayerNorms, the four Linears'
+/// the values of its attention half then `nn::pre_norm_mlp_with`, the
+/// output and every gradient (input, both norms, the four Linears'
 /// weights in the GradStore or the sink, and biases), in every compute
 /// mode, F32 and BF16, over delayed-scaling steps: the two differ only in
-/// the zero-fill and add candle gives the stream's gradient.
-#[test]
-fn handed_block_equals_its_two_halves() {
-    let (heads, d) = (2, 16);
+/// the zero-fill and add candle gives the stream's gradient. GPT's form
+/// (causal attention, GELU) and Llama's (rotary attention, RMSNorm and
+/// SwiGLU).
+fn check_block(name: &str, attention: nn::BlockAttention<'_>, mlp: Form, act: nn::Activation) {
+    let d = 16;
     for (m, mode) in modes().into_iter().enumerate() {
         for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
-            let tag = |x: &str| format!("pb{m}{c}{x}");
+            let tag = |x: &str| format!("{name}{m}{c}{x}");
             let (aa, am) = (
                 block_of(&tag("aa"), d, with_sink, Form::Attention),
-                block_of(&tag("am"), d, with_sink, Form::Mlp),
+                block_of(&tag("am"), d, with_sink, mlp),
             );
             let (ba, bm) = (
                 block_of(&tag("ba"), d, with_sink, Form::Attention),
-                block_of(&tag("bm"), d, with_sink, Form::Mlp),
+                block_of(&tag("bm"), d, with_sink, mlp),
             );
             for step in 0..3u64 {
-                let what = format!("block {mode:?} {dtype:?} sink {with_sink} step {step}");
+                let what = format!("{name} {mode:?} {dtype:?} sink {with_sink} step {step}");
                 let h =
                     Var::from_tensor(&randt(&[2, 5, d], 70 + step, 1.5).to_dtype(dtype).unwrap())
                         .unwrap();
@@ -191,12 +192,20 @@ fn handed_block_equals_its_two_halves() {
                 let h_t = h.as_tensor();
                 let y1 = nn::pre_norm_block(
                     h_t,
-                    (&aa.ln, &aa.qkv, &aa.proj, heads),
-                    (&am.ln, &am.qkv, &am.proj, nn::Activation::Gelu),
+                    (&aa.ln, &aa.qkv, &aa.proj, attention),
+                    (&am.ln, &am.qkv, &am.proj, act),
                 )
                 .unwrap();
-                let mid = nn::causal_self_attention(h_t, &ba.ln, &ba.qkv, &ba.proj, heads).unwrap();
-                let y2 = nn::pre_norm_mlp(&mid, &bm.ln, &bm.qkv, &bm.proj, true).unwrap();
+                let mid = match attention {
+                    nn::BlockAttention::Causal { heads } => {
+                        nn::causal_self_attention(h_t, &ba.ln, &ba.qkv, &ba.proj, heads)
+                    }
+                    nn::BlockAttention::Rope { heads, tables } => {
+                        nn::rope_self_attention(h_t, &ba.ln, &ba.qkv, &ba.proj, heads, tables)
+                    }
+                }
+                .unwrap();
+                let y2 = nn::pre_norm_mlp_with(&mid, &bm.ln, &bm.qkv, &bm.proj, true, act).unwrap();
                 assert_eq!(values(&y1), values(&y2), "{what}: y");
                 let g1 = (&y1 * &r).unwrap().sum_all().unwrap().backward().unwrap();
                 let g2 = (&y2 * &r).unwrap().sum_all().unwrap().backward().unwrap();
@@ -206,9 +215,12 @@ fn handed_block_equals_its_two_halves() {
                     "{what}: dh"
                 );
                 let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
-                for (half, (a, b)) in [("attention", (&aa, &ba)), ("mlp", (&am, &bm))] {
+                for (half, (a, b), form) in [
+                    ("attention", (&aa, &ba), Form::Attention),
+                    ("mlp", (&am, &bm), mlp),
+                ] {
                     for (i, (va, vb)) in a.vars.iter().zip(&b.vars).enumerate() {
-                        if fp8_weights && (i == 2 || i == 4) {
+                        if (fp8_weights && (i == 2 || i == 4)) || (form == Form::Llama && i == 1) {
                             continue;
                         }
                         let (ga, gb) = (g1.get(va.as_tensor()), g2.get(vb.as_tensor()));
@@ -223,25 +235,39 @@ fn handed_block_equals_its_two_halves() {
                     ] {
                         let (sa, sb) = (a.sink.take().unwrap(), b.sink.take().unwrap());
                         for part in ["qkv", "proj"] {
-                            assert_eq!(
-                                values(
-                                    &sa[&format!("{}.{part}.weight", tag(ka))]
-                                        .dequantize(DType::F32)
-                                        .unwrap()
-                                ),
-                                values(
-                                    &sb[&format!("{}.{part}.weight", tag(kb))]
-                                        .dequantize(DType::F32)
-                                        .unwrap()
-                                ),
-                                "{what}: {half} sink {part}"
-                            );
+                            let grad =
+                                |sink: &std::collections::HashMap<String, amp::ScalingTensor>,
+                                 k: &str| {
+                                    values(
+                                        &sink[&format!("{}.{part}.weight", tag(k))]
+                                            .dequantize(DType::F32)
+                                            .unwrap(),
+                                    )
+                                };
+                            assert_eq!(grad(&sa, ka), grad(&sb, kb), "{what}: {half} sink {part}");
                         }
                     }
                 }
             }
         }
     }
+}
+
+#[test]
+fn handed_gpt_block_equals_its_two_halves() {
+    let attention = nn::BlockAttention::Causal { heads: 2 };
+    check_block("pb", attention, Form::Mlp, nn::Activation::Gelu);
+}
+
+#[test]
+fn handed_llama_block_equals_its_two_halves() {
+    // d = 16 as two heads of 8 with as many key/value heads: qkv is d -> 3d
+    let (cos, sin) = nn::rope_tables(5, 8, 10_000.0, None, &candle_core::Device::Cpu).unwrap();
+    let attention = nn::BlockAttention::Rope {
+        heads: (2, 2),
+        tables: (&cos, &sin),
+    };
+    check_block("lb", attention, Form::Llama, nn::Activation::SwiGlu);
 }
 
 #[test]

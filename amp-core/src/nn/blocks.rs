@@ -170,22 +170,43 @@ pub fn pre_norm_mlp_with(
     )
 }
 
+/// The attention of a [`pre_norm_block`]: GPT's causal attention over
+/// `heads` heads ([`causal_self_attention`]), or Llama's with rotary
+/// positions and grouped-query heads ([`rope_self_attention`]: `(heads,
+/// kv_heads)` and the `(cos, sin)` tables).
+#[derive(Debug, Clone, Copy)]
+pub enum BlockAttention<'a> {
+    /// [`causal_self_attention`]'s.
+    Causal {
+        /// Attention heads.
+        heads: usize,
+    },
+    /// [`rope_self_attention`]'s.
+    Rope {
+        /// Query heads and key-value heads.
+        heads: (usize, usize),
+        /// The rotary tables `(cos, sin)`, `[positions, head_dim / 2]`.
+        tables: (&'a Tensor, &'a Tensor),
+    },
+}
+
 /// A whole pre-LayerNorm block, `m = h + proj(attention(qkv(norm_1(h))))`
-/// then `m + fc2(act(fc1(norm_2(m))))`: [`causal_self_attention`] then
+/// then `m + fc2(act(fc1(norm_2(m))))`: the attention half
+/// ([`causal_self_attention`] or [`rope_self_attention`]) then
 /// [`pre_norm_mlp_with`] with its residual, and where all four Linears run
-/// their own ops `m` too is handed from op to op: the projection's op hands
-/// it to `norm_2` and to `fc2`'s op (its residual), so candle neither keeps
-/// it nor zero-fills and adds its one gradient (a `[batch, seq, dim]`
-/// fill and add a block); the norm's backward gives `m`'s whole gradient
-/// (the residual's added, as within each half) to the projection's op.
-/// The values are those of the two calls.
+/// their own ops with the residuals inside them, `m` too is handed from op
+/// to op: the projection's op hands it to `norm_2` and to `fc2`'s op (its
+/// residual), so candle neither keeps it nor zero-fills and adds its one
+/// gradient (a `[batch, seq, dim]` fill and add a block); `norm_2`'s
+/// backward gives `m`'s whole gradient (the residual's added, as within
+/// each half) to the projection's op. The values are those of the two
+/// calls.
 ///
 /// # Errors
-/// As [`causal_self_attention`] and [`pre_norm_mlp_with`].
-#[allow(clippy::too_many_arguments)]
+/// As the two halves'.
 pub fn pre_norm_block(
     h: &Tensor,
-    (norm_1, qkv, proj, heads): (&LayerNorm, &Linear, &Linear, usize),
+    (norm_1, qkv, proj, attention): (&LayerNorm, &Linear, &Linear, BlockAttention<'_>),
     (norm_2, fc1, fc2, act): (&LayerNorm, &Linear, &Linear, Activation),
 ) -> Result<Tensor> {
     // every part its own op, the two residuals inside the ops (which hand
@@ -196,7 +217,12 @@ pub fn pre_norm_block(
         && fc1.runs_own_op(h)?
         && fc2.takes_residual(h)?;
     if !own {
-        let m = causal_self_attention(h, norm_1, qkv, proj, heads)?;
+        let m = match attention {
+            BlockAttention::Causal { heads } => causal_self_attention(h, norm_1, qkv, proj, heads)?,
+            BlockAttention::Rope { heads, tables } => {
+                rope_self_attention(h, norm_1, qkv, proj, heads, tables)?
+            }
+        };
         return pre_norm_mlp_with(&m, norm_2, fc1, fc2, true, act);
     }
     // the attention half, its output handed on
@@ -206,7 +232,15 @@ pub fn pre_norm_block(
     };
     let res_1 = fused::ResidualGrad::default();
     let (x, token, from) = qkv.forward_handing(h, normed_1, Some(res_1.clone()))?;
-    let (y, token, from, kept) = fused::causal_attention_handed(&x, &token, &from, heads)?;
+    let (y, token, from, kept) = match attention {
+        BlockAttention::Causal { heads } => {
+            fused::causal_attention_handed(&x, &token, &from, heads)?
+        }
+        BlockAttention::Rope { heads, tables } => {
+            let (y, token, to) = fused::rope_attention_handed(&x, &token, &from, heads, tables)?;
+            (y, token, to, false)
+        }
+    };
     drop(x);
     let (m, m_token, m_from) =
         proj.forward_from_handing(&y, (token, from), (Some(h), None), Some(res_1), kept)?;

@@ -54,7 +54,7 @@ pub use crate::scaling::telemetry::{
 pub use blocks::{
     causal_self_attention, layer_norm_linear, layer_norm_mlp, layer_norm_mlp_with,
     linear_cross_entropy, pre_norm_block, pre_norm_mlp, pre_norm_mlp_with, rope_self_attention,
-    LayerNormLinear, LayerNormMLP, MlpForm,
+    BlockAttention, LayerNormLinear, LayerNormMLP, MlpForm,
 };
 pub use fused::{
     causal_attention, causal_attention_qkv, cross_entropy, embedding, embedding_grad,
