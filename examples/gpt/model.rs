@@ -12,7 +12,7 @@
 //! transpose.
 
 use crate::recompute::{CoreResult, Recompute};
-use amp::nn::{self, LayerNorm, Linear};
+use amp::nn::{self, LayerNorm, Linear, Stream};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -172,7 +172,13 @@ impl Block {
     /// outside candle's graph, each residual added inside its projection's
     /// op).
     fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
-        nn::pre_norm_block(
+        self.forward_stream(Stream::new(h.clone()))?.into_tensor()
+    }
+
+    /// [`forward`](Self::forward) on a residual stream, the output handed
+    /// on where the block can (`amp::nn::pre_norm_block_stream`).
+    fn forward_stream(&self, h: Stream) -> CoreResult<Stream> {
+        nn::pre_norm_block_stream(
             h,
             (
                 &self.ln_1,
@@ -289,12 +295,14 @@ impl Gpt {
     /// # Errors
     /// A sequence longer than the context, candle's.
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
-        let h = self.hidden(tokens)?;
+        let h = self.hidden(tokens)?.into_tensor()?;
         Ok(self.lm_head.forward(&self.ln_f.forward(&h)?)?)
     }
 
-    /// The residual stream after the last block (before `ln_f`).
-    fn hidden(&self, tokens: &Tensor) -> Result<Tensor> {
+    /// The residual stream after the last block (before `ln_f`), handed
+    /// from block to block (`amp::nn::pre_norm_block_stream`) where the
+    /// blocks can.
+    fn hidden(&self, tokens: &Tensor) -> Result<Stream> {
         let (_, t) = tokens.dims2()?;
         if t > self.cfg.ctx {
             bail!(
@@ -304,14 +312,19 @@ impl Gpt {
         }
         let dev = tokens.device();
         let pos = Tensor::arange(0u32, t as u32, dev)?;
-        let mut h = nn::embedding(tokens, &self.wte)?
-            .broadcast_add(&nn::embedding(&pos, &self.wpe)?)?
-            .to_dtype(self.act)?;
+        let mut h = Stream::new(
+            nn::embedding(tokens, &self.wte)?
+                .broadcast_add(&nn::embedding(&pos, &self.wpe)?)?
+                .to_dtype(self.act)?,
+        );
         for blk in &self.blocks {
             let b = blk.clone();
-            h = self
-                .recompute
-                .run(&h, || blk.vars(), move |x| b.forward(x))?;
+            h = self.recompute.run_stream(
+                h,
+                || blk.vars(),
+                |s| blk.forward_stream(s),
+                move |x| b.forward(x),
+            )?;
         }
         Ok(h)
     }
@@ -325,8 +338,8 @@ impl Gpt {
         // the [batch, seq, vocab] logits handed op to op at the FP8 levels:
         // the logits never become a graph tensor (no reshape either)
         let h = self.hidden(x)?;
-        Ok(nn::linear_cross_entropy(
-            &h,
+        Ok(nn::linear_cross_entropy_stream(
+            h,
             Some(&self.ln_f),
             &self.lm_head,
             y,

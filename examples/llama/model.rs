@@ -14,7 +14,7 @@
 //! `lm_head.weight`: the head's product reads `embed.weight`).
 
 use crate::recompute::{CoreResult, Recompute};
-use amp::nn::{self, Activation, LayerNorm, LayerNormMLP, Linear, MlpForm, RopeScaling};
+use amp::nn::{self, Activation, LayerNorm, LayerNormMLP, Linear, MlpForm, RopeScaling, Stream};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -183,12 +183,18 @@ impl Block {
     /// the attention's norm and the MLP's down projection handed from op
     /// to op, the stream between the halves included).
     fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
+        self.forward_stream(Stream::new(h.clone()))?.into_tensor()
+    }
+
+    /// [`forward`](Self::forward) on a residual stream, the output handed
+    /// on where the layer can (`amp::nn::pre_norm_block_stream`).
+    fn forward_stream(&self, h: Stream) -> CoreResult<Stream> {
         let attention = nn::BlockAttention::Rope {
             heads: self.heads,
             tables: (&self.cos, &self.sin),
         };
         let m = &self.mlp;
-        nn::pre_norm_block(
+        nn::pre_norm_block_stream(
             h,
             (&self.attn_norm, &self.qkv, &self.o, attention),
             (&m.norm, &m.fc1, &m.fc2, Activation::SwiGlu),
@@ -328,12 +334,14 @@ impl Llama {
     /// # Errors
     /// A sequence longer than the rotary tables, candle's.
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
-        let h = self.hidden(tokens)?;
+        let h = self.hidden(tokens)?.into_tensor()?;
         Ok(self.lm_head.forward(&self.norm.forward(&h)?)?)
     }
 
-    /// The residual stream after the last layer (before `norm`).
-    fn hidden(&self, tokens: &Tensor) -> Result<Tensor> {
+    /// The residual stream after the last layer (before `norm`), handed
+    /// from layer to layer (`amp::nn::pre_norm_block_stream`) where the
+    /// layers can.
+    fn hidden(&self, tokens: &Tensor) -> Result<Stream> {
         let (_, t) = tokens.dims2()?;
         if t > self.cfg.ctx {
             bail!(
@@ -341,12 +349,15 @@ impl Llama {
                 self.cfg.ctx
             );
         }
-        let mut h = nn::embedding(tokens, &self.embed)?.to_dtype(self.act)?;
+        let mut h = Stream::new(nn::embedding(tokens, &self.embed)?.to_dtype(self.act)?);
         for blk in &self.blocks {
             let b = blk.clone();
-            h = self
-                .recompute
-                .run(&h, || blk.vars(), move |x| b.forward(x))?;
+            h = self.recompute.run_stream(
+                h,
+                || blk.vars(),
+                |s| blk.forward_stream(s),
+                move |x| b.forward(x),
+            )?;
         }
         Ok(h)
     }
@@ -357,8 +368,8 @@ impl Llama {
     /// Shapes that disagree, candle's.
     pub fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let h = self.hidden(x)?;
-        Ok(nn::linear_cross_entropy(
-            &h,
+        Ok(nn::linear_cross_entropy_stream(
+            h,
             Some(&self.norm),
             &self.lm_head,
             y,

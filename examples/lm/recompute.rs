@@ -1,7 +1,7 @@
 //! `--recompute`: which activations a model's blocks compute again in
 //! backward instead of keeping (both architectures).
 
-use amp::nn;
+use amp::nn::{self, Stream};
 use candle_core::Tensor;
 
 /// `amp::nn`'s results (the closure `amp::nn::recompute` keeps returns one).
@@ -25,24 +25,35 @@ pub enum Recompute {
 }
 
 impl Recompute {
-    /// `forward(h)` of a block whose parameters are `vars` (what
-    /// `amp::nn::recompute` needs told), recomputing as `self` says.
+    /// A block on the residual stream `h`, its parameters `vars` (what
+    /// `amp::nn::recompute` needs told), recomputing as `self` says:
+    /// `forward_stream` takes and gives the stream (handed from block to
+    /// block where the blocks can), inside `amp::nn::selective` for
+    /// `Selective`; with `Full`, the stream is a graph tensor at each
+    /// block's boundary (what `amp::nn::recompute` keeps) and `forward`
+    /// runs the block.
     ///
     /// # Errors
     /// The block's.
-    pub fn run<F>(
+    pub fn run_stream<S, F>(
         self,
-        h: &Tensor,
+        h: Stream,
         vars: impl FnOnce() -> CoreResult<Vec<Tensor>>,
+        forward_stream: S,
         forward: F,
-    ) -> CoreResult<Tensor>
+    ) -> CoreResult<Stream>
     where
+        S: FnOnce(Stream) -> CoreResult<Stream>,
         F: Fn(&Tensor) -> CoreResult<Tensor> + Send + Sync + 'static,
     {
         match self {
-            Self::None => forward(h),
-            Self::Selective => nn::selective(|| forward(h)),
-            Self::Full => nn::recompute(h, &vars()?, forward),
+            Self::None => forward_stream(h),
+            Self::Selective => nn::selective(|| forward_stream(h)),
+            Self::Full => Ok(Stream::new(nn::recompute(
+                &h.into_tensor()?,
+                &vars()?,
+                forward,
+            )?)),
         }
     }
 }

@@ -448,3 +448,104 @@ fn handed_head_and_loss_equal_the_parts_in_sequence() {
         }
     }
 }
+
+/// Two GPT blocks and the head chained on an `nn::Stream` (the residual
+/// stream handed from block to block and into the head's norm) give the
+/// loss and every gradient of `nn::pre_norm_block` twice and
+/// `nn::linear_cross_entropy`, in every compute mode, F32 and BF16, with
+/// and without sinks.
+#[test]
+fn a_handed_stream_through_blocks_and_head_equals_the_calls() {
+    let (d, vocab) = (16, 40);
+    let targets = Tensor::from_vec(
+        (0..10u32).map(|i| (i * 7) % 40).collect(),
+        (2, 5),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let attention = nn::BlockAttention::Causal { heads: 2 };
+    for (m, mode) in modes().into_iter().enumerate() {
+        for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
+            // two models of equal values: two blocks (attention and MLP
+            // halves) and a head with its norm each
+            let model = |side: &str| {
+                let tag = |x: &str| format!("st{m}{c}{side}{x}");
+                let blocks: Vec<(Block, Block)> = (0..2)
+                    .map(|i| {
+                        (
+                            block_of(&tag(&format!("a{i}")), d, with_sink, Form::Attention),
+                            block_of(&tag(&format!("m{i}")), d, with_sink, Form::Mlp),
+                        )
+                    })
+                    .collect();
+                let norm = block(&tag("n"), d, false, false);
+                let w = Var::from_tensor(&randt(&[vocab, d], 11, 0.3)).unwrap();
+                let head =
+                    nn::Linear::new(tag("head.weight"), w.as_tensor().clone(), None).unwrap();
+                if with_sink {
+                    head.set_grad_sink(Some(GradSink::new())).unwrap();
+                }
+                (blocks, norm, head, w)
+            };
+            let (a, b) = (model("a"), model("b"));
+            for step in 0..2u64 {
+                let what = format!("stream {mode:?} {dtype:?} sink {with_sink} step {step}");
+                let h =
+                    Var::from_tensor(&randt(&[2, 5, d], 50 + step, 1.5).to_dtype(dtype).unwrap())
+                        .unwrap();
+                let _s = fp8_autocast(true, mode.clone());
+                let mut s = nn::Stream::new(h.as_tensor().clone());
+                for (at, ml) in &a.0 {
+                    s = nn::pre_norm_block_stream(
+                        s,
+                        (&at.ln, &at.qkv, &at.proj, attention),
+                        (&ml.ln, &ml.qkv, &ml.proj, nn::Activation::Gelu),
+                    )
+                    .unwrap();
+                }
+                let l1 = nn::linear_cross_entropy_stream(s, Some(&a.1.ln), &a.2, &targets).unwrap();
+                let mut t = h.as_tensor().clone();
+                for (at, ml) in &b.0 {
+                    t = nn::pre_norm_block(
+                        &t,
+                        (&at.ln, &at.qkv, &at.proj, attention),
+                        (&ml.ln, &ml.qkv, &ml.proj, nn::Activation::Gelu),
+                    )
+                    .unwrap();
+                }
+                let l2 = nn::linear_cross_entropy(&t, Some(&b.1.ln), &b.2, &targets).unwrap();
+                assert_eq!(values(&l1), values(&l2), "{what}: loss");
+                let (g1, g2) = (l1.backward().unwrap(), l2.backward().unwrap());
+                assert_eq!(
+                    values(g1.get(h.as_tensor()).expect("dh 1")),
+                    values(g2.get(h.as_tensor()).expect("dh 2")),
+                    "{what}: dh"
+                );
+                let fp8_weights = with_sink && !matches!(mode, ComputeMode::Native);
+                let params = |x: &(Vec<(Block, Block)>, Block, nn::Linear, Var)| {
+                    let mut v: Vec<Var> = Vec::new();
+                    for (at, ml) in &x.0 {
+                        for (i, var) in at.vars.iter().chain(&ml.vars).enumerate() {
+                            if !(fp8_weights && (i % 6 == 2 || i % 6 == 4)) {
+                                v.push(var.clone());
+                            }
+                        }
+                    }
+                    v.extend(x.1.vars[..2].iter().cloned());
+                    if !fp8_weights {
+                        v.push(x.3.clone());
+                    }
+                    v
+                };
+                for (i, (va, vb)) in params(&a).iter().zip(&params(&b)).enumerate() {
+                    let (ga, gb) = (g1.get(va.as_tensor()), g2.get(vb.as_tensor()));
+                    assert_eq!(
+                        values(ga.expect("grad a")),
+                        values(gb.expect("grad b")),
+                        "{what}: parameter {i}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -8,6 +8,7 @@
 use super::fused::{self, Activation};
 use super::linear::{linear_b, Fuse, Linear};
 use super::norm::{layer_norm, rms_norm, LayerNorm};
+use super::stream::Stream;
 use crate::error::Result;
 use candle_core::{Module, Tensor};
 
@@ -206,44 +207,89 @@ pub enum BlockAttention<'a> {
 /// As the two halves'.
 pub fn pre_norm_block(
     h: &Tensor,
+    attention: (&LayerNorm, &Linear, &Linear, BlockAttention<'_>),
+    mlp: (&LayerNorm, &Linear, &Linear, Activation),
+) -> Result<Tensor> {
+    block(Stream::new(h.clone()), attention, mlp, false)?.into_tensor()
+}
+
+/// [`pre_norm_block`] on a [`Stream`]: a handed stream's token is the
+/// graph's input (the first norm's backward gives the stream's whole
+/// gradient back to its producer), and the output is handed on where the
+/// four Linears run their own ops with the residuals inside them (else a
+/// stream of the graph, the parts run as [`pre_norm_block`] runs them).
+/// Chained from block to block, candle zero-fills and adds no gradient of
+/// the residual stream; [`linear_cross_entropy_stream`] ends the chain.
+/// The values are those of [`pre_norm_block`].
+///
+/// # Errors
+/// As [`pre_norm_block`].
+pub fn pre_norm_block_stream(
+    h: Stream,
+    attention: (&LayerNorm, &Linear, &Linear, BlockAttention<'_>),
+    mlp: (&LayerNorm, &Linear, &Linear, Activation),
+) -> Result<Stream> {
+    block(h, attention, mlp, true)
+}
+
+/// The block of [`pre_norm_block_stream`]; `hand_out`: hand the output on
+/// where the parts allow.
+fn block(
+    h: Stream,
     (norm_1, qkv, proj, attention): (&LayerNorm, &Linear, &Linear, BlockAttention<'_>),
     (norm_2, fc1, fc2, act): (&LayerNorm, &Linear, &Linear, Activation),
-) -> Result<Tensor> {
+    hand_out: bool,
+) -> Result<Stream> {
+    let x = h.value();
+    let tracked = match h.token() {
+        Some((token, _)) => token.track_op(),
+        None => x.track_op(),
+    };
     // every part its own op, the two residuals inside the ops (which hand
     // on the first), and a graph to hand along
-    let own = h.track_op()
-        && qkv.runs_own_op(h)?
-        && proj.takes_residual(h)?
-        && fc1.runs_own_op(h)?
-        && fc2.takes_residual(h)?;
+    let own = tracked
+        && norm_1.can_hand(x)
+        && norm_2.can_hand(x)
+        && qkv.runs_own_op(x)?
+        && proj.takes_residual(x)?
+        && fc1.runs_own_op(x)?
+        && fc2.takes_residual(x)?;
     if !own {
+        let h = h.into_tensor()?;
         let m = match attention {
-            BlockAttention::Causal { heads } => causal_self_attention(h, norm_1, qkv, proj, heads)?,
+            BlockAttention::Causal { heads } => {
+                causal_self_attention(&h, norm_1, qkv, proj, heads)?
+            }
             BlockAttention::Rope { heads, tables } => {
-                rope_self_attention(h, norm_1, qkv, proj, heads, tables)?
+                rope_self_attention(&h, norm_1, qkv, proj, heads, tables)?
             }
         };
-        return pre_norm_mlp_with(&m, norm_2, fc1, fc2, true, act);
+        return Ok(Stream::new(pre_norm_mlp_with(
+            &m, norm_2, fc1, fc2, true, act,
+        )?));
     }
+    let x_from = h.token().cloned();
+    let x_token = x_from.as_ref().map(|(token, _)| token.clone());
     // the attention half, its output handed on
     let normed_1 = Fuse {
         norm: Some(norm_1),
         ..Default::default()
     };
     let res_1 = fused::ResidualGrad::default();
-    let (x, token, from) = qkv.forward_handing(h, normed_1, Some(res_1.clone()))?;
+    let (q, token, from) = qkv.forward_handing_from(x, x_from, normed_1, Some(res_1.clone()))?;
     let (y, token, from, kept) = match attention {
         BlockAttention::Causal { heads } => {
-            fused::causal_attention_handed(&x, &token, &from, heads)?
+            fused::causal_attention_handed(&q, &token, &from, heads)?
         }
         BlockAttention::Rope { heads, tables } => {
-            let (y, token, to) = fused::rope_attention_handed(&x, &token, &from, heads, tables)?;
+            let (y, token, to) = fused::rope_attention_handed(&q, &token, &from, heads, tables)?;
             (y, token, to, false)
         }
     };
-    drop(x);
+    drop(q);
+    let residual_1 = (Some(x), x_token.as_ref());
     let (m, m_token, m_from) =
-        proj.forward_from_handing(&y, (token, from), (Some(h), None), Some(res_1), kept)?;
+        proj.forward_from_handing(&y, (token, from), None, residual_1, Some(res_1), kept)?;
     drop(y);
     // the MLP half on the handed stream: norm_2 takes m's token, fc2 adds
     // m's value with its token standing for it in the graph
@@ -258,14 +304,14 @@ pub fn pre_norm_block(
         normed_2,
         Some(res_2.clone()),
     )?;
-    fc2.forward_from(
-        &z,
-        (token, from),
-        Some(act),
-        (Some(&m), Some(&m_token)),
-        Some(res_2),
-        false,
-    )
+    let residual_2 = (Some(&m), Some(&m_token));
+    if hand_out {
+        let (out, out_token, out_from) =
+            fc2.forward_from_handing(&z, (token, from), Some(act), residual_2, Some(res_2), false)?;
+        return Ok(Stream::handed(out, out_token, out_from));
+    }
+    let out = fc2.forward_from(&z, (token, from), Some(act), residual_2, Some(res_2), false)?;
+    Ok(Stream::new(out))
 }
 
 /// `cross_entropy(head(norm(h)), targets)` (`norm` optional): where the
@@ -284,12 +330,37 @@ pub fn linear_cross_entropy(
     head: &Linear,
     targets: &Tensor,
 ) -> Result<Tensor> {
+    linear_cross_entropy_stream(Stream::new(h.clone()), norm, head, targets)
+}
+
+/// [`linear_cross_entropy`] of a [`Stream`]: a handed stream goes to the
+/// norm as a token (its gradient back to the op that handed it) where the
+/// head runs its own op after a norm; otherwise the stream is put back
+/// into the graph first. The values are [`linear_cross_entropy`]'s.
+///
+/// # Errors
+/// As [`linear_cross_entropy`].
+pub fn linear_cross_entropy_stream(
+    h: Stream,
+    norm: Option<&LayerNorm>,
+    head: &Linear,
+    targets: &Tensor,
+) -> Result<Tensor> {
+    let takes_handed = match norm {
+        Some(n) => n.can_hand(h.value()) && head.runs_own_op(h.value())?,
+        None => false,
+    };
+    if h.is_handed() && !takes_handed {
+        return linear_cross_entropy(&h.into_tensor()?, norm, head, targets);
+    }
+    let x_from = h.token().cloned();
+    let h = h.value();
     let normed = Fuse {
         norm,
         ..Default::default()
     };
     if head.runs_own_op(h)? {
-        let (logits, token, from) = head.forward_handing(h, normed, None)?;
+        let (logits, token, from) = head.forward_handing_from(h, x_from, normed, None)?;
         return fused::cross_entropy_handed(&logits, &token, &from, targets);
     }
     fused::cross_entropy(&head.forward_with(h, normed)?, targets)

@@ -46,6 +46,7 @@ mod norm;
 mod precomputed;
 mod recompute;
 mod selective;
+mod stream;
 
 pub use crate::scaling::sink::GradSink;
 pub use crate::scaling::telemetry::{
@@ -53,8 +54,9 @@ pub use crate::scaling::telemetry::{
 };
 pub use blocks::{
     causal_self_attention, layer_norm_linear, layer_norm_mlp, layer_norm_mlp_with,
-    linear_cross_entropy, pre_norm_block, pre_norm_mlp, pre_norm_mlp_with, rope_self_attention,
-    BlockAttention, LayerNormLinear, LayerNormMLP, MlpForm,
+    linear_cross_entropy, linear_cross_entropy_stream, pre_norm_block, pre_norm_block_stream,
+    pre_norm_mlp, pre_norm_mlp_with, rope_self_attention, BlockAttention, LayerNormLinear,
+    LayerNormMLP, MlpForm,
 };
 pub use fused::{
     causal_attention, causal_attention_qkv, cross_entropy, embedding, embedding_grad,
@@ -70,3 +72,4 @@ pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Au
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use recompute::recompute;
 pub use selective::selective;
+pub use stream::Stream;

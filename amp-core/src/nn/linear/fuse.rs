@@ -315,8 +315,8 @@ impl Linear {
         self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)
     }
 
-    /// [`forward_from`](Self::forward_from) (no activation) whose output is
-    /// handed on: `(out, token, handoff)`; `residual` as there, or with
+    /// [`forward_from`](Self::forward_from) whose output is handed on:
+    /// `(out, token, handoff)`; `activation` and `residual` as there, or with
     /// `residual_token` a handed residual (its value, and the token that
     /// stands for it in the graph), whose gradient goes to `res_grad`
     /// (with a reader attached: an error otherwise). The caller checks
@@ -325,15 +325,17 @@ impl Linear {
         &self,
         x: &Tensor,
         (token, from): Handed,
+        activation: Option<Activation>,
         (residual, residual_token): (Option<&Tensor>, Option<&Tensor>),
         res_grad: Option<ResidualGrad>,
         kept: bool,
     ) -> Result<(Tensor, Tensor, Handoff)> {
-        let (weight, out_dim, mode) = self.prepare(x)?;
+        let (weight, out_dim, mode) = self.prepare_for(x, activation)?;
         self.check_residual(x, out_dim, residual)?;
         let out = Handoff::default();
         let mut value = None;
         let op_fuse = OpFuse {
+            activation,
             residual,
             residual_token,
             handoff: Some((token, from)),
