@@ -295,24 +295,13 @@ impl Linear {
     pub(crate) fn forward_from(
         &self,
         x: &Tensor,
-        (token, from): Handed,
+        handed: Handed,
         activation: Option<Activation>,
-        (residual, residual_token): (Option<&Tensor>, Option<&Tensor>),
+        residual: (Option<&Tensor>, Option<&Tensor>),
         res_grad: Option<ResidualGrad>,
         kept: bool,
     ) -> Result<Tensor> {
-        let (weight, out_dim, mode) = self.prepare_for(x, activation)?;
-        self.check_residual(x, out_dim, residual)?;
-        let op_fuse = OpFuse {
-            activation,
-            residual,
-            residual_token,
-            handoff: Some((token, from)),
-            residual_grad: res_grad,
-            origin: kept.then(|| Origin::Value(x.clone())),
-            ..Default::default()
-        };
-        self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)
+        self.on_handed(x, handed, activation, residual, (res_grad, kept), None)
     }
 
     /// [`forward_from`](Self::forward_from) whose output is handed on:
@@ -324,32 +313,53 @@ impl Linear {
     pub(crate) fn forward_from_handing(
         &self,
         x: &Tensor,
-        (token, from): Handed,
+        handed: Handed,
         activation: Option<Activation>,
-        (residual, residual_token): (Option<&Tensor>, Option<&Tensor>),
+        residual: (Option<&Tensor>, Option<&Tensor>),
         res_grad: Option<ResidualGrad>,
         kept: bool,
     ) -> Result<(Tensor, Tensor, Handoff)> {
-        let (weight, out_dim, mode) = self.prepare_for(x, activation)?;
-        self.check_residual(x, out_dim, residual)?;
         let out = Handoff::default();
         let mut value = None;
-        let op_fuse = OpFuse {
+        let token = self.on_handed(
+            x,
+            handed,
             activation,
             residual,
-            residual_token,
-            handoff: Some((token, from)),
-            hand_out: Some((out.clone(), &mut value)),
-            residual_grad: res_grad,
-            origin: kept.then(|| Origin::Value(x.clone())),
-            ..Default::default()
-        };
-        let token = self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)?;
+            (res_grad, kept),
+            Some((out.clone(), &mut value)),
+        )?;
         let value = value.ok_or(Error::Unsupported {
             op: "Linear::forward_from_handing",
             what: "no output handed".into(),
         })?;
         Ok((value, token, out))
+    }
+
+    /// The op of [`forward_from`](Self::forward_from) and
+    /// [`forward_from_handing`](Self::forward_from_handing) (`hand_out`).
+    fn on_handed(
+        &self,
+        x: &Tensor,
+        (token, from): Handed,
+        activation: Option<Activation>,
+        (residual, residual_token): (Option<&Tensor>, Option<&Tensor>),
+        (res_grad, kept): (Option<ResidualGrad>, bool),
+        hand_out: Option<(Handoff, &mut Option<Tensor>)>,
+    ) -> Result<Tensor> {
+        let (weight, out_dim, mode) = self.prepare_for(x, activation)?;
+        self.check_residual(x, out_dim, residual)?;
+        let op_fuse = OpFuse {
+            activation,
+            residual,
+            residual_token,
+            handoff: Some((token, from)),
+            hand_out,
+            residual_grad: res_grad,
+            origin: kept.then(|| Origin::Value(x.clone())),
+            ..Default::default()
+        };
+        self.scaled_forward(x, &weight, &mode, out_dim, op_fuse)
     }
 }
 
