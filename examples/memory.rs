@@ -8,6 +8,9 @@
 
 // the GPT example's model and what it needs (the training parts unused here)
 #[allow(dead_code)]
+#[path = "lm/block.rs"]
+mod block;
+#[allow(dead_code)]
 #[path = "lm/budget.rs"]
 mod budget;
 #[allow(dead_code)]

@@ -11,6 +11,7 @@
 //! `candle_nn::linear` reads); Hugging Face's GPT-2 `Conv1D` stores the
 //! transpose.
 
+use crate::block::{AttentionHalf, MlpHalf, PreNormBlock};
 use crate::recompute::{CoreResult, Recompute};
 use amp::nn::{self, LayerNorm, Linear, Stream};
 use anyhow::{bail, Result};
@@ -163,23 +164,9 @@ pub struct Gpt {
     recompute: Recompute,
 }
 
-impl Block {
-    /// `h` through the block: attention then MLP, each with its residual
-    /// (`amp::nn::pre_norm_block`: the products in BF16 on CUDA, as
-    /// PyTorch autocast; the scale and mask inside the fused softmax; at
-    /// the FP8 levels every tensor between ln_1 and the MLP's projection,
-    /// the stream between the halves included, handed from op to op
-    /// outside candle's graph, each residual added inside its projection's
-    /// op).
-    fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
-        self.forward_stream(Stream::new(h.clone()))?.into_tensor()
-    }
-
-    /// [`forward`](Self::forward) on a residual stream, the output handed
-    /// on where the block can (`amp::nn::pre_norm_block_stream`).
-    fn forward_stream(&self, h: Stream) -> CoreResult<Stream> {
-        nn::pre_norm_block_stream(
-            h,
+impl PreNormBlock for Block {
+    fn parts(&self) -> (AttentionHalf<'_>, MlpHalf<'_>) {
+        (
             (
                 &self.ln_1,
                 &self.c_attn,
@@ -189,7 +176,9 @@ impl Block {
             (&self.ln_2, &self.c_fc, &self.mlp_proj, nn::Activation::Gelu),
         )
     }
+}
 
+impl Block {
     /// The parameters whose gradients candle's `GradStore` collects.
     fn vars(&self) -> CoreResult<Vec<Tensor>> {
         let mut v = self.ln_1.vars();

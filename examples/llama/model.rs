@@ -13,6 +13,7 @@
 //! apart from the embedding unless the config ties them (then there is no
 //! `lm_head.weight`: the head's product reads `embed.weight`).
 
+use crate::block::{AttentionHalf, MlpHalf, PreNormBlock};
 use crate::recompute::{CoreResult, Recompute};
 use amp::nn::{self, Activation, LayerNorm, LayerNormMLP, Linear, MlpForm, RopeScaling, Stream};
 use anyhow::{bail, Result};
@@ -177,30 +178,21 @@ struct Block {
     sin: Tensor,
 }
 
-impl Block {
-    /// `h` through the layer: attention then MLP, each with its residual
-    /// (`amp::nn::pre_norm_block`: at the FP8 levels every tensor between
-    /// the attention's norm and the MLP's down projection handed from op
-    /// to op, the stream between the halves included).
-    fn forward(&self, h: &Tensor) -> CoreResult<Tensor> {
-        self.forward_stream(Stream::new(h.clone()))?.into_tensor()
-    }
-
-    /// [`forward`](Self::forward) on a residual stream, the output handed
-    /// on where the layer can (`amp::nn::pre_norm_block_stream`).
-    fn forward_stream(&self, h: Stream) -> CoreResult<Stream> {
+impl PreNormBlock for Block {
+    fn parts(&self) -> (AttentionHalf<'_>, MlpHalf<'_>) {
         let attention = nn::BlockAttention::Rope {
             heads: self.heads,
             tables: (&self.cos, &self.sin),
         };
         let m = &self.mlp;
-        nn::pre_norm_block_stream(
-            h,
+        (
             (&self.attn_norm, &self.qkv, &self.o, attention),
             (&m.norm, &m.fc1, &m.fc2, Activation::SwiGlu),
         )
     }
+}
 
+impl Block {
     /// The parameters whose gradients candle's `GradStore` collects.
     fn vars(&self) -> CoreResult<Vec<Tensor>> {
         let mut v = self.attn_norm.vars();

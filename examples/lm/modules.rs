@@ -3,6 +3,8 @@
 // relative to the example's folder); the example declares its own `model`
 // and `hf` beside them.
 
+#[path = "../lm/block.rs"]
+mod block;
 #[path = "../lm/budget.rs"]
 mod budget;
 #[path = "../lm/cli.rs"]

@@ -7,6 +7,9 @@
 // The example's own modules, compiled into this test: the code under test
 // is the code users run. Parts only the CLI uses are dead here.
 #[allow(dead_code)]
+#[path = "../../examples/lm/block.rs"]
+mod block;
+#[allow(dead_code)]
 #[path = "../../examples/lm/budget.rs"]
 mod budget;
 #[allow(dead_code)]

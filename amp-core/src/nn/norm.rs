@@ -100,14 +100,14 @@ impl LayerNorm {
         Ok(())
     }
 
-    /// Whether `fused::layer_norm`'s kernels take `x` and the parameters
-    /// (F32 parameters; F32 or BF16 input on CUDA, any float on the CPU).
     /// Whether the norm hands its output on `x` (and takes a handed `x`):
     /// its fused kernels run there.
     pub(crate) fn can_hand(&self, x: &Tensor) -> bool {
         self.fused_kernels(x)
     }
 
+    /// Whether `fused::layer_norm`'s kernels take `x` and the parameters
+    /// (F32 parameters; F32 or BF16 input on CUDA, any float on the CPU).
     fn fused_kernels(&self, x: &Tensor) -> bool {
         let fused_dtype = matches!(x.dtype(), DType::F32 | DType::BF16) || !x.device().is_cuda();
         self.weight.dtype() == DType::F32 && self.bias.dtype() == DType::F32 && fused_dtype

@@ -19,8 +19,9 @@ use candle_core::{CustomOp1, Tensor};
 /// op that produced it (its value, and the token and handoff that stand
 /// for it in the graph). [`pre_norm_block_stream`](super::pre_norm_block_stream)
 /// takes and gives one; [`into_tensor`](Self::into_tensor) puts a handed
-/// one back into the graph.
-#[derive(Debug, Clone)]
+/// one back into the graph. Not `Clone`: a handed stream has one consumer
+/// (its handoff takes one gradient).
+#[derive(Debug)]
 pub struct Stream {
     value: Tensor,
     handed: Option<(Tensor, Handoff)>,
@@ -43,8 +44,9 @@ impl Stream {
         }
     }
 
-    /// The stream's values (detached from the graph where it is handed).
-    pub fn value(&self) -> &Tensor {
+    /// The stream's values, detached from the graph where it is handed
+    /// (a differentiable use takes [`into_tensor`](Self::into_tensor)).
+    pub(crate) fn value(&self) -> &Tensor {
         &self.value
     }
 

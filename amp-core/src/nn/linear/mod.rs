@@ -523,6 +523,12 @@ impl Linear {
             (Some(_), Some(rg)) if rg.attach_writer()? => Some(rg),
             _ => None,
         };
+        if hand_out.is_some() && residual_after.is_some() {
+            return Err(Error::Unsupported {
+                op: "Linear::forward",
+                what: "a handed-on output with its residual added outside the op (no gradient sink, or an untracked residual)".into(),
+            });
+        }
         if residual_token.is_some() && (residual.is_none() || residual_grad.is_none()) {
             return Err(Error::Unsupported {
                 op: "Linear::forward",
@@ -763,7 +769,6 @@ impl Linear {
         let epilogue = tracked
             && !in_gemm
             && hand_out.is_none()
-            && residual_token.is_none()
             && self
                 .bias
                 .as_ref()
@@ -788,6 +793,12 @@ impl Linear {
             h
         });
         if !tracked {
+            if hand_out.is_some() {
+                return Err(Error::Unsupported {
+                    op: "Linear::forward",
+                    what: "a handed-on output of an op outside the graph".into(),
+                });
+            }
             return Ok(match residual_after {
                 Some(r) => (r + y)?,
                 None => y,
@@ -801,6 +812,8 @@ impl Linear {
             activation,
             act_z,
             residual: residual.is_some(),
+            // a handed residual's value (its token is the graph argument)
+            residual_value: residual_token.and(residual).map(Tensor::detach),
             residual_grad,
             handoff,
             hand_out,

@@ -252,6 +252,9 @@ pub(crate) struct Fp8LinearOp {
     /// The second argument is a residual added to the output (its gradient
     /// is the output's); the weight's gradient goes to the sink.
     pub residual: bool,
+    /// A handed residual's value: the second argument is its token, and
+    /// the forward's epilogue adds this instead.
+    pub residual_value: Option<Tensor>,
     /// Where the residual's gradient goes instead of candle's graph (a
     /// LayerNorm handoff reading the same tensor adds it).
     pub residual_grad: Option<crate::nn::fused::ResidualGrad>,
@@ -477,7 +480,14 @@ impl CustomOp3 for Fp8LinearOp {
             candle_core::bail!("amp_fp8_linear: the output is not on the CPU")
         };
         let (out, _) = BiasAdd.cpu_fwd(ys, ly, b, lb)?;
-        self.add_residual(out, r, lr)
+        let Some(rv) = &self.residual_value else {
+            return self.add_residual(out, r, lr);
+        };
+        let (rs, rl) = rv.storage_and_layout();
+        let Storage::Cpu(rs) = &*rs else {
+            candle_core::bail!("amp_fp8_linear: the residual is not on the CPU")
+        };
+        self.add_residual(out, rs, rl)
     }
 
     #[cfg(feature = "cuda")]
@@ -503,7 +513,14 @@ impl CustomOp3 for Fp8LinearOp {
             candle_core::bail!("amp_fp8_linear: the output is not on CUDA")
         };
         let (out, _) = BiasAdd.cuda_fwd(ys, ly, b, lb)?;
-        self.add_residual(out, r, lr)
+        let Some(rv) = &self.residual_value else {
+            return self.add_residual(out, r, lr);
+        };
+        let (rs, rl) = rv.storage_and_layout();
+        let Storage::Cuda(rs) = &*rs else {
+            candle_core::bail!("amp_fp8_linear: the residual is not on CUDA")
+        };
+        self.add_residual(out, rs, rl)
     }
 
     fn bwd(
