@@ -43,6 +43,7 @@ pub mod fused;
 mod linear;
 mod mode;
 mod norm;
+mod param_grads;
 mod precomputed;
 mod recompute;
 mod selective;
@@ -68,5 +69,6 @@ pub use linear::{
 };
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
+pub use param_grads::{collect_param_grads, ParamGrads};
 pub use recompute::recompute;
 pub use selective::selective;
