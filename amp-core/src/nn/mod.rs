@@ -43,11 +43,11 @@ pub mod fused;
 mod linear;
 mod mode;
 mod norm;
-mod param_grads;
 mod precomputed;
 mod recompute;
 mod selective;
 
+pub use crate::scaling::param_grads::{collect_param_grads, ParamGrads};
 pub use crate::scaling::sink::GradSink;
 pub use crate::scaling::telemetry::{
     set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES,
@@ -69,6 +69,5 @@ pub use linear::{
 };
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
-pub use param_grads::{collect_param_grads, ParamGrads};
 pub use recompute::recompute;
 pub use selective::selective;

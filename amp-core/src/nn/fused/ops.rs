@@ -395,7 +395,7 @@ impl CustomOp3 for LayerNormOp {
         // the parameters' gradients outside candle's GradStore where a
         // `collect_param_grads` runs
         let hand = |p: &Tensor, g| {
-            crate::nn::param_grads::hand_over(p, Some(g)).map_err(candle_core::Error::wrap)
+            crate::scaling::param_grads::hand_over(p, Some(g)).map_err(candle_core::Error::wrap)
         };
         Ok((Some(dx), hand(w, dwdb.get(0)?)?, hand(_b, dwdb.get(1)?)?))
     }

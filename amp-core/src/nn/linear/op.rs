@@ -587,7 +587,7 @@ impl CustomOp3 for Fp8LinearOp {
         };
         // a Var's gradient outside candle's GradStore where a
         // `collect_param_grads` runs (no zero fill and add for it)
-        let hand = |p: &Tensor, g| crate::nn::param_grads::hand_over(p, g).map_err(wrap);
+        let hand = |p: &Tensor, g| crate::scaling::param_grads::hand_over(p, g).map_err(wrap);
         let dw = match self.residual {
             true => dw,
             false => hand(w, dw)?,
