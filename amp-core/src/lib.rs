@@ -84,6 +84,7 @@ pub use numerics::stream::{defer_side_work, SideStream};
 pub use numerics::{config, kernel};
 pub use scaling::block::BlockTensor;
 pub use scaling::meta::ScalingMeta;
+pub use scaling::param_grads::{collect_param_grads, ParamGrads};
 pub use scaling::sink::{with_sink_listener, GradSink};
 pub use scaling::telemetry::{set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES};
 pub use scaling::tensor::ScalingTensor;

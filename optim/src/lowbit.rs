@@ -267,7 +267,9 @@ impl LowBitAdamW {
     }
 
     /// Runs backward on the loss times the loss scale and gathers the
-    /// gradients: F32 ones of `Var` parameters from candle's `GradStore`,
+    /// gradients: F32 ones of `Var` parameters from candle's `GradStore`
+    /// (the layers' own ops hand theirs over outside it,
+    /// `amp_core::collect_param_grads`),
     /// FP8 ones from `sink` (taken after backward has filled it); two for
     /// one name are summed.
     ///
@@ -279,7 +281,11 @@ impl LowBitAdamW {
         } else {
             (loss * self.scaler.scale)?
         };
-        let store = scaled.backward()?;
+        // the layers' parameter gradients handed over outside candle's
+        // GradStore (no zero fill and add each), then put into it
+        let (store, params) = amp_core::collect_param_grads(|| scaled.backward());
+        let mut store = store?;
+        params.insert_into(&mut store)?;
         let mut grads = self.grads_from_store(&store)?;
         if let Some(sink) = sink {
             for (name, g) in sink.take()? {

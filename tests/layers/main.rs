@@ -14,6 +14,7 @@ mod linear;
 mod linear_fuse;
 mod llama;
 mod norm;
+mod param_grads;
 mod recompute;
 mod rope;
 mod selective;

@@ -48,6 +48,7 @@ mod recompute;
 mod selective;
 mod stream;
 
+pub use crate::scaling::param_grads::{collect_param_grads, ParamGrads};
 pub use crate::scaling::sink::GradSink;
 pub use crate::scaling::telemetry::{
     set_telemetry, telemetry_enabled, CastRecord, TELEMETRY_ROLES,

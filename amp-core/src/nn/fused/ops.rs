@@ -392,7 +392,12 @@ impl CustomOp3 for LayerNormOp {
                 stats,
             },
         )?;
-        Ok((Some(dx), Some(dwdb.get(0)?), Some(dwdb.get(1)?)))
+        // the parameters' gradients outside candle's GradStore where a
+        // `collect_param_grads` runs
+        let hand = |p: &Tensor, g| {
+            crate::scaling::param_grads::hand_over(p, Some(g)).map_err(candle_core::Error::wrap)
+        };
+        Ok((Some(dx), hand(w, dwdb.get(0)?)?, hand(_b, dwdb.get(1)?)?))
     }
 }
 

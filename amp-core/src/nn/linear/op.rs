@@ -602,6 +602,13 @@ impl CustomOp3 for Fp8LinearOp {
         } else {
             None
         };
-        Ok((dx, dw, db))
+        // a Var's gradient outside candle's GradStore where a
+        // `collect_param_grads` runs (no zero fill and add for it)
+        let hand = |p: &Tensor, g| crate::scaling::param_grads::hand_over(p, g).map_err(wrap);
+        let dw = match self.residual {
+            true => dw,
+            false => hand(w, dw)?,
+        };
+        Ok((dx, dw, hand(b, db)?))
     }
 }
