@@ -43,3 +43,70 @@ extern "C" __global__ void embedding_bwd_f32(const uint32_t* __restrict__ ids, c
     }
 }
 
+
+// The backward through a sort, for up to EMB_SORT_MAX ids (the kernel above
+// has every block scan every id: tens of times the work of the sums for a
+// GPT batch). Two launches:
+//   embedding_sort: one block sorts the keys (row << log) | i (log:
+//                   log2 of n rounded up to a power of two; an id past the
+//                   table is row `rows`, after every real row) in shared
+//                   memory (bitonic; the keys are distinct, so the order
+//                   is the rows' and, within a row, the tokens'), and
+//                   writes the n sorted keys.
+//   embedding_bwd_sorted_f32: block (j, x) does nothing unless sorted key
+//                   j starts a row's run; then it owns that row's columns
+//                   [256 x, 256 x + 256) and adds the run's products in
+//                   order (token order) from +0: each sum in one thread,
+//                   in the order of the kernel above, so the same bits.
+// The caller checks (rows + 1) << log <= 2^32 and zeroes dt (rows no id
+// names stay +0).
+#define EMB_SORT_MAX 16384
+#define EMB_SORT_THREADS 1024
+extern "C" __global__ void __launch_bounds__(EMB_SORT_THREADS)
+    embedding_sort(const uint32_t* __restrict__ ids, size_t n, uint32_t rows, uint32_t log, uint32_t* __restrict__ sorted) {
+    extern __shared__ uint32_t keys[];
+    const uint32_t len = 1u << log;
+    for (uint32_t i = threadIdx.x; i < len; i += blockDim.x) {
+        if (i < n) {
+            const uint32_t r = ids[i];
+            keys[i] = ((r < rows ? r : rows) << log) | i;
+        } else {
+            keys[i] = 0xFFFFFFFFu;  // after every real key (see the caller's check)
+        }
+    }
+    __syncthreads();
+    for (uint32_t k = 2; k <= len; k <<= 1) {
+        for (uint32_t j = k >> 1; j > 0; j >>= 1) {
+            for (uint32_t i = threadIdx.x; i < len; i += blockDim.x) {
+                const uint32_t l = i ^ j;
+                if (l > i) {
+                    const uint32_t a = keys[i], b = keys[l];
+                    if ((a > b) == ((i & k) == 0)) {
+                        keys[i] = b;
+                        keys[l] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) sorted[i] = keys[i];
+}
+
+extern "C" __global__ void embedding_bwd_sorted_f32(const uint32_t* __restrict__ sorted, const float* __restrict__ g,
+                                                    float* __restrict__ dt, size_t n, size_t cols, uint32_t rows,
+                                                    uint32_t log, float scale) {
+    const size_t j = blockIdx.x;
+    const uint32_t r = sorted[j] >> log;
+    if (r >= rows || (j > 0 && (sorted[j - 1] >> log) == r)) return;
+    const size_t c = blockIdx.y * (size_t)blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    const uint32_t mask = (1u << log) - 1u;
+    float acc = 0.0f;
+    for (size_t k = j; k < n; k++) {
+        const uint32_t key = sorted[k];
+        if ((key >> log) != r) break;
+        acc = __fadd_rn(acc, __fmul_rn(g[(size_t)(key & mask) * cols + c], scale));
+    }
+    dt[(size_t)r * cols + c] = acc;
+}

@@ -416,6 +416,7 @@ LOWBIT(2004, K_F16, K_E4M3, K_E4M3, K_E4M3_SQRT)
 LOWBIT(3304, K_F32, K_F32, K_E4M3, K_E4M3_SQRT)
 
 #include "sumsq.cuh"
+#include "sumsq_many.cuh"
 #include "clip.cuh"
 #include "multi.cuh"
 #include "codec_ops.cuh"

@@ -143,37 +143,44 @@ SUMSQ_PARTIALS(3, K_F32)
 // sum before it counts, the last block fences again and reads the sums
 // through L2 (__ldcg: no stale L1 line), 256 at a time into shared memory,
 // and thread 0 adds them.
-extern "C" __global__ void sumsq_groups(const double* partials, size_t count, double* groups, double* total,
-                                        uint32_t* counter) {
+// One group's block (`block` of `blocks`, the tensor's groups) of
+// sumsq_groups, a kernel of its own or a part of sumsq_groups_many.
+__device__ void sumsq_groups_impl(const double* partials, size_t count, double* groups, double* total,
+                                  uint32_t* counter, size_t block, size_t blocks) {
     __shared__ double tile[SUMSQ_GROUP];
     __shared__ bool last;
-    const size_t at = (size_t)blockIdx.x * SUMSQ_GROUP;
+    const size_t at = block * SUMSQ_GROUP;
     const size_t len = min((size_t)SUMSQ_GROUP, count - at);
     if (threadIdx.x < len) tile[threadIdx.x] = partials[at + threadIdx.x];
     __syncthreads();
     if (threadIdx.x == 0) {
         double s = 0.0;
         for (size_t j = 0; j < len; j++) s = __dadd_rn(s, tile[j]);
-        groups[blockIdx.x] = s;
-        if (gridDim.x > 1) {
+        groups[block] = s;
+        if (blocks > 1) {
             __threadfence();
-            last = atomicAdd(counter, 1u) == gridDim.x - 1;
+            last = atomicAdd(counter, 1u) == blocks - 1;
         }
     }
-    if (gridDim.x == 1) return;  // `groups` is the total itself
+    if (blocks == 1) return;  // `groups` is the total itself
     __syncthreads();
     if (!last) return;
     __threadfence();
     double t = 0.0;
-    for (size_t g0 = 0; g0 < gridDim.x; g0 += SUMSQ_GROUP) {
+    for (size_t g0 = 0; g0 < blocks; g0 += SUMSQ_GROUP) {
         const size_t i = g0 + threadIdx.x;
-        tile[threadIdx.x] = i < gridDim.x ? __ldcg(&groups[i]) : 0.0;
+        tile[threadIdx.x] = i < blocks ? __ldcg(&groups[i]) : 0.0;
         __syncthreads();
         if (threadIdx.x == 0) {
-            const size_t n = min((size_t)SUMSQ_GROUP, (size_t)gridDim.x - g0);
+            const size_t n = min((size_t)SUMSQ_GROUP, blocks - g0);
             for (size_t j = 0; j < n; j++) t = __dadd_rn(t, tile[j]);
         }
         __syncthreads();
     }
     if (threadIdx.x == 0) *total = t;
+}
+
+extern "C" __global__ void sumsq_groups(const double* partials, size_t count, double* groups, double* total,
+                                        uint32_t* counter) {
+    sumsq_groups_impl(partials, count, groups, total, counter, blockIdx.x, gridDim.x);
 }

@@ -6,9 +6,11 @@
 //! block of element blocks), no host read.
 
 use crate::cuda::{address, bad, func, kind, scalar_address, Outputs, THREADS};
-use crate::fused::SumSq;
+use crate::fused::{SumSq, SumSqMany};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{Layout, Shape};
 
@@ -110,5 +112,152 @@ pub(crate) fn sum_sq(k: &SumSq, inputs: &[(&CudaStorage, &Layout)]) -> amp_core:
     Ok(vec![(
         CudaStorage::wrap_cuda_slice(total, dev),
         Shape::from(1usize),
+    )])
+}
+
+/// `ManyDesc` of sumsq_many.cuh.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ManyDesc {
+    g: u64,
+    si: u64,
+    n: u64,
+    vec: i32,
+    _pad: i32,
+    partials: u64,
+    groups: u64,
+    total: u64,
+    counter: u64,
+    block0: u64,
+    group0: u64,
+}
+// SAFETY: plain old data laid out as the C struct.
+unsafe impl DeviceRepr for ManyDesc {}
+
+/// [`SumSqMany`]: every gradient's sums of squares in two launches, each
+/// gradient's CUDA blocks those of its own [`sum_sq`] (so its bits): one
+/// scratch buffer holds every gradient's partials, group sums and counter.
+pub(crate) fn sum_sq_many(
+    k: &SumSqMany,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> amp_core::Result<Outputs> {
+    const OP: &str = "grad_sum_sq_many";
+    let Some((first, _)) = inputs.first() else {
+        return Err(bad(OP, "no gradients"));
+    };
+    if inputs.len() % 2 != 0 {
+        return Err(bad(OP, "inputs come in (gradient, scale_inv) pairs"));
+    }
+    let dev = first.device().clone();
+    let stream = dev.cuda_stream();
+    let count = inputs.len() / 2;
+    let (kd, dtype) = kind(k.g);
+    // Per gradient: (chunks, CUDA blocks of partials, groups with a launch
+    // of their own); the scratch: partials, then group sums (f64), then
+    // counters (u32, two to an f64 slot).
+    let mut plan = Vec::with_capacity(count);
+    let (mut n_partials, mut n_groups, mut n_counters) = (0usize, 0usize, 0usize);
+    let (mut blocks, mut group_blocks) = (0u64, 0u64);
+    for pair in inputs.chunks(2) {
+        let [(_, lg), _] = pair else {
+            return Err(bad(OP, "inputs come in (gradient, scale_inv) pairs"));
+        };
+        let n = lg.shape().elem_count();
+        if n == 0 {
+            return Err(bad(OP, "gradients of at least one element"));
+        }
+        let chunks = n.div_ceil(SUMSQ_BLOCK);
+        let cuda_blocks = chunks.div_ceil(SUMSQ_CHUNKS);
+        let groups = if cuda_blocks > 1 {
+            chunks.div_ceil(SUMSQ_GROUP)
+        } else {
+            0
+        };
+        plan.push((n, chunks, cuda_blocks, groups, blocks, group_blocks));
+        if cuda_blocks > 1 {
+            n_partials += chunks;
+        }
+        if groups > 1 {
+            n_groups += groups;
+            n_counters += 1;
+        }
+        blocks += cuda_blocks as u64;
+        group_blocks += groups as u64;
+    }
+    // SAFETY: every total is written by the last launch that covers its
+    // gradient (one CUDA block of partials, or its groups' last block).
+    let mut out = unsafe { dev.alloc::<f64>(count)? };
+    let out_base = out.device_ptr_mut(&stream).0;
+    // SAFETY: each partial, group sum and counter is written (a counter
+    // zeroed by its gradient's first block of partials) before it is read.
+    let mut scratch = unsafe { dev.alloc::<f64>((n_partials + n_groups + n_counters.div_ceil(2)).max(1))? };
+    let base = scratch.device_ptr_mut(&stream).0;
+    let (mut p_at, mut g_at, mut c_at) = (0u64, 0u64, 0u64);
+    let counters = base + 8 * (n_partials + n_groups) as u64;
+    let mut descs = Vec::with_capacity(count);
+    for (i, (pair, &(n, chunks, cuda_blocks, groups, block0, group0))) in
+        inputs.chunks(2).zip(&plan).enumerate()
+    {
+        let [(g, lg), (gs, lgs)] = pair else {
+            return Err(bad(OP, "inputs come in (gradient, scale_inv) pairs"));
+        };
+        let gp = address(OP, g, lg, dtype, &dev)?;
+        let total = out_base + 8 * i as u64;
+        let partials = if cuda_blocks > 1 {
+            let p = base + 8 * p_at;
+            p_at += chunks as u64;
+            p
+        } else {
+            total
+        };
+        let (group_sums, counter) = if groups > 1 {
+            let gsum = base + 8 * (n_partials as u64 + g_at);
+            g_at += groups as u64;
+            let c = counters + 4 * c_at;
+            c_at += 1;
+            (gsum, c)
+        } else {
+            (total, 0)
+        };
+        descs.push(ManyDesc {
+            g: gp,
+            si: scalar_address(OP, gs, lgs, &dev)?,
+            n: n as u64,
+            vec: i32::from(gp % 16 == 0),
+            _pad: 0,
+            partials,
+            groups: group_sums,
+            total,
+            counter,
+            block0,
+            group0,
+        });
+    }
+    let d = stream.clone_htod(&descs).w()?;
+    let count_arg = count as i32;
+    let f = func(&dev, &format!("sumsq_partials_many_{kd}"))?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&d).arg(&count_arg).arg(&blocks);
+    let cfg = |grid: u64, threads: u32| LaunchConfig {
+        grid_dim: (grid as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: each descriptor addresses a live gradient of n elements of
+    // kind kd (16-byte words only where aligned), its scale_inv, and its
+    // own partials (or total), group sums and counter; `blocks` CUDA
+    // blocks in all, each gradient's as its own launch's.
+    unsafe { b.launch(cfg(blocks, PARTIALS_THREADS)) }.w()?;
+    if group_blocks > 0 {
+        let f = func(&dev, "sumsq_groups_many")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&d).arg(&count_arg).arg(&group_blocks);
+        // SAFETY: as above; the partials were written by the launch before.
+        unsafe { b.launch(cfg(group_blocks, THREADS)) }.w()?;
+    }
+    drop(scratch);
+    Ok(vec![(
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from(count),
     )])
 }

@@ -6,7 +6,7 @@
 //! calling back into them.
 
 use crate::codec::Codec;
-use crate::fused::{LowBitStep, SumSq};
+use crate::fused::{LowBitStep, SumSq, SumSqMany};
 use crate::multi::{LowBitMulti, SumSqMulti};
 use amp_core::kernel::Kernel;
 use candle_core::{CpuStorage, Layout, Shape};
@@ -47,6 +47,10 @@ dispatch!(
     "grad_sum_sq",
     |k, inputs| crate::cuda_sum_sq::sum_sq(k, inputs)
 );
+// Two launches for all, each total with the bits of its own SumSq.
+dispatch!(SumSqMany, "grad_sum_sq_many", |k, inputs| {
+    crate::cuda_sum_sq::sum_sq_many(k, inputs)
+});
 // One launch, a gradient a block.
 dispatch!(SumSqMulti, "grad_sum_sq_multi", |_k, inputs| {
     crate::cuda_multi::sum_sq_multi(inputs)

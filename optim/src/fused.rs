@@ -302,6 +302,36 @@ impl SumSq {
     }
 }
 
+/// [`SumSq`] of many gradients of one kind (none of them empty): inputs
+/// (gradient, scale_inv) pairs; output one F64 per gradient, each with
+/// the bits of its own [`SumSq`]. On CUDA two launches for all of them
+/// (`kernels/sumsq_many.cuh`), where each gradient of its own takes two.
+pub(crate) struct SumSqMany {
+    pub g: Q,
+}
+
+impl SumSqMany {
+    /// The CPU body of the kernel (`dispatch.rs` makes it one).
+    pub(crate) fn cpu_body(
+        &self,
+        inputs: &[(&CpuStorage, &Layout)],
+    ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
+        let mut sums = Vec::with_capacity(inputs.len() / 2);
+        for pair in inputs.chunks(2) {
+            let out = SumSq { g: self.g }.cpu_body(pair)?;
+            let [(CpuStorage::F64(s), _)] = out.as_slice() else {
+                return Err(amp_core::Error::Unsupported {
+                    op: SumSqMany::NAME,
+                    what: "a sum of squares without its output".into(),
+                });
+            };
+            sums.extend_from_slice(s);
+        }
+        let n = sums.len();
+        Ok(vec![(CpuStorage::F64(sums), Shape::from(n))])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

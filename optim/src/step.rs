@@ -6,8 +6,7 @@
 use crate::adamw::AdamStep;
 use crate::clip::{clip_math, ClipCoef};
 use crate::error::{Error, Result};
-use crate::fused::SumSq;
-use crate::fused::META_LEN;
+use crate::fused::{SumSq, SumSqMany, META_LEN, Q};
 use crate::grad::{Grad, Grads};
 use crate::lowbit::{LowBitAdamW, ParamState, StepOutcome};
 use crate::multi::{
@@ -100,6 +99,8 @@ impl LowBitAdamW {
         let mut ones = Ones::default();
         let mut amaxes: Vec<(bool, Tensor)> = Vec::new();
         let (mut batch, mut batch_at) = (Vec::new(), Vec::new());
+        // the other gradients by kind: their pairs, their places in `sums`
+        let mut many: Vec<(Q, Vec<Tensor>, Vec<usize>)> = Vec::new();
         let plan = self.batch_plan(&grads)?;
         for (p, &batched) in self.params.iter().zip(&plan) {
             let Some(g) = grads.get(&p.name) else {
@@ -131,9 +132,31 @@ impl LowBitAdamW {
                 sums.push((part, scale_inv));
                 continue;
             }
+            if data.elem_count() > 0 {
+                // with the others of its kind: two launches for all
+                let at = match many.iter().position(|(k, _, _)| *k == q) {
+                    Some(at) => at,
+                    None => {
+                        many.push((q, Vec::new(), Vec::new()));
+                        many.len() - 1
+                    }
+                };
+                many[at].1.extend([data, scale_inv.clone()]);
+                many[at].2.push(sums.len());
+                sums.push((part, scale_inv));
+                continue;
+            }
             let [total] = <[Tensor; 1]>::try_from(launch(&SumSq { g: q }, &[&data, &scale_inv])?)
                 .map_err(|_| kernel_error("sum of squares"))?;
             sums.push((part, total));
+        }
+        for (q, inputs, at) in &many {
+            let inputs: Vec<&Tensor> = inputs.iter().collect();
+            let [totals] = <[Tensor; 1]>::try_from(launch(&SumSqMany { g: *q }, &inputs)?)
+                .map_err(|_| kernel_error("sums of squares"))?;
+            for (j, &i) in at.iter().enumerate() {
+                sums[i].1 = totals.narrow(0, j, 1)?;
+            }
         }
         if !batch.is_empty() {
             let inputs: Vec<&Tensor> = batch.iter().collect();

@@ -162,13 +162,22 @@ fn bias_grad(dev: &Device) -> Result<()> {
 fn embedding(dev: &Device) -> Result<()> {
     let mut rng = Rng(0xe3b0);
     let mut ok = true;
-    for (rows, cols, n) in [(50304usize, 768usize, 8192usize), (37, 101, 1000)] {
+    // 16384 ids: the most the sorting backward takes; 20000 ids, or
+    // 300000 rows (keys past 32 bits), the scanning one
+    let shapes = [
+        (50304usize, 768usize, 8192usize),
+        (37, 101, 1000),
+        (1031, 64, 16384),
+        (1031, 64, 20000),
+        (300_000, 8, 16384),
+    ];
+    for (rows, cols, n) in shapes {
         let (tc, tg) = var(&mut rng, &[rows, cols], DType::F32, dev)?;
         // skewed ids: many repeats of a few rows, as text has
         let ids: Vec<u32> = (0..n)
             .map(|i| ((i * i * 7919 + i) % rows.min(if i % 3 == 0 { 17 } else { rows })) as u32)
             .collect();
-        let ic = Tensor::from_vec(ids, (2, n / 2), &Device::Cpu)?;
+        let ic = Tensor::from_vec(ids.clone(), (2, n / 2), &Device::Cpu)?;
         let ig = ic.to_device(dev)?;
         let (rc, rg) = var(&mut rng, &[2, n / 2, cols], DType::F32, dev)?;
         let yc = fused::embedding(&ic, &tc)?;
@@ -176,7 +185,14 @@ fn embedding(dev: &Device) -> Result<()> {
         let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
         // the table's gradient from rows with a scale (data parallelism's
         // mean over 3 ranks: the products rounded apart on both sides)
-        let (flat_c, flat_g) = (ic.flatten_all()?, ig.flatten_all()?);
+        // (every 97th id past the table: it adds nothing)
+        let past: Vec<u32> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| if i % 97 == 5 { (rows + i % 3) as u32 } else { r })
+            .collect();
+        let flat_c = Tensor::from_vec(past, n, &Device::Cpu)?;
+        let flat_g = flat_c.to_device(dev)?;
         let (rows_c, rows_g) = (rc.reshape((n, cols))?, rg.reshape((n, cols))?);
         let third = (1.0 / 3.0f64) as f32;
         let sc = fused::embedding_grad(&flat_c, &rows_c, rows, third)?;

@@ -14,6 +14,7 @@ test_device!(step_grid, step_grid_cuda);
 test_device!(step_one_block, step_one_block_cuda);
 test_device!(sum_of_squares, sum_of_squares_cuda);
 test_device!(many_params, many_params_cuda);
+test_device!(many_large, many_large_cuda);
 test_device!(
     outcome_readback,
     outcome_readback_cpu,
@@ -331,6 +332,82 @@ fn sum_of_squares(dev: &Device) -> Result<()> {
         ok &= same_norm;
     }
     ensure!(ok, "sums of squares differ (see the lines above)");
+    Ok(())
+}
+
+/// Many large gradients in one optimizer, whose sums of squares take two
+/// launches for all of a kind: gradients of one CUDA block of partials
+/// (one element block, several), of one group, of several groups (a
+/// counter each), E4M3 and F32 (one of them
+/// an unaligned view) interleaved. Each step's norm and every updated
+/// state bit for bit; in the third step one gradient holds an inf (the
+/// step skipped on both).
+fn many_large(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0x3A17_0002);
+    let params: [(usize, bool, bool); 9] = [
+        (3 * 256 * 2048 + 5 * 2048 + 1001, true, false),
+        (9000, false, false),
+        (2048, true, false),
+        (8193, true, false),
+        (257 * 2048 + 11, false, true),
+        (100, true, false),
+        (600 * 2048 + 7, true, false),
+        (5 * 256 * 2048 + 3, true, false),
+        (70_001, false, false),
+    ];
+    let mut slots = Vec::new();
+    for &(n, _, _) in &params {
+        let w = (Tensor::from_vec(rng.normal(n), n, &Device::Cpu)? * 0.05)?;
+        slots.push(weights(WeightKind::F16, &w, dev)?);
+    }
+    let named = |dev_side: bool| -> Vec<(String, WeightSlot)> {
+        slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (format!("p{i}"), if dev_side { s.1.clone() } else { s.0.clone() }))
+            .collect()
+    };
+    let cfg = LowBitAdamWConfig {
+        max_grad_norm: Some(1.0),
+        ..Default::default()
+    };
+    let mut cpu = LowBitAdamW::new(named(false), cfg)?;
+    let mut on_dev = LowBitAdamW::new(named(true), cfg)?;
+    let mut ok = true;
+    for step in 0..4 {
+        let (mut a, mut b) = (Grads::new(), Grads::new());
+        for (i, &(n, g8, offset)) in params.iter().enumerate() {
+            let mut g = rng.normal(n);
+            if step == 2 && i == 6 {
+                g[n - 2] = f32::INFINITY;
+            }
+            let g = Tensor::from_vec(g, n, &Device::Cpu)?;
+            let (gc, gd) = if offset {
+                let padded = Tensor::cat(&[&Tensor::zeros(1, DType::F32, &Device::Cpu)?, &g], 0)?;
+                (
+                    Grad::F32(g.clone()),
+                    Grad::F32(padded.to_device(dev)?.narrow(0, 1, n)?),
+                )
+            } else {
+                grads(&g, g8, dev)?
+            };
+            a.insert(format!("p{i}"), gc);
+            b.insert(format!("p{i}"), gd);
+        }
+        let (oc, od) = (cpu.step(&a)?, on_dev.step(&b)?);
+        let what = format!("many large step {step}");
+        ok &= same_step(&what, &oc, &od, &cpu, &on_dev);
+        ok &= same_params(&what, &cpu, &on_dev, &slots)?;
+        if step == 2 {
+            ok &= matches!(od, StepOutcome::Skipped);
+        }
+    }
+    println!(
+        "  {} large gradients in one optimizer: {}",
+        params.len(),
+        if ok { "identical" } else { "DIFFERENT" }
+    );
+    ensure!(ok, "many large gradients differ (see the lines above)");
     Ok(())
 }
 

@@ -136,7 +136,10 @@ impl CustomOp2 for Embedding {
             return Ok((None, None));
         }
         let dt = ids.apply_op2_no_bwd(&grad, &EmbeddingBwd { rows, scale: 1.0 })?;
-        Ok((None, Some(dt)))
+        // outside candle's GradStore where a `collect_param_grads` runs
+        let dt = crate::scaling::param_grads::hand_over(table, Some(dt))
+            .map_err(candle_core::Error::wrap)?;
+        Ok((None, dt))
     }
 }
 

@@ -1,19 +1,30 @@
 //! Launches of the embedding kernels (`kernels/nn.cu`): the row gather and
 //! its deterministic backward (each table element's sum in one thread, in
-//! token order, as candle's `index_add` adds; no atomics).
+//! token order, as candle's `index_add` adds; no atomics): the ids sorted
+//! by row in one block, then a block per row's run of tokens and column
+//! tile; past [`SORT_MAX`] ids, every block scans every id.
 
 use super::nn_func;
 use super::ops::store;
 use crate::error::{Error, Result};
 use crate::numerics::cuda::launch::{grid, view, THREADS};
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
 
-/// Row partitions of the backward (a power of two): blocks per column tile,
-/// each scanning every id and adding the rows of its partition.
+/// Row partitions of the backward without the sort (a power of two):
+/// blocks per column tile, each scanning every id and adding the rows of
+/// its partition.
 const PARTS: u32 = 64;
+/// `EMB_SORT_MAX`: most ids the backward sorts (in one block's shared
+/// memory); more take the scanning kernel.
+const SORT_MAX: usize = 16384;
+/// `EMB_SORT_THREADS`: the sorting block's threads.
+const SORT_THREADS: u32 = 1024;
+/// Dynamic shared memory a block gets without asking (48 KiB).
+const DEFAULT_SMEM: u32 = 48 * 1024;
 
 fn f32_only(op: &'static str, s: &CudaStorage) -> Result<()> {
     match s.dtype() {
@@ -76,26 +87,74 @@ pub(crate) fn embedding_bwd(
     let iv = view::<u32>(OP, ids, li)?;
     let gv = view::<f32>(OP, g, lg)?;
     let mut dt = dev.alloc_zeros::<f32>(rows * cols)?;
-    if n > 0 && rows > 0 && cols > 0 {
-        let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(THREADS as usize) as u32, PARTS, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+    if n == 0 || rows == 0 || cols == 0 {
+        return Ok(store(dt, &dev));
+    }
+    let stream = dev.cuda_stream();
+    let log = n.next_power_of_two().trailing_zeros();
+    if n <= SORT_MAX && ((rows as u64 + 1) << log) <= 1u64 << 32 {
+        // through a sort (kernels/nn_embedding.cuh): the keys
+        // (row << log) | token fit 32 bits
+        let rows32 = rows as u32;
+        // SAFETY: embedding_sort writes all n keys.
+        let mut sorted = unsafe { dev.alloc::<u32>(n)? };
+        let sort = nn_func(&dev, "embedding_sort")?;
+        let smem = (4usize << log) as u32;
+        if smem > DEFAULT_SMEM {
+            // 64 KiB at most: within Ada's 99 KiB a block and Hopper's 227
+            sort.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .w()?;
+        }
+        let mut b = stream.launch_builder(&sort);
+        b.arg(&iv).arg(&n).arg(&rows32).arg(&log).arg(&mut sorted);
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (SORT_THREADS, 1, 1),
+            shared_mem_bytes: smem,
         };
-        let mask = PARTS - 1;
-        let f = nn_func(&dev, "embedding_bwd_f32")?;
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        b.arg(&iv)
+        // SAFETY: ids holds n ids; sorted n keys; the block's shared
+        // memory holds 2^log keys.
+        unsafe { b.launch(one) }.w()?;
+        let sums = nn_func(&dev, "embedding_bwd_sorted_f32")?;
+        let mut b = stream.launch_builder(&sums);
+        b.arg(&sorted)
             .arg(&gv)
             .arg(&mut dt)
             .arg(&n)
-            .arg(&rows)
             .arg(&cols)
-            .arg(&mask)
+            .arg(&rows32)
+            .arg(&log)
             .arg(&scale);
-        // SAFETY: ids and g hold n ids and n rows of `cols`; dt `rows` rows.
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, cols.div_ceil(THREADS as usize) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sorted holds n keys whose tokens are below n (g's rows)
+        // and whose rows below `rows` are dt's; g holds n rows of `cols`.
         unsafe { b.launch(cfg) }.w()?;
+        return Ok(store(dt, &dev));
     }
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(THREADS as usize) as u32, PARTS, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mask = PARTS - 1;
+    let f = nn_func(&dev, "embedding_bwd_f32")?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&iv)
+        .arg(&gv)
+        .arg(&mut dt)
+        .arg(&n)
+        .arg(&rows)
+        .arg(&cols)
+        .arg(&mask)
+        .arg(&scale);
+    // SAFETY: ids and g hold n ids and n rows of `cols`; dt `rows` rows.
+    unsafe { b.launch(cfg) }.w()?;
     Ok(store(dt, &dev))
 }
