@@ -190,7 +190,8 @@ pub(crate) fn sum_sq_many(
     let out_base = out.device_ptr_mut(&stream).0;
     // SAFETY: each partial, group sum and counter is written (a counter
     // zeroed by its gradient's first block of partials) before it is read.
-    let mut scratch = unsafe { dev.alloc::<f64>((n_partials + n_groups + n_counters.div_ceil(2)).max(1))? };
+    let mut scratch =
+        unsafe { dev.alloc::<f64>((n_partials + n_groups + n_counters.div_ceil(2)).max(1))? };
     let base = scratch.device_ptr_mut(&stream).0;
     let (mut p_at, mut g_at, mut c_at) = (0u64, 0u64, 0u64);
     let counters = base + 8 * (n_partials + n_groups) as u64;

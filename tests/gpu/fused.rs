@@ -189,7 +189,13 @@ fn embedding(dev: &Device) -> Result<()> {
         let past: Vec<u32> = ids
             .iter()
             .enumerate()
-            .map(|(i, &r)| if i % 97 == 5 { (rows + i % 3) as u32 } else { r })
+            .map(|(i, &r)| {
+                if i % 97 == 5 {
+                    (rows + i % 3) as u32
+                } else {
+                    r
+                }
+            })
             .collect();
         let flat_c = Tensor::from_vec(past, n, &Device::Cpu)?;
         let flat_g = flat_c.to_device(dev)?;

@@ -364,7 +364,12 @@ fn many_large(dev: &Device) -> Result<()> {
         slots
             .iter()
             .enumerate()
-            .map(|(i, s)| (format!("p{i}"), if dev_side { s.1.clone() } else { s.0.clone() }))
+            .map(|(i, s)| {
+                (
+                    format!("p{i}"),
+                    if dev_side { s.1.clone() } else { s.0.clone() },
+                )
+            })
             .collect()
     };
     let cfg = LowBitAdamWConfig {
