@@ -222,6 +222,11 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
                                                        uint32_t* amax) {                             \
         col_sum_part_v_impl<T, true>(x, part, rows, cols, rows_per_chunk, amax);                     \
     }                                                                                                \
+    extern "C" __global__ void gelu_bwd_col_sum_amax_part_v_##TN(                                  \
+        const T* x, const T* dy, T* dx, float* part, size_t rows, int cols, size_t rows_per_chunk,   \
+        uint32_t* amax) {                                                                            \
+        col_sum_part_v_impl<T, true, true>(x, part, rows, cols, rows_per_chunk, amax, dy, dx);       \
+    }                                                                                                \
     extern "C" __global__ void rows_to_heads_##TN(const T* src, __nv_bfloat16* dst, int B, int T_,   \
                                                  int S, int H, int D, int which, int vec) {          \
         if (vec) rows_to_heads_impl<T, 8>(src, dst, B, T_, S, H, D, which);                          \

@@ -142,10 +142,15 @@ __device__ void col_sum_part_impl(const T* __restrict__ x, float* __restrict__ p
 // of BF16, two of F32): a warp reads 32 x 8 columns of a row at once. The
 // same sums in the same order (each column: rows r0 + ty, r0 + ty + 8, ...
 // in its lane, then lanes 1..7 added to lane 0 in order), so the same bits.
-// Needs cols % 8 == 0 and a 16-byte-aligned x.
-template <typename T, bool AMAX>
+// Needs cols % 8 == 0 and a 16-byte-aligned x. With GELU, x is GELU's
+// input and `dy` its output's gradient: the pass computes dx = dy *
+// gelu'(x) as gelu_bwd_impl does, stores it, and sums (and takes the amax
+// of) the stored, rounded dx: gelu_bwd then col_sum_amax in one pass, the
+// bits of both.
+template <typename T, bool AMAX, bool GELU = false>
 __device__ void col_sum_part_v_impl(const T* __restrict__ x, float* __restrict__ part, size_t rows,
-                                    int cols, size_t rows_per_chunk, uint32_t* amax) {
+                                    int cols, size_t rows_per_chunk, uint32_t* amax,
+                                    const T* __restrict__ dy = nullptr, T* __restrict__ dx = nullptr) {
     __shared__ float sh[8][32][9];
     const int c = (blockIdx.x * 32 + threadIdx.x) * 8;
     const size_t r0 = (size_t)blockIdx.y * rows_per_chunk;
@@ -156,6 +161,15 @@ __device__ void col_sum_part_v_impl(const T* __restrict__ x, float* __restrict__
         for (size_t r = r0 + threadIdx.y; r < r1; r += 8) {
             float v[8];
             load<T, 8>(x, r * cols + c, v);
+            if constexpr (GELU) {
+                float g[8];
+                load<T, 8>(dy, r * cols + c, g);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] = g[j] * gelu_grad(v[j]);
+                store<T, 8>(dx, r * cols + c, v);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] = rounded(dx, v[j]);
+            }
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 a[j] += v[j];

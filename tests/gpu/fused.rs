@@ -31,6 +31,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 test_device!(pointwise, pointwise_cuda);
 test_device!(bias_grad, bias_grad_cuda);
+test_device!(gelu_col_sums, gelu_col_sums_cuda);
 test_device!(embedding, embedding_cuda);
 test_device!(attention, attention_cuda);
 test_device!(flash_vs_materialised, flash_vs_materialised_cuda);
@@ -154,6 +155,40 @@ fn bias_grad(dev: &Device) -> Result<()> {
         }
     }
     ensure!(ok, "bias gradients differ (see the lines above)");
+    Ok(())
+}
+
+/// GELU's backward with its column sums and amax in one pass
+/// (`Activation::backward_with_col_sums`) bit for bit the separate kernels
+/// on the same device (GELU's backward through the graph, a bias's
+/// gradient, `amax`), on the 16-byte path (the GPT's 4096-wide MLP, and 64
+/// rows a chunk or one) and off it (12 columns: two kernels), F32 and BF16.
+fn gelu_col_sums(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0x9e1b);
+    let mut ok = true;
+    for dtype in [DType::F32, DType::BF16] {
+        for (rows, cols) in [(8192usize, 4096usize), (100, 24), (77, 12)] {
+            let (_, zv) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let (_, dy) = var(&mut rng, &[rows, cols], dtype, dev)?;
+            let dy = dy.as_tensor().detach();
+            let Some((dz, sums, amax)) =
+                nn::Activation::Gelu.backward_with_col_sums(zv.as_tensor(), &dy)?
+            else {
+                anyhow::bail!("no fused GELU backward for {dtype:?}");
+            };
+            let sep = g(&backward(&fused::gelu(zv.as_tensor())?, &dy)?, &zv)?;
+            let b = Var::zeros(cols, DType::F32, dev)?;
+            let db = g(&backward(&fused::bias_add(&sep.detach(), &b)?, &sep)?, &b)?;
+            let what = format!("gelu col sums {dtype:?} {rows}x{cols}");
+            ok &= same(&format!("{what} dz"), &dz, &sep)?;
+            ok &= same(&format!("{what} sums"), &sums, &db)?;
+            ok &= same(&format!("{what} amax"), &amax, &amp::kernels::amax(&sep)?)?;
+        }
+    }
+    ensure!(
+        ok,
+        "GELU's fused bias gradient differs (see the lines above)"
+    );
     Ok(())
 }
 

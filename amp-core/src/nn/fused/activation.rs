@@ -88,6 +88,95 @@ impl Activation {
             Self::SwiGlu => z.apply_op2_no_bwd(&dy, &SwiGluBwd)?,
         })
     }
+
+    /// The gradient `dz` of the activation's input `z` from its output's
+    /// `dy` (detached, no graph node), with the column sums of `dz` (F32
+    /// `[cols]`: the gradient of a bias added to `z`) and its amax (F32
+    /// `[1]`, as [`amax`](crate::amax) takes it: what `dz`'s
+    /// current-scaling cast needs), from one pass on CUDA, bit for bit the
+    /// separate backward, bias gradient and amax: `(dz, sums, amax)`.
+    /// A Linear whose output feeds the activation's Linear gets its bias
+    /// gradient this way. `None` for SwiGLU and for dtypes other than F32
+    /// and BF16.
+    ///
+    /// # Errors
+    /// candle's.
+    pub fn backward_with_col_sums(
+        self,
+        z: &Tensor,
+        dy: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+        let float = |t: &Tensor| {
+            matches!(
+                t.dtype(),
+                candle_core::DType::F32 | candle_core::DType::BF16
+            )
+        };
+        if self != Self::Gelu || !float(z) || z.dtype() != dy.dtype() || z.shape() != dy.shape() {
+            return Ok(None);
+        }
+        let z = z.detach().contiguous()?;
+        let dy = dy.contiguous()?;
+        let [dz, both] =
+            <[Tensor; 2]>::try_from(crate::numerics::kernel::launch(&GeluBwdColSum, &[&z, &dy])?)
+                .map_err(|_| Error::Unsupported {
+                op: "gelu_bwd_col_sum_amax",
+                what: "two outputs".into(),
+            })?;
+        let cols = both.elem_count() - 1;
+        Ok(Some((
+            dz,
+            both.narrow(0, 0, cols)?,
+            both.narrow(0, cols, 1)?,
+        )))
+    }
+}
+
+/// GELU's backward `dz` of `(z, dy)` and `col_sum_amax` of `dz`:
+/// `[dz, sums and amax [cols + 1]]`.
+struct GeluBwdColSum;
+
+impl crate::numerics::kernel::Kernel for GeluBwdColSum {
+    const NAME: &'static str = "gelu_bwd_col_sum_amax";
+
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        let [(z, lz), (g, lg)] = inputs else {
+            return Err(Error::Unsupported {
+                op: Self::NAME,
+                what: "two inputs".into(),
+            });
+        };
+        let (dz, shape) = super::pointwise::GeluBwd.cpu_fwd(z, lz, g, lg)?;
+        let (both, bshape) = super::pointwise::ColSum { amax: true }
+            .cpu_fwd(&dz, &Layout::contiguous(shape.clone()))?;
+        Ok(vec![(dz, shape), (both, bshape)])
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        inputs: &[(&candle_core::CudaStorage, &Layout)],
+    ) -> Result<Vec<(candle_core::CudaStorage, Shape)>> {
+        let [(z, lz), (g, lg)] = inputs else {
+            return Err(Error::Unsupported {
+                op: Self::NAME,
+                what: "two inputs".into(),
+            });
+        };
+        let shape = lz.shape().clone();
+        let cols = last_dim(lz);
+        let (dz, both) = match super::cuda::layout::gelu_bwd_col_sum_amax(z, lz, g, lg)? {
+            Some(out) => out,
+            // rows not whole 16-byte words: the two kernels
+            None => {
+                let dz = super::cuda::ops::gelu(z, lz, Some((g, lg)))?;
+                let both =
+                    super::cuda::layout::col_sum_amax(&dz, &Layout::contiguous(shape.clone()))?;
+                (dz, both)
+            }
+        };
+        Ok(vec![(dz, shape), (both, Shape::from(cols + 1))])
+    }
 }
 
 /// SwiGLU over the last dimension: `x` `[.., 2 f]` (gate `a`, then up `b`,

@@ -13,13 +13,18 @@
 use super::ops::LayerNormOp;
 use crate::error::{Error, Result};
 use candle_core::{CpuStorage, CustomOp3, DType, Shape, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The slot between a producer and its consumer: the handed tensor's
-/// gradient.
+/// gradient, and where the producer asks for them
+/// ([`want_col_stats`](Self::want_col_stats)) its column sums and amax,
+/// if the consumer's backward took them in the pass that made it.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Handoff {
     grad: Arc<Mutex<Option<Tensor>>>,
+    stats: Arc<Mutex<Option<(Tensor, Tensor)>>>,
+    wants_stats: Arc<AtomicBool>,
 }
 
 impl Handoff {
@@ -50,6 +55,37 @@ impl Handoff {
             op: "Handoff",
             what: "no gradient was handed back (the consumer's backward did not run)".into(),
         })
+    }
+
+    /// The producer's backward would use the gradient's column sums and
+    /// amax (a bias gradient and its cast's amax).
+    pub(crate) fn want_col_stats(&self) {
+        self.wants_stats.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the producer asked for them.
+    pub(crate) fn wants_col_stats(&self) -> bool {
+        self.wants_stats.load(Ordering::Relaxed)
+    }
+
+    /// The consumer's backward leaves the column sums (F32 `[cols]`) and
+    /// amax (F32 `[1]`) of the gradient it puts.
+    pub(crate) fn put_col_stats(&self, sums: Tensor, amax: Tensor) -> Result<()> {
+        let mut slot = self
+            .stats
+            .lock()
+            .map_err(|_| Error::Poisoned { op: "Handoff" })?;
+        *slot = Some((sums, amax));
+        Ok(())
+    }
+
+    /// The producer's backward takes them, if the consumer left them.
+    pub(crate) fn take_col_stats(&self) -> Result<Option<(Tensor, Tensor)>> {
+        Ok(self
+            .stats
+            .lock()
+            .map_err(|_| Error::Poisoned { op: "Handoff" })?
+            .take())
     }
 
     /// A one-element token's storage (F32 0) on the CPU.

@@ -43,7 +43,7 @@ pub(super) fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
 }
 
 /// `dy * gelu'(x)` of `(x, dy)`.
-struct GeluBwd;
+pub(super) struct GeluBwd;
 
 impl CustomOp2 for GeluBwd {
     fn name(&self) -> &'static str {

@@ -835,6 +835,20 @@ impl Linear {
             x_dtype: x.dtype(),
             w_dtype: w_arg.dtype(),
         };
+        // a handed-on output whose bias gradient and cast would take the
+        // gradient's column sums and amax: the consumer takes them in its
+        // backward's pass where it can (`Handoff::want_col_stats`)
+        if let Some(h) = &op.hand_out {
+            let p = &op.plan;
+            if op.has_bias
+                && switches::producer_amax()
+                && p.block.is_none()
+                && (p.dgrad || p.wgrad)
+                && matches!(p.scaling, Scaling::Current(_))
+            {
+                h.want_col_stats();
+            }
+        }
         let y = arg0.apply_op3(&w_arg, &b_arg, op)?;
         match residual_after {
             Some(r) => Ok((r + y)?),

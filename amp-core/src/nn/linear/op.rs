@@ -533,9 +533,13 @@ impl CustomOp3 for Fp8LinearOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // a handed-on output's gradient comes through the handoff
         let handed;
+        // the column sums and amax of a handed gradient, where the
+        // consumer's backward took them in its pass (see `want_col_stats`)
+        let mut stats = None;
         let dy = match &self.hand_out {
             Some(h) => {
                 handed = h.take().map_err(wrap)?;
+                stats = h.take_col_stats().map_err(wrap)?;
                 &handed
             }
             None => dy,
@@ -552,12 +556,13 @@ impl CustomOp3 for Fp8LinearOp {
             && p.block.is_none()
             && (p.dgrad || p.wgrad)
             && matches!(p.scaling, Scaling::Current(_));
-        let (db_sum, dy_amax) = match fused_bias {
-            true => {
+        let (db_sum, dy_amax) = match (fused_bias, stats) {
+            (true, Some((sum, amax))) if sum.elem_count() == out_dim => (Some(sum), Some(amax)),
+            (true, _) => {
                 let (sum, amax) = crate::nn::fused::col_sum_amax(&dy2).map_err(wrap)?;
                 (Some(sum), Some(amax))
             }
-            false => (None, None),
+            (false, _) => (None, None),
         };
         let (dx, dw) = self
             .backward(&dy2, x.track_op(), dy_amax.as_ref())
@@ -569,7 +574,20 @@ impl CustomOp3 for Fp8LinearOp {
                         Some(z) => z.value().map_err(wrap)?,
                         None => x.reshape(((), x.dim(candle_core::D::Minus1)?))?,
                     };
-                    Some(act.backward_detached(&z, &d).map_err(wrap)?)
+                    // where the op that made z asked for them, the column
+                    // sums and amax of z's gradient from the same pass
+                    let stats_to = self.handoff.as_ref().filter(|h| h.wants_col_stats());
+                    let both = match stats_to {
+                        Some(_) => act.backward_with_col_sums(&z, &d).map_err(wrap)?,
+                        None => None,
+                    };
+                    match (both, stats_to) {
+                        (Some((dz, sums, amax)), Some(h)) => {
+                            h.put_col_stats(sums, amax).map_err(wrap)?;
+                            Some(dz)
+                        }
+                        _ => Some(act.backward_detached(&z, &d).map_err(wrap)?),
+                    }
                 }
                 None => Some(d),
             },

@@ -102,6 +102,67 @@ fn col_sums(x: &CudaStorage, lx: &Layout, amax: bool) -> Result<CudaStorage> {
     Ok(store(out, &dev))
 }
 
+/// `dx = dy * gelu'(x)` and [`col_sum_amax`] of `dx` in one pass over
+/// `x` and `dy` (same shape and dtype): `(dx, [cols + 1])`, each with the
+/// bits of `gelu` backward then `col_sum_amax`. `None` where the rows are
+/// not whole 16-byte words (the separate kernels then).
+pub(crate) fn gelu_bwd_col_sum_amax(
+    x: &CudaStorage,
+    lx: &Layout,
+    dy: &CudaStorage,
+    ldy: &Layout,
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    const OP: &str = "gelu_bwd_col_sum_amax";
+    if x.dtype() != dy.dtype() || lx.shape() != ldy.shape() {
+        return Err(Error::Shape {
+            op: OP,
+            lhs: lx.shape().clone(),
+            rhs: ldy.shape().clone(),
+        });
+    }
+    let dev = x.device().clone();
+    let cols = lx.dims().last().copied().unwrap_or(1).max(1);
+    let n = lx.shape().elem_count();
+    let rows = n / cols;
+    let c = cols_i32(OP, cols)?;
+    let (chunks, per_chunk) = chunking(rows);
+    let stream = dev.cuda_stream();
+    with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        let gv = view::<T>(OP, dy, ldy)?;
+        if cols % 8 != 0 || vec_ok(8, &[&xv, &gv], &dev) != 1 || n == 0 {
+            return Ok(None);
+        }
+        // SAFETY: every element of dx and of the partials is written; the
+        // amax (after `cols`) starts at 0: the kernel takes maxima.
+        let mut dx = unsafe { dev.alloc::<T>(n)? };
+        let mut part = unsafe { dev.alloc::<f32>(chunks * cols)? };
+        let mut out = dev.alloc_zeros::<f32>(cols + 1)?;
+        let f = nn_func(
+            &dev,
+            &format!("gelu_bwd_col_sum_amax_part_v_{}", suffix(x.dtype())),
+        )?;
+        {
+            let mut at = out.slice_mut(cols..cols + 1);
+            let mut b = stream.launch_builder(&f);
+            b.arg(&xv)
+                .arg(&gv)
+                .arg(&mut dx)
+                .arg(&mut part)
+                .arg(&rows)
+                .arg(&c)
+                .arg(&per_chunk)
+                .arg(&mut at);
+            // SAFETY: rows x cols of x and dy in (16-byte words), of dx
+            // out (a fresh allocation: 16-byte aligned); chunks x cols
+            // partials and the one amax out.
+            unsafe { b.launch(chunk_cfg(cols / 8, chunks)) }.w()?;
+        }
+        sum_chunks(&dev, "col_sum_final", &part, &mut out, c, chunks as i32)?;
+        Ok(Some((store(dx, &dev), store(out, &dev))))
+    })
+}
+
 /// An attention layout: rows `[b, t, s, h, d]` (`s` parts side by side)
 /// and heads `[b, h, t, d]`.
 #[derive(Debug, Clone, Copy)]
