@@ -48,6 +48,7 @@
 //! read and written by the kernels.
 
 pub(crate) use crate::cuda_buf::Buf;
+use crate::cuda_multi::OneDesc;
 use crate::fused::{LowBitStep, META_LEN, Q};
 use amp_core::QType;
 use candle_core::backend::BackendStorage;
@@ -94,7 +95,7 @@ pub(crate) fn func(dev: &CudaDevice, name: &str) -> amp_core::Result<CudaFunctio
         .into_cuda_function())
 }
 
-fn grid(dev: &CudaDevice, items: usize) -> amp_core::Result<LaunchConfig> {
+pub(crate) fn grid(dev: &CudaDevice, items: usize) -> amp_core::Result<LaunchConfig> {
     let max_blocks = amp_core::multiprocessors(dev)? * STEP_BLOCKS_PER_SM;
     Ok(LaunchConfig {
         grid_dim: (
@@ -360,8 +361,12 @@ pub(crate) fn lowbit_step(
     // the amaxes. Pass 2 (`lowbit_fix_*`): the final scales; rewrite the
     // streams whose scale moved. Both take the same arguments; a small
     // tensor takes both in one launch of one block (`lowbit_one_*`).
+    // With `deferred`, pass 2 waits there to run with the other
+    // parameters' (`DeferredFixes::flush`).
     let (passes, cfg): (&[&str], _) = if n <= ONE_BLOCK_MAX {
         (&["one"], grid(&dev, 1)?)
+    } else if k.deferred.is_some() {
+        (&["step"], grid(&dev, n.div_ceil(4))?)
     } else {
         (&["step", "fix"], grid(&dev, n.div_ceil(4))?)
     };
@@ -383,6 +388,23 @@ pub(crate) fn lowbit_step(
         // of `meta`; `gmul` one f32; `vec` only where all are 16-byte
         // aligned.
         unsafe { b.launch(cfg) }.w()?;
+    }
+
+    if let (Some(d), true) = (k.deferred, n > ONE_BLOCK_MAX) {
+        let desc = OneDesc {
+            s: streams,
+            o: outs,
+            k: adam,
+            n: n as u64,
+            vec,
+            _pad: 0,
+            copy_si,
+            amax,
+        };
+        d.fixes
+            .lock()
+            .map_err(|_| amp_core::Error::Poisoned { op: OP })?
+            .push((suffix, desc));
     }
 
     // The copy first, as the CPU body orders them, then w (unless in
