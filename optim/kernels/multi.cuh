@@ -42,29 +42,3 @@ extern "C" __global__ void __launch_bounds__(32) sumsq_multi_3(const SumDesc* d)
     const SumDesc& t = d[blockIdx.x];
     sumsq_partials_impl<K_F32>(t.g, t.si, t.n, t.vec, t.out, nullptr, Grid{0, 1});
 }
-
-// Pass 2 of many tensors' steps in one launch (`flush_fixes` of
-// optim/src/cuda_multi.rs), after every tensor's pass 1 (`lowbit_step_*`)
-// has been launched: the grid loops over the tensors, each taken as its
-// own lowbit_fix launch takes it (the same grid-stride sweep; its result
-// does not depend on the grid). Where no scale moved (most steps) a
-// tensor costs every block a few loads, where its own launch cost a few
-// microseconds of an otherwise idle GPU.
-#define LOWBIT_FIX_MANY(NAME, WK, GK, MK, VK)                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 4)                                               \
-        lowbit_fix_many_##NAME(const OneDesc* d, int count, const float* gmul) {                      \
-        const float gm = *gmul;                                                                        \
-        for (int t = 0; t < count; t++) {                                                              \
-            const OneDesc& x = d[t];                                                                   \
-            Adam k = x.k;                                                                              \
-            k.grad_mul = gm;                                                                           \
-            fix_impl<WK, GK, MK, VK>(x.s, k, x.n, x.vec, x.copy_si, x.amax, x.o, grid_of_launch());     \
-        }                                                                                              \
-    }
-LOWBIT_FIX_MANY(any, -1, -1, -1, -1)
-LOWBIT_FIX_MANY(2002, K_F16, K_E4M3, K_E4M3, K_F16)
-LOWBIT_FIX_MANY(2033, K_F16, K_E4M3, K_F32, K_F32)
-LOWBIT_FIX_MANY(3302, K_F32, K_F32, K_E4M3, K_F16)
-LOWBIT_FIX_MANY(3333, K_F32, K_F32, K_F32, K_F32)
-LOWBIT_FIX_MANY(2004, K_F16, K_E4M3, K_E4M3, K_E4M3_SQRT)
-LOWBIT_FIX_MANY(3304, K_F32, K_F32, K_E4M3, K_E4M3_SQRT)

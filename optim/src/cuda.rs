@@ -48,7 +48,6 @@
 //! read and written by the kernels.
 
 pub(crate) use crate::cuda_buf::Buf;
-use crate::cuda_multi::OneDesc;
 use crate::fused::{LowBitStep, META_LEN, Q};
 use amp_core::QType;
 use candle_core::backend::BackendStorage;
@@ -95,7 +94,7 @@ pub(crate) fn func(dev: &CudaDevice, name: &str) -> amp_core::Result<CudaFunctio
         .into_cuda_function())
 }
 
-pub(crate) fn grid(dev: &CudaDevice, items: usize) -> amp_core::Result<LaunchConfig> {
+fn grid(dev: &CudaDevice, items: usize) -> amp_core::Result<LaunchConfig> {
     let max_blocks = amp_core::multiprocessors(dev)? * STEP_BLOCKS_PER_SM;
     Ok(LaunchConfig {
         grid_dim: (
@@ -361,12 +360,8 @@ pub(crate) fn lowbit_step(
     // the amaxes. Pass 2 (`lowbit_fix_*`): the final scales; rewrite the
     // streams whose scale moved. Both take the same arguments; a small
     // tensor takes both in one launch of one block (`lowbit_one_*`).
-    // With `deferred`, pass 2 waits there to run with the other
-    // parameters' (`DeferredFixes::flush`).
     let (passes, cfg): (&[&str], _) = if n <= ONE_BLOCK_MAX {
         (&["one"], grid(&dev, 1)?)
-    } else if k.deferred.is_some() {
-        (&["step"], grid(&dev, n.div_ceil(4))?)
     } else {
         (&["step", "fix"], grid(&dev, n.div_ceil(4))?)
     };
@@ -388,23 +383,6 @@ pub(crate) fn lowbit_step(
         // of `meta`; `gmul` one f32; `vec` only where all are 16-byte
         // aligned.
         unsafe { b.launch(cfg) }.w()?;
-    }
-
-    if let (Some(d), true) = (k.deferred, n > ONE_BLOCK_MAX) {
-        let desc = OneDesc {
-            s: streams,
-            o: outs,
-            k: adam,
-            n: n as u64,
-            vec,
-            _pad: 0,
-            copy_si,
-            amax,
-        };
-        d.fixes
-            .lock()
-            .map_err(|_| amp_core::Error::Poisoned { op: OP })?
-            .push((suffix, desc));
     }
 
     // The copy first, as the CPU body orders them, then w (unless in

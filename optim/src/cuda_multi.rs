@@ -3,10 +3,9 @@
 //! with the launch, and a CUDA block per descriptor.
 
 use crate::cuda::{
-    address, bad, func, grid, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams,
-    META_PER_STREAM, THREADS,
+    address, bad, func, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams, META_PER_STREAM,
+    THREADS,
 };
-use crate::fused::DeferredFixes;
 use crate::fused::META_LEN;
 use crate::multi::{buffer_index, meta_at, LowBitMulti, MomentPlaces, BUFFER_DTYPES, MULTI_MAX};
 use candle_core::backend::BackendStorage;
@@ -30,19 +29,18 @@ struct SumDesc {
 // SAFETY: plain old data laid out as the C struct.
 unsafe impl DeviceRepr for SumDesc {}
 
-/// `OneDesc` of multi.cuh: one parameter's step (`lowbit_multi`) or its
-/// deferred second pass (`lowbit_fix_many_*`).
+/// `OneDesc` of multi.cuh.
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub(crate) struct OneDesc {
-    pub(crate) s: Streams,
-    pub(crate) o: Outs,
-    pub(crate) k: Adam,
-    pub(crate) n: u64,
-    pub(crate) vec: i32,
-    pub(crate) _pad: i32,
-    pub(crate) copy_si: u64,
-    pub(crate) amax: u64,
+struct OneDesc {
+    s: Streams,
+    o: Outs,
+    k: Adam,
+    n: u64,
+    vec: i32,
+    _pad: i32,
+    copy_si: u64,
+    amax: u64,
 }
 // SAFETY: plain old data laid out as the C struct.
 unsafe impl DeviceRepr for OneDesc {}
@@ -223,55 +221,4 @@ pub(crate) fn lowbit_multi(
         Shape::from(META_LEN * count),
     ));
     Ok(out)
-}
-
-/// [`DeferredFixes::flush`]: per combination of stream kinds (in the order
-/// first seen) one `lowbit_fix_many_*` launch over its parameters' second
-/// passes, on the grid the largest one's own launch would take.
-pub(crate) fn flush_fixes(
-    d: &DeferredFixes,
-    grad_mul: &candle_core::Tensor,
-) -> amp_core::Result<()> {
-    const OP: &str = "lowbit_adamw_step";
-    let fixes = std::mem::take(
-        &mut *d
-            .fixes
-            .lock()
-            .map_err(|_| amp_core::Error::Poisoned { op: OP })?,
-    );
-    if fixes.is_empty() {
-        return Ok(());
-    }
-    let (storage, layout) = grad_mul.storage_and_layout();
-    let candle_core::Storage::Cuda(gm) = &*storage else {
-        return Err(bad(OP, "a gradient multiplier on the parameters' device"));
-    };
-    let dev = gm.device().clone();
-    let gmul = scalar_address(OP, gm, layout, &dev)?;
-    let stream = dev.cuda_stream();
-    let mut kinds: Vec<&str> = Vec::new();
-    for (suffix, _) in &fixes {
-        if !kinds.contains(&suffix.as_str()) {
-            kinds.push(suffix);
-        }
-    }
-    for suffix in kinds {
-        let descs: Vec<OneDesc> = fixes
-            .iter()
-            .filter(|(s, _)| s == suffix)
-            .map(|(_, d)| *d)
-            .collect();
-        let most = descs.iter().map(|x| x.n as usize).max().unwrap_or(0);
-        let count = descs.len() as i32;
-        let table = stream.clone_htod(&descs).w()?;
-        let f = func(&dev, &format!("lowbit_fix_many_{suffix}"))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&table).arg(&count).arg(&gmul);
-        // SAFETY: each descriptor is one whose pass 1 was launched before
-        // on this stream, with the pointers it was launched with, whose
-        // inputs the caller keeps alive until after this launch (outputs
-        // and meta are the new states'); gmul one f32.
-        unsafe { b.launch(grid(&dev, most.div_ceil(4))?) }.w()?;
-    }
-    Ok(())
 }

@@ -57,36 +57,6 @@ pub(crate) struct LowBitStep<'a> {
     /// CUDA only: an F32 weight is updated in the weight input's storage
     /// (no weight output); the CPU body refuses it.
     pub w_in_place: bool,
-    /// CUDA only: a two-launch step leaves its second launch here (run by
-    /// [`DeferredFixes::flush`] with the others'); the caller keeps the
-    /// step's inputs alive until then.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub deferred: Option<&'a DeferredFixes>,
-}
-
-/// Second passes (`lowbit_fix_*`, see `cuda.rs`) of steps whose first
-/// pass has been launched, run together after every parameter's first
-/// pass: one launch per combination of stream kinds instead of one per
-/// parameter. Empty off CUDA (the CPU body has one pass).
-#[derive(Default)]
-pub(crate) struct DeferredFixes {
-    #[cfg(feature = "cuda")]
-    pub(crate) fixes: std::sync::Mutex<Vec<(String, crate::cuda_multi::OneDesc)>>,
-}
-
-impl DeferredFixes {
-    /// Launches the deferred passes (`grad_mul`: the step's one-element
-    /// F32 gradient multiplier, which every first pass read) and empties
-    /// the list; nothing where it is empty or off CUDA.
-    ///
-    /// # Errors
-    /// The launches'.
-    pub(crate) fn flush(&self, grad_mul: &candle_core::Tensor) -> amp_core::Result<()> {
-        #[cfg(feature = "cuda")]
-        crate::cuda_multi::flush_fixes(self, grad_mul)?;
-        let _ = grad_mul;
-        Ok(())
-    }
 }
 
 /// Elements of the meta output (12 used; the CUDA body keeps the amax

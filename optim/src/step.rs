@@ -6,7 +6,7 @@
 use crate::adamw::AdamStep;
 use crate::clip::{clip_math, ClipCoef};
 use crate::error::{Error, Result};
-use crate::fused::{DeferredFixes, SumSq, SumSqMany, META_LEN, Q};
+use crate::fused::{SumSq, SumSqMany, META_LEN, Q};
 use crate::grad::{Grad, Grads};
 use crate::lowbit::{LowBitAdamW, ParamState, StepOutcome};
 use crate::multi::{
@@ -394,10 +394,6 @@ impl LowBitAdamW {
         // parameter's `step`) counts applied steps only
         let lr = self.schedule.lr(self.step + self.skipped);
         let mut batch = Vec::new();
-        // the large parameters' second passes, launched together after
-        // every first pass (inputs kept alive until then)
-        let deferred = DeferredFixes::default();
-        let mut keep = Vec::new();
         for (i, (p, &batched)) in self.params.iter_mut().zip(plan).enumerate() {
             let Some(g) = grads.get(&p.name) else {
                 continue;
@@ -409,17 +405,13 @@ impl LowBitAdamW {
                 continue;
             }
             let before = telemetry::before([&p.exp_avg, &p.exp_avg_sq], g, grad_mul)?;
-            // (telemetry reads the new moments at once: no deferral there)
-            let defer = before.is_none().then_some((&deferred, &mut keep));
-            update_param(p, g, k, grad_mul, &self.scratch, ones, defer)?;
+            update_param(p, g, k, grad_mul, &self.scratch, ones)?;
             if let Some(b) = before {
                 let moments = [&p.exp_avg, &p.exp_avg_sq];
                 let record = telemetry::after(&p.name, moments, b, &self.config.adam, p.step)?;
                 self.moment_records.push(record);
             }
         }
-        deferred.flush(grad_mul)?;
-        drop(keep);
         if !batch.is_empty() {
             self.update_batch(grads, &batch, grad_mul, ones)?;
         }

@@ -4,7 +4,7 @@
 
 use crate::adamw::AdamStep;
 use crate::error::{Error, Result};
-use crate::fused::{DeferredFixes, LowBitStep};
+use crate::fused::LowBitStep;
 use crate::grad::Grad;
 use crate::lowbit::ParamState;
 use crate::state::State;
@@ -133,10 +133,7 @@ pub(crate) fn updates_in_place(w: &Weight) -> bool {
 /// one-element F32 multiplier (NaN: the kernels skip, see `clip.rs`). With
 /// `in_place`, a contiguous F32 weight on CUDA is written by the kernel
 /// itself (the CPU body cannot write an input: there the weight is set
-/// from the kernel's output). With `deferred` (a list and where to keep
-/// the inputs alive), a two-launch step on CUDA leaves its second launch
-/// in the list: the new states are final only after
-/// [`DeferredFixes::flush`].
+/// from the kernel's output).
 pub(crate) fn update_param(
     p: &mut ParamState,
     g: &Grad,
@@ -144,7 +141,6 @@ pub(crate) fn update_param(
     grad_mul: &Tensor,
     scratch: &std::sync::Mutex<Vec<f32>>,
     ones: &mut Ones,
-    deferred: Option<(&DeferredFixes, &mut Vec<Tensor>)>,
 ) -> Result<()> {
     let weight = p.slot.read()?.clone();
     let (w, fp8_copy) = match &weight {
@@ -172,17 +168,12 @@ pub(crate) fn update_param(
         fp8_copy,
         v_sqrt: root_salt(p),
         w_in_place,
-        deferred: deferred.as_ref().map(|(d, _)| *d),
     };
     let mut inputs = vec![&w.0, &w.1, &g.0, &g.1, &m.0, &m.1, &v.0, &v.1, grad_mul];
     if let Weight::Fp8 { weight: copy, .. } = &weight {
         inputs.push(copy.meta().scale_inv());
     }
     let outs = launch(&kernel, &inputs)?;
-    if let Some((_, keep)) = deferred {
-        // a deferred second pass reads the inputs again
-        keep.extend(inputs.iter().map(|t| (*t).clone()));
-    }
     let (meta, data) = outs
         .split_last()
         .ok_or_else(|| kernel_error("kernel outputs"))?;
