@@ -62,6 +62,7 @@ extern "C" __global__ void embedding_bwd_f32(const uint32_t* __restrict__ ids, c
 // names stay +0).
 #define EMB_SORT_MAX 16384
 #define EMB_SORT_THREADS 1024
+#define EMB_RUN 16
 extern "C" __global__ void __launch_bounds__(EMB_SORT_THREADS)
     embedding_sort(const uint32_t* __restrict__ ids, size_t n, uint32_t rows, uint32_t log, uint32_t* __restrict__ sorted) {
     extern __shared__ uint32_t keys[];
@@ -103,10 +104,23 @@ extern "C" __global__ void embedding_bwd_sorted_f32(const uint32_t* __restrict__
     if (c >= cols) return;
     const uint32_t mask = (1u << log) - 1u;
     float acc = 0.0f;
-    for (size_t k = j; k < n; k++) {
-        const uint32_t key = sorted[k];
-        if ((key >> log) != r) break;
-        acc = __fadd_rn(acc, __fmul_rn(g[(size_t)(key & mask) * cols + c], scale));
+    // EMB_RUN keys, then their rows' loads, in flight at once (a frequent
+    // token's run is thousands long); the adds stay in token order
+    for (size_t k = j; k < n; k += EMB_RUN) {
+        uint32_t key[EMB_RUN];
+        float v[EMB_RUN];
+#pragma unroll
+        for (int u = 0; u < EMB_RUN; u++) key[u] = k + u < n ? sorted[k + u] : 0xFFFFFFFFu;
+#pragma unroll
+        for (int u = 0; u < EMB_RUN; u++) v[u] = (key[u] >> log) == r ? g[(size_t)(key[u] & mask) * cols + c] : 0.0f;
+        // (the sentinel's row is past every real one: see the caller's check)
+        bool more = true;
+#pragma unroll
+        for (int u = 0; u < EMB_RUN; u++) {
+            more = more && (key[u] >> log) == r;
+            if (more) acc = __fadd_rn(acc, __fmul_rn(v[u], scale));
+        }
+        if (!more) break;
     }
     dt[(size_t)r * cols + c] = acc;
 }
