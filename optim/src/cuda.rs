@@ -107,6 +107,21 @@ fn grid(dev: &CudaDevice, items: usize) -> amp_core::Result<LaunchConfig> {
     })
 }
 
+/// The device of a launch over (gradient, scale_inv) pairs and how many
+/// pairs: an error for none or an odd count.
+pub(crate) fn pairs_device(
+    op: &'static str,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> amp_core::Result<(CudaDevice, usize)> {
+    let Some((first, _)) = inputs.first() else {
+        return Err(bad(op, "no gradients"));
+    };
+    if inputs.len() % 2 != 0 {
+        return Err(bad(op, "inputs come in (gradient, scale_inv) pairs"));
+    }
+    Ok((first.device().clone(), inputs.len() / 2))
+}
+
 pub(crate) fn bad(op: &'static str, what: &str) -> amp_core::Error {
     amp_core::Error::Unsupported {
         op,

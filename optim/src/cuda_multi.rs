@@ -3,8 +3,8 @@
 //! with the launch, and a CUDA block per descriptor.
 
 use crate::cuda::{
-    address, bad, func, kind, scalar_address, Adam, Buf, Outputs, Outs, Streams, META_PER_STREAM,
-    THREADS,
+    address, bad, func, kind, pairs_device, scalar_address, Adam, Buf, Outputs, Outs, Streams,
+    META_PER_STREAM, THREADS,
 };
 use crate::fused::META_LEN;
 use crate::multi::{buffer_index, meta_at, LowBitMulti, MomentPlaces, BUFFER_DTYPES, MULTI_MAX};
@@ -64,15 +64,8 @@ fn small(op: &'static str, l: &Layout) -> amp_core::Result<usize> {
 
 pub(crate) fn sum_sq_multi(inputs: &[(&CudaStorage, &Layout)]) -> amp_core::Result<Outputs> {
     const OP: &str = "grad_sum_sq_multi";
-    let Some((first, _)) = inputs.first() else {
-        return Err(bad(OP, "no gradients"));
-    };
-    if inputs.len() % 2 != 0 {
-        return Err(bad(OP, "inputs come in (gradient, scale_inv) pairs"));
-    }
-    let dev = first.device().clone();
+    let (dev, count) = pairs_device(OP, inputs)?;
     let stream = dev.cuda_stream();
-    let count = inputs.len() / 2;
     // SAFETY: block i of sumsq_multi_3 writes element i (each gradient has
     // 1..=MULTI_MAX elements: one CUDA block writes its total).
     let mut out = unsafe { dev.alloc::<f64>(count)? };

@@ -5,7 +5,7 @@
 //! added by the last group's block; one launch for a tensor of one CUDA
 //! block of element blocks), no host read.
 
-use crate::cuda::{address, bad, func, kind, scalar_address, Outputs, THREADS};
+use crate::cuda::{address, bad, func, kind, pairs_device, scalar_address, Outputs, THREADS};
 use crate::fused::{SumSq, SumSqMany};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -142,15 +142,8 @@ pub(crate) fn sum_sq_many(
     inputs: &[(&CudaStorage, &Layout)],
 ) -> amp_core::Result<Outputs> {
     const OP: &str = "grad_sum_sq_many";
-    let Some((first, _)) = inputs.first() else {
-        return Err(bad(OP, "no gradients"));
-    };
-    if inputs.len() % 2 != 0 {
-        return Err(bad(OP, "inputs come in (gradient, scale_inv) pairs"));
-    }
-    let dev = first.device().clone();
+    let (dev, count) = pairs_device(OP, inputs)?;
     let stream = dev.cuda_stream();
-    let count = inputs.len() / 2;
     let (kd, dtype) = kind(k.g);
     // Per gradient: (chunks, CUDA blocks of partials, groups with a launch
     // of their own); the scratch: partials, then group sums (f64), then

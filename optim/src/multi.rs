@@ -10,7 +10,7 @@
 //! batch allocates four buffers.
 
 use crate::adamw::AdamStep;
-use crate::fused::{SumSq, META_LEN, Q};
+use crate::fused::{SumSqMany, META_LEN, Q};
 use amp_core::kernel::Kernel;
 use candle_core::{CpuStorage, DType, Layout, Shape};
 
@@ -28,24 +28,13 @@ const ALIGN: usize = 16;
 pub(crate) struct SumSqMulti;
 
 impl SumSqMulti {
-    /// The CPU body of the kernel (`dispatch.rs` makes it one).
+    /// The CPU body of the kernel (`dispatch.rs` makes it one): each
+    /// gradient's own sum, as [`SumSqMany`] of F32 gradients.
     pub(crate) fn cpu_body(
         &self,
         inputs: &[(&CpuStorage, &Layout)],
     ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        let mut sums = Vec::with_capacity(inputs.len() / 2);
-        for pair in inputs.chunks(2) {
-            let out = SumSq { g: None }.cpu(pair)?;
-            let [(CpuStorage::F64(s), _)] = out.as_slice() else {
-                return Err(amp_core::Error::Unsupported {
-                    op: Self::NAME,
-                    what: "a sum of squares without its output".into(),
-                });
-            };
-            sums.extend_from_slice(s);
-        }
-        let n = sums.len();
-        Ok(vec![(CpuStorage::F64(sums), Shape::from(n))])
+        SumSqMany { g: None }.cpu_body(inputs)
     }
 }
 
@@ -132,6 +121,7 @@ pub(crate) fn storage_dtype(q: Q) -> DType {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused::SumSq;
     use amp_core::kernel::launch;
     use candle_core::{Device, Tensor};
 

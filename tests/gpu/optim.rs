@@ -74,6 +74,17 @@ fn grads(g: &Tensor, fp8: bool, dev: &Device) -> Result<(Grad, Grad)> {
     })
 }
 
+/// An F32 gradient on the CPU, and on `dev` as a view one element into
+/// its buffer (not 16-byte aligned: the kernels' scalar paths).
+fn unaligned(g: &Tensor, dev: &Device) -> Result<(Grad, Grad)> {
+    let n = g.elem_count();
+    let padded = Tensor::cat(&[&Tensor::zeros(1, DType::F32, &Device::Cpu)?, g], 0)?;
+    Ok((
+        Grad::F32(g.clone()),
+        Grad::F32(padded.to_device(dev)?.narrow(0, 1, n)?),
+    ))
+}
+
 fn scaled_parts(t: &ScalingTensor) -> Vec<Tensor> {
     vec![
         t.data().clone(),
@@ -310,11 +321,7 @@ fn sum_of_squares(dev: &Device) -> Result<()> {
         let mut on_dev = LowBitAdamW::new(vec![("w".into(), dev_slot)], cfg)?;
         let g = Tensor::from_vec(rng.normal(n), n, &Device::Cpu)?;
         let (gc, gd) = if offset {
-            let padded = Tensor::cat(&[&Tensor::zeros(1, DType::F32, &Device::Cpu)?, &g], 0)?;
-            (
-                Grad::F32(g.clone()),
-                Grad::F32(padded.to_device(dev)?.narrow(0, 1, n)?),
-            )
+            unaligned(&g, dev)?
         } else {
             grads(&g, g8, dev)?
         };
@@ -388,11 +395,7 @@ fn many_large(dev: &Device) -> Result<()> {
             }
             let g = Tensor::from_vec(g, n, &Device::Cpu)?;
             let (gc, gd) = if offset {
-                let padded = Tensor::cat(&[&Tensor::zeros(1, DType::F32, &Device::Cpu)?, &g], 0)?;
-                (
-                    Grad::F32(g.clone()),
-                    Grad::F32(padded.to_device(dev)?.narrow(0, 1, n)?),
-                )
+                unaligned(&g, dev)?
             } else {
                 grads(&g, g8, dev)?
             };
