@@ -427,7 +427,14 @@ pub(crate) fn layer_norm_dwdb(
                 .arg(&rms);
             unsafe { b.launch(warp_rows(rows)) }.w()?;
         }
-        let f = nn_func(&dev, &format!("layer_norm_dwdb_part_{sfx}"))?;
+        // 8 columns a thread where rows are whole 16-byte words of both
+        let wide = cols % 8 == 0 && vec_ok(8, &[&xv, &gv], &dev) == 1;
+        let name = if wide {
+            "layer_norm_dwdb_part_v"
+        } else {
+            "layer_norm_dwdb_part"
+        };
+        let f = nn_func(&dev, &format!("{name}_{sfx}"))?;
         let mut b = stream.launch_builder(&f);
         b.arg(&xv)
             .arg(&gv)
@@ -436,7 +443,8 @@ pub(crate) fn layer_norm_dwdb(
             .arg(&rows)
             .arg(&c);
         b.arg(&per_chunk);
-        unsafe { b.launch(chunk_cfg(cols, chunks)) }.w()?;
+        let cfg = chunk_cfg(if wide { cols / 8 } else { cols }, chunks);
+        unsafe { b.launch(cfg) }.w()?;
         Ok::<_, Error>(())
     })?;
     sum_chunks(&dev, "layer_norm_dwdb_sum", &part, &mut out, c, chunks_i)?;
