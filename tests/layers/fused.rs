@@ -286,6 +286,55 @@ fn attention_from_fused_projection_matches_split_heads() -> R<()> {
     Ok(())
 }
 
+/// GELU's backward with its column sums and amax
+/// (`Activation::backward_with_col_sums`): the gradient bit for bit
+/// GELU's own backward, the sums those of a bias added to its input
+/// (`bias_add`'s gradient), the amax `amax`'s, in F32 and BF16; none for
+/// SwiGLU or F16.
+#[test]
+fn gelu_backward_with_col_sums_is_the_separate_ops() -> R<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        let z = Var::from_tensor(&randn(&[70, 24], 41)?.to_dtype(dtype)?)?;
+        let dy = randn(&[70, 24], 42)?.to_dtype(dtype)?;
+        let (dz, sums, amax) = amp::nn::Activation::Gelu
+            .backward_with_col_sums(z.as_tensor(), &dy)?
+            .ok_or("no fused GELU backward")?;
+        let g = (fused::gelu(&z)?.to_dtype(DType::F32)? * dy.to_dtype(DType::F32)?)?
+            .sum_all()?
+            .backward()?;
+        let sep = grad(&g, &z)?;
+        let bits = |t: &Tensor| -> R<Vec<u32>> {
+            Ok(t.to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.to_bits())
+                .collect())
+        };
+        assert_eq!(bits(&dz)?, bits(&sep)?, "{dtype:?} dz");
+        let b = Var::zeros(24, DType::F32, &Device::Cpu)?;
+        let y = fused::bias_add(&sep.detach(), &b)?;
+        let gb = (y.to_dtype(DType::F32)? * sep.to_dtype(DType::F32)?)?
+            .sum_all()?
+            .backward()?;
+        assert_eq!(bits(&sums)?, bits(&grad(&gb, &b)?)?, "{dtype:?} sums");
+        assert_eq!(
+            bits(&amax)?,
+            bits(&amp::kernels::amax(&sep)?)?,
+            "{dtype:?} amax"
+        );
+    }
+    let z = randn(&[4, 8], 43)?;
+    assert!(amp::nn::Activation::SwiGlu
+        .backward_with_col_sums(&z, &randn(&[4, 4], 44)?)?
+        .is_none());
+    let h = z.to_dtype(DType::F16)?;
+    assert!(amp::nn::Activation::Gelu
+        .backward_with_col_sums(&h, &h)?
+        .is_none());
+    Ok(())
+}
+
 #[test]
 fn bias_add_sums_the_bias_gradient_over_rows() -> R<()> {
     let x = Var::from_tensor(&randn(&[2, 3, 5], 31)?)?;
