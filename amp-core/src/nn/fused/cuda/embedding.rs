@@ -9,7 +9,6 @@ use super::ops::store;
 use crate::error::{Error, Result};
 use crate::numerics::cuda::launch::{grid, view, THREADS};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
@@ -23,8 +22,6 @@ const PARTS: u32 = 64;
 const SORT_MAX: usize = 16384;
 /// `EMB_SORT_THREADS`: the sorting block's threads.
 const SORT_THREADS: u32 = 1024;
-/// Dynamic shared memory a block gets without asking (48 KiB).
-const DEFAULT_SMEM: u32 = 48 * 1024;
 
 fn f32_only(op: &'static str, s: &CudaStorage) -> Result<()> {
     match s.dtype() {
@@ -99,21 +96,15 @@ pub(crate) fn embedding_bwd(
         // SAFETY: embedding_sort writes all n keys.
         let mut sorted = unsafe { dev.alloc::<u32>(n)? };
         let sort = nn_func(&dev, "embedding_sort")?;
-        let smem = (4usize << log) as u32;
-        if smem > DEFAULT_SMEM {
-            // 64 KiB at most: within Ada's 99 KiB a block and Hopper's 227
-            sort.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .w()?;
-        }
+        // 64 KiB at most
+        let smem = 4usize << log;
+        super::allow_shared_memory(&sort, smem)?;
         let mut b = stream.launch_builder(&sort);
         b.arg(&iv).arg(&n).arg(&rows32).arg(&log).arg(&mut sorted);
         let one = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (SORT_THREADS, 1, 1),
-            shared_mem_bytes: smem,
+            shared_mem_bytes: smem as u32,
         };
         // SAFETY: ids holds n ids; sorted n keys; the block's shared
         // memory holds 2^log keys.

@@ -10,7 +10,6 @@ use crate::error::{Error, Result};
 use crate::nn::fused::flash_shape::{Flash, HEAD_DIMS};
 use crate::numerics::cuda::launch::aligned;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaView, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
@@ -22,8 +21,6 @@ const OP: &str = "flash_attention";
 /// Rows of a tile (`TILE` in flash.cu) and threads of a block (`NT`).
 const TILE: usize = 64;
 const THREADS: u32 = 128;
-/// Shared memory a kernel may take without asking for more.
-const DEFAULT_SMEM: usize = 48 * 1024;
 
 /// The shared memory (bytes) a block of the forward (`backward` false) or
 /// the backward takes at head dimension `hd`, as flash.cu lays it out:
@@ -50,14 +47,8 @@ fn kernel(dev: &CudaDevice, f: &Flash, stem: &str, backward: bool) -> Result<(Cu
     }
     let func = flash_func(dev, &format!("{stem}_hd{}", f.hd))?;
     let bytes = smem_bytes(f.hd, backward);
-    if bytes > DEFAULT_SMEM {
-        // at most 96 KiB: Ada's limit a block (99 KiB) and Hopper's (227)
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .w()?;
-    }
+    // at most 96 KiB
+    super::allow_shared_memory(&func, bytes)?;
     Ok((func, bytes as u32))
 }
 

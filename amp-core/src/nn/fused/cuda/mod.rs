@@ -5,8 +5,9 @@
 //! reference; nothing here reads anything back to the host.
 
 use crate::error::Result;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::CudaFunction;
-use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
 
 pub(crate) mod embedding;
 pub(crate) mod flash;
@@ -30,6 +31,21 @@ fn nn_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     Ok(dev
         .get_or_load_custom_func(name, NN_MODULE, NN_PTX)?
         .into_cuda_function())
+}
+
+/// Lets `func` take `bytes` of dynamic shared memory a block where that is
+/// more than the 48 KiB a kernel gets without asking (Ada allows 99 KiB
+/// a block, Hopper 227: the callers stay within Ada's).
+fn allow_shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
+    const DEFAULT_SMEM: usize = 48 * 1024;
+    if bytes > DEFAULT_SMEM {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .w()?;
+    }
+    Ok(())
 }
 
 /// A flash-attention kernel `name` (`kernels/flash.cu`), loaded once per device.
