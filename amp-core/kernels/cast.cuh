@@ -133,18 +133,27 @@ __device__ __forceinline__ uint32_t quantize4(const float* x, float scale, uint3
 // scale, which the first thread of the grid also writes out with its
 // inverse; with bit 1 of `rule` set, the inverse times (amax * 0 + 1), as
 // flag_scale_inv would make it (NaN where the amax is not finite).
-__device__ __forceinline__ float cast_scale(const float* scale_p, const float* amax_in, int rule,
-                                            unsigned margin, float max, float* scale_out,
-                                            float* scale_inv_out) {
+// `first`: this block is the first of the tensor's grid (cast_scale: block
+// (0, 0) of the launch; a batched launch names the tensor's first tile).
+__device__ __forceinline__ float cast_scale_at(bool first, const float* scale_p, const float* amax_in,
+                                               int rule, unsigned margin, float max, float* scale_out,
+                                               float* scale_inv_out) {
     if (!amax_in) return *scale_p;
     const float amax = *amax_in;
     const float s = compute_scale(rule & 1, amax, 1.0f, max, margin);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    if (first && threadIdx.x == 0) {
         *scale_out = s;
         const float inv = 1.0f / s;
         *scale_inv_out = (rule & 2) ? __fmul_rn(inv, __fadd_rn(__fmul_rn(amax, 0.0f), 1.0f)) : inv;
     }
     return s;
+}
+
+__device__ __forceinline__ float cast_scale(const float* scale_p, const float* amax_in, int rule,
+                                            unsigned margin, float max, float* scale_out,
+                                            float* scale_inv_out) {
+    return cast_scale_at(blockIdx.x == 0 && blockIdx.y == 0, scale_p, amax_in, rule, margin, max, scale_out,
+                         scale_inv_out);
 }
 
 // The kernel parameters of cast_scale after the cast's own.

@@ -57,18 +57,20 @@ __device__ __forceinline__ void load8_in(const T* p, float* f, float pre) {
 // ceil(rows / TT)). `vec`: cols % 8 == 0, rows % 16 == 0 and every pointer
 // 16-byte aligned, so full tiles go through 16- and 8-byte accesses;
 // partial tiles (and vec == 0) element by element. SCALED: see in_f32
-// (`pre_p` is the FP16 tensor's scale_inv; null otherwise).
+// (`pre_p` is the FP16 tensor's scale_inv; null otherwise). The block casts
+// tile (bx, by): the block's own index in quantize_t, its tile of one
+// tensor in quantize_t_many.
 template <typename T, int FMT, bool SCALED>
-__device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict__ pre_p,
+__device__ void quantize_t_impl(int bx, int by, const T* __restrict__ x, const float* __restrict__ pre_p,
                                 const float* __restrict__ scale_p,
                                 uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int rows,
                                 int cols, int vec, uint32_t* amax_out, unsigned long long* counts,
                                 CUR_PARAMS) {
     __shared__ __align__(16) uint8_t tile[TT * TS];
-    const float scale = cast_scale(scale_p, CUR_ARGS);
+    const float scale = cast_scale_at(bx == 0 && by == 0, scale_p, CUR_ARGS);
     const float pre = SCALED ? *pre_p : 1.0f;
     uint32_t amax = 0, sat = 0, flush = 0;
-    const int r0 = blockIdx.y * TT, c0 = blockIdx.x * TT, t = threadIdx.x;
+    const int r0 = by * TT, c0 = bx * TT, t = threadIdx.x;
     const bool full = vec && r0 + TT <= rows && c0 + TT <= cols;
     if (full) {
         // 8 column groups of 8 elements x 32 rows, twice
@@ -123,8 +125,8 @@ __device__ void quantize_t_impl(const T* __restrict__ x, const float* __restrict
     extern "C" __global__ void __launch_bounds__(256) quantize_t_##TN##_##FN(                          \
         const T* x, const float* pre, const float* scale, uint8_t* out, uint8_t* out_t, int rows,      \
         int cols, int vec, uint32_t* amax, unsigned long long* counts, CUR_PARAMS) {                   \
-        quantize_t_impl<T, FMT, SCALED>(x, pre, scale, out, out_t, rows, cols, vec, amax, counts,      \
-                                        CUR_ARGS);                                                     \
+        quantize_t_impl<T, FMT, SCALED>(blockIdx.x, blockIdx.y, x, pre, scale, out, out_t, rows, cols, \
+                                        vec, amax, counts, CUR_ARGS);                                  \
     }
 QUANTIZE_T(f32, float, e4m3, 0, false)
 QUANTIZE_T(f32, float, e5m2, 1, false)
@@ -135,6 +137,89 @@ QUANTIZE_T(f16, __half, e5m2, 1, false)
 // an FP16 scaling tensor's codes, dequantized as read
 QUANTIZE_T(f16s, __half, e4m3, 0, true)
 QUANTIZE_T(f16s, __half, e5m2, 1, true)
+
+// ---------------------------------------------------------------------------
+// Many FP16 scaling tensors (a model's Linear weights) cast to FP8 with
+// current scaling and transposed, in two launches for all of them instead
+// of two per tensor (`requantize_t_many` of src/numerics/cuda/cast_t_many.rs):
+// pass 1 folds each tensor's decoded amax, pass 2 casts each tensor's tiles
+// with the scale from its amax. Each block finds its tensor (a binary
+// search over the tensors' first blocks) and does what a block of that
+// tensor's own launches does: the amax is a max of the same values, and
+// every code, count and scale is quantize_t_f16s's, so the bits are those
+// of the per-tensor casts (decoded_amax_f16 + quantize_t_f16s_*).
+
+// One tensor (`ManyT` of cast_t_many.rs).
+struct ManyT {
+    const __half* x;              // the FP16 codes [rows, cols]
+    const float* pre;             // their scale_inv
+    uint32_t* amax;               // its amax bits (zeroed; pass 1 folds, pass 2 reads as f32)
+    uint8_t* out;                 // codes [rows, cols]
+    uint8_t* out_t;               // codes [cols, rows]
+    unsigned long long* counts;   // saturated and flushed (zeroed)
+    float* scale;                 // written by its first tile's block
+    float* scale_inv;
+    int rows, cols, vec, tiles_x; // vec: as quantize_t's; tiles_x = ceil(cols / TT)
+    uint64_t block0;              // its first block of pass 2
+    uint64_t ablock0;             // its first block of pass 1
+    int avec;                     // x 16-byte aligned (pass 1's vector loads)
+    int _pad;
+};
+
+// The last tensor whose first block (of pass 2, or with `amax` of pass 1)
+// is at most b: the one block b belongs to.
+__device__ __forceinline__ int many_t_find(const ManyT* d, int count, uint64_t b, bool amax) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if ((amax ? d[mid].ablock0 : d[mid].block0) <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Pass 1: max |decode(code) * scale_inv| of each tensor (decoded_amax_f16's
+// values), grid-stride over the tensor's own blocks, 8 codes a load.
+extern "C" __global__ void __launch_bounds__(256) decoded_amax_many_f16(const ManyT* d, int count,
+                                                                         uint64_t blocks) {
+    const int i = many_t_find(d, count, blockIdx.x, true);
+    const ManyT& t = d[i];
+    const uint64_t end = i + 1 < count ? d[i + 1].ablock0 : blocks;
+    const float pre = *t.pre;
+    const size_t n = (size_t)t.rows * t.cols;
+    const size_t tid = (blockIdx.x - t.ablock0) * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (end - t.ablock0) * (size_t)blockDim.x;
+    uint32_t amax = 0;
+    size_t done = 0;
+    if (t.avec) {
+        const size_t units = n / 8;
+        for (size_t u = tid; u < units; u += stride) {
+            float f[8];
+            load8_in<true>(t.x + u * 8, f, pre);
+#pragma unroll
+            for (int j = 0; j < 8; j++) amax = max(amax, abs_bits(f[j]));
+        }
+        done = units * 8;
+    }
+    for (size_t k = done + tid; k < n; k += stride) amax = max(amax, abs_bits(in_f32<true>(t.x[k], pre)));
+    block_flush(amax, 0, 0, t.amax, nullptr);
+}
+
+// Pass 2: each block one 64 x 64 tile of one tensor, the scale from its
+// amax (rule, margin and max as quantize_t's current-scaling parameters).
+#define QUANTIZE_T_MANY(FN, FMT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) quantize_t_many_f16s_##FN(                       \
+        const ManyT* d, int count, int rule, unsigned margin, float max) {                             \
+        const ManyT& t = d[many_t_find(d, count, blockIdx.x, false)];                                  \
+        const uint64_t tile = blockIdx.x - t.block0;                                                   \
+        quantize_t_impl<__half, FMT, true>((int)(tile % t.tiles_x), (int)(tile / t.tiles_x), t.x, t.pre, \
+                                           nullptr,                                                    \
+                                           t.out, t.out_t, t.rows, t.cols, t.vec, nullptr, t.counts,    \
+                                           reinterpret_cast<const float*>(t.amax), rule, margin, max,  \
+                                           t.scale, t.scale_inv);                                      \
+    }
+QUANTIZE_T_MANY(e4m3, 0)
+QUANTIZE_T_MANY(e5m2, 1)
 
 // ---------------------------------------------------------------------------
 // 2-D transpose of 1- or 2-byte elements (FP8 codes, FP16 values): the GEMM

@@ -177,6 +177,13 @@ struct Args {
     /// false`: the separate amax passes).
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = true, default_missing_value = "true", action = clap::ArgAction::Set)]
     producer_amax: bool,
+    /// At O1 and O2 under current scaling, the FP16 weights' FP8 casts for
+    /// the next forward made right after each step, all at once
+    /// (`amp::nn::set_weight_casts_ahead`): the same values, two launches
+    /// for all the weights instead of two a layer. On by default
+    /// (`--casts-ahead false`: each forward casts its own).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = true, default_missing_value = "true", action = clap::ArgAction::Set)]
+    casts_ahead: bool,
     /// At the FP8 levels, keep the MLP's activation input (GELU's or
     /// SwiGLU's) for its backward as E4M3 with one scale per 1 x 128 tile
     /// instead of at the activations' width (COAT's FP8 activations): less
@@ -364,6 +371,7 @@ pub fn main() -> Result<()> {
     amp::nn::set_flash_attention(!args.no_flash);
     amp::nn::set_native_op_on_cuda(args.native_op);
     amp::nn::set_producer_amax(args.producer_amax);
+    amp::nn::set_weight_casts_ahead(args.casts_ahead);
     if args.recipe.is_some()
         && !matches!(
             args.compute,

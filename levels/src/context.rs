@@ -168,6 +168,11 @@ impl AmpContext {
         };
         let value = loss.detach();
         let outcome = opt.step_owned(loss)?;
+        // the next forward's weight casts, all at once (amp_core::nn's
+        // `cast_weights_ahead`: the same codes, two launches for all)
+        if amp_core::nn::weight_casts_ahead() {
+            amp_core::nn::cast_weights_ahead(&self.linears).map_err(Error::from)?;
+        }
         Ok(Stepped {
             outcome,
             loss: value,

@@ -19,6 +19,7 @@ test_device!(codes_decode, codes_decode_cpu, codes_decode_cuda);
 test_device!(inputs_16bit, inputs_16bit_cpu, inputs_16bit_cuda);
 test_device!(random_ops, random_ops_cuda);
 test_device!(cast_transpose, cast_transpose_cpu, cast_transpose_cuda);
+test_device!(cast_t_many, cast_t_many_cpu, cast_t_many_cuda);
 test_device!(scale_updates, scale_updates_cpu, scale_updates_cuda);
 test_device!(read_scalars, read_scalars_cpu, read_scalars_cuda);
 test_device!(
@@ -307,6 +308,77 @@ fn cast_transpose(dev: &Device) -> Result<()> {
         }
     }
     ensure!(ok, "cast-transpose differs (see the lines above)");
+    Ok(())
+}
+
+/// `ScalingTensor::requantize_t_many` (a model's FP16 weights cast to FP8
+/// with their transposes in two launches) against each tensor's own
+/// `requantize_t` on the same device, bit for bit: codes, transposed codes,
+/// scale, scale_inv, amax, counts. Shapes with partial tiles and columns
+/// not a multiple of 8, codes at an odd offset (no vector loads), inf and
+/// NaN in one tensor only, scales that differ by tensor, both FP8 targets,
+/// both scale rules and a margin; an E4M3 tensor among them takes the
+/// per-tensor path (its F32 copy).
+fn cast_t_many(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0x3a11);
+    let shapes = [
+        (64usize, 64usize),
+        (37, 70),
+        (128, 96),
+        (1024, 768),
+        (3, 5),
+        (256, 512),
+    ];
+    let mut tensors = Vec::new();
+    for (i, &(rows, cols)) in shapes.iter().enumerate() {
+        let scale = 10f32.powi(i as i32 - 2);
+        let mut v: Vec<f32> = rng
+            .normal(rows * cols + 1)
+            .iter()
+            .map(|x| x * scale)
+            .collect();
+        if i == 1 {
+            v[5] = f32::INFINITY;
+            v[9] = f32::NAN;
+        }
+        let x = Tensor::from_vec(v, rows * cols + 1, dev)?;
+        let (w, _) = ScalingTensor::quantize(&x, QType::F16, &CurrentScaling::default())?;
+        // the tensor at offset 1 (2 bytes: no 16-byte loads) for the last shape
+        let at = usize::from(i + 1 == shapes.len());
+        let data = w.data().narrow(0, at, rows * cols)?.reshape((rows, cols))?;
+        tensors.push(ScalingTensor::from_parts(data, w.meta().clone())?);
+    }
+    let e4m3 = ScalingTensor::quantize(
+        &Tensor::from_vec(rng.normal(64 * 32), (64, 32), dev)?,
+        QType::E4M3,
+        &CurrentScaling::default(),
+    )?
+    .0;
+    let mut all: Vec<&ScalingTensor> = tensors.iter().collect();
+    all.push(&e4m3);
+    let mut ok = true;
+    let recipes = [
+        CurrentScaling::default(),
+        CurrentScaling {
+            margin: 1,
+            scale_rule: ScaleRule::Te,
+            ..Default::default()
+        },
+    ];
+    for r in &recipes {
+        for qtype in [QType::E4M3, QType::E5M2] {
+            let many = ScalingTensor::requantize_t_many(&all, qtype, r)?;
+            ensure!(many.len() == all.len(), "one result per tensor");
+            for (i, (t, (q, qt, amax))) in all.iter().zip(&many).enumerate() {
+                let what = format!("many[{i}] {:?} -> {qtype} {:?}", t.shape(), r.scale_rule);
+                let (eq, eqt, eamax) = t.requantize_t(qtype, r)?;
+                ok &= same(&format!("{what} amax"), amax, &eamax)?;
+                ok &= same_scaled(&what, q, &eq)?;
+                ok &= same_scaled(&format!("{what} transposed"), qt, &eqt)?;
+            }
+        }
+    }
+    ensure!(ok, "requantize_t_many differs (see the lines above)");
     Ok(())
 }
 

@@ -9,6 +9,7 @@ mod ckpt_common;
 #[path = "../common/mod.rs"]
 mod common;
 
+mod casts_ahead;
 mod checkpoint;
 mod checkpoint_reshard;
 mod embedding_rows;

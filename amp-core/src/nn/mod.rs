@@ -65,9 +65,9 @@ pub use fused::{
     with_embedding_backward, Activation, LookupGrad, RopeScaling,
 };
 pub use linear::{
-    fp8_activation_inputs, linear, linear_b, linear_no_bias, native_op_on_cuda, producer_amax,
-    registered_linear, set_fp8_activation_inputs, set_native_op_on_cuda, set_producer_amax, Fuse,
-    LayerScaling, Linear,
+    cast_weights_ahead, fp8_activation_inputs, linear, linear_b, linear_no_bias, native_op_on_cuda,
+    producer_amax, registered_linear, set_fp8_activation_inputs, set_native_op_on_cuda,
+    set_producer_amax, set_weight_casts_ahead, weight_casts_ahead, Fuse, LayerScaling, Linear,
 };
 pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};

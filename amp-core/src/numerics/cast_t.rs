@@ -7,6 +7,7 @@ use crate::numerics::cast::{Dequantize, Quantize};
 use crate::numerics::kernel::arity;
 use crate::numerics::kernel::Kernel;
 use crate::numerics::qtype::QType;
+use crate::numerics::requantize::DecodedAmax;
 use crate::numerics::scale::FromAmax;
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape};
 
@@ -61,5 +62,60 @@ impl Kernel for QuantizeT {
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
         crate::numerics::cuda::cast_t::quantize_t(self.qtype, self.from_amax, self.scaled, inputs)
+    }
+}
+
+/// [`QuantizeT`] of many FP16 scaling tensors with current scaling, each
+/// from its own decoded amax ([`DecodedAmax`] then `QuantizeT { scaled:
+/// true, from_amax: Some(from) }` per tensor): inputs `(codes [rows,
+/// cols], scale_inv)` pairs; outputs per tensor `codes, codes_t, scale,
+/// scale_inv`, then every tensor's amax `[T]` and counts `[T, 2]`. CUDA:
+/// two launches for all of them (`kernels/cast_t.cu`,
+/// `decoded_amax_many_f16` and `quantize_t_many_f16s_*`), each tensor's
+/// bits those of its own launches; the CPU runs the per-tensor bodies.
+pub(crate) struct RequantizeTMany {
+    pub qtype: QType,
+    pub from: FromAmax,
+}
+
+/// Outputs of [`RequantizeTMany`] per tensor before the shared amax and
+/// counts.
+pub(crate) const MANY_T_OUTPUTS: usize = 4;
+
+impl Kernel for RequantizeTMany {
+    const NAME: &'static str = "requantize_t_many";
+    fn cpu(&self, inputs: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        if inputs.is_empty() || inputs.len() % 2 != 0 {
+            return Err(arity(Self::NAME));
+        }
+        let cast = QuantizeT {
+            qtype: self.qtype,
+            from_amax: Some(self.from),
+            scaled: true,
+        };
+        let count = inputs.len() / 2;
+        let mut out = Vec::with_capacity(count * MANY_T_OUTPUTS + 2);
+        let (mut amaxes, mut counts) = (Vec::with_capacity(count), Vec::with_capacity(2 * count));
+        for pair in inputs.chunks_exact(2) {
+            let [x, pre] = pair else {
+                return Err(arity(Self::NAME));
+            };
+            let amax = DecodedAmax { qtype: QType::F16 }.cpu(&[*x, *pre])?;
+            let [(amax, shape)] =
+                <[(CpuStorage, Shape); 1]>::try_from(amax).map_err(|_| arity(Self::NAME))?;
+            let layout = Layout::contiguous(shape);
+            amaxes.extend_from_slice(amax.as_slice::<f32>()?);
+            let cast = cast.cpu(&[*x, (&amax, &layout), *pre])?;
+            let [codes, codes_t, (c, _), scale, scale_inv] =
+                <[(CpuStorage, Shape); 5]>::try_from(cast).map_err(|_| arity(Self::NAME))?;
+            counts.extend_from_slice(c.as_slice::<i64>()?);
+            out.extend([codes, codes_t, scale, scale_inv]);
+        }
+        out.push((CpuStorage::F32(amaxes), Shape::from(count)));
+        out.push((CpuStorage::I64(counts), Shape::from((count, 2))));
+        Ok(out)
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::cast_t_many::requantize_t_many(self.qtype, self.from, inputs)
     }
 }

@@ -40,6 +40,18 @@ pub(crate) mod cast_t {
     }
 }
 
+pub(crate) mod cast_t_many {
+    use super::*;
+
+    pub(crate) fn requantize_t_many(
+        _: QType,
+        _: crate::numerics::scale::FromAmax,
+        _: Inputs<'_>,
+    ) -> Outputs {
+        Err(Error::NotCompiled("cuda"))
+    }
+}
+
 pub(crate) fn dequantize(_: QType, _: DType, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }

@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::numerics::cast::{Amax, Dequantize, Quantize};
-use crate::numerics::cast_t::QuantizeT;
+use crate::numerics::cast_t::{QuantizeT, RequantizeTMany, MANY_T_OUTPUTS};
 use crate::numerics::kernel::arity;
 use crate::numerics::kernel::{launch, Kernel};
 use crate::numerics::qtype::QType;
@@ -511,6 +511,60 @@ impl ScalingTensor {
             &[&self.data, &amax, scale_inv],
             amax.clone(),
         )
+    }
+
+    /// [`requantize_t`](Self::requantize_t) of many tensors, bit for bit
+    /// each one's own: the FP16 tensors the cast-transpose takes in place
+    /// (a model's Linear weights) in two launches for all of them on CUDA
+    /// (the others one by one, as `requantize_t` casts them).
+    ///
+    /// # Errors
+    /// As [`requantize_t`](Self::requantize_t); [`Error::Device`] when the
+    /// tensors live on different devices.
+    pub fn requantize_t_many(
+        tensors: &[&Self],
+        qtype: QType,
+        recipe: &CurrentScaling,
+    ) -> Result<Vec<(Self, Self, Tensor)>> {
+        let from = FromAmax::of(recipe);
+        let batched: Vec<usize> = (0..tensors.len())
+            .filter(|&i| tensors[i].casts_t_in_place(qtype) && tensors[i].elem_count() > 0)
+            .collect();
+        let mut out: Vec<Option<(Self, Self, Tensor)>> = vec![None; tensors.len()];
+        if !batched.is_empty() {
+            let inputs: Vec<&Tensor> = batched
+                .iter()
+                .flat_map(|&i| [&tensors[i].data, tensors[i].meta.scale_inv()])
+                .collect();
+            let op = RequantizeTMany { qtype, from };
+            let mut outs = launch(&op, &inputs)?;
+            let (Some(counts), Some(amax)) = (outs.pop(), outs.pop()) else {
+                return Err(arity(RequantizeTMany::NAME));
+            };
+            if outs.len() != batched.len() * MANY_T_OUTPUTS {
+                return Err(arity(RequantizeTMany::NAME));
+            }
+            let mut parts = outs.into_iter();
+            for (k, &i) in batched.iter().enumerate() {
+                let (Some(data), Some(data_t), Some(scale), Some(scale_inv)) =
+                    (parts.next(), parts.next(), parts.next(), parts.next())
+                else {
+                    return Err(arity(RequantizeTMany::NAME));
+                };
+                let a = amax.narrow(0, k, 1)?;
+                let c = counts.get(k)?;
+                let q = Self::from_current(data, qtype, scale, scale_inv, &a, c, from.flag)?;
+                let qt = q.with_data(data_t);
+                out[i] = Some((q, qt, a));
+            }
+        }
+        out.into_iter()
+            .zip(tensors)
+            .map(|(done, t)| match done {
+                Some(r) => Ok(r),
+                None => t.requantize_t(qtype, recipe),
+            })
+            .collect()
     }
 
     /// [`quantize_with_t`](Self::quantize_with_t) of this tensor's value,

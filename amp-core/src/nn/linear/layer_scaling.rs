@@ -251,7 +251,19 @@ pub(crate) fn cast(
     casts: &LastCasts,
     transpose: bool,
 ) -> Result<(ScalingTensor, Option<ScalingTensor>)> {
-    let (q, qt) = cast_scaled(x, format, scaling, state, role, step, transpose)?;
+    let cast = cast_scaled(x, format, scaling, state, role, step, transpose)?;
+    noted(x, role, casts, cast)
+}
+
+/// A cast of `x` for `role` made elsewhere (the weights' casts made ahead,
+/// ahead.rs) noted as [`cast`] notes its own: the layer's last metadata of
+/// the role and the telemetry's record.
+pub(crate) fn noted(
+    x: Source<'_>,
+    role: Role,
+    casts: &LastCasts,
+    (q, qt): (ScalingTensor, Option<ScalingTensor>),
+) -> Result<(ScalingTensor, Option<ScalingTensor>)> {
     casts
         .lock()
         .map_err(|_| Error::Poisoned {

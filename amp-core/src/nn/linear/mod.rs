@@ -11,6 +11,7 @@
 //! again from its weight in `registry.rs`; the switches a run sets once
 //! (FP8 activation inputs, the native op on CUDA) in `switches.rs`.
 
+mod ahead;
 mod block;
 mod fuse;
 mod layer_scaling;
@@ -29,16 +30,17 @@ use crate::scaling::sink::GradSink;
 use crate::scaling::weight::{Weight, WeightSlot};
 use candle_core::{DType, Module, Tensor, TensorId, Var};
 use fuse::OpFuse;
-use layer_scaling::{cast, LastCasts, Role, Scaling, SharedScaling, Source};
+use layer_scaling::{cast, noted, LastCasts, Role, Scaling, SharedScaling, Source};
 use op::{Fp8LinearOp, KeptInput, Origin, Plan, Saved};
 use registry::LinearParts;
 use std::sync::{Arc, Mutex};
 
+pub use ahead::cast_weights_ahead;
 pub use fuse::Fuse;
 pub use layer_scaling::LayerScaling;
 pub use switches::{
     fp8_activation_inputs, native_op_on_cuda, producer_amax, set_fp8_activation_inputs,
-    set_native_op_on_cuda, set_producer_amax,
+    set_native_op_on_cuda, set_producer_amax, set_weight_casts_ahead, weight_casts_ahead,
 };
 
 /// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.
@@ -81,6 +83,7 @@ pub struct Linear {
     pub(super) saved_bytes: Arc<Mutex<usize>>,
     pub(super) high_precision: Arc<std::sync::atomic::AtomicBool>,
     pub(super) casts: LastCasts,
+    pub(super) ahead: ahead::SharedAhead,
 }
 
 impl Linear {
@@ -129,6 +132,7 @@ impl Linear {
             saved_bytes: Arc::downgrade(&self.saved_bytes),
             high_precision: Arc::downgrade(&self.high_precision),
             casts: Arc::downgrade(&self.casts),
+            ahead: Arc::downgrade(&self.ahead),
         }
     }
 
@@ -144,6 +148,7 @@ impl Linear {
             saved_bytes: p.saved_bytes.upgrade()?,
             high_precision: p.high_precision.upgrade()?,
             casts: p.casts.upgrade()?,
+            ahead: p.ahead.upgrade()?,
         })
     }
 
@@ -158,6 +163,7 @@ impl Linear {
             saved_bytes: Arc::default(),
             high_precision: Arc::default(),
             casts: Arc::default(),
+            ahead: Arc::default(),
         }
     }
 
@@ -605,6 +611,17 @@ impl Linear {
         // K-major operand); with wgrad, x's writes xᵀ: each is kept for
         // backward in place of the row-major codes (same bytes), so the
         // backward GEMMs need no transpose.
+        // an FP16 weight's cast under current scaling, maybe made ahead
+        // (ahead.rs) by `cast_weights_ahead`
+        let ahead_cast = match (weight, &scaling) {
+            (Weight::F16(t), Scaling::Current(r)) if dgrad => Some((t, fwd.into(), r)),
+            _ => None,
+        };
+        let ready = if fprop || dgrad {
+            ahead::take(&self.ahead, ahead_cast)?
+        } else {
+            None
+        };
         let (wq, wq_t) = if fprop || dgrad {
             match weight {
                 // O3: the stored FP8 copy is the GEMM operand as it is.
@@ -620,16 +637,19 @@ impl Linear {
                             Source::Scaled(t)
                         }
                     };
-                    let (q, qt) = cast(
-                        source,
-                        fwd,
-                        &scaling,
-                        &self.scaling,
-                        Role::Weight,
-                        step,
-                        &self.casts,
-                        dgrad,
-                    )?;
+                    let (q, qt) = match ready {
+                        Some((q, qt)) => noted(source, Role::Weight, &self.casts, (q, Some(qt)))?,
+                        None => cast(
+                            source,
+                            fwd,
+                            &scaling,
+                            &self.scaling,
+                            Role::Weight,
+                            step,
+                            &self.casts,
+                            dgrad,
+                        )?,
+                    };
                     (Some(q), qt)
                 }
             }

@@ -22,6 +22,7 @@ pub(crate) struct LinearParts {
     pub(crate) saved_bytes: Weak<Mutex<usize>>,
     pub(crate) high_precision: Weak<std::sync::atomic::AtomicBool>,
     pub(crate) casts: Weak<Mutex<super::layer_scaling::Casts>>,
+    pub(crate) ahead: Weak<Mutex<super::ahead::Ahead>>,
 }
 
 impl LinearParts {

@@ -2,7 +2,8 @@
 //! MLP's activation input kept in FP8 (per thread), O0's products
 //! through the layers' op on CUDA (process-wide, on by default) and the
 //! casts' amaxes taken from their tensors' producers (process-wide, on by
-//! default).
+//! default) and the weights' casts made ahead by the levels (process-wide,
+//! on by default).
 
 thread_local! {
     static FP8_ACTIVATION_INPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -67,4 +68,21 @@ pub fn set_producer_amax(on: bool) {
 /// Whether [`set_producer_amax`] is on.
 pub fn producer_amax() -> bool {
     PRODUCER_AMAX.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static WEIGHT_CASTS_AHEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// After each applied step the levels cast the FP16 weights to the FP8
+/// operands of the next forward all at once
+/// ([`cast_weights_ahead`](crate::nn::cast_weights_ahead): two launches
+/// for all of them instead of two a layer), and each forward takes its
+/// own: the same values bit for bit. On by default; `false` leaves the
+/// casts to each forward. Process-wide, as [`set_producer_amax`].
+pub fn set_weight_casts_ahead(on: bool) {
+    WEIGHT_CASTS_AHEAD.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_weight_casts_ahead`] is on.
+pub fn weight_casts_ahead() -> bool {
+    WEIGHT_CASTS_AHEAD.load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -54,6 +54,7 @@ mod block;
 mod bucket;
 mod cast;
 pub(crate) mod cast_t;
+pub(crate) mod cast_t_many;
 mod decode_sum;
 pub(crate) mod launch;
 mod meta;
