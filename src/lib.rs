@@ -40,6 +40,7 @@ pub use amp_core::{
     CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX, F16_NAN_BITS, MAX_AMAX_HISTORY_LEN,
     MAX_MARGIN,
 };
+pub use amp_core::{cast_counts, set_cast_counts};
 
 /// The CUDA device: which GPUs the CUDA path runs on (compute capability
 /// 8.9 or newer, checked when the first kernel loads; `AMP_COMPUTE_CAP`

@@ -156,7 +156,7 @@ struct ManyT {
     uint32_t* amax;               // its amax bits (zeroed; pass 1 folds, pass 2 reads as f32)
     uint8_t* out;                 // codes [rows, cols]
     uint8_t* out_t;               // codes [cols, rows]
-    unsigned long long* counts;   // saturated and flushed (zeroed)
+    unsigned long long* counts;   // saturated and flushed (zeroed), or null: not counted
     float* scale;                 // written by its first tile's block
     float* scale_inv;
     int rows, cols, vec, tiles_x; // vec: as quantize_t's; tiles_x = ceil(cols / TT)

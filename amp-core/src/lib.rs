@@ -64,6 +64,7 @@ pub use numerics::capability::{check_capability, parse_capability, MIN_COMPUTE_C
 pub use numerics::cast::F16_NAN_BITS;
 pub use numerics::cast::{amax, CastStats};
 pub use numerics::clock::StreamMark;
+pub use numerics::counts::{cast_counts, set_cast_counts};
 #[cfg(feature = "cuda")]
 pub use numerics::cuda::launch::{compute_capability, ensure_supported, multiprocessors};
 pub use numerics::cuda::{

@@ -49,6 +49,8 @@ macro_rules! test_device {
         $(#[$m])*
         #[test]
         fn $cpu() -> anyhow::Result<()> {
+            // the casts' counts are compared too
+            amp::set_cast_counts(true);
             $body(&candle_core::Device::Cpu)
         }
         test_device!($(#[$m])* $body, $cuda);
@@ -57,6 +59,7 @@ macro_rules! test_device {
         $(#[$m])*
         #[test]
         fn $cuda() -> anyhow::Result<()> {
+            amp::set_cast_counts(true);
             crate::on_cuda(concat!(module_path!(), "::", stringify!($cuda)), $body)
         }
     };

@@ -326,6 +326,8 @@ fn a_calibrated_first_step_takes_its_own_amax_then_follows_te() {
 
 #[test]
 fn saturation_is_counted_not_silent() {
+    // casts count while their thread asks (or records telemetry)
+    amp::set_cast_counts(true);
     let layer = nn::Linear::new("w", t(vec![0.5; 8], &[2, 4]), None).unwrap();
     let recipe = ComputeMode::Fp8Delayed(DelayedScaling {
         amax_history_len: 1,
@@ -407,8 +409,36 @@ fn output_gradients_use_the_backward_format_of_the_recipe() {
     }
 }
 
+/// Casts count their saturated and flushed elements only while their
+/// thread asks (`set_cast_counts`) or records telemetry: otherwise the
+/// metadata has no counts, and the codes are the same.
+#[test]
+fn casts_count_only_when_asked() {
+    let layer = nn::Linear::new("w", t(vec![0.5; 8], &[2, 4]), None).unwrap();
+    let x = t(vec![1000.0, 1e-4, 1.0, -2.0], &[1, 4]);
+    let run = || {
+        let _s = fp8_autocast(true, ComputeMode::Fp8Current(CurrentScaling::default()));
+        let y = layer.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        (y, layer.last_cast_stats().unwrap()[0])
+    };
+    amp::set_cast_counts(false);
+    let (quiet, none) = run();
+    assert_eq!(none, None, "no counts unless asked");
+    amp::set_cast_counts(true);
+    let (counted, some) = run();
+    assert_eq!(some.map(|s| (s.saturated, s.flushed)), Some((0, 1)));
+    assert_eq!(quiet, counted, "the same output either way");
+    amp::set_cast_counts(false);
+    nn::set_telemetry(true);
+    let (_, by_telemetry) = run();
+    nn::set_telemetry(false);
+    assert!(by_telemetry.is_some(), "telemetry counts");
+    assert!(!amp::cast_counts(), "telemetry off: counting off again");
+}
+
 #[test]
 fn current_scaling_telemetry_is_kept_per_layer() {
+    amp::set_cast_counts(true);
     let layer = nn::Linear::new("w", t(vec![0.5; 8], &[2, 4]), None).unwrap();
     assert_eq!(layer.last_cast_stats().unwrap(), [None, None, None]);
     // Current scaling fits the scale to the amax: nothing saturates, but a

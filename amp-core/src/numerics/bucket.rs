@@ -170,6 +170,7 @@ impl Kernel for BucketRequantize {
         let op = Requantize {
             from: self.from,
             to: self.to,
+            counts: false,
         };
         let mut out = Vec::new();
         for p in &self.pieces {

@@ -171,10 +171,12 @@ impl Kernel for Amax {
 
 /// `(encode(x * scale), max |x|, [saturated, flushed])` in one pass.
 /// Inputs: x, scale; or with `from_amax`, x and its amax, and then the
-/// outputs are `(codes, counts, scale, scale_inv)`.
+/// outputs are `(codes, counts, scale, scale_inv)`. Without `counts` the
+/// counts output is left out (numerics/counts.rs).
 pub(crate) struct Quantize {
     pub qtype: QType,
     pub from_amax: Option<FromAmax>,
+    pub counts: bool,
 }
 
 impl Kernel for Quantize {
@@ -194,7 +196,9 @@ impl Kernel for Quantize {
             let xs = slice::<T>(Self::NAME, xs, lx)?;
             Ok::<_, Error>(quantize_slice(self.qtype, xs, scale))
         })?;
-        let counts = (CpuStorage::I64(counts.to_vec()), Shape::from(2usize));
+        let counts = self
+            .counts
+            .then(|| (CpuStorage::I64(counts.to_vec()), Shape::from(2usize)));
         Ok(match self.from_amax {
             // the amax was an input: not returned again
             Some(from) => {
@@ -204,13 +208,20 @@ impl Kernel for Quantize {
                     true => inv * (scalar(Self::NAME, s, ls)? * 0.0 + 1.0),
                     false => inv,
                 };
-                vec![(codes, shape), counts, one(scale), one(inv)]
+                let mut out = vec![(codes, shape)];
+                out.extend(counts);
+                out.extend([one(scale), one(inv)]);
+                out
             }
-            None => vec![(codes, shape), one(amax), counts],
+            None => {
+                let mut out = vec![(codes, shape), one(amax)];
+                out.extend(counts);
+                out
+            }
         })
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::quantize(self.qtype, self.from_amax, inputs)
+        crate::numerics::cuda::quantize(self.qtype, self.from_amax, self.counts, inputs)
     }
 }
 

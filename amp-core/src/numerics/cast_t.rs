@@ -22,6 +22,8 @@ pub(crate) struct QuantizeT {
     pub qtype: QType,
     pub from_amax: Option<FromAmax>,
     pub scaled: bool,
+    /// Whether the counts output is made (numerics/counts.rs).
+    pub counts: bool,
 }
 
 impl Kernel for QuantizeT {
@@ -30,6 +32,7 @@ impl Kernel for QuantizeT {
         let cast = Quantize {
             qtype: self.qtype,
             from_amax: self.from_amax,
+            counts: self.counts,
         };
         let mut out = match inputs {
             [x, s] if !self.scaled => cast.cpu(&[*x, *s])?,
@@ -61,7 +64,13 @@ impl Kernel for QuantizeT {
         Ok(out)
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::cast_t::quantize_t(self.qtype, self.from_amax, self.scaled, inputs)
+        crate::numerics::cuda::cast_t::quantize_t(
+            self.qtype,
+            self.from_amax,
+            self.scaled,
+            self.counts,
+            inputs,
+        )
     }
 }
 
@@ -69,13 +78,16 @@ impl Kernel for QuantizeT {
 /// from its own decoded amax ([`DecodedAmax`] then `QuantizeT { scaled:
 /// true, from_amax: Some(from) }` per tensor): inputs `(codes [rows,
 /// cols], scale_inv)` pairs; outputs per tensor `codes, codes_t, scale,
-/// scale_inv`, then every tensor's amax `[T]` and counts `[T, 2]`. CUDA:
+/// scale_inv`, then every tensor's amax `[T]` and with `counts` their
+/// counts `[T, 2]`. CUDA:
 /// two launches for all of them (`kernels/cast_t.cu`,
 /// `decoded_amax_many_f16` and `quantize_t_many_f16s_*`), each tensor's
 /// bits those of its own launches; the CPU runs the per-tensor bodies.
 pub(crate) struct RequantizeTMany {
     pub qtype: QType,
     pub from: FromAmax,
+    /// Whether the counts output is made (numerics/counts.rs).
+    pub counts: bool,
 }
 
 /// Outputs of [`RequantizeTMany`] per tensor before the shared amax and
@@ -92,6 +104,7 @@ impl Kernel for RequantizeTMany {
             qtype: self.qtype,
             from_amax: Some(self.from),
             scaled: true,
+            counts: true,
         };
         let count = inputs.len() / 2;
         let mut out = Vec::with_capacity(count * MANY_T_OUTPUTS + 2);
@@ -112,10 +125,17 @@ impl Kernel for RequantizeTMany {
             out.extend([codes, codes_t, scale, scale_inv]);
         }
         out.push((CpuStorage::F32(amaxes), Shape::from(count)));
-        out.push((CpuStorage::I64(counts), Shape::from((count, 2))));
+        if self.counts {
+            out.push((CpuStorage::I64(counts), Shape::from((count, 2))));
+        }
         Ok(out)
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::cast_t_many::requantize_t_many(self.qtype, self.from, inputs)
+        crate::numerics::cuda::cast_t_many::requantize_t_many(
+            self.qtype,
+            self.from,
+            self.counts,
+            inputs,
+        )
     }
 }

@@ -18,6 +18,7 @@ pub(crate) fn amax(_: Inputs<'_>) -> Outputs {
 pub(crate) fn quantize(
     _: QType,
     _: Option<crate::numerics::scale::FromAmax>,
+    _: bool,
     _: Inputs<'_>,
 ) -> Outputs {
     Err(Error::NotCompiled("cuda"))
@@ -34,6 +35,7 @@ pub(crate) mod cast_t {
         _: QType,
         _: Option<crate::numerics::scale::FromAmax>,
         _: bool,
+        _: bool,
         _: Inputs<'_>,
     ) -> Outputs {
         Err(Error::NotCompiled("cuda"))
@@ -46,6 +48,7 @@ pub(crate) mod cast_t_many {
     pub(crate) fn requantize_t_many(
         _: QType,
         _: crate::numerics::scale::FromAmax,
+        _: bool,
         _: Inputs<'_>,
     ) -> Outputs {
         Err(Error::NotCompiled("cuda"))
@@ -143,7 +146,7 @@ pub(crate) fn decode_sum(_: QType, _: bool, _: f32, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 
-pub(crate) fn requantize(_: QType, _: QType, _: Inputs<'_>) -> Outputs {
+pub(crate) fn requantize(_: QType, _: QType, _: bool, _: Inputs<'_>) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
 

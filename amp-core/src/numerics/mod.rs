@@ -17,6 +17,7 @@ pub(crate) mod cast;
 pub(crate) mod cast_t;
 pub(crate) mod clock;
 pub mod config;
+pub(crate) mod counts;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 #[cfg(not(feature = "cuda"))]

@@ -156,8 +156,8 @@ impl ScalingMeta {
 
     /// The same metadata with the counts `[saturated, flushed]` (I64, on the
     /// device) of the cast it describes.
-    pub(crate) fn with_last_cast(mut self, counts: Tensor) -> Self {
-        self.last_cast = Some(counts);
+    pub(crate) fn with_last_cast(mut self, counts: Option<Tensor>) -> Self {
+        self.last_cast = counts;
         self
     }
 
@@ -187,7 +187,10 @@ impl ScalingMeta {
 
     /// How many elements the last recorded cast saturated and flushed to
     /// zero (a host read: telemetry, not for the training step). `None`
-    /// before any cast. `total` is left 0: the counts come from the device.
+    /// before any cast, and for a cast that did not count (casts count
+    /// while their thread asked, [`set_cast_counts`](crate::set_cast_counts),
+    /// or records telemetry). `total` is left 0: the counts come from the
+    /// device.
     ///
     /// # Errors
     /// Only candle's.

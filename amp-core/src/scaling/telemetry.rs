@@ -27,6 +27,8 @@ thread_local! {
 /// the steps to look at.
 pub fn set_telemetry(on: bool) {
     ON.with(|c| c.set(on));
+    // the records hold the casts' counts
+    crate::numerics::counts::set_counts_for_telemetry(on);
 }
 
 /// Whether [`set_telemetry`] left recording on in this thread.

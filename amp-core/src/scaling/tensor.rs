@@ -3,6 +3,7 @@
 use crate::error::{Error, Result};
 use crate::numerics::cast::{Amax, Dequantize, Quantize};
 use crate::numerics::cast_t::{QuantizeT, RequantizeTMany, MANY_T_OUTPUTS};
+use crate::numerics::counts::cast_counts;
 use crate::numerics::kernel::arity;
 use crate::numerics::kernel::{launch, Kernel};
 use crate::numerics::qtype::QType;
@@ -136,9 +137,11 @@ impl ScalingTensor {
         let op = Quantize {
             qtype,
             from_amax: Some(from),
+            counts: cast_counts(),
         };
-        let [data, counts, scale, scale_inv] = <[Tensor; 4]>::try_from(launch(&op, &[x, &amax])?)
-            .map_err(|_| arity(Quantize::NAME))?;
+        let (outs, counts) = counted(launch(&op, &[x, &amax])?, 1, op.counts, Quantize::NAME)?;
+        let [data, scale, scale_inv] =
+            <[Tensor; 3]>::try_from(outs).map_err(|_| arity(Quantize::NAME))?;
         Ok((
             Self::from_current(data, qtype, scale, scale_inv, &amax, counts, from.flag)?,
             amax,
@@ -157,14 +160,18 @@ impl ScalingTensor {
     pub fn quantize_with(x: &Tensor, meta: &ScalingMeta) -> Result<(Self, Tensor)> {
         check_float("ScalingTensor::quantize_with", x)?;
         let qtype = meta.qtype();
-        let [data, amax, counts] = <[Tensor; 3]>::try_from(launch(
-            &Quantize {
-                qtype,
-                from_amax: None,
-            },
-            &[x, meta.scale()],
-        )?)
-        .map_err(|_| arity(Quantize::NAME))?;
+        let op = Quantize {
+            qtype,
+            from_amax: None,
+            counts: cast_counts(),
+        };
+        let (outs, counts) = counted(
+            launch(&op, &[x, meta.scale()])?,
+            2,
+            op.counts,
+            Quantize::NAME,
+        )?;
+        let [data, amax] = <[Tensor; 2]>::try_from(outs).map_err(|_| arity(Quantize::NAME))?;
         Self::from_cast(data, meta, amax, counts)
     }
 
@@ -241,9 +248,11 @@ impl ScalingTensor {
             qtype,
             from_amax: Some(from),
             scaled,
+            counts: cast_counts(),
         };
-        let [data, data_t, counts, scale, scale_inv] =
-            <[Tensor; 5]>::try_from(launch(&op, inputs)?).map_err(|_| arity(QuantizeT::NAME))?;
+        let (outs, counts) = counted(launch(&op, inputs)?, 2, op.counts, QuantizeT::NAME)?;
+        let [data, data_t, scale, scale_inv] =
+            <[Tensor; 4]>::try_from(outs).map_err(|_| arity(QuantizeT::NAME))?;
         let q = Self::from_current(data, qtype, scale, scale_inv, &amax, counts, from.flag)?;
         let qt = q.with_data(data_t);
         Ok((q, qt, amax))
@@ -261,9 +270,11 @@ impl ScalingTensor {
             qtype: meta.qtype(),
             from_amax: None,
             scaled,
+            counts: cast_counts(),
         };
-        let [data, data_t, amax, counts] =
-            <[Tensor; 4]>::try_from(launch(&op, inputs)?).map_err(|_| arity(QuantizeT::NAME))?;
+        let (outs, counts) = counted(launch(&op, inputs)?, 3, op.counts, QuantizeT::NAME)?;
+        let [data, data_t, amax] =
+            <[Tensor; 3]>::try_from(outs).map_err(|_| arity(QuantizeT::NAME))?;
         let (q, amax) = Self::from_cast(data, meta, amax, counts)?;
         let qt = q.with_data(data_t);
         Ok((q, qt, amax))
@@ -309,7 +320,7 @@ impl ScalingTensor {
         scale: Tensor,
         scale_inv: Tensor,
         amax: &Tensor,
-        counts: Tensor,
+        counts: Option<Tensor>,
         flagged: bool,
     ) -> Result<Self> {
         let meta =
@@ -324,7 +335,7 @@ impl ScalingTensor {
         data: Tensor,
         meta: &ScalingMeta,
         amax: Tensor,
-        counts: Tensor,
+        counts: Option<Tensor>,
     ) -> Result<(Self, Tensor)> {
         let meta = ScalingMeta::from_parts(
             meta.qtype(),
@@ -438,11 +449,14 @@ impl ScalingTensor {
         )?)
         .map_err(|_| arity(DecodedAmax::NAME))?;
         let meta = ScalingMeta::for_current_amax(qtype, &amax, recipe.scale_rule, recipe.margin)?;
-        let [data, amax, counts] = <[Tensor; 3]>::try_from(launch(
-            &Requantize { from, to: qtype },
-            &[&self.data, scale_inv, meta.scale()],
-        )?)
-        .map_err(|_| arity(Requantize::NAME))?;
+        let op = Requantize {
+            from,
+            to: qtype,
+            counts: cast_counts(),
+        };
+        let outs = launch(&op, &[&self.data, scale_inv, meta.scale()])?;
+        let (outs, counts) = counted(outs, 2, op.counts, Requantize::NAME)?;
+        let [data, amax] = <[Tensor; 2]>::try_from(outs).map_err(|_| arity(Requantize::NAME))?;
         Self::from_cast(data, &meta, amax, counts)
     }
 
@@ -470,14 +484,14 @@ impl ScalingTensor {
     /// # Errors
     /// As [`quantize_with`](Self::quantize_with).
     pub fn requantize_with(&self, meta: &ScalingMeta) -> Result<(Self, Tensor)> {
-        let [data, amax, counts] = <[Tensor; 3]>::try_from(launch(
-            &Requantize {
-                from: self.qtype(),
-                to: meta.qtype(),
-            },
-            &[&self.data, self.meta.scale_inv(), meta.scale()],
-        )?)
-        .map_err(|_| arity(Requantize::NAME))?;
+        let op = Requantize {
+            from: self.qtype(),
+            to: meta.qtype(),
+            counts: cast_counts(),
+        };
+        let outs = launch(&op, &[&self.data, self.meta.scale_inv(), meta.scale()])?;
+        let (outs, counts) = counted(outs, 2, op.counts, Requantize::NAME)?;
+        let [data, amax] = <[Tensor; 2]>::try_from(outs).map_err(|_| arity(Requantize::NAME))?;
         Self::from_cast(data, meta, amax, counts)
     }
 
@@ -536,9 +550,14 @@ impl ScalingTensor {
                 .iter()
                 .flat_map(|&i| [&tensors[i].data, tensors[i].meta.scale_inv()])
                 .collect();
-            let op = RequantizeTMany { qtype, from };
+            let op = RequantizeTMany {
+                qtype,
+                from,
+                counts: cast_counts(),
+            };
             let mut outs = launch(&op, &inputs)?;
-            let (Some(counts), Some(amax)) = (outs.pop(), outs.pop()) else {
+            let counts = if op.counts { outs.pop() } else { None };
+            let Some(amax) = outs.pop() else {
                 return Err(arity(RequantizeTMany::NAME));
             };
             if outs.len() != batched.len() * MANY_T_OUTPUTS {
@@ -552,7 +571,7 @@ impl ScalingTensor {
                     return Err(arity(RequantizeTMany::NAME));
                 };
                 let a = amax.narrow(0, k, 1)?;
-                let c = counts.get(k)?;
+                let c = counts.as_ref().map(|c| c.get(k)).transpose()?;
                 let q = Self::from_current(data, qtype, scale, scale_inv, &a, c, from.flag)?;
                 let qt = q.with_data(data_t);
                 out[i] = Some((q, qt, a));
@@ -593,4 +612,22 @@ impl ScalingTensor {
                 .dims2()
                 .is_ok_and(|(rows, cols)| one_pass_t(to, rows, cols, self.data.device()))
     }
+}
+
+/// `outs` without the counts output at `at` where the op made one
+/// (`made`: it counted, numerics/counts.rs), and that output.
+fn counted(
+    mut outs: Vec<Tensor>,
+    at: usize,
+    made: bool,
+    op: &'static str,
+) -> Result<(Vec<Tensor>, Option<Tensor>)> {
+    if !made {
+        return Ok((outs, None));
+    }
+    if at >= outs.len() {
+        return Err(arity(op));
+    }
+    let counts = outs.remove(at);
+    Ok((outs, Some(counts)))
 }

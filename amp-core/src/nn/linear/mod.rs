@@ -241,7 +241,9 @@ impl Linear {
 
     /// What the layer's last FP8 casts of its input, weight and output
     /// gradient saturated and flushed (any FP8 mode; `None` for a role not
-    /// cast yet). A host read: telemetry, not for the training step.
+    /// cast yet, or cast without counting: casts count while their thread
+    /// asked, [`set_cast_counts`](crate::set_cast_counts), or records
+    /// telemetry). A host read: telemetry, not for the training step.
     ///
     /// # Errors
     /// [`Error::Poisoned`]; candle's.

@@ -156,6 +156,7 @@ impl Codes {
 pub(crate) fn quantize(
     qtype: QType,
     from_amax: Option<FromAmax>,
+    counted: bool,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Outputs> {
     const OP: &str = "quantize";
@@ -173,7 +174,7 @@ pub(crate) fn quantize(
         None => Some(dev.alloc_zeros::<f32>(1)?),
     };
     let null = 0u64;
-    let mut counts = dev.alloc_zeros::<i64>(2)?;
+    let mut counts = counted.then(|| dev.alloc_zeros::<i64>(2)).transpose()?;
     let name = format!(
         "quantize_{}_{}",
         dname(OP, x.dtype(), "F32, F16 or BF16")?,
@@ -193,14 +194,17 @@ pub(crate) fn quantize(
             Some(a) => b.arg(a),
             None => b.arg(&null),
         };
-        b.arg(&mut counts);
+        match &mut counts {
+            Some(c) => b.arg(c),
+            None => b.arg(&null),
+        };
         Current::push_tail(&mut cur, &mut b, &input);
         unsafe { b.launch(grid(&dev, items(n, vec))?) }.w()?;
         Ok::<_, Error>(())
     })?;
     let mut out = vec![codes.wrap(&dev, lx.shape().clone())];
     out.extend(amax.map(|a| wrap(a, &dev, one())));
-    out.push(wrap(counts, &dev, Shape::from(2usize)));
+    out.extend(counts.map(|c| wrap(c, &dev, Shape::from(2usize))));
     out.extend(Current::outputs(cur, &dev));
     Ok(out)
 }
@@ -300,6 +304,7 @@ pub(crate) fn decoded_amax(qtype: QType, inputs: &[(&CudaStorage, &Layout)]) -> 
 pub(crate) fn requantize(
     from: QType,
     to: QType,
+    counted: bool,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Outputs> {
     const OP: &str = "requantize";
@@ -312,7 +317,8 @@ pub(crate) fn requantize(
     let scale = scalar(OP, s, ls)?;
     let mut codes = Codes::alloc(&dev, to, n)?;
     let mut amax = dev.alloc_zeros::<f32>(1)?;
-    let mut counts = dev.alloc_zeros::<i64>(2)?;
+    let mut counts = counted.then(|| dev.alloc_zeros::<i64>(2)).transpose()?;
+    let null = 0u64;
     let f = func(&dev, &format!("requantize_{}_{}", qname(from), qname(to)))?;
     let stream = dev.cuda_stream();
     let out_aligned = codes.aligned(&dev);
@@ -321,13 +327,18 @@ pub(crate) fn requantize(
         let mut b = stream.launch_builder(&f);
         b.arg(&qv).arg(&scale_inv).arg(&scale);
         codes.push(&mut b);
-        b.arg(&n).arg(&vec).arg(&mut amax).arg(&mut counts);
+        b.arg(&n).arg(&vec).arg(&mut amax);
+        match &mut counts {
+            Some(c) => b.arg(c),
+            None => b.arg(&null),
+        };
         unsafe { b.launch(grid(&dev, items(n, vec))?) }.w()?;
         Ok::<_, Error>(())
     })?;
-    Ok(vec![
+    let mut out = vec![
         codes.wrap(&dev, lq.shape().clone()),
         wrap(amax, &dev, one()),
-        wrap(counts, &dev, Shape::from(2usize)),
-    ])
+    ];
+    out.extend(counts.map(|c| wrap(c, &dev, Shape::from(2usize))));
+    Ok(out)
 }

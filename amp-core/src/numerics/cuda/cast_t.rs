@@ -27,7 +27,8 @@ pub(crate) fn fits(rows: usize, cols: usize) -> bool {
 }
 
 /// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`; with
-/// `from_amax`, `[codes, codes_t, counts, scale, scale_inv]` of `[x, amax]`.
+/// `from_amax`, `[codes, codes_t, counts, scale, scale_inv]` of `[x, amax]`;
+/// without `counted` no counts.
 /// `scaled`: x is an FP16 scaling tensor's data and a third input its
 /// scale_inv; the kernel casts the dequantized values.
 ///
@@ -38,6 +39,7 @@ pub(crate) fn quantize_t(
     qtype: QType,
     from_amax: Option<FromAmax>,
     scaled: bool,
+    counted: bool,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     const OP: &str = "quantize_t";
@@ -85,6 +87,7 @@ pub(crate) fn quantize_t(
             cur,
             rows,
             cols,
+            counted,
         ),
         DType::BF16 => launch(
             dev,
@@ -95,6 +98,7 @@ pub(crate) fn quantize_t(
             cur,
             rows,
             cols,
+            counted,
         ),
         DType::F16 => launch(
             dev,
@@ -105,6 +109,7 @@ pub(crate) fn quantize_t(
             cur,
             rows,
             cols,
+            counted,
         ),
         got => Err(Error::DType {
             op: OP,
@@ -124,6 +129,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     mut cur: Option<Current>,
     rows: usize,
     cols: usize,
+    counted: bool,
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     let n = rows * cols;
     // SAFETY (both): the kernel writes every element of both.
@@ -135,7 +141,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         None => Some(dev.alloc_zeros::<f32>(1)?),
     };
     let null = 0u64;
-    let mut counts = dev.alloc_zeros::<i64>(2)?;
+    let mut counts = counted.then(|| dev.alloc_zeros::<i64>(2)).transpose()?;
     let vec = cols % 8 == 0
         && rows % 16 == 0
         && aligned(&xv, dev)
@@ -169,7 +175,10 @@ fn launch<T: CudaDType + DeviceRepr>(
             Some(a) => b.arg(a),
             None => b.arg(&null),
         };
-        b.arg(&mut counts);
+        match &mut counts {
+            Some(c) => b.arg(c),
+            None => b.arg(&null),
+        };
         Current::push_tail(&mut cur, &mut b, scale);
         unsafe { b.launch(cfg) }.w()?;
     }
@@ -184,10 +193,12 @@ fn launch<T: CudaDType + DeviceRepr>(
             Shape::from(1usize),
         )
     }));
-    outputs.push((
-        CudaStorage::wrap_cuda_slice(counts, dev.clone()),
-        Shape::from(2usize),
-    ));
+    outputs.extend(counts.map(|c| {
+        (
+            CudaStorage::wrap_cuda_slice(c, dev.clone()),
+            Shape::from(2usize),
+        )
+    }));
     outputs.extend(Current::outputs(cur, dev));
     Ok(outputs)
 }

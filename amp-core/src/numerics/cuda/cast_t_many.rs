@@ -52,8 +52,8 @@ unsafe impl DeviceRepr for ManyT {}
 
 /// [`RequantizeTMany`](crate::numerics::cast_t::RequantizeTMany)'s CUDA
 /// body: inputs `(F16 codes [rows, cols], scale_inv)` pairs, outputs per
-/// tensor `codes, codes_t, scale, scale_inv`, then the amaxes `[T]` and the
-/// counts `[T, 2]`.
+/// tensor `codes, codes_t, scale, scale_inv`, then the amaxes `[T]` and
+/// with `counted` the counts `[T, 2]`.
 ///
 /// # Errors
 /// [`Error::Unsupported`] for a non-FP8 target, an empty tensor, a shape
@@ -62,6 +62,7 @@ unsafe impl DeviceRepr for ManyT {}
 pub(crate) fn requantize_t_many(
     qtype: QType,
     from: FromAmax,
+    counted: bool,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Vec<(CudaStorage, Shape)>> {
     const OP: &str = "requantize_t_many";
@@ -86,9 +87,12 @@ pub(crate) fn requantize_t_many(
     // pair by its first tile's block).
     let mut outs = Vec::with_capacity(count);
     let mut amax = dev.alloc_zeros::<f32>(count)?;
-    let mut counts = dev.alloc_zeros::<i64>(2 * count)?;
+    let mut counts = counted
+        .then(|| dev.alloc_zeros::<i64>(2 * count))
+        .transpose()?;
     let amax_base = amax.device_ptr_mut(&stream).0;
-    let counts_base = counts.device_ptr_mut(&stream).0;
+    // null: the kernels count nothing
+    let counts_base = counts.as_mut().map_or(0, |c| c.device_ptr_mut(&stream).0);
     let mut descs = Vec::with_capacity(count);
     let (mut blocks, mut ablocks) = (0u64, 0u64);
     for (i, pair) in inputs.chunks_exact(2).enumerate() {
@@ -131,7 +135,11 @@ pub(crate) fn requantize_t_many(
             amax: amax_base + 4 * i as u64,
             out: op,
             out_t: otp,
-            counts: counts_base + 16 * i as u64,
+            counts: if counted {
+                counts_base + 16 * i as u64
+            } else {
+                0
+            },
             scale: sp,
             scale_inv: sip,
             rows: rows as i32,
@@ -208,9 +216,11 @@ pub(crate) fn requantize_t_many(
         CudaStorage::wrap_cuda_slice(amax, dev.clone()),
         Shape::from(count),
     ));
-    result.push((
-        CudaStorage::wrap_cuda_slice(counts, dev.clone()),
-        Shape::from((count, 2)),
-    ));
+    if let Some(counts) = counts {
+        result.push((
+            CudaStorage::wrap_cuda_slice(counts, dev.clone()),
+            Shape::from((count, 2)),
+        ));
+    }
     Ok(result)
 }
