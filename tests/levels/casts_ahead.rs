@@ -11,7 +11,7 @@ use amp::optim::AdamWConfig;
 use amp::{CurrentScaling, QType, ScaleRule, ScalingTensor, Weight};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use common::{masters, randn, randt, t};
+use common::{masters, randn, randt, t, values};
 
 const D: usize = 16;
 
@@ -46,13 +46,7 @@ fn forward(fc1: &Linear, fc2: &Linear, x: &Tensor) -> amp::Result<Tensor> {
 fn out(fc1: &Linear, fc2: &Linear, x: &Tensor, r: &CurrentScaling) -> Vec<u32> {
     let _s = fp8_autocast(true, ComputeMode::Fp8Current(r.clone()));
     let y = fc2.forward(&fc1.forward(x).unwrap()).unwrap();
-    y.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
+    values(&y).iter().map(|v| v.to_bits()).collect()
 }
 
 /// At O1 and O2 (FP16 weights) both layers' weights are cast ahead after

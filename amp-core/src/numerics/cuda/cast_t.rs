@@ -26,6 +26,19 @@ pub(crate) fn fits(rows: usize, cols: usize) -> bool {
     rows.div_ceil(TILE) <= 65_535 && rows <= max && cols <= max
 }
 
+/// The kernels' name of an FP8 target; FP16 is refused (the transposed
+/// casts write FP8 codes only).
+pub(crate) fn fp8_name(op: &'static str, qtype: QType) -> Result<&'static str> {
+    match qtype {
+        QType::E4M3 => Ok("e4m3"),
+        QType::E5M2 => Ok("e5m2"),
+        QType::F16 => Err(Error::Unsupported {
+            op,
+            what: "a transposed FP16 cast (FP8 targets only)".into(),
+        }),
+    }
+}
+
 /// `[codes, codes_t, amax, counts]` of inputs `[x (2-D), scale]`; with
 /// `from_amax`, `[codes, codes_t, counts, scale, scale_inv]` of `[x, amax]`;
 /// without `counted` no counts.
@@ -56,16 +69,7 @@ pub(crate) fn quantize_t(
         });
     }
     let (rows, cols) = lx.shape().dims2()?;
-    let fmt = match qtype {
-        QType::E4M3 => "e4m3",
-        QType::E5M2 => "e5m2",
-        QType::F16 => {
-            return Err(Error::Unsupported {
-                op: OP,
-                what: "a transposed FP16 cast (FP8 targets only)".into(),
-            })
-        }
-    };
+    let fmt = fp8_name(OP, qtype)?;
     if !fits(rows, cols) {
         return Err(Error::Unsupported {
             op: OP,

@@ -6,7 +6,7 @@
 //! forward was about 22 us a launch (BENCHMARKS.md), so launches, not
 //! bytes, are what this saves.
 
-use super::cast_t::fits;
+use super::cast_t::{fits, fp8_name};
 use super::launch::{cast_t_func, scalar, view, THREADS};
 use crate::error::{Error, Result};
 use crate::numerics::kernel::arity;
@@ -69,16 +69,7 @@ pub(crate) fn requantize_t_many(
     if inputs.is_empty() || inputs.len() % 2 != 0 {
         return Err(arity(OP));
     }
-    let fmt = match qtype {
-        QType::E4M3 => "e4m3",
-        QType::E5M2 => "e5m2",
-        QType::F16 => {
-            return Err(Error::Unsupported {
-                op: OP,
-                what: "a transposed FP16 cast (FP8 targets only)".into(),
-            })
-        }
-    };
+    let fmt = fp8_name(OP, qtype)?;
     let count = inputs.len() / 2;
     let dev = inputs[0].0.device().clone();
     let stream = dev.cuda_stream();
