@@ -6,7 +6,9 @@
 //! native path, the FP8 path through its autograd op ([`op`]). The fused
 //! forms that take a LayerNorm before, GELU on the input or a residual
 //! after into that op, and the handing of tensors to and from it, are in
-//! `fuse.rs`; the op's backward in `op.rs`; the per-layer scaling state
+//! `fuse.rs`; the op's backward in `op.rs`; which passes a mode runs in
+//! FP8 and the weight's and input's GEMM operands in `operands.rs`, the
+//! weights' casts made ahead in `ahead.rs`; the per-layer scaling state
 //! (TE's `fp8_meta`) in `layer_scaling.rs`; the table that finds a layer
 //! again from its weight in `registry.rs`; the switches a run sets once
 //! (FP8 activation inputs, the native op on CUDA) in `switches.rs`.
@@ -16,6 +18,7 @@ mod block;
 mod fuse;
 mod layer_scaling;
 pub(crate) mod op;
+mod operands;
 mod registry;
 mod switches;
 
@@ -24,14 +27,14 @@ use super::precomputed::Precomputed;
 use super::selective;
 use crate::error::{Error, Result};
 use crate::gemm::{fp8_gemm_fused, fp8_gemm_with, Epilogue};
-use crate::numerics::recipe::TileRecipe;
 use crate::scaling::flag::flagged_by_amax;
 use crate::scaling::sink::GradSink;
 use crate::scaling::weight::{Weight, WeightSlot};
 use candle_core::{DType, Module, Tensor, TensorId, Var};
 use fuse::OpFuse;
-use layer_scaling::{cast, noted, LastCasts, Role, Scaling, SharedScaling, Source};
+use layer_scaling::{LastCasts, Scaling, SharedScaling};
 use op::{Fp8LinearOp, KeptInput, Origin, Plan, Saved};
+use operands::Passes;
 use registry::LinearParts;
 use std::sync::{Arc, Mutex};
 
@@ -555,50 +558,18 @@ impl Linear {
                 ),
             });
         }
-        let (scaling, fprop, dgrad, wgrad, fmt) = match mode {
-            ComputeMode::Native => (
-                Scaling::Current(Default::default()),
-                false,
-                false,
-                false,
-                Default::default(),
-            ),
-            ComputeMode::Fp8Current(r) => {
-                (Scaling::Current(r.clone()), true, true, true, r.fp8_format)
-            }
-            ComputeMode::Fp8Delayed(r) => {
-                let o = r.override_linear_precision;
-                (
-                    Scaling::Delayed(r.clone()),
-                    !o.fprop,
-                    !o.dgrad,
-                    !o.wgrad,
-                    r.fp8_format,
-                )
-            }
-            // the block GEMMs below, none of the per-tensor casts
-            ComputeMode::Fp8Block(r) => (
-                Scaling::Current(Default::default()),
-                false,
-                false,
-                false,
-                r.fp8_format,
-            ),
-            ComputeMode::Fp8Rowwise(r) => (
-                Scaling::Current(Default::default()),
-                false,
-                false,
-                false,
-                r.fp8_format,
-            ),
-        };
-        let block = match mode {
-            ComputeMode::Fp8Block(r) => Some(TileRecipe::from(r)),
-            ComputeMode::Fp8Rowwise(r) => Some(TileRecipe::from(r)),
-            _ => None,
-        };
+        let passes = Passes::of(mode);
         let step = current_step();
-        let fwd = fmt.forward();
+        let (wq, wq_t) = self.weight_operand(weight, &passes, step)?;
+        let (xq, xq_t) = self.input_operand(x, x_amax.as_ref(), &passes, step)?;
+        let Passes {
+            scaling,
+            fprop,
+            dgrad,
+            wgrad,
+            fmt,
+            block,
+        } = passes;
         // Native copies where a GEMM runs natively.
         // (made once: the forward's GEMM and the copy kept for dgrad share it)
         let w_native_once = std::cell::OnceCell::new();
@@ -608,74 +579,6 @@ impl Linear {
             }
             let w = weight.master_f32()?.to_dtype(x.dtype())?;
             Ok(w_native_once.get_or_init(|| w).clone())
-        };
-        // With dgrad in FP8, the weight's cast also writes Wᵀ (dgrad's
-        // K-major operand); with wgrad, x's writes xᵀ: each is kept for
-        // backward in place of the row-major codes (same bytes), so the
-        // backward GEMMs need no transpose.
-        // an FP16 weight's cast under current scaling, maybe made ahead
-        // (ahead.rs) by `cast_weights_ahead`
-        let ahead_cast = match (weight, &scaling) {
-            (Weight::F16(t), Scaling::Current(r)) if dgrad => Some((t, fwd.into(), r)),
-            _ => None,
-        };
-        let ready = if fprop || dgrad {
-            ahead::take(&self.ahead, ahead_cast)?
-        } else {
-            None
-        };
-        let (wq, wq_t) = if fprop || dgrad {
-            match weight {
-                // O3: the stored FP8 copy is the GEMM operand as it is.
-                Weight::Fp8 { weight: w8, .. } | Weight::Fp8Gathered(w8)
-                    if w8.qtype() == fwd.into() =>
-                {
-                    (Some(w8.clone()), None)
-                }
-                _ => {
-                    let source = match weight {
-                        Weight::F32(var) => Source::Tensor(var.as_tensor()),
-                        Weight::F16(t) | Weight::Fp8 { master: t, .. } | Weight::Fp8Gathered(t) => {
-                            Source::Scaled(t)
-                        }
-                    };
-                    let (q, qt) = match ready {
-                        Some((q, qt)) => noted(source, Role::Weight, &self.casts, (q, Some(qt)))?,
-                        None => cast(
-                            source,
-                            fwd,
-                            &scaling,
-                            &self.scaling,
-                            Role::Weight,
-                            step,
-                            &self.casts,
-                            dgrad,
-                        )?,
-                    };
-                    (Some(q), qt)
-                }
-            }
-        } else {
-            (None, None)
-        };
-        let (xq, xq_t) = if fprop || wgrad {
-            let source = match &x_amax {
-                Some(a) => Source::Measured(x, a),
-                None => Source::Tensor(x),
-            };
-            let (q, qt) = cast(
-                source,
-                fwd,
-                &scaling,
-                &self.scaling,
-                Role::Input,
-                step,
-                &self.casts,
-                wgrad,
-            )?;
-            (Some(q), qt)
-        } else {
-            (None, None)
         };
         // the weight's codes cast again in backward where it is stored in
         // F32 or FP16 (an O3 weight's FP8 copy is kept as it is)
