@@ -13,13 +13,17 @@
 //! launches changes.
 //!
 //! What a layer casts ahead is what its last forward cast: no forward
-//! yet, another compute path, or a weight not stored in FP16, and it casts
-//! nothing ahead. A cast made ahead lives until that forward (which keeps
-//! it for its backward anyway): between the step and the forward, two
-//! bytes a weight element more than without.
+//! yet, a last forward with another compute path (native, block, rowwise,
+//! delayed scaling), or a weight not stored in FP16, and it casts nothing
+//! ahead. A forward that counts its casts' saturated and flushed elements
+//! (numerics/counts.rs, telemetry) takes only a cast made while counting.
+//! A cast made ahead lives until the layer's next forward (which keeps it
+//! for its backward anyway): between the step and the forward, two bytes
+//! a weight element more than without.
 
 use super::Linear;
 use crate::error::{Error, Result};
+use crate::numerics::counts::cast_counts;
 use crate::numerics::qtype::QType;
 use crate::numerics::recipe::CurrentScaling;
 use crate::scaling::tensor::ScalingTensor;
@@ -44,6 +48,9 @@ struct Ready {
     scale_inv: TensorId,
     qtype: QType,
     recipe: CurrentScaling,
+    /// Whether the cast counted (numerics/counts.rs): a forward that
+    /// counts (telemetry turned on since) casts again.
+    counted: bool,
     q: ScalingTensor,
     qt: ScalingTensor,
 }
@@ -54,11 +61,13 @@ fn lock(ahead: &SharedAhead) -> Result<MutexGuard<'_, Ahead>> {
     })
 }
 
-/// The forward's side: `cast` is the weight cast it is about to make (an
-/// FP16 weight to `qtype` with its transpose under current scaling `r`),
-/// or `None` for any other. Remembers it for [`cast_weights_ahead`] and
-/// returns the codes made ahead for it, if they were made from this
-/// weight, target and recipe. Any other cast made ahead is dropped.
+/// The forward's side, called by every forward of the layer: `cast` is
+/// the weight cast it is about to make (an FP16 weight to `qtype` with its
+/// transpose under current scaling `r`), or `None` for any other (another
+/// storage or scaling, or no FP8 pass of the weight). Remembers it for
+/// [`cast_weights_ahead`] and returns the codes made ahead for it, if they
+/// were made from this weight, target and recipe, and counted where this
+/// thread counts now. Any other cast made ahead is dropped.
 pub(super) fn take(
     ahead: &SharedAhead,
     cast: Option<(&ScalingTensor, QType, &CurrentScaling)>,
@@ -71,7 +80,8 @@ pub(super) fn take(
             if x.data == w.data().id()
                 && x.scale_inv == w.meta().scale_inv().id()
                 && x.qtype == qtype
-                && &x.recipe == r =>
+                && &x.recipe == r
+                && (x.counted || !cast_counts()) =>
         {
             Some((x.q, x.qt))
         }
@@ -90,7 +100,8 @@ pub(super) fn take(
 /// # Errors
 /// The casts' ([`ScalingTensor::requantize_t_many`]), [`Error::Poisoned`].
 pub fn cast_weights_ahead(layers: &[Linear]) -> Result<usize> {
-    type Key = (candle_core::DeviceLocation, QType, CurrentScaling);
+    // by device (one launch takes one device's tensors), target and recipe
+    type Key = (candle_core::Device, QType, CurrentScaling);
     let mut groups: Vec<(Key, Vec<(usize, ScalingTensor)>)> = Vec::new();
     for (i, layer) in layers.iter().enumerate() {
         if layer.is_high_precision() {
@@ -102,13 +113,15 @@ pub fn cast_weights_ahead(layers: &[Linear]) -> Result<usize> {
         let Weight::F16(w) = &*layer.weight.read()? else {
             continue;
         };
-        let key = (w.device().location(), qtype, recipe);
-        match groups.iter_mut().find(|(k, _)| *k == key) {
+        let key = (w.device().clone(), qtype, recipe);
+        let same = |k: &Key| k.0.same_device(&key.0) && k.1 == key.1 && k.2 == key.2;
+        match groups.iter_mut().find(|(k, _)| same(k)) {
             Some((_, members)) => members.push((i, w.clone())),
             None => groups.push((key, vec![(i, w.clone())])),
         }
     }
     let mut cast = 0;
+    let counted = cast_counts();
     for ((_, qtype, recipe), members) in groups {
         let weights: Vec<&ScalingTensor> = members.iter().map(|(_, w)| w).collect();
         let casts = ScalingTensor::requantize_t_many(&weights, qtype, &recipe)?;
@@ -118,6 +131,7 @@ pub fn cast_weights_ahead(layers: &[Linear]) -> Result<usize> {
                 scale_inv: w.meta().scale_inv().id(),
                 qtype,
                 recipe: recipe.clone(),
+                counted,
                 q,
                 qt,
             });
@@ -125,4 +139,72 @@ pub fn cast_weights_ahead(layers: &[Linear]) -> Result<usize> {
         }
     }
     Ok(cast)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::linear::layer_scaling::Role;
+    use crate::nn::{fp8_autocast, ComputeMode};
+    use crate::scaling::sink::GradSink;
+    use crate::scaling::weight::WeightSlot;
+    use candle_core::{Device, Module, Tensor};
+
+    fn weight_scale(l: &Linear) -> TensorId {
+        let casts = l.casts.lock().unwrap();
+        casts.metas[Role::Weight as usize]
+            .as_ref()
+            .unwrap()
+            .scale()
+            .id()
+    }
+
+    /// The forward after `cast_weights_ahead` takes the cast made ahead
+    /// (its weight metadata is that cast's own tensor), a forward without
+    /// an FP8 pass forgets what to cast, and a forward that counts does not
+    /// take a cast made without counting.
+    #[test]
+    fn the_next_forward_takes_the_cast_made_ahead() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (8, 16), &dev).unwrap();
+        let r = CurrentScaling::default();
+        let (w16, _) = ScalingTensor::quantize(&w, QType::F16, &r).unwrap();
+        let l = Linear::from_slot("w", WeightSlot::new(Weight::F16(w16)), None);
+        l.set_grad_sink(Some(GradSink::new())).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (4, 16), &dev).unwrap();
+        let fp8 = || {
+            let _s = fp8_autocast(true, ComputeMode::Fp8Current(r.clone()));
+            l.forward(&x).unwrap()
+        };
+        crate::set_cast_counts(false);
+        let first = fp8();
+        assert_eq!(cast_weights_ahead(std::slice::from_ref(&l)).unwrap(), 1);
+        let made = |l: &Linear| {
+            let g = l.ahead.lock().unwrap();
+            g.ready.as_ref().map(|x| x.q.meta().scale().id())
+        };
+        let ahead = made(&l).unwrap();
+        let taken = fp8();
+        assert!(made(&l).is_none(), "the forward took it");
+        assert_eq!(
+            weight_scale(&l),
+            ahead,
+            "its weight cast is the one made ahead"
+        );
+        assert_eq!(
+            taken.to_vec2::<f32>().unwrap(),
+            first.to_vec2::<f32>().unwrap()
+        );
+        // made without counting; this thread counts now: cast again
+        cast_weights_ahead(std::slice::from_ref(&l)).unwrap();
+        let uncounted = made(&l).unwrap();
+        crate::set_cast_counts(true);
+        fp8();
+        assert_ne!(weight_scale(&l), uncounted);
+        assert!(l.last_cast_stats().unwrap()[Role::Weight as usize].is_some());
+        crate::set_cast_counts(false);
+        // a native forward: nothing to cast ahead for it any more
+        l.forward(&x).unwrap();
+        assert_eq!(cast_weights_ahead(std::slice::from_ref(&l)).unwrap(), 0);
+    }
 }

@@ -87,10 +87,12 @@ impl Linear {
             (Weight::F16(t), Scaling::Current(r)) if p.dgrad => Some((t, fwd.into(), r)),
             _ => None,
         };
+        // every forward tells the cache what it casts (nothing here: a
+        // native or block forward, so nothing is cast ahead for it)
+        let ready = ahead::take(&self.ahead, ahead_cast)?;
         if !(p.fprop || p.dgrad) {
             return Ok((None, None));
         }
-        let ready = ahead::take(&self.ahead, ahead_cast)?;
         let source = match weight {
             // O3: the stored FP8 copy is the GEMM operand as it is.
             Weight::Fp8 { weight: w8, .. } | Weight::Fp8Gathered(w8)

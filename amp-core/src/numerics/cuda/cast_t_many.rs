@@ -57,8 +57,8 @@ unsafe impl DeviceRepr for ManyT {}
 ///
 /// # Errors
 /// [`Error::Unsupported`] for a non-FP8 target, an empty tensor, a shape
-/// [`fits`] refuses or more tiles than one launch takes (the caller casts
-/// those one by one); [`Error::DType`]; the driver's.
+/// [`fits`] refuses or more than 2^31 - 1 blocks in one launch;
+/// [`Error::DType`]; the driver's.
 pub(crate) fn requantize_t_many(
     qtype: QType,
     from: FromAmax,
