@@ -6,7 +6,8 @@
 //! native path, the FP8 path through its autograd op ([`op`]). The fused
 //! forms that take a LayerNorm before, GELU on the input or a residual
 //! after into that op, and the handing of tensors to and from it, are in
-//! `fuse.rs`; the op's backward in `op.rs`; which passes a mode runs in
+//! `fuse.rs`; the op's backward in `op.rs`, what it keeps for it in
+//! `saved.rs`; which passes a mode runs in
 //! FP8 and the weight's and input's GEMM operands in `operands.rs`, the
 //! weights' casts made ahead in `ahead.rs`; the per-layer scaling state
 //! (TE's `fp8_meta`) in `layer_scaling.rs`; the table that finds a layer
@@ -20,6 +21,7 @@ mod layer_scaling;
 pub(crate) mod op;
 mod operands;
 mod registry;
+mod saved;
 mod switches;
 
 use super::mode::{current_mode, current_step, ComputeMode};
