@@ -107,6 +107,20 @@ pub fn randt(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     t(randn(n, seed).iter().map(|v| v * scale).collect(), shape)
 }
 
+/// Sets every variable of `varmap`, in name order, to [`randt`] of seed
+/// `seed + i` times `scale`: the same initial values in every run that
+/// builds the same model.
+pub fn seed_varmap(varmap: &candle_nn::VarMap, seed: u64, scale: f32) {
+    let data = varmap.data().lock().expect("varmap lock");
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.into_iter().enumerate() {
+        let v = &data[name];
+        v.set(&randt(v.dims(), seed + i as u64, scale))
+            .expect("a variable set to its own shape");
+    }
+}
+
 /// The compute modes a fused layer is checked in: native, MS-AMP current
 /// scaling, TE delayed scaling (a history of 4), TE block scaling,
 /// torchao's rowwise scaling.

@@ -46,12 +46,7 @@ fn two_blocks(with_sinks: bool) -> (VarMap, [Block; 2], GradSink) {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let blocks = [Block::new(vb.pp("a")), Block::new(vb.pp("b"))];
-    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
-    names.sort();
-    for (i, name) in names.iter().enumerate() {
-        let v = varmap.data().lock().unwrap()[name].clone();
-        v.set(&randt(v.dims(), 200 + i as u64, 0.5)).unwrap();
-    }
+    common::seed_varmap(&varmap, 200, 0.5);
     let sink = GradSink::new();
     if with_sinks {
         for b in &blocks {

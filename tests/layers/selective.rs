@@ -45,12 +45,7 @@ fn block() -> (VarMap, Block, GradSink) {
         fc1: nn::linear(d, 4 * d, vb.pp("fc1")).unwrap(),
         fc2: nn::linear(4 * d, d, vb.pp("fc2")).unwrap(),
     };
-    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
-    names.sort();
-    for (i, name) in names.iter().enumerate() {
-        let v = varmap.data().lock().unwrap()[name].clone();
-        v.set(&randt(v.dims(), 300 + i as u64, 0.5)).unwrap();
-    }
+    common::seed_varmap(&varmap, 300, 0.5);
     let sink = GradSink::new();
     for l in b.linears() {
         l.set_grad_sink(Some(sink.clone())).unwrap();

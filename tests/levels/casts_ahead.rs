@@ -11,7 +11,7 @@ use amp::optim::AdamWConfig;
 use amp::{CurrentScaling, QType, ScaleRule, ScalingTensor, Weight};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use common::{masters, randn, randt, t, values};
+use common::{masters, randn, randt, seed_varmap, t, values};
 
 const D: usize = 16;
 
@@ -29,13 +29,7 @@ fn model(varmap: &VarMap) -> (Linear, Linear) {
     let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
     let fc1 = nn::linear(D, 2 * D, vb.pp("fc1")).unwrap();
     let fc2 = nn::linear(2 * D, D, vb.pp("fc2")).unwrap();
-    let data = varmap.data().lock().unwrap();
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    for (i, n) in names.into_iter().enumerate() {
-        let v = &data[n];
-        v.set(&randt(v.dims(), 70 + i as u64, 0.3)).unwrap();
-    }
+    seed_varmap(varmap, 70, 0.3);
     (fc1, fc2)
 }
 

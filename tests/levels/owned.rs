@@ -9,7 +9,7 @@ use amp::nn;
 use amp::optim::{AdamWConfig, StepOutcome};
 use candle_core::{DType, Device, Module};
 use candle_nn::{VarBuilder, VarMap};
-use common::{masters, randn, randt, t};
+use common::{masters, randn, seed_varmap, t};
 
 /// O0 native, the others with FP8 GEMMs (current scaling).
 fn level_config(level: Level) -> AmpConfig {
@@ -40,14 +40,7 @@ fn backward_step_owned_steps_as_backward_step() {
             let fc1 = nn::linear(d, 2 * d, vb.pp("fc1")).unwrap();
             let fc2 = nn::linear(2 * d, d, vb.pp("fc2")).unwrap();
             // the same initial values in both runs
-            let data = varmap.data().lock().unwrap();
-            let mut names: Vec<&String> = data.keys().collect();
-            names.sort();
-            for (i, n) in names.into_iter().enumerate() {
-                let v = &data[n];
-                v.set(&randt(v.dims(), 50 + i as u64, 0.3)).unwrap();
-            }
-            drop(data);
+            seed_varmap(&varmap, 50, 0.3);
             let (amp, mut opt) =
                 initialize(&varmap, AdamWConfig::default(), level_config(level)).unwrap();
             for step in 0..3u64 {
