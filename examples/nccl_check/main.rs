@@ -14,6 +14,8 @@
 //! Prints `PASS`/`FAIL` lines prefixed by the rank; exits 1 on any FAIL.
 
 mod bench;
+mod copy_engine;
+mod nccl_raw;
 
 use amp::comm::{
     fp8_all_reduce, fp8_all_reduce_bucket, fp8_reduce_scatter_bucket, run_ranks, shard_range,
@@ -37,6 +39,13 @@ struct Args {
     /// Timed iterations per path (after 3 warm-ups); the median is reported.
     #[arg(long, default_value_t = 10)]
     iters: usize,
+    /// Also time NCCL's copy-engine collectives against its kernels, alone
+    /// and beside GEMMs / memory-bound kernels (`--ce-mib` MiB a peer).
+    #[arg(long)]
+    bench_ce: bool,
+    /// Bytes a peer for `--bench-ce`, in MiB.
+    #[arg(long, default_value_t = 16)]
+    ce_mib: usize,
     /// Bucket cap for `--bench`'s bucketed FP8 reduction, MiB of F32.
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
@@ -422,6 +431,9 @@ fn main() -> Result<()> {
     let failures = ck.failures;
     if args.bench {
         bench::bench(&comm, &args)?;
+    }
+    if args.bench_ce {
+        copy_engine::bench_ce(&comm, &args)?;
     }
     comm.barrier()?;
     println!(
