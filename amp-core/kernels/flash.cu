@@ -8,10 +8,16 @@
 //
 // Layout: q, k, v (and dq, dk, dv) share strides (batch, head, row) in
 // elements with the head dimension contiguous, so the same kernels read a
-// fused projection's rows `[b, t, 3 * heads * HD]` in place (q, k, v at
-// column offsets 0, width, 2 * width) or separate `[b, heads, t, HD]`
-// tensors; o and do share theirs. Every base and row must be 16-byte
-// aligned (the host checks).
+// fused projection's rows `[b, t, (heads + 2 kv_heads) * HD]` in place (q,
+// k, v at column offsets 0, heads * HD, (heads + kv_heads) * HD) or
+// separate `[b, heads, t, HD]` tensors; o and do share theirs. Every base
+// and row must be 16-byte aligned (the host checks).
+//
+// Grouped-query attention: `group` query heads share a key/value head
+// (query head h reads k, v head h / group; 1 for plain multi-head). In
+// backward the key blocks of a group's first head accumulate dK, dV over
+// all the group's query heads (in F32 registers, one rounding to BF16 at
+// the end) and those of the group's other heads have nothing to do.
 //
 // Products: mma.sync m16n8k16 BF16 -> F32 from ldmatrix fragments; tiles
 // of 64 rows x HD columns in shared memory (rows padded to 64 or 128
@@ -46,7 +52,7 @@ template <int HD>
 __device__ __forceinline__ void flash_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                           const bf16* __restrict__ v, long long sb, long long sh, long long st,
                                           bf16* __restrict__ o, long long ob, long long oh, long long ot,
-                                          float* __restrict__ lse2, int T, float scale_log2) {
+                                          float* __restrict__ lse2, int T, int group, float scale_log2) {
     using G = Geo<HD>;
     // q, then k and v double-buffered: k of buffer c at 1 + c, v at 3 + c
     bf16* sQ = reinterpret_cast<bf16*>(flash_smem);
@@ -57,7 +63,8 @@ __device__ __forceinline__ void flash_fwd(const bf16* __restrict__ q, const bf16
     const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const long long off = (long long)b * sb + (long long)h * sh;
-    const bf16 *qg = q + off, *kg = k + off, *vg = v + off;
+    const long long koff = (long long)b * sb + (long long)(h / group) * sh;
+    const bf16 *qg = q + off, *kg = k + koff, *vg = v + koff;
     const int q0 = qt * TILE;
     load_tile<HD>(sQ, qg, st, q0, T);
     load_tile<HD>(sK(0), kg, st, 0, T);
@@ -171,10 +178,10 @@ extern "C" __global__ void flash_bwd_dot_bf16(const bf16* __restrict__ o, const 
 
 struct Bwd {
     const bf16 *q, *k, *v, *dout;
-    const float *lse2, *dsum;  // rows of this (batch, head)
+    const float *lse2, *dsum;  // rows of this (batch, query head)
     bf16 *dq, *dk, *dv;
-    long long st, ot;
-    int T;
+    long long sh, st, oh, ot;  // head and row strides of q (dq), and of do
+    int T, group;
     float scale_log2, scale;
 };
 
@@ -242,25 +249,30 @@ __device__ __forceinline__ void bwd_dkdv(const Bwd& p, int kt, const Tiles<HD>& 
     const int tiles = (p.T + TILE - 1) / TILE;
     Fixed<HD> kf, vf;
     stage<HD>(kf, vf, sm, p.k, p.st, p.v, p.st, kt * TILE, p.T, lane, w);
-    auto fetch = [&](int qt, int buf) {
-        load_tile<HD>(sm.a(buf), p.q, p.st, qt * TILE, p.T);
-        load_tile<HD>(sm.b(buf), p.dout, p.ot, qt * TILE, p.T);
+    // Step i of the walk: query tile kt + i % n of the group's head i / n.
+    const int n = tiles - kt, steps = n * p.group;
+    auto fetch = [&](int i, int buf) {
+        const int g = i / n, qt = kt + i % n;
+        load_tile<HD>(sm.a(buf), p.q + g * p.sh, p.st, qt * TILE, p.T);
+        load_tile<HD>(sm.b(buf), p.dout + g * p.oh, p.ot, qt * TILE, p.T);
         if (threadIdx.x < TILE) {
             const int r = qt * TILE + threadIdx.x;
-            sL[buf][threadIdx.x] = r < p.T ? p.lse2[r] : INFINITY;
-            sD[buf][threadIdx.x] = r < p.T ? p.dsum[r] : 0.0f;
+            const long long rows = (long long)g * p.T;
+            sL[buf][threadIdx.x] = r < p.T ? p.lse2[rows + r] : INFINITY;
+            sD[buf][threadIdx.x] = r < p.T ? p.dsum[rows + r] : 0.0f;
         }
     };
-    fetch(kt, 0);
+    fetch(0, 0);
     cp_commit();
     float dk[Geo<HD>::NJ][4], dv[Geo<HD>::NJ][4];
     zero(dk);
     zero(dv);
     const int key = kt * TILE + w * 16 + (lane >> 2);  // keys of c[.][0..1]; + 8 for c[.][2..3]
     const int col = 2 * (lane & 3);
-    for (int qt = kt; qt < tiles; ++qt) {
-        const int cur = (qt - kt) & 1;
-        if (qt + 1 < tiles) fetch(qt + 1, cur ^ 1);
+    for (int i = 0; i < steps; ++i) {
+        const int qt = kt + i % n;
+        const int cur = i & 1;
+        if (i + 1 < steps) fetch(i + 1, cur ^ 1);
         cp_commit();
         cp_wait<1>();
         __syncthreads();
@@ -347,18 +359,22 @@ __device__ __forceinline__ void flash_bwd(const bf16* __restrict__ q, const bf16
                                           const bf16* __restrict__ dout, long long ob, long long oh, long long ot,
                                           const float* __restrict__ lse2, const float* __restrict__ dsum,
                                           bf16* __restrict__ dq, bf16* __restrict__ dk, bf16* __restrict__ dv, int T,
-                                          float scale_log2, float scale) {
+                                          int group, float scale_log2, float scale) {
     __shared__ float sL[2][TILE], sD[2][TILE];
     const Tiles<HD> sm{reinterpret_cast<bf16*>(flash_smem)};
     const int tiles = (T + TILE - 1) / TILE;
     const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const bool keys = (int)blockIdx.x < tiles;
+    // A key block works for its group's first head only (all its heads).
+    if (keys && h % group != 0) return;
     const long long off = (long long)b * sb + (long long)h * sh;
+    const long long koff = (long long)b * sb + (long long)(h / group) * sh;
     const long long ooff = (long long)b * ob + (long long)h * oh;
     const long long row_off = ((long long)b * H + h) * T;
-    const Bwd p{q + off,        k + off,         v + off,     dout + ooff, lse2 + row_off,
-                dsum + row_off, dq + off,        dk + off,    dv + off,    st,
-                ot,             T,               scale_log2,  scale};
-    if ((int)blockIdx.x < tiles)
+    const Bwd p{q + off,  k + koff,  v + koff,       dout + ooff, lse2 + row_off, dsum + row_off,
+                dq + off, dk + koff, dv + koff,      sh,          st,             oh,
+                ot,       T,         keys ? group : 1, scale_log2, scale};
+    if (keys)
         bwd_dkdv<HD>(p, blockIdx.x, sm, sL, sD);
     else
         bwd_dq<HD>(p, 2 * tiles - 1 - blockIdx.x, sm);
@@ -371,15 +387,16 @@ __device__ __forceinline__ void flash_bwd(const bf16* __restrict__ q, const bf16
     extern "C" __global__ void __launch_bounds__(NT) flash_fwd_bf16_hd##HD(                                   \
         const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, long long sb,       \
         long long sh, long long st, bf16* __restrict__ o, long long ob, long long oh, long long ot,             \
-        float* __restrict__ lse2, int T, float scale_log2) {                                                    \
-        flash_fwd<HD>(q, k, v, sb, sh, st, o, ob, oh, ot, lse2, T, scale_log2);                                 \
+        float* __restrict__ lse2, int T, int group, float scale_log2) {                                         \
+        flash_fwd<HD>(q, k, v, sb, sh, st, o, ob, oh, ot, lse2, T, group, scale_log2);                          \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(NT) flash_bwd_bf16_hd##HD(                                   \
         const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, long long sb,       \
         long long sh, long long st, const bf16* __restrict__ dout, long long ob, long long oh, long long ot,     \
         const float* __restrict__ lse2, const float* __restrict__ dsum, bf16* __restrict__ dq,                 \
-        bf16* __restrict__ dk, bf16* __restrict__ dv, int T, float scale_log2, float scale) {                   \
-        flash_bwd<HD>(q, k, v, sb, sh, st, dout, ob, oh, ot, lse2, dsum, dq, dk, dv, T, scale_log2, scale);     \
+        bf16* __restrict__ dk, bf16* __restrict__ dv, int T, int group, float scale_log2, float scale) {        \
+        flash_bwd<HD>(q, k, v, sb, sh, st, dout, ob, oh, ot, lse2, dsum, dq, dk, dv, T, group, scale_log2,      \
+                      scale);                                                                                   \
     }
 
 FLASH_KERNELS(64)

@@ -258,9 +258,9 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
         swiglu_bwd_impl<T>(x, dy, dx, rows, f);                                                      \
     }                                                                                                \
     extern "C" __global__ void rope_##TN(const T* x, const float* cos_t, const float* sin_t, T* y,   \
-                                        size_t pairs, size_t half, size_t heads, size_t seq,         \
-                                        float sign) {                                                \
-        rope_impl<T>(x, cos_t, sin_t, y, pairs, half, heads, seq, sign);                             \
+                                        size_t pairs, size_t half, size_t heads, size_t rot,         \
+                                        size_t seq, float sign) {                                    \
+        rope_impl<T>(x, cos_t, sin_t, y, pairs, half, heads, rot, seq, sign);                        \
     }
 
 NN_KERNELS(f32, float)

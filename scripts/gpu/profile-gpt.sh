@@ -13,6 +13,7 @@
 # kernel, every kernel timed cold; none: each kernel finds what the one
 # before left in L2, as in a run), STEP (1: ncu_summary.py also splits out
 # one whole step, its forward and one layer's forward; needs STEPS >= 2).
+# NCU_TIMEOUT (300): seconds for the profiled run.
 #
 #   STEPS=2 EXTRA="--activations bf16" bash scripts/gpu/profile-gpt.sh .carry/gpu 125m O2:fp8-current
 set -uo pipefail
@@ -31,7 +32,7 @@ for r in $RUNS; do
   echo "== plain $SIZE $level $compute" | tee -a "$OUT/profile.log"
   timeout 120 "$BIN/$PROG" "${args[@]}" --steps 6 --timing-skip 2 2>&1 | grep '^{' | tee -a "$OUT/profile.log"
   echo "== ncu $SIZE $level $compute ($STEPS steps)" | tee -a "$OUT/profile.log"
-  timeout 300 ncu --clock-control none --cache-control "${CACHE:-all}" --csv --metrics gpu__time_duration.sum \
+  timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none --cache-control "${CACHE:-all}" --csv --metrics gpu__time_duration.sum \
     "$BIN/$PROG" "${args[@]}" --steps "$STEPS" > "$BIN/ncu-$level.csv" 2> "$BIN/ncu-$level.err"
   echo "rc=$?" | tee -a "$OUT/profile.log"
   tail -3 "$BIN/ncu-$level.err" | tee -a "$OUT/profile.log"

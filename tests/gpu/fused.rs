@@ -15,6 +15,14 @@
 //!   within 2e-2. Where the reference is exactly zero (q's and k's
 //!   gradients at one row: the softmax of one score is constant) the error
 //!   is the device value's RMS, which must be BF16 rounding size.
+//! - Llama's attention of a packed projection (`rope_attention_qkv`:
+//!   RoPE and grouped-query heads; on the device the flash kernels read
+//!   the turned rows in place and sum the groups' dK, dV themselves)
+//!   against the CPU's split path, within 2e-2, and against the same
+//!   heads split on the device (RoPE, then `causal_attention` with the
+//!   key/value heads repeated): the output bit for bit, the gradients
+//!   within 1e-2 (RoPE's transpose and back, and the group's dK, dV summed
+//!   in F32 registers against a sum of BF16 per-head gradients).
 //! - The half-blocks (`nn::causal_self_attention`, `nn::pre_norm_mlp`) in
 //!   an FP8 mode with the weights' gradients in a sink: the tensors handed
 //!   between their ops, the bias and residual in the GEMM's epilogue, the
@@ -35,6 +43,7 @@ test_device!(gelu_col_sums, gelu_col_sums_cuda);
 test_device!(embedding, embedding_cuda);
 test_device!(attention, attention_cuda);
 test_device!(flash_vs_materialised, flash_vs_materialised_cuda);
+test_device!(rope_attention, rope_attention_cuda);
 test_device!(half_blocks, half_blocks_cuda);
 
 fn tol(dtype: DType) -> f64 {
@@ -386,6 +395,98 @@ fn attention(dev: &Device) -> Result<()> {
         }
     }
     ensure!(ok, "attention out of tolerance (see the lines above)");
+    Ok(())
+}
+
+/// Llama's packed attention with RoPE and `kv` key/value heads: the device
+/// against the CPU, and against the heads split on the device.
+fn rope_packed(
+    rng: &mut Rng,
+    dev: &Device,
+    (b, t, heads, kv, hd): (usize, usize, usize, usize, usize),
+    dtype: DType,
+) -> Result<bool> {
+    let w = (heads + 2 * kv) * hd;
+    let (xc, xg) = var(rng, &[b, t, w], dtype, dev)?;
+    let (rc, rg) = var(rng, &[b, t, heads * hd], dtype, dev)?;
+    let (cc, sc) = nn::rope_tables(t, hd, 500_000.0, None, &Device::Cpu)?;
+    let (cg, sg) = (cc.to_device(dev)?, sc.to_device(dev)?);
+    let yc = fused::rope_attention_qkv(&xc, (heads, kv), (&cc, &sc))?;
+    let yg = fused::rope_attention_qkv(&xg, (heads, kv), (&cg, &sg))?;
+    let (gc, gg) = (backward(&yc, &rc)?, backward(&yg, &rg)?);
+    let (dc, dg) = (g(&gc, &xc)?, g(&gg, &xg)?);
+    let what = format!("rope_attention_qkv [{b}, {t}, {w}] heads {heads} kv {kv} {dtype:?}");
+    let e = [
+        ("y", rel_err_or_rms(&yg, &yc)?),
+        ("dqkv", rel_err_or_rms(&dg, &dc)?),
+    ];
+    let mut ok = report(&what, &e, ATTENTION_TOL);
+    // The same heads split on the device.
+    let x = xg.as_tensor();
+    let part = |s: usize, n: usize| x.narrow(2, s * hd, n * hd)?.reshape((b, t, n, hd));
+    let first = |z: Tensor| z.transpose(1, 2)?.contiguous();
+    let (q, k, v) = (
+        Var::from_tensor(&first(fused::rope(&part(0, heads)?, &cg, &sg)?)?)?,
+        Var::from_tensor(&first(fused::rope(&part(heads, kv)?, &cg, &sg)?)?)?,
+        Var::from_tensor(&first(part(heads + kv, kv)?)?)?,
+    );
+    let ys = fused::causal_attention(&q, &k, &v)?
+        .transpose(1, 2)?
+        .reshape((b, t, heads * hd))?;
+    ok &= same(&format!("{what} y, split"), &yg, &ys)?;
+    let gs = backward(&ys, rg.as_tensor())?;
+    // dq of the split heads is before RoPE's transpose: compare the
+    // packed gradient's q part turned forward again.
+    let dq = dg.narrow(2, 0, heads * hd)?.reshape((b, t, heads, hd))?;
+    let dq = first(fused::rope(&dq, &cg, &sg)?)?;
+    let dq_split = g(&gs, &q)?;
+    let e = [
+        ("dq", rel_err_or_rms(&dq, &dq_split)?),
+        (
+            "dk",
+            rel_err_or_rms(
+                &first(fused::rope(
+                    &dg.narrow(2, heads * hd, kv * hd)?.reshape((b, t, kv, hd))?,
+                    &cg,
+                    &sg,
+                )?)?,
+                &g(&gs, &k)?,
+            )?,
+        ),
+        (
+            "dv",
+            rel_err_or_rms(
+                &first(
+                    dg.narrow(2, (heads + kv) * hd, kv * hd)?
+                        .reshape((b, t, kv, hd))?,
+                )?,
+                &g(&gs, &v)?,
+            )?,
+        ),
+    ];
+    ok &= report(&format!("{what} vs split"), &e, 1e-2);
+    Ok(ok)
+}
+
+/// Llama's packed attention (flash head dimensions, one that is not, and
+/// groups of 1, 2 and 4), F32 and BF16, against the CPU.
+fn rope_attention(dev: &Device) -> Result<()> {
+    let mut rng = Rng(0xa77e_0005);
+    let mut ok = true;
+    for dtype in [DType::F32, DType::BF16] {
+        for shape in [
+            (2usize, 130usize, 8usize, 2usize, 64usize),
+            (1, 100, 4, 4, 64),
+            (1, 257, 8, 2, 64),
+            (2, 77, 6, 3, 128),
+            (1, 65, 4, 1, 80),
+            (1, 50, 4, 2, 96),
+            (1, 37, 4, 2, 24),
+        ] {
+            ok &= rope_packed(&mut rng, dev, shape, dtype)?;
+        }
+    }
+    ensure!(ok, "rope attention out of tolerance (see the lines above)");
     Ok(())
 }
 

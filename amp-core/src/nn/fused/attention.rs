@@ -242,7 +242,7 @@ pub(super) fn attend_separate(
 /// The output (rows of the projection's dtype) and what backward keeps,
 /// of a packed projection.
 fn attend_packed(s: Qkv, qkv: &Tensor, compute: DType, scale: f32) -> Result<(Tensor, Kept)> {
-    if let Some(f) = Flash::packed(qkv, s.heads, s.hd) {
+    if let Some(f) = Flash::packed(qkv, (s.heads, s.heads), s.hd) {
         let inputs = vec![flash::input(qkv)?];
         let (o, lse) = f.forward(&inputs)?;
         let y = o.to_dtype(qkv.dtype())?;

@@ -61,19 +61,26 @@ impl Flash {
         (Self::applies(q, hd) && Self::grid_fits(b, heads, t)).then_some(Self {
             b,
             heads,
+            kv_heads: heads,
             t,
             hd,
             packed: false,
         })
     }
 
-    /// The problem of a packed projection `[b, t, 3 * heads * hd]`, if
-    /// flash applies.
-    pub(crate) fn packed(qkv: &Tensor, heads: usize, hd: usize) -> Option<Self> {
-        let (b, t, _) = qkv.dims3().ok()?;
-        (Self::applies(qkv, hd) && Self::grid_fits(b, heads, t)).then_some(Self {
+    /// The problem of a packed projection `[b, t, (heads + 2 kv_heads) *
+    /// hd]` (`kv_heads` a divisor of `heads`), if flash applies.
+    pub(crate) fn packed(
+        qkv: &Tensor,
+        (heads, kv_heads): (usize, usize),
+        hd: usize,
+    ) -> Option<Self> {
+        let (b, t, w) = qkv.dims3().ok()?;
+        let fits = kv_heads > 0 && heads % kv_heads == 0 && w == (heads + 2 * kv_heads) * hd;
+        (fits && Self::applies(qkv, hd) && Self::grid_fits(b, heads, t)).then_some(Self {
             b,
             heads,
+            kv_heads,
             t,
             hd,
             packed: true,

@@ -10,12 +10,15 @@ pub(crate) const HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
 
 /// A flash-attention problem: `b` x `heads` sequences of `t` rows of `hd`
 /// (one of [`HEAD_DIMS`]); q, k, v packed side by side in one projection's
-/// rows `[b, t, 3 * heads * hd]`, or separate `[b, heads, t, hd]` tensors.
+/// rows `[b, t, (heads + 2 kv_heads) * hd]`, or separate `[b, heads, t,
+/// hd]` tensors (`kv_heads == heads`). With `kv_heads < heads` (packed
+/// only) each key/value head serves `heads / kv_heads` query heads.
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct Flash {
     pub b: usize,
     pub heads: usize,
+    pub kv_heads: usize,
     pub t: usize,
     pub hd: usize,
     pub packed: bool,
@@ -24,9 +27,24 @@ pub(crate) struct Flash {
 /// The kernels' arguments.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl Flash {
-    /// Columns of q (and of k, v, and of the output) per row.
+    /// Columns of q (and of the output) per row.
     pub(crate) fn width(&self) -> usize {
         self.heads * self.hd
+    }
+
+    /// Columns of a packed projection's row: q's, k's and v's heads.
+    pub(crate) fn packed_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.hd
+    }
+
+    /// Query heads per key/value head.
+    pub(crate) fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// Where k and v begin in a packed row (columns).
+    pub(crate) fn kv_offsets(&self) -> (usize, usize) {
+        (self.width(), (self.heads + self.kv_heads) * self.hd)
     }
 
     /// Rows of all (batch, head) sequences.
@@ -41,10 +59,10 @@ impl Flash {
 
     /// (batch, head, row) strides of q, k, v in elements.
     pub(crate) fn in_strides(&self) -> [i64; 3] {
-        let w = self.width() as i64;
         let (t, d) = (self.t as i64, self.hd as i64);
         if self.packed {
-            [t * 3 * w, d, 3 * w]
+            let w = self.packed_width() as i64;
+            [t * w, d, w]
         } else {
             [self.heads as i64 * t * d, t * d, d]
         }
@@ -63,7 +81,7 @@ impl Flash {
     /// The shape of the input (one packed, or each of q, k, v).
     pub(crate) fn in_shape(&self) -> Shape {
         if self.packed {
-            Shape::from((self.b, self.t, 3 * self.width()))
+            Shape::from((self.b, self.t, self.packed_width()))
         } else {
             Shape::from((self.b, self.heads, self.t, self.hd))
         }

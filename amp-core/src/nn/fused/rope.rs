@@ -200,14 +200,48 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             });
         }
     }
-    Ok(x.contiguous()?
-        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { sign: 1.0 })?)
+    Ok(x.contiguous()?.apply_op3(
+        &cos.contiguous()?,
+        &sin.contiguous()?,
+        Rope {
+            sign: 1.0,
+            rot: None,
+        },
+    )?)
+}
+
+/// RoPE (`sign` +1) or its transpose (-1) of the first `rot` heads of each
+/// position of `x` `[batch, seq, heads, head_dim]`, the other heads copied,
+/// outside the graph: a packed projection's q and k heads turned, its v
+/// heads kept, in one pass (the tables as [`rope`] takes them, checked by
+/// the caller).
+pub(crate) fn rope_rows(
+    x: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    rot: usize,
+    sign: f32,
+) -> candle_core::Result<Tensor> {
+    let op = Rope {
+        sign,
+        rot: Some(rot),
+    };
+    x.contiguous()?
+        .apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &op)
 }
 
 /// The rotation of `(x, cos, sin)` by `sign * sin`: +1 is RoPE, -1 its
-/// transpose (RoPE's backward).
+/// transpose (RoPE's backward); of the first `rot` heads of each position
+/// (`None`: all), the others copied.
 struct Rope {
     sign: f32,
+    rot: Option<usize>,
+}
+
+impl Rope {
+    /// The heads turned at each position, of `heads`.
+    fn turned(&self, heads: usize) -> usize {
+        self.rot.map_or(heads, |r| r.min(heads))
+    }
 }
 
 /// `x`'s `[batch, seq, heads, head_dim]` from its layout: `(seq, heads,
@@ -221,12 +255,14 @@ fn dims(l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
 }
 
 /// The CPU body: each pair `(x[i], x[i + half])` of each row (one head at
-/// one position) rotated by `(cos, sign * sin)` of its position, in f32.
+/// one position) rotated by `(cos, sign * sin)` of its position, in f32;
+/// rows of heads `rot..` copied.
 fn rotate(
     x: &[f32],
     cos: &[f32],
     sin: &[f32],
     (seq, heads, half): (usize, usize, usize),
+    rot: usize,
     sign: f32,
 ) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
@@ -234,6 +270,10 @@ fn rotate(
         return y;
     }
     for (r, (xr, yr)) in x.chunks(2 * half).zip(y.chunks_mut(2 * half)).enumerate() {
+        if r % heads >= rot {
+            yr.copy_from_slice(xr);
+            continue;
+        }
         let t = (r / heads) % seq;
         let (c, s) = (
             &cos[t * half..(t + 1) * half],
@@ -273,7 +313,7 @@ impl CustomOp3 for Rope {
         if cos.len() != d.0 * d.2 || sin.len() != cos.len() {
             candle_core::bail!("amp_rope: tables of {} values, not [seq, half]", cos.len());
         }
-        let y = rotate(&f32s(x, lx)?, &cos, &sin, d, self.sign);
+        let y = rotate(&f32s(x, lx)?, &cos, &sin, d, self.turned(d.1), self.sign);
         Ok((store(y, x.dtype()), lx.shape().clone()))
     }
 
@@ -287,7 +327,9 @@ impl CustomOp3 for Rope {
         sin: &candle_core::CudaStorage,
         ls: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::rope::rope((x, lx), (cos, lc), (sin, ls), dims(lx)?, self.sign)
+        let d = dims(lx)?;
+        let rot = self.turned(d.1);
+        let out = super::cuda::rope::rope((x, lx), (cos, lc), (sin, ls), d, rot, self.sign)
             .map_err(wrap)?;
         Ok((out, lx.shape().clone()))
     }
@@ -300,8 +342,49 @@ impl CustomOp3 for Rope {
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let op = Rope { sign: -self.sign };
+        let op = Rope {
+            sign: -self.sign,
+            rot: self.rot,
+        };
         let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &op)?;
         Ok((Some(dx), None, None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `rope_rows` turns the first `rot` heads of each position as `rope`
+    /// turns them alone, copies the others bit for bit, and its `-1` undoes
+    /// its `+1` (to rounding).
+    #[test]
+    fn rope_rows_turns_the_first_heads_only() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, t, heads, rot, d) = (2usize, 5usize, 5usize, 3usize, 8usize);
+        let n = b * t * heads * d;
+        let vals: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let x = Tensor::from_vec(vals, (b, t, heads, d), &dev)?;
+        let (cos, sin) = rope_tables(t, d, 10_000.0, None, &dev)?;
+        let y = rope_rows(&x, (&cos, &sin), rot, 1.0)?;
+        let turned = rope(&x.narrow(2, 0, rot)?, &cos, &sin)?;
+        let bits = |z: &Tensor| -> Result<Vec<u32>> {
+            Ok(z.flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f32::to_bits)
+                .collect())
+        };
+        assert_eq!(bits(&y.narrow(2, 0, rot)?)?, bits(&turned)?);
+        assert_eq!(
+            bits(&y.narrow(2, rot, heads - rot)?)?,
+            bits(&x.narrow(2, rot, heads - rot)?)?
+        );
+        let back = rope_rows(&y, (&cos, &sin), rot, -1.0)?;
+        let err = (back - &x)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(err < 1e-5, "{err}");
+        Ok(())
     }
 }

@@ -10,10 +10,22 @@
 //! step's GPU time). Backward: the attention's gradients, the groups'
 //! key/value gradients summed, RoPE's transpose (the rotation by `-sin`),
 //! the packed rows.
+//!
+//! Where flash attention applies (CUDA, a head dimension it is built for)
+//! the op makes no copy of heads at all: one pass turns the projection's q
+//! and k heads in place of a copy of its rows (v's copied beside them),
+//! the flash kernels read q, k and v from those rows, each group of query
+//! heads its shared key/value head, and write the output rows; backward
+//! writes dq, dk (summed over the group in the kernel) and dv into one
+//! packed gradient, and one pass turns its q and k heads back. Elsewhere
+//! the heads are split, turned, repeated for the groups and transposed
+//! as separate tensors.
 
 use super::attention::{attend_separate, compute_dtype, repeat_heads, sum_groups, Kept};
+use super::flash;
+use super::flash_shape::Flash;
 use super::handoff::{token_fwd, Handoff};
-use super::rope::rope;
+use super::rope::{rope, rope_rows};
 use crate::error::{Error, Result};
 use crate::nn::precomputed::{precomputed_fwd, Precomputed};
 use candle_core::{CustomOp1, DType, Shape, Tensor};
@@ -72,6 +84,9 @@ impl Problem {
 
     /// The output rows (x's dtype) and what backward keeps.
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Kept)> {
+        if let Some(f) = Flash::packed(x, (self.heads, self.kv), self.hd) {
+            return self.forward_packed(f, x);
+        }
         let (b, t, hd) = (self.b, self.t, self.hd);
         let x = x.detach();
         let part = |start: usize, n: usize| x.narrow(2, start * hd, n * hd)?.reshape((b, t, n, hd));
@@ -94,9 +109,46 @@ impl Problem {
         Ok((y, kept))
     }
 
+    /// Heads a position has in the packed rows: q's, k's and v's.
+    fn parts(&self) -> usize {
+        self.heads + 2 * self.kv
+    }
+
+    /// [`forward`](Self::forward) through the flash kernels on the packed
+    /// rows (see the module docs): q and k turned in x's dtype (as the
+    /// split path turns them), then BF16 for the kernels.
+    fn forward_packed(&self, f: Flash, x: &Tensor) -> Result<(Tensor, Kept)> {
+        let (b, t, hd, parts) = (self.b, self.t, self.hd, self.parts());
+        let rows = x.detach().reshape((b, t, parts, hd))?;
+        let turned = rope_rows(&rows, (&self.cos, &self.sin), self.heads + self.kv, 1.0)?;
+        let r = flash::input(&turned.reshape((b, t, parts * hd))?)?;
+        let (o, lse) = f.forward(std::slice::from_ref(&r))?;
+        let y = o.to_dtype(x.dtype())?;
+        let kept = Kept::Flash {
+            flash: f,
+            inputs: vec![r],
+            o,
+            lse,
+        };
+        Ok((y, kept))
+    }
+
     /// The packed rows' gradient (`dtype`) from the output rows' `dy`.
     fn backward(&self, kept: &Kept, dy: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
         let (b, t, hd) = (self.b, self.t, self.hd);
+        if let Kept::Flash { flash, .. } = kept {
+            if flash.packed {
+                // dq, dk (the group's sum) and dv in one packed gradient,
+                // then RoPE's transpose on its q and k heads.
+                let Some(g) = kept.grads(dy)?.pop() else {
+                    candle_core::bail!("amp_rope_attention: no gradient");
+                };
+                let parts = self.parts();
+                let g = g.to_dtype(dtype)?.reshape((b, t, parts, hd))?;
+                let dx = rope_rows(&g, (&self.cos, &self.sin), self.heads + self.kv, -1.0)?;
+                return dx.reshape((b, t, parts * hd));
+            }
+        }
         let dy = dy
             .reshape((b, t, self.heads, hd))?
             .transpose(1, 2)?

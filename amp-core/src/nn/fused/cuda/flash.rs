@@ -53,7 +53,7 @@ fn kernel(dev: &CudaDevice, f: &Flash, stem: &str, backward: bool) -> Result<(Cu
 }
 
 /// The q, k, v views of the inputs: one packed projection (k and v at
-/// column offsets `width` and `2 * width`) or three tensors.
+/// [`Flash::kv_offsets`]) or three tensors.
 fn qkv_views<'a>(
     f: &Flash,
     inputs: &'a [(&'a CudaStorage, &'a Layout)],
@@ -66,8 +66,8 @@ fn qkv_views<'a>(
     let views = match inputs {
         [(s, l)] if f.packed => {
             let x = crate::numerics::cuda::launch::view::<bf16>(OP, s, l)?;
-            let w = f.width();
-            [x.slice(0..), x.slice(w..), x.slice(2 * w..)]
+            let (k, v) = f.kv_offsets();
+            [x.slice(0..), x.slice(k..), x.slice(v..)]
         }
         [(q, lq), (k, lk), (v, lv)] if !f.packed => [
             crate::numerics::cuda::launch::view::<bf16>(OP, q, lq)?,
@@ -119,6 +119,16 @@ fn config(f: &Flash, x: usize, smem: u32) -> Result<LaunchConfig> {
     })
 }
 
+/// Query heads per key/value head, as the kernels take it.
+fn group_i32(f: &Flash) -> Result<i32> {
+    match f.kv_heads {
+        kv if kv > 0 && f.heads % kv == 0 && (f.packed || kv == f.heads) => {
+            i32::try_from(f.group()).map_err(|_| arity())
+        }
+        _ => Err(arity()),
+    }
+}
+
 fn seq_i32(f: &Flash) -> Result<i32> {
     i32::try_from(f.t).map_err(|_| Error::Unsupported {
         op: OP,
@@ -142,6 +152,7 @@ pub(crate) fn fwd(
     let [sb, sh, st] = f.in_strides();
     let [ob, oh, ot] = f.out_strides();
     let scale_log2 = f.scale() * std::f32::consts::LOG2_E;
+    let group = group_i32(&f)?;
     // SAFETY (both): the kernel writes every row of every (batch, head).
     let mut o = unsafe { dev.alloc::<bf16>(f.b * f.t * f.width())? };
     let mut lse = unsafe { dev.alloc::<f32>(f.rows())? };
@@ -150,7 +161,7 @@ pub(crate) fn fwd(
     let mut b = stream.launch_builder(&func);
     b.arg(&q).arg(&k).arg(&v).arg(&sb).arg(&sh).arg(&st);
     b.arg(&mut o).arg(&ob).arg(&oh).arg(&ot);
-    b.arg(&mut lse).arg(&t).arg(&scale_log2);
+    b.arg(&mut lse).arg(&t).arg(&group).arg(&scale_log2);
     unsafe { b.launch(config(&f, f.t.div_ceil(TILE), smem)?) }.w()?;
     Ok(vec![
         (store(o, &dev), f.out_shape()),
@@ -210,20 +221,21 @@ pub(crate) fn bwd(
     };
     unsafe { b.launch(cfg) }.w()?;
 
-    let per_part = f.b * f.t * f.width();
+    let each = f.in_shape().elem_count();
     // SAFETY: the dK/dV blocks write every key row, the dQ blocks every
     // query row, of every (batch, head); packed, the three parts tile the
     // rows.
     let mut grads: Vec<_> = (0..n)
-        .map(|_| unsafe { dev.alloc::<bf16>(per_part * 3 / n) })
+        .map(|_| unsafe { dev.alloc::<bf16>(each) })
         .collect::<std::result::Result<_, _>>()?;
-    let w = f.width();
+    let group = group_i32(&f)?;
     let scale = f.scale();
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let (func, smem) = kernel(&dev, &f, "flash_bwd_bf16", true)?;
     {
-        // Packed, dq, dk and dv are the columns at 0, width and 2 * width
-        // of every row of one storage: raw addresses, not overlapping views.
+        // Packed, dq, dk and dv are the columns at 0 and the k and v
+        // offsets of every row of one storage: raw addresses, not
+        // overlapping views.
         let mut held = Vec::with_capacity(n);
         let mut ptrs = Vec::with_capacity(3);
         for g in grads.iter_mut() {
@@ -232,8 +244,9 @@ pub(crate) fn bwd(
             ptrs.push(ptr);
         }
         if f.packed {
-            let bytes = (w * std::mem::size_of::<bf16>()) as u64;
-            ptrs = vec![ptrs[0], ptrs[0] + bytes, ptrs[0] + 2 * bytes];
+            let (k, v) = f.kv_offsets();
+            let bytes = |cols: usize| (cols * std::mem::size_of::<bf16>()) as u64;
+            ptrs = vec![ptrs[0], ptrs[0] + bytes(k), ptrs[0] + bytes(v)];
         }
         let mut b = stream.launch_builder(&func);
         b.arg(&q).arg(&k).arg(&v).arg(&sb).arg(&sh).arg(&st);
@@ -241,7 +254,7 @@ pub(crate) fn bwd(
         for p in &ptrs {
             b.arg(p);
         }
-        b.arg(&t).arg(&scale_log2).arg(&scale);
+        b.arg(&t).arg(&group).arg(&scale_log2).arg(&scale);
         unsafe { b.launch(config(&f, 2 * f.t.div_ceil(TILE), smem)?) }.w()?;
         drop(held);
     }

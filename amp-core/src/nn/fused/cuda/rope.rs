@@ -11,12 +11,14 @@ use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{DType, Layout};
 
 /// `x` `[batch, seq, heads, 2 half]` rotated by `(cos, sign * sin)` (F32
-/// `[seq, half]`), `(seq, heads, half)` given.
+/// `[seq, half]`), `(seq, heads, half)` given; only the first `rot` heads
+/// of each position turn, the others are copied.
 pub(crate) fn rope(
     (x, lx): (&CudaStorage, &Layout),
     (cos, lc): (&CudaStorage, &Layout),
     (sin, ls): (&CudaStorage, &Layout),
     (seq, heads, half): (usize, usize, usize),
+    rot: usize,
     sign: f32,
 ) -> Result<CudaStorage> {
     const OP: &str = "rope";
@@ -47,6 +49,7 @@ pub(crate) fn rope(
                 .arg(&pairs)
                 .arg(&half)
                 .arg(&heads)
+                .arg(&rot)
                 .arg(&seq);
             b.arg(&sign);
             // SAFETY: x and out hold 2 * pairs elements, the tables seq * half.
