@@ -6,8 +6,8 @@
 //! stream: how long the collectives take, and how much they slow the
 //! kernels beside them (what the backward feels while buckets travel).
 
-use crate::Args;
 use crate::nccl_raw::{CopyEngine, Window};
+use crate::Args;
 use amp::comm::{
     rendezvous, shard_range, Communicator, LaunchEnv, NcclComm, ReduceOp, RendezvousConfig,
 };
@@ -64,7 +64,9 @@ impl Way<'_> {
     fn once(&self, c: usize) -> Result<()> {
         match self {
             Way::Backend(comm, chunks, shard) => {
-                let side = comm.side_stream().ok_or_else(|| anyhow!("no side stream"))?;
+                let side = comm
+                    .side_stream()
+                    .ok_or_else(|| anyhow!("no side stream"))?;
                 let total = c * comm.world_size();
                 amp::cuda::defer_side_work(|| {
                     side.run(|| -> Result<()> {
@@ -100,7 +102,9 @@ pub fn bench_ce(comm: &NcclComm, args: &Args) -> Result<()> {
         return Err(anyhow!("not a CUDA device"));
     };
     let compute = cuda.cuda_stream();
-    let side = comm.side_stream().ok_or_else(|| anyhow!("no side stream"))?;
+    let side = comm
+        .side_stream()
+        .ok_or_else(|| anyhow!("no side stream"))?;
     let stream = side.cuda_stream().clone();
     let launch = LaunchEnv::from_env()?;
     let base = RendezvousConfig::from_env(&launch)?;

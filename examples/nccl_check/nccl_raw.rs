@@ -112,7 +112,9 @@ pub struct Window {
 
 impl std::fmt::Debug for Window {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Window").field("bytes", &self.bytes).finish()
+        f.debug_struct("Window")
+            .field("bytes", &self.bytes)
+            .finish()
     }
 }
 
@@ -148,7 +150,9 @@ impl CopyEngine {
     pub fn unique_id() -> Result<[u8; 128]> {
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
         // SAFETY: out-pointer valid.
-        check("CopyEngine::unique_id", unsafe { sys::ncclGetUniqueId(&mut id) })?;
+        check("CopyEngine::unique_id", unsafe {
+            sys::ncclGetUniqueId(&mut id)
+        })?;
         Ok(id.internal.map(|c| c as u8))
     }
 
@@ -176,9 +180,7 @@ impl CopyEngine {
         };
         let mut cfg = config(zero_cta.then_some(CTA_POLICY_ZERO));
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        stream
-            .context()
-            .bind_to_thread()?;
+        stream.context().bind_to_thread()?;
         // SAFETY: out-pointer and config valid for the call.
         check(OP, unsafe {
             sys::ncclCommInitRankConfig(&mut comm, n, id, r, &mut cfg)
