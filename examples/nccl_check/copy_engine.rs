@@ -77,8 +77,8 @@ impl Way<'_> {
                 })
             }
             Way::Raw(engine, send, recv) => {
-                engine.all_to_all(send, 0, recv, 0, c)?;
-                engine.all_gather(send, 0, recv, 0, c)?;
+                engine.all_to_all((send, 0), (recv, 0), c)?;
+                engine.all_gather((send, 0), (recv, 0), c)?;
                 Ok(())
             }
             Way::Plain(engine, send, recv) => {
@@ -86,8 +86,8 @@ impl Way<'_> {
                 // SAFETY: both tensors hold N c bytes on this device and
                 // outlive the bench, which synchronises before they go.
                 unsafe {
-                    engine.all_to_all_raw(s, r, c)?;
-                    engine.all_gather_raw(s, r, c)?;
+                    engine.raw(false, s, r, c)?;
+                    engine.raw(true, s, r, c)?;
                 }
                 Ok(())
             }

@@ -88,6 +88,16 @@ impl std::fmt::Debug for CopyEngine {
     }
 }
 
+/// `ncclAlltoAll` and `ncclAllGather`: the same arguments.
+type Collective = unsafe fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    sys::ncclDataType_t,
+    sys::ncclComm_t,
+    sys::cudaStream_t,
+) -> sys::ncclResult_t;
+
 /// The NCCL communicator, destroyed when its engine and its last window
 /// are gone.
 struct RawComm(sys::ncclComm_t);
@@ -232,10 +242,8 @@ impl CopyEngine {
     /// A region outside its window; NCCL's errors.
     pub fn all_to_all(
         &self,
-        send: &Window,
-        send_at: usize,
-        recv: &Window,
-        recv_at: usize,
+        (send, send_at): (&Window, usize),
+        (recv, recv_at): (&Window, usize),
         c: usize,
     ) -> Result<()> {
         const OP: &str = "CopyEngine::all_to_all";
@@ -243,29 +251,7 @@ impl CopyEngine {
         let s = send.at(OP, send_at, total)?;
         let r = recv.at(OP, recv_at, total)?;
         // SAFETY: both regions checked inside their windows.
-        unsafe { self.all_to_all_raw(s as u64, r as u64, c) }
-    }
-
-    /// [`all_to_all`](Self::all_to_all) on any device memory (outside a
-    /// window NCCL runs its kernels).
-    ///
-    /// # Safety
-    /// `send` and `recv` are device addresses of `N c` bytes each on this
-    /// engine's device, alive until the stream has run the call.
-    ///
-    /// # Errors
-    /// NCCL's.
-    pub unsafe fn all_to_all_raw(&self, send: u64, recv: u64, c: usize) -> Result<()> {
-        check("CopyEngine::all_to_all", unsafe {
-            sys::ncclAlltoAll(
-                send as *const c_void,
-                recv as *mut c_void,
-                c,
-                sys::ncclDataType_t::ncclUint8,
-                self.raw.0,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        })
+        unsafe { self.enqueue(OP, sys::ncclAlltoAll, s as u64, r as u64, c) }
     }
 
     /// Every rank's `c` bytes at `send_at` of `send`, in rank order, into
@@ -275,30 +261,54 @@ impl CopyEngine {
     /// As [`all_to_all`](Self::all_to_all).
     pub fn all_gather(
         &self,
-        send: &Window,
-        send_at: usize,
-        recv: &Window,
-        recv_at: usize,
+        (send, send_at): (&Window, usize),
+        (recv, recv_at): (&Window, usize),
         c: usize,
     ) -> Result<()> {
         const OP: &str = "CopyEngine::all_gather";
         let s = send.at(OP, send_at, c)?;
         let r = recv.at(OP, recv_at, c * self.world_size)?;
         // SAFETY: both regions checked inside their windows.
-        unsafe { self.all_gather_raw(s as u64, r as u64, c) }
+        unsafe { self.enqueue(OP, sys::ncclAllGather, s as u64, r as u64, c) }
     }
 
-    /// [`all_gather`](Self::all_gather) on any device memory.
+    /// [`all_to_all`](Self::all_to_all) (`gather` false) or
+    /// [`all_gather`](Self::all_gather) on any device memory (outside a
+    /// window NCCL runs its kernels).
     ///
     /// # Safety
-    /// `send` holds `c` bytes and `recv` `N c`, as for
-    /// [`all_to_all_raw`](Self::all_to_all_raw).
+    /// `send` and `recv` are device addresses on this engine's device of
+    /// `N c` bytes each (`send` of `c` for the gather), alive until the
+    /// stream has run the call.
     ///
     /// # Errors
     /// NCCL's.
-    pub unsafe fn all_gather_raw(&self, send: u64, recv: u64, c: usize) -> Result<()> {
-        check("CopyEngine::all_gather", unsafe {
-            sys::ncclAllGather(
+    pub unsafe fn raw(&self, gather: bool, send: u64, recv: u64, c: usize) -> Result<()> {
+        match gather {
+            false => unsafe {
+                self.enqueue("CopyEngine::all_to_all", sys::ncclAlltoAll, send, recv, c)
+            },
+            true => unsafe {
+                self.enqueue("CopyEngine::all_gather", sys::ncclAllGather, send, recv, c)
+            },
+        }
+    }
+
+    /// One of NCCL's byte collectives of `c` bytes a rank on the engine's
+    /// stream.
+    ///
+    /// # Safety
+    /// As [`raw`](Self::raw).
+    unsafe fn enqueue(
+        &self,
+        op: &'static str,
+        f: Collective,
+        send: u64,
+        recv: u64,
+        c: usize,
+    ) -> Result<()> {
+        check(op, unsafe {
+            f(
                 send as *const c_void,
                 recv as *mut c_void,
                 c,
