@@ -273,8 +273,20 @@ fn rope_attention_matches_its_parts() -> R<()> {
     let (cos, sin) = rope_tables(3, 8, 10_000.0, None, &Device::Cpu)?;
     let bad = amp::nn::fused::rope_attention_qkv(&x, (3, 2), (&cos, &sin));
     assert!(bad.is_err(), "2 kv heads do not divide 3");
-    let short = rope_tables(2, 8, 10_000.0, None, &Device::Cpu)?;
-    let bad = amp::nn::fused::rope_attention_qkv(&x, (1, 2), (&short.0, &short.1));
+    // (2, 1) heads of x [1, 3, 40]: a head dimension of 10. Tables of too
+    // few positions, of another width, or not F32, are refused before any
+    // work; its own tables are taken.
+    let (cos, sin) = rope_tables(3, 10, 10_000.0, None, &Device::Cpu)?;
+    let ok = amp::nn::fused::rope_attention_qkv(&x, (2, 1), (&cos, &sin));
+    assert!(ok.is_ok(), "the input with its own tables: {ok:?}");
+    let short = rope_tables(2, 10, 10_000.0, None, &Device::Cpu)?;
+    let bad = amp::nn::fused::rope_attention_qkv(&x, (2, 1), (&short.0, &short.1));
     assert!(bad.is_err(), "tables of 2 positions for 3");
+    let wide = rope_tables(3, 8, 10_000.0, None, &Device::Cpu)?;
+    let bad = amp::nn::fused::rope_attention_qkv(&x, (2, 1), (&wide.0, &wide.1));
+    assert!(bad.is_err(), "tables for a head dimension of 8");
+    let half = (cos.to_dtype(DType::BF16)?, sin.to_dtype(DType::BF16)?);
+    let bad = amp::nn::fused::rope_attention_qkv(&x, (2, 1), (&half.0, &half.1));
+    assert!(bad.is_err(), "BF16 tables");
     Ok(())
 }

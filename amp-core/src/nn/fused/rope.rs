@@ -170,36 +170,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         got: x.shape().clone(),
     })?;
     float_dtype(OP, x)?;
-    for table in [cos, sin] {
-        if table.rank() != 2 {
-            return Err(Error::Rank {
-                op: OP,
-                expected: 2,
-                got: table.shape().clone(),
-            });
-        }
-        if head_dim % 2 != 0 || table.dims() != [seq, head_dim / 2] {
-            return Err(Error::Shape {
-                op: OP,
-                lhs: x.shape().clone(),
-                rhs: table.shape().clone(),
-            });
-        }
-        if table.dtype() != DType::F32 {
-            return Err(Error::DType {
-                op: OP,
-                expected: "F32 cos and sin tables",
-                got: table.dtype(),
-            });
-        }
-        if !table.device().same_device(x.device()) {
-            return Err(Error::Device {
-                op: OP,
-                lhs: x.device().location(),
-                rhs: table.device().location(),
-            });
-        }
-    }
+    check_tables(OP, x, (seq, head_dim), (cos, sin))?;
     Ok(x.contiguous()?.apply_op3(
         &cos.contiguous()?,
         &sin.contiguous()?,
@@ -210,11 +181,52 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     )?)
 }
 
+/// Refuses tables that are not F32 `[seq, head_dim / 2]` on `x`'s device
+/// (or an odd head dimension), with `op`'s name.
+pub(crate) fn check_tables(
+    op: &'static str,
+    x: &Tensor,
+    (seq, head_dim): (usize, usize),
+    (cos, sin): (&Tensor, &Tensor),
+) -> Result<()> {
+    for table in [cos, sin] {
+        if table.rank() != 2 {
+            return Err(Error::Rank {
+                op,
+                expected: 2,
+                got: table.shape().clone(),
+            });
+        }
+        if head_dim % 2 != 0 || table.dims() != [seq, head_dim / 2] {
+            return Err(Error::Shape {
+                op,
+                lhs: x.shape().clone(),
+                rhs: table.shape().clone(),
+            });
+        }
+        if table.dtype() != DType::F32 {
+            return Err(Error::DType {
+                op,
+                expected: "F32 cos and sin tables",
+                got: table.dtype(),
+            });
+        }
+        if !table.device().same_device(x.device()) {
+            return Err(Error::Device {
+                op,
+                lhs: x.device().location(),
+                rhs: table.device().location(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// RoPE (`sign` +1) or its transpose (-1) of the first `rot` heads of each
 /// position of `x` `[batch, seq, heads, head_dim]`, the other heads copied,
 /// outside the graph: a packed projection's q and k heads turned, its v
 /// heads kept, in one pass (the tables as [`rope`] takes them, checked by
-/// the caller).
+/// the caller with [`check_tables`]).
 pub(crate) fn rope_rows(
     x: &Tensor,
     (cos, sin): (&Tensor, &Tensor),

@@ -25,7 +25,7 @@ use super::attention::{attend_separate, compute_dtype, repeat_heads, sum_groups,
 use super::flash;
 use super::flash_shape::Flash;
 use super::handoff::{token_fwd, Handoff};
-use super::rope::{rope, rope_rows};
+use super::rope::{check_tables, rope, rope_rows};
 use crate::error::{Error, Result};
 use crate::nn::precomputed::{precomputed_fwd, Precomputed};
 use candle_core::{CustomOp1, DType, Shape, Tensor};
@@ -63,21 +63,27 @@ impl Problem {
                 rhs: Shape::from((heads, kv)),
             });
         }
-        if cos.dims2().map(|(n, _)| n < t).unwrap_or(true) {
+        if [cos, sin]
+            .iter()
+            .any(|z| z.dims2().map(|(n, _)| n < t).unwrap_or(true))
+        {
             return Err(Error::Shape {
                 op,
                 lhs: x.shape().clone(),
                 rhs: cos.shape().clone(),
             });
         }
+        let hd = width / parts;
+        let (cos, sin) = (cos.narrow(0, 0, t)?, sin.narrow(0, 0, t)?);
+        check_tables(op, x, (t, hd), (&cos, &sin))?;
         Ok(Self {
             b,
             t,
             heads,
             kv,
-            hd: width / parts,
-            cos: cos.narrow(0, 0, t)?,
-            sin: sin.narrow(0, 0, t)?,
+            hd,
+            cos,
+            sin,
             compute: compute_dtype(op, x)?,
         })
     }
