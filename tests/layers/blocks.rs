@@ -459,6 +459,34 @@ fn handed_head_and_loss_equal_the_parts_in_sequence() {
     }
 }
 
+/// The handed head's loss lets its logits go in its backward (the op held
+/// the only reference: they are the largest activation): a second
+/// backward through the same loss is a clear error, not a silent reuse.
+#[test]
+fn handed_loss_frees_its_logits_in_backward() {
+    let (d, vocab) = (16, 40);
+    let targets = Tensor::from_vec(
+        (0..10u32).map(|i| (i * 7) % 40).collect(),
+        (2, 5),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let b = block("free0", d, false, false);
+    let w = Var::from_tensor(&randt(&[vocab, d], 11, 0.3)).unwrap();
+    let head = nn::Linear::new("free0.head.weight", w.as_tensor().clone(), None).unwrap();
+    let h = Var::from_tensor(&randt(&[2, 5, d], 100, 1.5)).unwrap();
+    let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
+    let loss = nn::linear_cross_entropy(h.as_tensor(), Some(&b.ln), &head, &targets).unwrap();
+    let grads = loss.backward().unwrap();
+    assert!(
+        grads.get(h.as_tensor()).is_some(),
+        "the first backward reaches h"
+    );
+    let again = loss.backward();
+    let err = again.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("second backward"), "{err}");
+}
+
 /// Two GPT blocks and the head chained on an `nn::Stream` (the residual
 /// stream handed from block to block and into the head's norm) give the
 /// loss and every gradient of `nn::pre_norm_block` twice and

@@ -154,7 +154,8 @@ fn ce_targets(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// [`cross_entropy`] of logits handed from the previous op (`token`
 /// stands for them in the graph, `from` takes their gradient): the logits
 /// never become a graph tensor (no zero-filled gradient as large as the
-/// logits); the op keeps them for its backward.
+/// logits); the op keeps them for its backward and frees them there (one
+/// backward per loss).
 pub(crate) fn cross_entropy_handed(
     logits: &Tensor,
     token: &Tensor,
@@ -166,7 +167,7 @@ pub(crate) fn cross_entropy_handed(
     let pairs = logits.apply_op2_no_bwd(&targets, &ops::CrossEntropy)?;
     let op = ops::CrossEntropyHanded {
         y: crate::nn::precomputed::Precomputed::new("amp_cross_entropy_handed", pairs),
-        logits,
+        logits: std::sync::Mutex::new(Some(logits)),
         targets,
         from: from.clone(),
     };

@@ -163,10 +163,16 @@ impl CustomOp2 for CrossEntropy {
 }
 
 /// [`CrossEntropy`] on handed logits: a token in, the `[rows, 2]` pairs (`y`)
-/// out; backward hands the logits' gradient back.
+/// out; backward hands the logits' gradient back. The op holds the only
+/// reference to the logits and lets them go in its backward, once their
+/// gradient is made: candle keeps a graph's ops until the whole backward
+/// is over, and the logits are the largest activation of a language
+/// model (`[tokens, vocabulary]`: 4.2 GB at Llama-3.2-1B's vocabulary and
+/// 8 x 2048 tokens), alive beside their gradient and its FP8 casts
+/// otherwise.
 pub(super) struct CrossEntropyHanded {
     pub y: crate::nn::precomputed::Precomputed,
-    pub logits: Tensor,
+    pub logits: std::sync::Mutex<Option<Tensor>>,
     pub targets: Tensor,
     pub from: super::Handoff,
 }
@@ -180,9 +186,18 @@ impl CustomOp1 for CrossEntropyHanded {
 
     fn bwd(&self, token: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let gl = Tensor::cat(&[grad.narrow(1, 0, 1)?, res.narrow(1, 1, 1)?], 1)?;
-        let dx = self
-            .logits
-            .apply_op3_no_bwd(&self.targets, &gl, &CrossEntropyBwd)?;
+        let logits = match self.logits.lock() {
+            Ok(mut held) => held.take(),
+            Err(_) => None,
+        };
+        let Some(logits) = logits else {
+            candle_core::bail!(
+                "amp_cross_entropy_handed: a second backward through the same loss \
+                 (its logits went with the first)"
+            );
+        };
+        let dx = logits.apply_op3_no_bwd(&self.targets, &gl, &CrossEntropyBwd)?;
+        drop(logits);
         self.from.put(dx).map_err(wrap_any)?;
         Ok(Some(super::Handoff::token_grad(token).map_err(wrap_any)?))
     }
