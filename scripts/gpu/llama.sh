@@ -7,7 +7,7 @@
 # embedding, as Llama-3.2-1B does: --tie-embeddings here, torch_llama.py's
 # default there).
 # CARRY (default .carry/gpu) holds llama.gz. Env: STEPS (20), SKIP (5),
-# LEVELS (O0 O2), BATCH (8), SEQ (2048), VOCAB (128256), TORCH (1),
+# LEVELS (O0 O2; empty: none, PyTorch only), BATCH (8), SEQ (2048), VOCAB (128256), TORCH (1),
 # TORCH_MODES (bf16,bf16-compile), TORCH_CK (0; 1: eager BF16 with
 # --checkpoint too), EXTRA (more llama arguments).
 #
@@ -20,7 +20,7 @@ unpack llama; need llama
 facts
 B=${BATCH:-8}; S=${SEQ:-2048}; V=${VOCAB:-128256}
 tie=; [ "${TIED:-0}" = 1 ] && tie=--tie-embeddings
-for lv in ${LEVELS:-O0 O2}; do
+for lv in ${LEVELS-O0 O2}; do
   compute=fp8-current; [ "$lv" = O0 ] && compute=native
   label="llama_${size}_${lv}${tie:+_tied}$(echo ${EXTRA:-} | tr -d ' ')"
   timeout 400 "$BIN/llama" --device cuda --size "$size" --vocab "$V" --batch "$B" --seq "$S" \
