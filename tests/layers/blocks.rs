@@ -380,6 +380,16 @@ fn mixed_precision_falls_back_and_bad_residuals_are_errors() {
     assert!(e.is_err(), "an MLP output of another width accepted");
 }
 
+/// The heads' tests' targets: `[2, 5]` tokens of a 40-word vocabulary.
+fn head_targets() -> Tensor {
+    Tensor::from_vec(
+        (0..10u32).map(|i| (i * 7) % 40).collect(),
+        (2, 5),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap()
+}
+
 /// `linear_cross_entropy`: the handed logits give the loss and gradients
 /// (input, LayerNorm, the head's weight in the GradStore or the sink) of
 /// the parts in sequence, in every mode, F32 and BF16.
@@ -387,12 +397,7 @@ fn mixed_precision_falls_back_and_bad_residuals_are_errors() {
 fn handed_head_and_loss_equal_the_parts_in_sequence() {
     let modes = modes();
     let (d, vocab) = (16, 40);
-    let targets = Tensor::from_vec(
-        (0..10u32).map(|i| (i * 7) % 40).collect(),
-        (2, 5),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    let targets = head_targets();
     for (m, mode) in modes.into_iter().enumerate() {
         for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
             let heads = [0, 1].map(|i| {
@@ -465,12 +470,7 @@ fn handed_head_and_loss_equal_the_parts_in_sequence() {
 #[test]
 fn handed_loss_frees_its_logits_in_backward() {
     let (d, vocab) = (16, 40);
-    let targets = Tensor::from_vec(
-        (0..10u32).map(|i| (i * 7) % 40).collect(),
-        (2, 5),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    let targets = head_targets();
     let b = block("free0", d, false, false);
     let w = Var::from_tensor(&randt(&[vocab, d], 11, 0.3)).unwrap();
     let head = nn::Linear::new("free0.head.weight", w.as_tensor().clone(), None).unwrap();
@@ -495,12 +495,7 @@ fn handed_loss_frees_its_logits_in_backward() {
 #[test]
 fn a_handed_stream_through_blocks_and_head_equals_the_calls() {
     let (d, vocab) = (16, 40);
-    let targets = Tensor::from_vec(
-        (0..10u32).map(|i| (i * 7) % 40).collect(),
-        (2, 5),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    let targets = head_targets();
     let attention = nn::BlockAttention::Causal { heads: 2 };
     for (m, mode) in modes().into_iter().enumerate() {
         for (c, (dtype, with_sink)) in DTYPE_SINK.into_iter().enumerate() {
