@@ -250,12 +250,14 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
         if (vec) gelu_bwd_impl<T, Pack<T>::N>(x, dy, dx, n);                                         \
         else gelu_bwd_impl<T, 1>(x, dy, dx, n);                                                      \
     }                                                                                                \
-    extern "C" __global__ void swiglu_fwd_##TN(const T* x, T* y, size_t rows, size_t f) {            \
-        swiglu_fwd_impl<T>(x, y, rows, f);                                                           \
+    extern "C" __global__ void swiglu_fwd_##TN(const T* x, T* y, size_t rows, size_t f, int vec) {   \
+        if (vec) swiglu_fwd_impl<T, Pack<T>::N>(x, y, rows, f);                                      \
+        else swiglu_fwd_impl<T, 1>(x, y, rows, f);                                                   \
     }                                                                                                \
     extern "C" __global__ void swiglu_bwd_##TN(const T* x, const T* dy, T* dx, size_t rows,          \
-                                              size_t f) {                                            \
-        swiglu_bwd_impl<T>(x, dy, dx, rows, f);                                                      \
+                                              size_t f, int vec) {                                   \
+        if (vec) swiglu_bwd_impl<T, Pack<T>::N>(x, dy, dx, rows, f);                                 \
+        else swiglu_bwd_impl<T, 1>(x, dy, dx, rows, f);                                              \
     }                                                                                                \
     extern "C" __global__ void rope_##TN(const T* x, const float* cos_t, const float* sin_t, T* y,   \
                                         size_t pairs, size_t half, size_t heads, size_t rot,         \

@@ -554,24 +554,36 @@ pub(crate) fn swiglu(
     with_float!(OP, x, |T| {
         let xv = view::<T>(OP, x, lx)?;
         let sfx = suffix(x.dtype());
-        let cfg = grid(&dev, (rows * f).max(1))?;
+        // 16-byte packs of a half-row (the gate's and the up's columns
+        // both start at a multiple of the pack when F is one); outputs are
+        // fresh allocations, aligned
+        let pack = 16 / std::mem::size_of::<T>();
         match dy {
             None => {
+                let vec = vec_ok(f, &[&xv], &dev);
+                let cfg = grid(&dev, ((rows * f) / if vec == 1 { pack } else { 1 }).max(1))?;
                 // SAFETY: every element is written.
                 let mut out = unsafe { dev.alloc::<T>(rows * f)? };
                 let k = nn_func(&dev, &format!("swiglu_fwd_{sfx}"))?;
                 let mut b = stream.launch_builder(&k);
-                b.arg(&xv).arg(&mut out).arg(&rows).arg(&f);
+                b.arg(&xv).arg(&mut out).arg(&rows).arg(&f).arg(&vec);
                 unsafe { b.launch(cfg) }.w()?;
                 Ok(store(out, &dev))
             }
             Some((g, lg)) => {
                 let gv = view::<T>(OP, g, lg)?;
+                let vec = vec_ok(f, &[&xv, &gv], &dev);
+                let cfg = grid(&dev, ((rows * f) / if vec == 1 { pack } else { 1 }).max(1))?;
                 // SAFETY: every element is written.
                 let mut out = unsafe { dev.alloc::<T>(n)? };
                 let k = nn_func(&dev, &format!("swiglu_bwd_{sfx}"))?;
                 let mut b = stream.launch_builder(&k);
-                b.arg(&xv).arg(&gv).arg(&mut out).arg(&rows).arg(&f);
+                b.arg(&xv)
+                    .arg(&gv)
+                    .arg(&mut out)
+                    .arg(&rows)
+                    .arg(&f)
+                    .arg(&vec);
                 unsafe { b.launch(cfg) }.w()?;
                 Ok(store(out, &dev))
             }
