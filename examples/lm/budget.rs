@@ -140,6 +140,9 @@ pub struct Run {
     /// The MLP's activation input kept as E4M3 tiles
     /// (`--fp8-activation-inputs`).
     pub fp8_act_inputs: bool,
+    /// The head's loss over chunks of about this many rows where a rank has
+    /// at least as many (`--loss-chunk-rows`; 0: the whole logits at once).
+    pub loss_chunk_rows: usize,
 }
 
 /// What a run of a model of shape `g` at `level` needs (see the module's
@@ -231,7 +234,16 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     // the logits and their gradient have the activations' dtype (BF16
     // logits come out of the head's GEMM as BF16; the loss sums in F32 a
     // row at a time)
-    let logits = b * s * g.vocab as f64 * a * 3.0;
+    // (over chunks of rows at the FP8 levels where a rank has a chunk's
+    // rows: a chunk's logits, their gradient and its casts, and the head's
+    // weight gradient summed in F32 with the GEMM's next sum beside it)
+    let chunk = r.loss_chunk_rows as f64;
+    let logits = if !r.native && chunk > 0.0 && b * s >= chunk {
+        let rows = (b * s / (b * s / chunk).ceil()).ceil();
+        3.0 * rows * g.vocab as f64 * a + 2.0 * 4.0 * g.vocab as f64 * d
+    } else {
+        3.0 * b * s * g.vocab as f64 * a
+    };
     let n = r.ranks.max(1) as f64;
     Estimate {
         persistent: n * persistent,

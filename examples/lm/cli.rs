@@ -191,6 +191,13 @@ struct Args {
     /// --recompute selective.
     #[arg(long)]
     fp8_activation_inputs: bool,
+    /// At the per-tensor FP8 levels, where a rank has at least this many
+    /// tokens, the head's logits, their loss and both of its gradients made
+    /// in the forward over chunks of about this many rows: the whole
+    /// logits, their gradient and its FP8 casts never exist at once
+    /// (`amp::nn::set_loss_chunk_rows`). 0: the whole logits at once.
+    #[arg(long, value_name = "ROWS", default_value_t = amp::nn::DEFAULT_LOSS_CHUNK_ROWS)]
+    loss_chunk_rows: usize,
     /// On CUDA, keep cudarc's two CUDA events per allocation (off by
     /// default: candle's stream and NCCL's fenced stream never wait on
     /// them; for A/B runs).
@@ -259,7 +266,6 @@ struct Args {
     out: PathBuf,
 }
 
-/// A usage error: clap's format, exit code 2.
 /// `--bucket-mb`: a number of MiB in (0, MAX_BUCKET_MB].
 fn bucket_mb(s: &str) -> std::result::Result<f64, String> {
     let max = amp::levels::MAX_BUCKET_MB;
@@ -270,6 +276,7 @@ fn bucket_mb(s: &str) -> std::result::Result<f64, String> {
     }
 }
 
+/// A usage error: clap's format, exit code 2.
 fn usage(msg: impl std::fmt::Display) -> ! {
     Args::command()
         .error(clap::error::ErrorKind::ValueValidation, msg)
@@ -486,6 +493,7 @@ pub fn main() -> Result<()> {
         init_from: args.init_from.clone(),
         tie_embeddings: args.tie_embeddings,
         fp8_activation_inputs: args.fp8_activation_inputs,
+        loss_chunk_rows: args.loss_chunk_rows,
         export: args.export.clone().map(|p| {
             let dtype = match args.export_dtype {
                 ExportArg::F32 => ExportDType::F32,

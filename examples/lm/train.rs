@@ -112,6 +112,10 @@ pub struct TrainConfig {
     /// The MLP's activation input kept as E4M3 tiles for its backward
     /// (`amp::nn::set_fp8_activation_inputs`, on each rank's thread).
     pub fp8_activation_inputs: bool,
+    /// The head's loss over chunks of about this many rows
+    /// (`amp::nn::set_loss_chunk_rows`, on each rank's thread; 0: the whole
+    /// logits at once).
+    pub loss_chunk_rows: usize,
     /// Which activations the blocks recompute in backward.
     pub recompute: crate::recompute::Recompute,
     /// Precision telemetry every this many steps, written into this
@@ -161,6 +165,7 @@ impl Default for TrainConfig {
             lean_step: false,
             fp8_moments: false,
             fp8_activation_inputs: false,
+            loss_chunk_rows: amp::nn::DEFAULT_LOSS_CHUNK_ROWS,
             recompute: crate::recompute::Recompute::None,
             telemetry: None,
             timing_skip: 0,
@@ -239,6 +244,7 @@ pub fn train_rank(
     let t0 = Instant::now();
     // this rank's thread runs its forwards: the switch is per thread
     amp::nn::set_fp8_activation_inputs(cfg.fp8_activation_inputs);
+    amp::nn::set_loss_chunk_rows(cfg.loss_chunk_rows);
     // the heap before the model: what the run adds is measured above it
     let heap_base = crate::heap::in_use();
     let (gcfg, hf_cfg) = cfg.model()?;
@@ -680,6 +686,7 @@ pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::bu
         lean: cfg.lean_step,
         fp8_moments: cfg.fp8_moments,
         fp8_act_inputs: cfg.fp8_activation_inputs,
+        loss_chunk_rows: cfg.loss_chunk_rows,
     };
     crate::budget::estimate(&g.shape(), cfg.level, &run)
 }

@@ -228,6 +228,8 @@ impl AmpContext {
             .map_err(|e| E::from(e.into()))?;
         let out = {
             let _scope = self.autocast();
+            // nothing here is backpropagated
+            let _eval = amp_core::nn::inference();
             f()
         };
         for (layer, state) in self.linears().iter().zip(saved) {

@@ -10,6 +10,7 @@ mod common;
 mod blocks;
 mod fp8_act;
 mod fused;
+mod head_loss;
 mod linear;
 mod linear_fuse;
 mod llama;

@@ -269,6 +269,49 @@ pub fn fp8_gemm_fused(
     Ok(y.to_dtype(out_dtype)?)
 }
 
+/// `A · Bᵀ · α + acc` in F32: [`fp8_gemm`]'s F32 product with `acc`
+/// (`[m, n]` F32) added before the output is written (on CUDA cuBLASLt's
+/// C with beta = 1 where no operand needs padding, else a separate add);
+/// without `acc` the product alone. Sums over chunks of `k` (a weight
+/// gradient over chunks of tokens) stay in F32.
+///
+/// # Errors
+/// As [`fp8_gemm`]; [`Error::Shape`] or [`Error::DType`] for an `acc`
+/// that is not `[m, n]` F32.
+pub(crate) fn fp8_gemm_acc(
+    a: &ScalingTensor,
+    b: &ScalingTensor,
+    acc: Option<&Tensor>,
+) -> Result<Tensor> {
+    let Some(acc) = acc else {
+        return fp8_gemm_with(a, b, DType::F32, false);
+    };
+    check_operands(a, b, DType::F32)?;
+    let (m, n) = (a.shape().dims()[0], b.shape().dims()[0]);
+    let epi = Epilogue {
+        bias: None,
+        residual: Some(acc),
+    };
+    check_epilogue(OP, &epi, (m, n), a.device())?;
+    if acc.dtype() != DType::F32 {
+        return Err(Error::DType {
+            op: OP,
+            expected: "an F32 accumulator",
+            got: acc.dtype(),
+        });
+    }
+    let both_e5m2 = a.qtype() == QType::E5M2 && b.qtype() == QType::E5M2;
+    if a.device().is_cuda()
+        && !both_e5m2
+        && m % 16 == 0
+        && n % 16 == 0
+        && a.shape().dims()[1] % 16 == 0
+    {
+        return cublaslt::fp8_gemm(a, b, DType::F32, false, epi);
+    }
+    Ok((gemm_checked(a, b, DType::F32, false)? + acc)?)
+}
+
 /// [`fp8_gemm_with`] and the output's amax: `(y, amax)`, `amax` a 1-element
 /// F32 tensor, `max |y|` times `a`'s and `b`'s non-finite flags (see the
 /// module docs).

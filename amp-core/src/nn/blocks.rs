@@ -353,13 +353,17 @@ pub fn linear_cross_entropy_stream(
     if h.is_handed() && !takes_handed {
         return linear_cross_entropy(&h.into_tensor()?, norm, head, targets);
     }
-    let x_from = h.token().cloned();
+    let mut x_from = h.token().cloned();
     let h = h.value();
     let normed = Fuse {
         norm,
         ..Default::default()
     };
     if head.runs_own_op(h)? {
+        // large logits: made, lost and differentiated a chunk of rows at a time
+        if let Some(loss) = head.chunked_cross_entropy(h, &mut x_from, norm, targets)? {
+            return Ok(loss);
+        }
         let (logits, token, from) = head.forward_handing_from(h, x_from, normed, None)?;
         return fused::cross_entropy_handed(&logits, &token, &from, targets);
     }

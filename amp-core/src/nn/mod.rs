@@ -65,11 +65,15 @@ pub use fused::{
     with_embedding_backward, Activation, LookupGrad, RopeScaling,
 };
 pub use linear::{
-    cast_weights_ahead, fp8_activation_inputs, linear, linear_b, linear_no_bias, native_op_on_cuda,
-    producer_amax, registered_linear, set_fp8_activation_inputs, set_native_op_on_cuda,
-    set_producer_amax, set_weight_casts_ahead, weight_casts_ahead, Fuse, LayerScaling, Linear,
+    cast_weights_ahead, fp8_activation_inputs, linear, linear_b, linear_no_bias, loss_chunk_rows,
+    native_op_on_cuda, producer_amax, registered_linear, set_fp8_activation_inputs,
+    set_loss_chunk_rows, set_native_op_on_cuda, set_producer_amax, set_weight_casts_ahead,
+    weight_casts_ahead, Fuse, LayerScaling, Linear, DEFAULT_LOSS_CHUNK_ROWS,
 };
-pub use mode::{current_mode, fp8_autocast, with_fp8_autocast, ComputeMode, Fp8Autocast};
+pub use mode::{
+    current_mode, fp8_autocast, in_inference, inference, with_fp8_autocast, ComputeMode,
+    Fp8Autocast, Inference,
+};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use recompute::recompute;
 pub use selective::selective;

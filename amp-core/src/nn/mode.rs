@@ -91,6 +91,42 @@ impl Drop for Fp8Autocast {
     }
 }
 
+thread_local! {
+    /// Open [`inference`] scopes of this thread.
+    static INFERENCE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// While alive, the forward passes on this thread are not backpropagated
+/// (evaluation): an op that would make gradients in its forward (the
+/// head's loss over chunks of rows, `set_loss_chunk_rows`) makes only its
+/// output, outside the graph. Scopes nest. `AmpContext::evaluate` opens
+/// one. A backward through what was computed inside is an error or gives
+/// no gradient for those ops.
+#[must_use = "the scope ends when this guard is dropped"]
+#[derive(Debug)]
+pub struct Inference {
+    _not_send: PhantomData<*const ()>,
+}
+
+/// Opens an [`Inference`] scope.
+pub fn inference() -> Inference {
+    INFERENCE.with(|c| c.set(c.get() + 1));
+    Inference {
+        _not_send: PhantomData,
+    }
+}
+
+impl Drop for Inference {
+    fn drop(&mut self) {
+        let _ = INFERENCE.try_with(|c| c.set(c.get().saturating_sub(1)));
+    }
+}
+
+/// Whether an [`inference`] scope is open on this thread.
+pub fn in_inference() -> bool {
+    INFERENCE.try_with(|c| c.get() > 0).unwrap_or(false)
+}
+
 /// The mode of the innermost scope on this thread; native outside any.
 pub fn current_mode() -> ComputeMode {
     SCOPES.with(|s| {

@@ -102,29 +102,41 @@ fn ce_targets(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             got: logits.shape().clone(),
         });
     }
-    let (lead, classes) = logits.dims().split_at(logits.rank() - 1);
-    let (rows, classes) = (lead.iter().product::<usize>(), classes[0]);
     float_dtype(OP, logits)?;
+    class_targets(logits.shape(), logits.device(), targets)
+}
+
+/// The targets of logits of shape `logits` (rank 2 or more, on `device`)
+/// checked as [`cross_entropy`] checks them, as contiguous U32 of the
+/// logits' leading dimensions.
+pub(crate) fn class_targets(
+    logits: &candle_core::Shape,
+    device: &candle_core::Device,
+    targets: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "cross_entropy";
+    let (lead, classes) = logits.dims().split_at(logits.rank().saturating_sub(1));
+    let (rows, classes) = (
+        lead.iter().product::<usize>(),
+        classes.first().copied().unwrap_or(0),
+    );
     if rows == 0 || classes == 0 {
         return Err(Error::Unsupported {
             op: OP,
-            what: format!(
-                "logits of shape {:?}: no rows or no classes",
-                logits.shape()
-            ),
+            what: format!("logits of shape {logits:?}: no rows or no classes"),
         });
     }
     if targets.dims() != lead {
         return Err(Error::Shape {
             op: OP,
-            lhs: logits.shape().clone(),
+            lhs: logits.clone(),
             rhs: targets.shape().clone(),
         });
     }
-    if !targets.device().same_device(logits.device()) {
+    if !targets.device().same_device(device) {
         return Err(Error::Device {
             op: OP,
-            lhs: logits.device().location(),
+            lhs: device.location(),
             rhs: targets.device().location(),
         });
     }
@@ -149,6 +161,23 @@ fn ce_targets(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         }
     }
     Ok(targets)
+}
+
+/// Cross-entropy of 2-D logits against U32 targets, one F32 pair per row
+/// (`lse - x[t]`, `lse`): [`cross_entropy`]'s forward without a graph node.
+pub(crate) fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(logits
+        .contiguous()?
+        .apply_op2_no_bwd(targets, &ops::CrossEntropy)?)
+}
+
+/// `g * (softmax(x) - onehot(t))` of 2-D logits `x`, U32 targets `t` and
+/// `gl` (`[rows, 2]` F32: `g` and the row's `lse`, as
+/// [`cross_entropy_rows`] gives it): [`cross_entropy`]'s backward kernel,
+/// in `x`'s dtype.
+pub(crate) fn cross_entropy_rows_grad(x: &Tensor, t: &Tensor, gl: &Tensor) -> Result<Tensor> {
+    Ok(x.contiguous()?
+        .apply_op3_no_bwd(t, &gl.contiguous()?, &ops::CrossEntropyBwd)?)
 }
 
 /// [`cross_entropy`] of logits handed from the previous op (`token`

@@ -208,7 +208,7 @@ fn wrap_any(e: crate::Error) -> candle_core::Error {
 }
 
 /// `g * (softmax(x) - onehot(t))` of `(x, t, [g, lse] per row)`.
-struct CrossEntropyBwd;
+pub(super) struct CrossEntropyBwd;
 
 impl CustomOp3 for CrossEntropyBwd {
     fn name(&self) -> &'static str {

@@ -15,7 +15,7 @@ use crate::scaling::weight::Weight;
 use candle_core::Tensor;
 
 /// A handed tensor's token and its handoff.
-type Handed = (Tensor, Handoff);
+pub(super) type Handed = (Tensor, Handoff);
 
 /// What [`Linear::forward_with`] applies inside the layer's op.
 #[derive(Debug, Clone, Copy, Default)]
@@ -96,7 +96,7 @@ impl Linear {
     /// current scaling and `set_producer_amax`.
     /// With `x_from` (`x` handed from another op: its token and handoff)
     /// the LayerNorm must hand, or it is an error.
-    fn normed(
+    pub(super) fn normed(
         norm: Option<&LayerNorm>,
         x: &Tensor,
         hand: bool,

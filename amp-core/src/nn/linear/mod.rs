@@ -17,6 +17,7 @@
 mod ahead;
 mod block;
 mod fuse;
+mod head_loss;
 mod layer_scaling;
 pub(crate) mod op;
 mod operands;
@@ -44,8 +45,9 @@ pub use ahead::cast_weights_ahead;
 pub use fuse::Fuse;
 pub use layer_scaling::LayerScaling;
 pub use switches::{
-    fp8_activation_inputs, native_op_on_cuda, producer_amax, set_fp8_activation_inputs,
-    set_native_op_on_cuda, set_producer_amax, set_weight_casts_ahead, weight_casts_ahead,
+    fp8_activation_inputs, loss_chunk_rows, native_op_on_cuda, producer_amax,
+    set_fp8_activation_inputs, set_loss_chunk_rows, set_native_op_on_cuda, set_producer_amax,
+    set_weight_casts_ahead, weight_casts_ahead, DEFAULT_LOSS_CHUNK_ROWS,
 };
 
 /// A linear layer `y = x · Wᵀ + b` with `W: [out, in]`, as `candle_nn::Linear`.

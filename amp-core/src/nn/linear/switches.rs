@@ -1,5 +1,6 @@
 //! Switches of the Linear layers' behaviour that a run sets once: the
-//! MLP's activation input kept in FP8 (per thread), O0's products
+//! MLP's activation input kept in FP8 and the head's loss over chunks of
+//! rows (per thread), O0's products
 //! through the layers' op on CUDA (process-wide, on by default) and the
 //! casts' amaxes taken from their tensors' producers (process-wide, on by
 //! default) and the weights' casts made ahead by the levels (process-wide,
@@ -7,6 +8,36 @@
 
 thread_local! {
     static FP8_ACTIVATION_INPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static LOSS_CHUNK_ROWS: std::cell::Cell<usize> = const { std::cell::Cell::new(DEFAULT_LOSS_CHUNK_ROWS) };
+}
+
+/// [`loss_chunk_rows`] until [`set_loss_chunk_rows`] says otherwise.
+pub const DEFAULT_LOSS_CHUNK_ROWS: usize = 4096;
+
+/// `linear_cross_entropy` of at least `rows` rows (tokens), with a head
+/// that runs per-tensor FP8 in all three GEMMs (current or delayed
+/// scaling, no bias), makes its logits, their loss and both of the head's
+/// gradients in the forward, over chunks of about `rows` rows (the fewest
+/// chunks of at most `rows`, of equal size rounded up to a multiple of
+/// 16): the whole logits, their gradient and its FP8 casts never exist
+/// at once, and nothing of them waits for the backward
+/// (`nn/linear/head_loss.rs`). `0` turns it off (the head and the loss
+/// as separate ops, the whole logits alive from the forward to the
+/// backward). The weight gradient is summed over the chunks in F32 by the
+/// GEMM, which reads and writes the sum once a chunk: below about 4096
+/// rows a chunk that costs more than its product at a large vocabulary
+/// (Llama-3's: 2.1 GB a chunk). Default [`DEFAULT_LOSS_CHUNK_ROWS`]
+/// (4096: two chunks at 8 x 1024 tokens). Per thread, as
+/// [`set_fp8_activation_inputs`].
+pub fn set_loss_chunk_rows(rows: usize) {
+    LOSS_CHUNK_ROWS.with(|c| c.set(rows));
+}
+
+/// The rows [`set_loss_chunk_rows`] set in this thread (`0`: off).
+pub fn loss_chunk_rows() -> usize {
+    LOSS_CHUNK_ROWS
+        .try_with(std::cell::Cell::get)
+        .unwrap_or(DEFAULT_LOSS_CHUNK_ROWS)
 }
 
 /// In the FP8 modes, an activation's input that a Linear's op keeps for
