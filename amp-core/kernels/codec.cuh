@@ -1,6 +1,6 @@
 // The FP8 and FP16 codecs of every candle-amp kernel that encodes or
 // decodes: the casts (amp.cu, cast_t.cu, through cast.cuh) and the
-// optimizer step (optim/kernels/lowbit.cu), with the scale rules both
+// optimizer step (the optim crate's kernels), with the scale rules both
 // apply. One header, so the formats' conversions exist once; where the two
 // kinds of kernel need different forms of a conversion, both are here
 // under their own names, each bit-identical to amp-core's CPU casts
@@ -27,7 +27,7 @@
 
 // -------------------------------------------------- formats, constants --
 // Formats in the QType order (the casts' FMT template parameter); the
-// optimizer's stream kinds (`kind` in optim/src/cuda.rs) add F32.
+// optimizer's stream kinds (the optim crate's `kind`) add F32.
 #define K_E4M3 0
 #define K_E5M2 1
 #define K_F16 2
@@ -125,7 +125,7 @@ template <> struct Fmt<K_F16> {
 //
 // Decodes are the hardware conversions alone: a NaN code gives some NaN,
 // and every decode is multiplied by its scale_inv at once (`load`,
-// `decode4`, sumsq's `decode_code`), which returns the canonical NaN
+// `decode4`, the optimizer's sum of squares), which returns the canonical NaN
 // 0x7FFFFFFF for any NaN operand. So a NaN code needs no select of its own
 // (nor an f16 NaN its payload kept, as F16C does: the product drops it on
 // the GPU, and only NaN payloads may differ from the CPU).

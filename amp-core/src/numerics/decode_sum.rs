@@ -179,7 +179,7 @@ mod tests {
                         Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
                     };
                     assert_eq!(bits(&got)?, bits(&want)?, "{qtype:?} {ranks} {average}");
-                    assert_eq!(bits(&amax)?, bits(&crate::amax(&want)?)?);
+                    assert_eq!(bits(&amax)?, bits(&crate::numerics::cast::amax(&want)?)?);
                 }
             }
         }

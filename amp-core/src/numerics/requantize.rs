@@ -84,7 +84,7 @@ mod tests {
 
     #[test]
     fn requantize_equals_quantizing_the_dequantized_value() {
-        crate::set_cast_counts(true);
+        crate::numerics::counts::set_cast_counts(true);
         let dev = Device::Cpu;
         let xs: Vec<f32> = (0..4099u32)
             .map(|i| f32::from_bits(i.wrapping_mul(0x9E37_79B1) & 0xBFFF_FFFF) * 1e-30)

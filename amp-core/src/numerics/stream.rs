@@ -127,7 +127,7 @@ impl SideStream {
     ///
     /// # Errors
     /// `f`'s, and the driver's for the fences.
-    pub fn run<R, E: From<crate::Error>>(
+    pub fn run<R, E: From<crate::error::Error>>(
         &self,
         f: impl FnOnce() -> std::result::Result<R, E>,
     ) -> std::result::Result<R, E> {
