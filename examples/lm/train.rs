@@ -663,6 +663,26 @@ pub fn train_rank(
     })
 }
 
+/// Whether the head's loss runs over chunks of rows
+/// (`amp::nn::set_loss_chunk_rows`): per-tensor FP8 in all three of the
+/// head's GEMMs (the example's heads have no bias), the head not kept in
+/// high precision.
+fn head_chunks(cfg: &TrainConfig) -> bool {
+    let fp8 = match &cfg.compute {
+        Compute::Fp8Current { .. } => true,
+        Compute::Fp8Delayed { recipe } => {
+            let o = recipe.override_linear_precision;
+            !(o.fprop || o.dgrad || o.wgrad)
+        }
+        _ => false,
+    };
+    let patterns = AmpConfig {
+        high_precision: cfg.high_precision.clone(),
+        ..Default::default()
+    };
+    fp8 && !patterns.is_high_precision("lm_head.weight")
+}
+
 /// The memory estimate of this run (`crate::budget`): what the example
 /// checks against the free memory before it starts.
 pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::budget::Estimate {
@@ -686,7 +706,11 @@ pub fn memory_estimate(cfg: &TrainConfig, g: &Config, world: usize) -> crate::bu
         lean: cfg.lean_step,
         fp8_moments: cfg.fp8_moments,
         fp8_act_inputs: cfg.fp8_activation_inputs,
-        loss_chunk_rows: cfg.loss_chunk_rows,
+        loss_chunk_rows: if head_chunks(cfg) {
+            cfg.loss_chunk_rows
+        } else {
+            0
+        },
     };
     crate::budget::estimate(&g.shape(), cfg.level, &run)
 }

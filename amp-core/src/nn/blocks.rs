@@ -321,6 +321,14 @@ fn block(
 /// the head's op returns a token instead of a copy of them. Otherwise the
 /// parts in sequence; the values are the same either way.
 ///
+/// Where the head runs per-tensor FP8 and there are at least
+/// [`loss_chunk_rows`](super::loss_chunk_rows) rows, the head and the loss
+/// run over chunks of rows and make both of the head's gradients in the
+/// forward (docs/ARCHITECTURE.md, "The head's loss over chunks of rows"):
+/// evaluate inside [`inference`](super::inference) (as
+/// `AmpContext::evaluate` does), or the forward does the gradients'
+/// products for nothing.
+///
 /// # Errors
 /// As [`Linear::forward_with`] and
 /// [`cross_entropy`](fused::cross_entropy).

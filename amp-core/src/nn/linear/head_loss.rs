@@ -24,7 +24,7 @@
 //! power of two) and a logit gradient whose amax is above 7/8 (as good as
 //! always) the values are those of the op-by-op path bit for bit.
 
-use super::layer_scaling::{record, WEIGHT_GRAD_RECORD};
+use super::layer_scaling::{noted, record, LastCasts, Role, Source, WEIGHT_GRAD_RECORD};
 use super::op::fp8_grad;
 use super::operands::Passes;
 use super::switches::loss_chunk_rows;
@@ -36,9 +36,11 @@ use crate::nn::mode::{current_step, in_inference};
 use crate::nn::norm::LayerNorm;
 use crate::nn::precomputed::{precomputed_fwd, Precomputed};
 use crate::numerics::format::Fp8Format;
+use crate::numerics::recipe::CurrentScaling;
 use crate::scaling::flag::flagged_by_amax;
 use crate::scaling::meta::ScalingMeta;
 use crate::scaling::sink::GradSink;
+use crate::scaling::telemetry::telemetry_enabled;
 use crate::scaling::tensor::ScalingTensor;
 use crate::scaling::weight::Weight;
 use candle_core::{CustomOp2, DType, Shape, Tensor, Var};
@@ -72,12 +74,19 @@ fn bound_scale(format: Fp8Format, device: &candle_core::Device) -> Result<Scalin
     Ok(meta)
 }
 
-/// The rows of each chunk of `rows`: the fewest chunks of at most `most`
-/// (at least 16), of equal size rounded up to a multiple of 16 (the FP8
-/// GEMMs' alignment), the last one shorter.
+/// The rows of each chunk of `rows`: about equal chunks of at most `most`
+/// (at least 16) rows, a multiple of 16 (the FP8 GEMMs' alignment), the
+/// last one shorter.
 fn chunk_rows(rows: usize, most: usize) -> usize {
-    let chunks = rows.div_ceil(most.max(16)).max(1);
-    rows.div_ceil(chunks).next_multiple_of(16).min(rows)
+    let most = most.max(16);
+    let chunks = rows.div_ceil(most).max(1);
+    if chunks == 1 {
+        return rows;
+    }
+    let even = rows.div_ceil(chunks).next_multiple_of(16);
+    // rounding up may pass `most`: one chunk more then
+    let even = if even > most { even - 16 } else { even };
+    even.max(16).min(rows)
 }
 
 impl Linear {
@@ -108,7 +117,10 @@ impl Linear {
         }
         let in_dim = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / in_dim.max(1);
-        if rows < most {
+        // (the loss kernels take F32 and BF16 logits; the separate ops say
+        // what is wrong with others)
+        let dtype_ok = matches!(x.dtype(), DType::F32 | DType::BF16);
+        if rows < most || x.rank() < 2 || !dtype_ok {
             return Ok(None);
         }
         let sink = self
@@ -172,6 +184,7 @@ impl Linear {
         let ones = Tensor::ones((chunk, 1), DType::F32, x.device())?;
         let ctx = Chunks {
             ones: &ones,
+            casts: &self.casts,
             xq: &xq,
             wq: &wq,
             targets: &targets,
@@ -197,18 +210,26 @@ impl Linear {
             .transpose()?;
         drop(dxs);
         let dw = match &sink {
-            Some(_) => {
-                let g = fp8_grad(&acc)?;
-                record(&self.casts, WEIGHT_GRAD_RECORD, &g, || Ok(acc.clone()))?;
-                HeadGrad::Sink(g)
-            }
+            // the F32 sum stays only where telemetry records the cast
+            // (in the backward, once the incoming gradient is known)
+            Some(_) => HeadGrad::Sink(fp8_grad(&acc)?, telemetry_enabled().then_some(acc)),
             None => HeadGrad::Store(acc),
         };
+        *self.saved_bytes.lock().map_err(|_| Error::Poisoned {
+            op: "Linear::chunked_cross_entropy",
+        })? = dx
+            .as_ref()
+            .map_or(0, |d| d.elem_count() * d.dtype().size_in_bytes())
+            + match &dw {
+                HeadGrad::Sink(q, _) => q.nbytes(),
+                HeadGrad::Store(t) => t.elem_count() * 4,
+            };
         let op = HeadLossOp {
             y: Precomputed::new("amp_head_cross_entropy", pairs),
             grads: Mutex::new(Some((dx, dw))),
             handoff,
             x_shape: x_in.shape().clone(),
+            casts: self.casts.clone(),
             sink,
             name: self.name.clone(),
             w_dtype: w_arg.dtype(),
@@ -230,6 +251,9 @@ struct Chunks<'a> {
     bound: &'a ScalingMeta,
     /// `[chunk, 1]` F32 ones: the gradient of each row's loss, 1.
     ones: &'a Tensor,
+    /// The layer's casts: the first chunk's logit gradient is noted as its
+    /// `grad_output` (telemetry, `last_cast_stats`).
+    casts: &'a LastCasts,
 }
 
 impl Chunks<'_> {
@@ -259,6 +283,18 @@ impl Chunks<'_> {
         drop(logits);
         // one pass, both layouts, the scale of the bound (no amax pass)
         let (dq, dq_t, _) = ScalingTensor::quantize_with_t(&dl, self.bound)?;
+        let (dq, dq_t) = match start {
+            0 => match noted(
+                Source::Tensor(&dl),
+                Role::GradOutput,
+                self.casts,
+                (dq, Some(dq_t)),
+            )? {
+                (q, Some(t)) => (q, t),
+                (q, None) => (q.clone(), q.t()?),
+            },
+            _ => (dq, dq_t),
+        };
         drop(dl);
         // a non-finite gradient amax rides in scale_inv into both products
         let dq = flagged_by_amax(&dq)?;
@@ -276,10 +312,11 @@ impl Chunks<'_> {
     }
 }
 
-/// The head's weight gradient as the forward left it: FP8 for the sink,
-/// or F32 for candle's GradStore.
+/// The head's weight gradient as the forward left it: FP8 for the sink
+/// (with its F32 source where telemetry records it), or F32 for candle's
+/// GradStore.
 enum HeadGrad {
-    Sink(ScalingTensor),
+    Sink(ScalingTensor, Option<Tensor>),
     Store(Tensor),
 }
 
@@ -293,6 +330,7 @@ struct HeadLossOp {
     /// The first argument is a token: the input's gradient goes here.
     handoff: Option<Handoff>,
     x_shape: Shape,
+    casts: LastCasts,
     sink: Option<GradSink>,
     name: String,
     w_dtype: DType,
@@ -302,17 +340,35 @@ fn wrap(e: Error) -> candle_core::Error {
     candle_core::Error::wrap(e)
 }
 
-/// `t`'s metadata times `g` (a one-element F32 tensor): the decoded values
-/// scaled by `g`, the codes unchanged.
+/// `g` times the value of `t` (a current-scaled FP8 weight gradient; `g`
+/// a one-element F32 tensor): the codes decoded with `scale_inv * g` and
+/// encoded again in one pass with the current-scaling scale of
+/// `amax * |g|` (`fp8_grad`'s rule), the bits of casting the F32 value
+/// times `g` (up to that product's rounding). The metadata keeps
+/// `amax * |g|`, so a non-finite gradient (or `g`) stays visible; a zero
+/// `g` gives zero codes with a finite scale.
 fn scaled_by(t: &ScalingTensor, g: &Tensor) -> Result<ScalingTensor> {
     let m = t.meta();
-    let meta = ScalingMeta::from_parts(
-        t.qtype(),
-        m.scale().broadcast_div(g)?,
-        m.scale_inv().broadcast_mul(g)?,
-        m.amax_history().broadcast_mul(&g.abs()?)?,
+    let amax = m.amax()?.broadcast_mul(&g.abs()?)?;
+    let times_g = ScalingTensor::from_parts(
+        t.data().clone(),
+        ScalingMeta::from_parts(
+            t.qtype(),
+            m.scale().clone(),
+            m.scale_inv().broadcast_mul(g)?,
+            amax.clone(),
+        )?,
     )?;
-    ScalingTensor::from_parts(t.data().clone(), meta)
+    let rule = CurrentScaling::default();
+    let meta = ScalingMeta::for_current_amax(t.qtype(), &amax, rule.scale_rule, rule.margin)?;
+    let (q, _) = times_g.requantize_with(&meta)?;
+    let meta = ScalingMeta::from_parts(
+        q.qtype(),
+        q.meta().scale().clone(),
+        q.meta().scale_inv().clone(),
+        amax,
+    )?;
+    ScalingTensor::from_parts(q.data().clone(), meta)
 }
 
 impl CustomOp2 for HeadLossOp {
@@ -343,7 +399,11 @@ impl CustomOp2 for HeadLossOp {
         let g = grad.narrow(0, 0, 1)?.narrow(1, 0, 1)?.reshape(1)?;
         let dx = match dx {
             Some(d) if x.track_op() => {
-                let d = d.broadcast_mul(&g.to_dtype(d.dtype())?)?;
+                // g in F32 (a BF16 g would round every gradient the same way)
+                let d = d
+                    .to_dtype(DType::F32)?
+                    .broadcast_mul(&g)?
+                    .to_dtype(d.dtype())?;
                 Some(match &self.handoff {
                     Some(h) => {
                         h.put(d.reshape(self.x_shape.clone())?).map_err(wrap)?;
@@ -355,9 +415,13 @@ impl CustomOp2 for HeadLossOp {
             _ => None,
         };
         let dw = match (dw, &self.sink) {
-            (HeadGrad::Sink(q), Some(sink)) => {
-                sink.add(&self.name, scaled_by(&q, &g).map_err(wrap)?)
-                    .map_err(wrap)?;
+            (HeadGrad::Sink(q, source), Some(sink)) => {
+                let q = scaled_by(&q, &g).map_err(wrap)?;
+                if let Some(acc) = source {
+                    let src = || Ok(acc.broadcast_mul(&g)?);
+                    record(&self.casts, WEIGHT_GRAD_RECORD, &q, src).map_err(wrap)?;
+                }
+                sink.add(&self.name, q).map_err(wrap)?;
                 None
             }
             (HeadGrad::Store(acc), _) if w.track_op() => {
@@ -383,8 +447,11 @@ mod tests {
         assert_eq!(chunk_rows(100, 100), 100);
         // fewer than 16 asked still takes 16 rows
         assert_eq!(chunk_rows(64, 1), 16);
-        // 100 rows, 40 a chunk: 3 chunks of 34 -> 48 (rounded up), 2 chunks
-        assert_eq!(chunk_rows(100, 40), 48);
+        // 100 rows, at most 40 a chunk: 3 of 34 -> 48 is above 40, so 32
+        // (four chunks: 32, 32, 32, 4)
+        assert_eq!(chunk_rows(100, 40), 32);
+        // 100 rows, at most 50: 2 of 50 -> 64 is above 50, so 48
+        assert_eq!(chunk_rows(100, 50), 48);
         // 9000 rows at 4096: 3 chunks of 3000 -> 3008
         assert_eq!(chunk_rows(9000, 4096), 3008);
     }
