@@ -68,18 +68,7 @@ fn run(m: &Head, h: &Var, t: &Tensor, chunk: usize, scale: f64) -> Vec<Vec<f32>>
     let loss = nn::linear_cross_entropy(h.as_tensor(), Some(&m.ln), &m.head, t).unwrap();
     set_loss_chunk_rows(nn::DEFAULT_LOSS_CHUNK_ROWS);
     let g = loss.affine(scale, 0.0).unwrap().backward().unwrap();
-    // which path ran: a second backward names what went with the first
-    let again = loss
-        .backward()
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
-    let went = if chunk > 0 {
-        "its gradients went"
-    } else {
-        "its logits went"
-    };
-    assert!(again.contains(went), "chunk {chunk}: {again}");
+    assert_path(&loss, chunk);
     let grad = |v: &Var| values(g.get(v.as_tensor()).expect("a gradient"));
     let dw = match m.sink.take().unwrap().into_values().next() {
         Some(q) => values(&q.dequantize(DType::F32).unwrap()),
@@ -92,6 +81,23 @@ fn run(m: &Head, h: &Var, t: &Tensor, chunk: usize, scale: f64) -> Vec<Vec<f32>>
         grad(&m.ln_vars[1]),
         dw,
     ]
+}
+
+/// Which path ran for a loss backpropagated once: a second backward is an
+/// error naming what went with the first (the chunked op's gradients, or
+/// the separate loss op's logits).
+fn assert_path(loss: &Tensor, chunk: usize) {
+    let again = loss
+        .backward()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    let went = if chunk > 0 {
+        "its gradients went"
+    } else {
+        "its logits went"
+    };
+    assert!(again.contains(went), "chunk {chunk}: {again}");
 }
 
 const PARTS: [&str; 5] = ["loss", "dh", "dln_w", "dln_b", "dw"];
@@ -200,17 +206,7 @@ fn chunks_agree_with_the_whole_logits_and_float64() {
             let loss = nn::linear_cross_entropy(h.as_tensor(), None, &lin, &t).unwrap();
             set_loss_chunk_rows(nn::DEFAULT_LOSS_CHUNK_ROWS);
             let g = loss.backward().unwrap();
-            let again = loss
-                .backward()
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
-            let went = if chunk > 0 {
-                "its gradients went"
-            } else {
-                "its logits went"
-            };
-            assert!(again.contains(went), "chunk {chunk}: {again}");
+            assert_path(&loss, chunk);
             let dw = sink.take().unwrap().into_values().next().expect("dw");
             [
                 values(&loss),
