@@ -11,8 +11,20 @@ use train::{train, TrainConfig};
 
 #[test]
 fn telemetry_records_every_linear_and_role_at_its_steps() -> anyhow::Result<()> {
-    let dir = std::env::temp_dir().join(format!("amp-gpt-telemetry-{}", std::process::id()));
+    // the whole logits, and the head's loss over chunks of 16 rows (four)
+    for rows in [0, 16] {
+        records_every_linear_and_role(rows)?;
+    }
+    Ok(())
+}
+
+fn records_every_linear_and_role(loss_chunk_rows: usize) -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!(
+        "amp-gpt-telemetry-{}-{loss_chunk_rows}",
+        std::process::id()
+    ));
     let cfg = TrainConfig {
+        loss_chunk_rows,
         level: Level::O2,
         compute: Compute::Fp8Delayed {
             recipe: DelayedScaling::default(),
