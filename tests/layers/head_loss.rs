@@ -339,3 +339,39 @@ fn a_non_power_of_two_gradient_scales_bf16_gradients_in_f32() {
         "3 x a third over the whole: {mean}"
     );
 }
+
+/// A non-finite input reaches the chunked loss and both of the head's
+/// gradients' flags: the loss is NaN, the sink's weight gradient has a
+/// non-finite amax (so a loss-scaled step is skipped), as on the separate
+/// ops' path.
+#[test]
+fn a_non_finite_input_makes_the_chunked_gradients_non_finite() {
+    let (d, vocab, rows) = (16, 40, 64);
+    let t = targets(rows, vocab);
+    for bad in [f32::NAN, f32::INFINITY] {
+        let m = head(&format!("bad{bad}"), d, vocab, true);
+        let mut x: Vec<f32> = values(&randt(&[2, rows / 2, d], 7, 1.5));
+        x[5 * d + 3] = bad;
+        let h = Var::from_tensor(&Tensor::from_vec(x, (2, rows / 2, d), &Device::Cpu).unwrap())
+            .unwrap();
+        let _s = fp8_autocast(true, ComputeMode::Fp8Current(Default::default()));
+        set_loss_chunk_rows(16);
+        let loss = nn::linear_cross_entropy(h.as_tensor(), Some(&m.ln), &m.head, &t).unwrap();
+        set_loss_chunk_rows(nn::DEFAULT_LOSS_CHUNK_ROWS);
+        assert!(
+            !values(&loss)[0].is_finite(),
+            "{bad}: loss {:?}",
+            values(&loss)
+        );
+        let g = loss.backward().unwrap();
+        assert_path(&loss, 16);
+        let dw = m.sink.take().unwrap().into_values().next().expect("dw");
+        let amax = values(&dw.meta().amax().unwrap())[0];
+        assert!(
+            !amax.is_finite(),
+            "{bad}: the weight gradient's amax {amax}"
+        );
+        let dh = values(g.get(h.as_tensor()).expect("dh"));
+        assert!(dh.iter().any(|v| !v.is_finite()), "{bad}: dh finite");
+    }
+}
