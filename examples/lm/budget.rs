@@ -239,7 +239,9 @@ pub fn estimate(g: &Shape, level: Level, r: &Run) -> Estimate {
     // weight gradient summed in F32 with the GEMM's next sum beside it)
     let chunk = r.loss_chunk_rows as f64;
     let logits = if !r.native && chunk > 0.0 && b * s >= chunk {
-        let rows = (b * s / (b * s / chunk).ceil()).ceil();
+        // (as `chunk_rows` makes them: equal, a multiple of 16, at most `chunk`)
+        let even = ((b * s / (b * s / chunk).ceil()) / 16.0).ceil() * 16.0;
+        let rows = if even > chunk { even - 16.0 } else { even }.max(16.0);
         3.0 * rows * g.vocab as f64 * a + 2.0 * 4.0 * g.vocab as f64 * d
     } else {
         3.0 * b * s * g.vocab as f64 * a

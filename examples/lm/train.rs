@@ -680,7 +680,14 @@ fn head_chunks(cfg: &TrainConfig) -> bool {
         high_precision: cfg.high_precision.clone(),
         ..Default::default()
     };
-    fp8 && !patterns.is_high_precision("lm_head.weight")
+    // a tied head is also named by its embedding's variable
+    let names = ["lm_head.weight", "wte.weight", "embed.weight"];
+    // (tied unless said otherwise: the model's default decides, Llama's is tied)
+    let tied = cfg.tie_embeddings != Some(false);
+    fp8 && !names
+        .iter()
+        .take(if tied { 3 } else { 1 })
+        .any(|n| patterns.is_high_precision(n))
 }
 
 /// The memory estimate of this run (`crate::budget`): what the example

@@ -62,6 +62,22 @@ fn records_every_linear_and_role(loss_chunk_rows: usize) -> anyhow::Result<()> {
             "{role}"
         );
     }
+    // the head's output gradient: a chunk's rows (the first chunk's cast)
+    // or all 64
+    let head = |role: &str| {
+        rows.iter()
+            .find(|r| r["layer"] == "lm_head" && r["role"] == role)
+            .and_then(|r| r["total"].as_u64())
+            .unwrap_or(0)
+    };
+    let width = head("input") / 64;
+    let vocab = head("weight") / width.max(1);
+    let chunk = if loss_chunk_rows == 0 {
+        64
+    } else {
+        loss_chunk_rows as u64
+    };
+    assert_eq!(head("grad_output"), chunk * vocab, "{jsonl}");
     for r in &rows {
         let (role, layer) = (
             r["role"].as_str().unwrap_or(""),

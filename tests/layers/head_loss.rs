@@ -323,6 +323,7 @@ fn a_non_power_of_two_gradient_scales_bf16_gradients_in_f32() {
         let loss = nn::linear_cross_entropy(h.as_tensor(), None, &head, &t).unwrap();
         set_loss_chunk_rows(nn::DEFAULT_LOSS_CHUNK_ROWS);
         let g = loss.affine(scale, 0.0).unwrap().backward().unwrap();
+        assert_path(&loss, 64);
         values(g.get(h.as_tensor()).expect("dh"))
     };
     let (one, third) = (dh(1.0), dh(1.0 / 3.0));

@@ -63,7 +63,15 @@ impl Kernel for Requantize {
             return Err(arity(Self::NAME));
         };
         let scale = scalar(Self::NAME, s, ls)?;
-        crate::numerics::scale::check_scale(Self::NAME, scale)?;
+        // any finite target scale: a negative one negates the values, zero
+        // gives zero codes (the head's gradient times a negative or zero
+        // incoming gradient, `nn/linear/head_loss.rs`)
+        if !scale.is_finite() {
+            return Err(crate::error::Error::BadScale {
+                op: Self::NAME,
+                value: scale,
+            });
+        }
         let values = decoded(self.from, *q, *si)?;
         let (codes, amax, counts) = quantize_slice(self.to, &values, scale);
         let mut out = vec![(codes, q.1.shape().clone()), one(amax)];

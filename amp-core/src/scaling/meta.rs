@@ -161,6 +161,12 @@ impl ScalingMeta {
         self
     }
 
+    /// The counts `[saturated, flushed]` of the cast it describes, where
+    /// they were made.
+    pub(crate) fn last_cast_counts(&self) -> Option<Tensor> {
+        self.last_cast.clone()
+    }
+
     /// The same metadata, its scale_inv marked as carrying the cast's
     /// non-finite flag (the cast kernel multiplied it in).
     pub(crate) fn with_flag(mut self) -> Self {
