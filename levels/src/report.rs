@@ -4,10 +4,11 @@
 //! context and the optimizer, and the data-parallel group's shards, and
 //! changes nothing.
 
-use crate::context::{AmpContext, AmpOptimizer};
+use crate::context::AmpContext;
 use crate::distributed;
 use crate::error::{Error, Result};
 use crate::level::Level;
+use crate::optimizer::AmpOptimizer;
 use amp_core::{ScalingTensor, Weight};
 use amp_optim::State;
 use serde::Serialize;

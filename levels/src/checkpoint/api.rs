@@ -4,8 +4,9 @@
 
 use super::export::ExportDType;
 use super::{export, load, save};
-use crate::context::{AmpContext, AmpOptimizer};
+use crate::context::AmpContext;
 use crate::error::Result;
+use crate::optimizer::AmpOptimizer;
 use std::path::Path;
 
 impl AmpContext {

@@ -4,9 +4,9 @@
 
 use super::save::raw;
 use super::{err, write_atomic};
-use crate::context::AmpOptimizer;
 use crate::distributed::{self, zero};
 use crate::error::Result;
+use crate::optimizer::AmpOptimizer;
 use candle_core::DType;
 use candle_core::Tensor;
 use safetensors::tensor::TensorView;

@@ -3,10 +3,10 @@
 //! ZeRO-sharded run (its tag and its slices, as a save records them).
 
 use super::{err, FORMAT, INDEX_FORMAT, VERSION};
-use crate::context::AmpOptimizer;
 use crate::distributed;
 use crate::error::Result;
 use crate::level::Level;
+use crate::optimizer::AmpOptimizer;
 use amp_optim::LossScaler;
 use safetensors::tensor::SafeTensors;
 use std::collections::{BTreeMap, HashMap};

@@ -9,9 +9,10 @@ use super::index::{find_rank_file, Index};
 use super::reshard::stage_assembled;
 use super::stage::{stage_file, Staged};
 use super::{err, Part};
-use crate::context::{AmpContext, AmpOptimizer};
+use crate::context::AmpContext;
 use crate::distributed;
 use crate::error::Result;
+use crate::optimizer::AmpOptimizer;
 use amp_core::Weight;
 use std::path::Path;
 

@@ -3,8 +3,9 @@
 
 use super::save::save_whole;
 use crate::config::AmpConfig;
-use crate::context::{initialize, AmpOptimizer};
+use crate::initialize::initialize;
 use crate::level::Level;
+use crate::optimizer::AmpOptimizer;
 use amp_core::nn;
 use amp_optim::AdamWConfig;
 use candle_core::{DType, Device, Module, Tensor};

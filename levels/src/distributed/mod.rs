@@ -31,10 +31,11 @@ pub(crate) mod zero;
 
 use crate::comm_stats::CommStats;
 use crate::config::AmpConfig;
-use crate::context::{
-    initialize_with, AmpContext, AmpOptimizer, DataParallel, GradBytes, INITIALIZED_MARK,
-};
+use crate::context::AmpContext;
+use crate::data_parallel::{DataParallel, GradBytes};
 use crate::error::Result;
+use crate::initialize::{initialize_with, INITIALIZED_MARK};
+use crate::optimizer::AmpOptimizer;
 use amp_comm::Communicator;
 use amp_core::{with_sink_listener, GradSink, WeightSlot};
 use amp_optim::{AdamWConfig, Grad, Grads, LowBitAdamW};
@@ -300,7 +301,7 @@ pub(crate) fn shards(opt: &AmpOptimizer) -> &[Shard] {
     }
 }
 
-/// [`initialize`](crate::context::initialize) for one rank of a data-parallel
+/// [`initialize`](crate::initialize::initialize) for one rank of a data-parallel
 /// group: every parameter is first broadcast from rank 0 (candle's CPU
 /// generator cannot be seeded, so replicas built apart start apart), then
 /// converted as the level says (at O3 with ZeRO: this rank's slice of each
@@ -310,7 +311,7 @@ pub(crate) fn shards(opt: &AmpOptimizer) -> &[Shard] {
 /// same code.
 ///
 /// # Errors
-/// As [`initialize`](crate::context::initialize); the communicator's
+/// As [`initialize`](crate::initialize::initialize); the communicator's
 /// ([`Error::Comm`](crate::Error::Comm)), e.g. a rank that fails or never arrives.
 pub fn initialize_distributed(
     varmap: &candle_nn::VarMap,

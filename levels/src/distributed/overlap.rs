@@ -20,7 +20,7 @@
 use super::plan::plan;
 use super::zero::{self, Shard};
 use crate::comm_stats::CommStats;
-use crate::context::GradBytes;
+use crate::data_parallel::GradBytes;
 use crate::error::{Error, Result};
 use amp_comm::{fp8_all_reduce_bucket, Communicator, Fp8ReduceConfig, ReducedShard};
 use amp_core::{defer_side_work, GradSink, QType, ScalingTensor};
