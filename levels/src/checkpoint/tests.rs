@@ -24,7 +24,7 @@ fn an_interrupted_save_leaves_the_old_checkpoint_intact() {
         initialize(&varmap, AdamWConfig::default(), AmpConfig::level(Level::O3)).unwrap();
     let step = |opt: &mut AmpOptimizer| {
         let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu).unwrap();
-        amp.step(opt, || -> crate::Result<Tensor> {
+        amp.step(opt, || -> crate::error::Result<Tensor> {
             Ok(layer.forward(&x)?.sqr()?.sum_all()?)
         })
         .unwrap();

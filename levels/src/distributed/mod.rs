@@ -250,7 +250,7 @@ impl DataParallel for Group {
                 None => mean,
                 Some(Grad::F32(other)) => (other + mean)?,
                 Some(Grad::Scaled(_)) => {
-                    return Err(crate::Error::Config {
+                    return Err(crate::error::Error::Config {
                         field: name,
                         reason: "an embedding table's gradient arrived in FP8".into(),
                     })
@@ -269,7 +269,7 @@ impl DataParallel for Group {
         if self.shards.is_empty() {
             return Ok(part_sq.clone());
         }
-        let err = |e: crate::Error| amp_optim::Error::Config {
+        let err = |e: crate::error::Error| amp_optim::Error::Config {
             field: "data parallelism",
             reason: e.to_string(),
         };
