@@ -100,7 +100,7 @@ impl Checker<'_> {
 
     /// Runs `f`, checks its values against `want` (bitwise, NaN included)
     /// and the bytes it sent against `bytes`.
-    fn expect(
+    fn check_against(
         &mut self,
         name: &str,
         want: &[f32],
@@ -145,36 +145,36 @@ fn collectives(ck: &mut Checker) -> Result<()> {
         let x = ck.gpu(mine)?;
         let xn = ck.gpu(&with_nan[rank])?;
         let ar = (len - s + (n - 1) * s) * 4;
-        ck.expect(&format!("all_reduce sum L={len}"), &sum, ar, |c| {
+        ck.check_against(&format!("all_reduce sum L={len}"), &sum, ar, |c| {
             Ok(c.all_reduce_sum(&x)?)
         });
-        ck.expect(&format!("all_reduce max+NaN L={len}"), &max, ar, |c| {
+        ck.check_against(&format!("all_reduce max+NaN L={len}"), &max, ar, |c| {
             Ok(c.all_reduce_max(&xn)?)
         });
         let x2 = x.reshape((1, len))?;
-        ck.expect(&format!("all_reduce sum 2-D L={len}"), &sum, ar, |c| {
+        ck.check_against(&format!("all_reduce sum 2-D L={len}"), &sum, ar, |c| {
             Ok(c.all_reduce_sum(&x2)?)
         });
-        ck.expect(
+        ck.check_against(
             &format!("reduce_scatter sum L={len}"),
             &sum[own.clone()],
             (len - s) * 4,
             |c| Ok(c.reduce_scatter(&x, ReduceOp::Sum)?),
         );
-        ck.expect(
+        ck.check_against(
             &format!("reduce_scatter max+NaN L={len}"),
             &max[own.clone()],
             (len - s) * 4,
             |c| Ok(c.reduce_scatter(&xn, ReduceOp::Max)?),
         );
         let stacked: Vec<f32> = all.concat();
-        ck.expect(
+        ck.check_against(
             &format!("all_gather f32 L={len}"),
             &stacked,
             (n - 1) * len * 4,
             |c| Ok(c.all_gather(&x)?),
         );
-        ck.expect(
+        ck.check_against(
             &format!("all_gather bf16 L={len}"),
             &stacked,
             (n - 1) * len * 2,
@@ -184,13 +184,13 @@ fn collectives(ck: &mut Checker) -> Result<()> {
         let codes: Vec<u8> = (0..len).map(|i| (i * 37 % 251) as u8).collect();
         let codes_f: Vec<f32> = codes.iter().map(|&c| c as f32).collect();
         let shard = Tensor::from_slice(&codes[own.clone()], s, ck.comm.device())?;
-        ck.expect(
+        ck.check_against(
             &format!("all_gather_shards u8 L={len}"),
             &codes_f,
             (n - 1) * s,
             |c| Ok(c.all_gather_shards(&shard, len)?),
         );
-        ck.expect(
+        ck.check_against(
             &format!("all_gather_shards f32 L={len}"),
             &sum,
             (n - 1) * s * 4,
@@ -203,7 +203,7 @@ fn collectives(ck: &mut Checker) -> Result<()> {
         );
         for root in [0, n - 1] {
             let bytes = if rank == root { (n - 1) * len * 4 } else { 0 };
-            ck.expect(
+            ck.check_against(
                 &format!("broadcast root={root} L={len}"),
                 &all[root],
                 bytes,
@@ -229,7 +229,7 @@ fn collectives(ck: &mut Checker) -> Result<()> {
             })
             .collect();
         let sent = len - s;
-        ck.expect(&format!("all_to_all u8 L={len}"), &want, sent, |c| {
+        ck.check_against(&format!("all_to_all u8 L={len}"), &want, sent, |c| {
             // candle cannot allocate a zero-element CUDA tensor (cat or a
             // cast of one fails with CUDA_ERROR_INVALID_VALUE): the empty
             // chunks (L = 1 on 2 ranks) are left out, an empty result is
@@ -250,7 +250,7 @@ fn collectives(ck: &mut Checker) -> Result<()> {
         let mut want_both = want.clone();
         want_both.extend((0..n).flat_map(|r| [r as f32, len as f32]));
         let sent_both = sent + (n - 1) * 8;
-        ck.expect(
+        ck.check_against(
             &format!("all_to_all_gather u8 + f32 L={len}"),
             &want_both,
             sent_both,

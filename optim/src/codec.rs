@@ -3,7 +3,7 @@
 //! [`step_encode`] (f32 values times a scale, to E4M3, E5M2 or FP16 codes)
 //! and [`step_decode`] (codes times a scale_inv, to f32). The CPU bodies are
 //! the fused step's own; the CUDA bodies run the step kernels' packed
-//! codecs (`amp-core/kernels/codec.cuh`, four elements a thread, the tail
+//! codecs (amp-core's codec header, four elements a thread, the tail
 //! one at a time). They agree bit for bit except for NaN payloads: a NaN encodes as
 //! 0x7F in FP8 on both, as 0x7FFF in FP16 on CUDA (the CPU keeps a
 //! payload), and every decoded NaN is 0x7FFFFFFF on CUDA.

@@ -758,6 +758,12 @@ fn the_head_loss_over_chunks_trains_as_the_whole_logits() -> anyhow::Result<()> 
             )
         };
         let (chunked, whole) = (run(64)?, run(0)?);
+        // the chunked head holds its gradients for the backward, not its
+        // inputs' codes: what the layers keep differs, so the path ran
+        assert_ne!(
+            chunked.activations_saved_bytes, whole.activations_saved_bytes,
+            "{level:?}: the same bytes kept with and without chunks"
+        );
         for (a, b) in chunked.train_curve.iter().zip(&whole.train_curve) {
             assert!(
                 ((a.1 - b.1) / b.1).abs() < 0.01,

@@ -18,4 +18,5 @@ pub(crate) mod sink;
 pub(crate) mod stats;
 pub(crate) mod telemetry;
 pub(crate) mod tensor;
+mod times;
 pub(crate) mod weight;
