@@ -93,7 +93,7 @@ mod tests {
         t.flatten_all().unwrap().to_vec1().unwrap()
     }
 
-    /// `scaled_by`: the same codes for a power of two, a power-of-two
+    /// `ScalingTensor::times`: the same codes for a power of two, a power-of-two
     /// finite positive scale for 1/3, 0 and -1, the codes' largest value
     /// within the cast of the recorded amax, a NaN amax for a NaN `g`.
     #[test]
