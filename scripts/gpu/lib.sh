@@ -23,6 +23,20 @@ unpack() {
   done
 }
 
+# wheels: installs every Python wheel carried in $CARRY (the GPU machine
+# reaches no package index), without dependencies: torchao for the
+# `fp8-torchao` mode of torch_gpt.py. Fetch it beside the binaries first,
+# on the build machine: `pip download --no-deps -d .carry/X torchao==0.18.0`.
+# Quiet when there is none; an install that fails is reported, not fatal.
+wheels() {
+  local w
+  for w in "$CARRY"/*.whl; do
+    [ -f "$w" ] || continue
+    python3 -m pip install --quiet --no-deps --no-index "$w" 2>&1 | tail -2
+    echo "installed $(basename "$w")"
+  done
+}
+
 # facts: the GPUs, their driver and clocks, into $OUT/facts.log and the output.
 facts() {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total \

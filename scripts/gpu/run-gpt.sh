@@ -7,8 +7,9 @@
 # under `timeout`; logs and JSON lines in $OUT; summary.py prints the lines
 # BENCHMARKS.md quotes.
 #
-# CARRY (default .carry/gpu) holds gpt.gz and cuda_check.gz. SIZE default
-# 350m; runs default: O0 native (BF16 GEMMs), O0 + fp8-delayed (the TE
+# CARRY (default .carry/gpu) holds gpt.gz and cuda_check.gz, and the
+# torchao wheel for `fp8-torchao` (lib.sh's `wheels` says how to fetch it).
+# SIZE default 350m; runs default: O0 native (BF16 GEMMs), O0 + fp8-delayed (the TE
 # path), O1, O2, O3 with fp8-current.
 # Env: STEPS (20), SKIP (5: steps left out of the timing), TORCH_MODES
 # (bf16,bf16-compile,fp8-torchao; empty: none), NO_CHECK=1 (no cuda_check),
@@ -25,6 +26,7 @@ TORCH_MODES=${TORCH_MODES-bf16,bf16-compile,fp8-torchao}
 source "$(dirname "$0")/lib.sh"
 unpack gpt cuda_check; need gpt
 facts
+wheels
 if [ -z "${NO_CHECK:-}" ] && [ -x "$BIN/cuda_check" ]; then
   timeout 150 "$BIN/cuda_check" --optim-only --bench --watchdog 140 2>&1 | tee "$OUT/optim_check.log"
 fi

@@ -13,7 +13,8 @@ for line in open(sys.argv[1]):
           "peak %.2f GiB" % (j["peak_device_bytes"] / 2**30),
           "pers %.3f GB" % (j["persistent_bytes"]["total"] / 1e9),
           "B/lp %.3f" % j["bytes_per_linear_param"],
-          "loss %.4f val %.4f" % (j["final_loss"], j["val_loss"]))
+          "loss %.4f val %.4f" % (j["final_loss"], j["val_loss"]),
+          "mfu %.3f" % (j.get("mfu") or float("nan")))
 for line in open(sys.argv[2]):
     if line.startswith('{"mode"'):
         j = json.loads(line)
