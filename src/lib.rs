@@ -33,12 +33,12 @@
 // The numerics and layers users build with, at the root.
 pub use amp_core::nn;
 pub use amp_core::{
-    block_gemm, block_gemm_fused, fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with,
-    AmaxComputeAlgo, BlockTensor, CastStats, CurrentScaling, DelayedScaling, Epilogue,
-    Float8BlockScaling, Float8RowwiseScaling, Format, Fp8Format, GradSink, OverrideLinearPrecision,
-    QType, ScaleRule, ScalingMeta, ScalingTensor, Tiling, Weight, WeightSlot, BLOCK_TILE,
-    CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX, F16_NAN_BITS, MAX_AMAX_HISTORY_LEN,
-    MAX_MARGIN,
+    block_gemm, block_gemm_fused, fp8_gemm, fp8_gemm_acc, fp8_gemm_amax, fp8_gemm_fused,
+    fp8_gemm_with, AmaxComputeAlgo, BlockTensor, CastStats, CurrentScaling, DelayedScaling,
+    Epilogue, Float8BlockScaling, Float8RowwiseScaling, Format, Fp8Format, GradSink,
+    OverrideLinearPrecision, QType, ScaleRule, ScalingMeta, ScalingTensor, Tiling, Weight,
+    WeightSlot, BLOCK_TILE, CANONICAL_NAN_BITS, E4M3_MAX, E5M2_MAX, F16_MAX, F16_NAN_BITS,
+    MAX_AMAX_HISTORY_LEN, MAX_MARGIN,
 };
 pub use amp_core::{cast_counts, set_cast_counts};
 

@@ -52,7 +52,7 @@ mod scaling;
 
 pub use error::{Error, Result};
 pub use gemm::block::{block_gemm, block_gemm_fused, supported_tilings};
-pub use gemm::{fp8_gemm, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
+pub use gemm::{fp8_gemm, fp8_gemm_acc, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, Epilogue};
 pub use numerics::block::{Tiling, TILE as BLOCK_TILE};
 pub use numerics::bucket::{
     bucket_amax, bucket_column_max, bucket_concat, bucket_copy, bucket_copy_from,

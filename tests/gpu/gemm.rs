@@ -5,8 +5,8 @@
 use crate::util::{rel_err, to_dev, Rng};
 use amp::nn::{self, fp8_autocast, ComputeMode};
 use amp::{
-    fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, CurrentScaling, DelayedScaling, Epilogue, QType,
-    ScalingTensor,
+    fp8_gemm_acc, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, CurrentScaling, DelayedScaling,
+    Epilogue, QType, ScalingTensor,
 };
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -15,6 +15,8 @@ test_device!(fp8_gemm, fp8_gemm_cuda);
 test_device!(epilogue, epilogue_cuda);
 test_device!(output_amax, output_amax_cuda);
 test_device!(linear, linear_cuda);
+test_device!(accumulate, accumulate_cuda);
+test_device!(row_views, row_views_cuda);
 
 fn quantized(
     rng: &mut Rng,
@@ -233,5 +235,74 @@ fn linear(dev: &Device) -> Result<()> {
         ok &= e < 2e-3;
     }
     ensure!(ok, "FP8 Linear differs from the CPU (see the lines above)");
+    Ok(())
+}
+
+/// `fp8_gemm_acc` (cuBLASLt's C with beta = 1) at the chunked head's
+/// weight-gradient shapes (GPT's vocabulary 50,304 x width 768 over chunks
+/// of 2,048 to 8,192 rows, E5M2 logit gradients x E4M3 inputs) and a
+/// small one, with and without the F32 accumulator, against a float64
+/// product plus the accumulator on the same device.
+fn accumulate(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let mut rng = Rng(0xacc);
+    for (m, n, k) in [
+        (50304, 768, 4096),
+        (50304, 768, 2048),
+        (50304, 768, 8192),
+        (1024, 256, 512),
+    ] {
+        let a = quantized(&mut rng, m, k, QType::E5M2, dev)?;
+        let b = quantized(&mut rng, n, k, QType::E4M3, dev)?;
+        let acc = Tensor::from_vec(rng.normal(m * n), (m, n), dev)?;
+        let product = a
+            .dequantize(DType::F64)?
+            .matmul(&b.dequantize(DType::F64)?.t()?)?;
+        let with = (&product + acc.to_dtype(DType::F64)?)?;
+        let errs = [
+            ("alone", rel_err(&fp8_gemm_acc(&a, &b, None)?, &product)?),
+            (
+                "with acc",
+                rel_err(&fp8_gemm_acc(&a, &b, Some(&acc))?, &with)?,
+            ),
+            // twice in a row: the second run reuses the first's plan
+            ("again", rel_err(&fp8_gemm_acc(&a, &b, Some(&acc))?, &with)?),
+        ];
+        ok &= crate::util::report(&format!("accumulated gemm {m}x{n}, k {k}"), &errs, 5e-4);
+    }
+    ensure!(ok, "fp8_gemm_acc out of tolerance (see the lines above)");
+    Ok(())
+}
+
+/// The chunked head's logits: an FP8 GEMM over a view of some rows of the
+/// input's codes (an offset into its storage), BF16 out with fast
+/// accumulation, against the same rows of the whole product and a float64
+/// reference, at GPT-125M's head shape (8,192 x 768 by 50,304).
+fn row_views(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let mut rng = Rng(0x0ff5);
+    let (rows, k, n) = (8192, 768, 50304);
+    let x = quantized(&mut rng, rows, k, QType::E4M3, dev)?;
+    let w = quantized(&mut rng, n, k, QType::E4M3, dev)?;
+    let whole = fp8_gemm_with(&x, &w, DType::BF16, true)?;
+    for chunk in [4096, 2048] {
+        for start in (0..rows).step_by(chunk) {
+            let part =
+                ScalingTensor::from_parts(x.data().narrow(0, start, chunk)?, x.meta().clone())?;
+            let y = fp8_gemm_with(&part, &w, DType::BF16, true)?;
+            let reference = part
+                .dequantize(DType::F64)?
+                .matmul(&w.dequantize(DType::F64)?.t()?)?;
+            let errs = [
+                ("vs float64", rel_err(&y, &reference)?),
+                (
+                    "vs the whole's rows",
+                    rel_err(&y, &whole.narrow(0, start, chunk)?)?,
+                ),
+            ];
+            ok &= crate::util::report(&format!("rows {start}..+{chunk}"), &errs, 5e-3);
+        }
+    }
+    ensure!(ok, "row views out of tolerance (see the lines above)");
     Ok(())
 }

@@ -278,11 +278,7 @@ pub fn fp8_gemm_fused(
 /// # Errors
 /// As [`fp8_gemm`]; [`Error::Shape`] or [`Error::DType`] for an `acc`
 /// that is not `[m, n]` F32.
-pub(crate) fn fp8_gemm_acc(
-    a: &ScalingTensor,
-    b: &ScalingTensor,
-    acc: Option<&Tensor>,
-) -> Result<Tensor> {
+pub fn fp8_gemm_acc(a: &ScalingTensor, b: &ScalingTensor, acc: Option<&Tensor>) -> Result<Tensor> {
     let Some(acc) = acc else {
         return fp8_gemm_with(a, b, DType::F32, false);
     };
