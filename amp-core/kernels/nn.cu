@@ -199,6 +199,11 @@ __device__ void causal_softmax_bwd_impl(const T* __restrict__ p, const T* __rest
         if (vec) cross_entropy_bwd_impl<T, Pack<T>::N>(x, t, gl, dx, cols);                          \
         else cross_entropy_bwd_impl<T, 1>(x, t, gl, dx, cols);                                       \
     }                                                                                                \
+    extern "C" __global__ void cross_entropy_fwd_bwd_##TN(const T* x, const uint32_t* t, float* out,  \
+                                                         T* dx, int cols, int vec) {                 \
+        if (vec) cross_entropy_fwd_bwd_impl<T, Pack<T>::N>(x, t, out, dx, cols);                     \
+        else cross_entropy_fwd_bwd_impl<T, 1>(x, t, out, dx, cols);                                  \
+    }                                                                                                \
     extern "C" __global__ void bias_add_##TN(const T* x, const float* b, T* y, size_t n, int cols,    \
                                             int vec) {                                               \
         if (vec) bias_add_impl<T, Pack<T>::N>(x, b, y, n, cols);                                     \

@@ -70,3 +70,37 @@ __device__ void cross_entropy_bwd_impl(const T* __restrict__ x, const uint32_t* 
     }
 }
 
+
+// Both at once where the gradient's g is 1 (the head's loss over chunks of
+// rows, nn/linear/head_loss.rs): the forward's pair, then the backward from
+// the same lse while the row is still in L2. Bit for bit the forward and
+// then the backward with gl = [1, lse]: every thread takes the lse from the
+// block's reduced (max, sum) as the forward's thread 0 does, and 1 * y is y.
+template <typename T, int W>
+__device__ void cross_entropy_fwd_bwd_impl(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                                           float* __restrict__ out, T* __restrict__ dx, int cols) {
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * cols;
+    MaxSum a{-INFINITY, 0.0f};
+    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
+        float v[W];
+        load<T, W>(xr, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) ms_add(a, v[k]);
+    }
+    a = block_ms<CE_THREADS>(a);
+    const float lse = a.m + logf(a.s);
+    const uint32_t tr = t[row];
+    if (threadIdx.x == 0) {
+        out[2 * row] = tr < (uint32_t)cols ? lse - ld(xr, tr) : NAN;
+        out[2 * row + 1] = lse;
+    }
+    const size_t base = row * cols;
+    for (int j0 = threadIdx.x * W; j0 < cols; j0 += CE_THREADS * W) {
+        float v[W];
+        load<T, W>(x + base, j0, v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] = expf(v[k] - lse) - ((uint32_t)(j0 + k) == tr ? 1.0f : 0.0f);
+        store<T, W>(dx + base, j0, v);
+    }
+}

@@ -44,6 +44,7 @@ mod ops;
 mod pointwise;
 mod rope;
 mod rope_attention;
+mod xent_rows;
 
 pub use activation::{swiglu, Activation};
 pub use attention::{causal_attention, causal_attention_qkv};
@@ -171,13 +172,24 @@ pub(crate) fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Te
         .apply_op2_no_bwd(targets, &ops::CrossEntropy)?)
 }
 
-/// `g * (softmax(x) - onehot(t))` of 2-D logits `x`, U32 targets `t` and
-/// `gl` (`[rows, 2]` F32: `g` and the row's `lse`, as
-/// [`cross_entropy_rows`] gives it): [`cross_entropy`]'s backward kernel,
-/// in `x`'s dtype.
-pub(crate) fn cross_entropy_rows_grad(x: &Tensor, t: &Tensor, gl: &Tensor) -> Result<Tensor> {
-    Ok(x.contiguous()?
-        .apply_op3_no_bwd(t, &gl.contiguous()?, &ops::CrossEntropyBwd)?)
+/// [`cross_entropy_rows`] and [`cross_entropy`]'s backward kernel with
+/// `g = 1` for every row, in one kernel (one read of the logits from
+/// memory): `(pairs, dx)`, `dx = softmax(x) - onehot(t)` in the logits'
+/// dtype, bit for bit what the two kernels give.
+pub(crate) fn cross_entropy_rows_with_grad(
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let kernel = xent_rows::CrossEntropyRowsGrad;
+    let [pairs, dx] = <[Tensor; 2]>::try_from(crate::numerics::kernel::launch(
+        &kernel,
+        &[logits, targets],
+    )?)
+    .map_err(|_| Error::Unsupported {
+        op: "cross_entropy_rows_with_grad",
+        what: "the kernel's two outputs".into(),
+    })?;
+    Ok((pairs, dx))
 }
 
 /// [`cross_entropy`] of logits handed from the previous op (`token`

@@ -182,9 +182,7 @@ impl Linear {
             None
         };
         let bound = bound_scale(passes.fmt.backward(), x.device())?;
-        let ones = Tensor::ones((chunk, 1), DType::F32, x.device())?;
         let ctx = Chunks {
-            ones: &ones,
             casts: &self.casts,
             xq: &xq,
             wq: &wq,
@@ -250,8 +248,6 @@ struct Chunks<'a> {
     x_dtype: DType,
     /// The logits' gradient's cast: [`bound_scale`].
     bound: &'a ScalingMeta,
-    /// `[chunk, 1]` F32 ones: the gradient of each row's loss, 1.
-    ones: &'a Tensor,
     /// The layer's casts: the first chunk's logit gradient is noted as its
     /// `grad_output` (telemetry, `last_cast_stats`).
     casts: &'a LastCasts,
@@ -275,12 +271,12 @@ impl Chunks<'_> {
         // fast accumulation in fprop, as the Linear's forward
         let logits = fp8_gemm_with(&rows(self.xq)?, self.wq, self.x_dtype, true)?;
         let t = self.targets.narrow(0, start, n)?;
-        let pairs = fused::cross_entropy_rows(&logits, &t)?;
         let Some((wt, xt)) = grads else {
-            return Ok((pairs, None, None));
+            return Ok((fused::cross_entropy_rows(&logits, &t)?, None, None));
         };
-        let gl = Tensor::cat(&[&self.ones.narrow(0, 0, n)?, &pairs.narrow(1, 1, 1)?], 1)?;
-        let dl = fused::cross_entropy_rows_grad(&logits, &t, &gl)?;
+        // the pairs and the logits' gradient for a row gradient of 1, one
+        // kernel
+        let (pairs, dl) = fused::cross_entropy_rows_with_grad(&logits, &t)?;
         drop(logits);
         // one pass, both layouts, the scale of the bound (no amax pass)
         let (dq, dq_t, _) = ScalingTensor::quantize_with_t(&dl, self.bound)?;

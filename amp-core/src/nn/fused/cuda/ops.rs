@@ -192,6 +192,42 @@ pub(crate) fn cross_entropy_bwd(
     })
 }
 
+/// [`cross_entropy_fwd`] and then [`cross_entropy_bwd`] with `g = 1` in
+/// one launch: the pairs `[rows, 2]` and the logits' gradient.
+pub(crate) fn cross_entropy_fwd_bwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "cross_entropy_fwd_bwd";
+    let dev = x.device().clone();
+    let (cols, rows, _, c) = row_geometry(OP, lx)?;
+    let tv = view::<u32>(OP, t, lt)?;
+    let stream = dev.cuda_stream();
+    let mut pairs = unsafe { dev.alloc::<f32>(2 * rows)? };
+    let dx = with_float!(OP, x, |T| {
+        let xv = view::<T>(OP, x, lx)?;
+        // SAFETY: every element is written.
+        let mut out = unsafe { dev.alloc::<T>(rows * cols)? };
+        let vec = vec_ok(cols, &[&xv], &dev);
+        let f = nn_func(
+            &dev,
+            &format!("cross_entropy_fwd_bwd_{}", suffix(x.dtype())),
+        )?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&xv)
+            .arg(&tv)
+            .arg(&mut pairs)
+            .arg(&mut out)
+            .arg(&c)
+            .arg(&vec);
+        unsafe { b.launch(block_rows(rows)) }.w()?;
+        Ok(store(out, &dev))
+    })?;
+    Ok((store(pairs, &dev), dx))
+}
+
 /// Packs a lane at most in the register-held LayerNorm kernels
 /// (`layer_norm_*_r{P}`): rows of up to 32 x 8 packs (2,048 BF16 or 1,024
 /// F32 columns) take them, wider ones the kernels that read the row again.
