@@ -205,6 +205,7 @@ pub(crate) fn cross_entropy_fwd_bwd(
     let (cols, rows, _, c) = row_geometry(OP, lx)?;
     let tv = view::<u32>(OP, t, lt)?;
     let stream = dev.cuda_stream();
+    // SAFETY: thread 0 of each row's block writes both of its values.
     let mut pairs = unsafe { dev.alloc::<f32>(2 * rows)? };
     let dx = with_float!(OP, x, |T| {
         let xv = view::<T>(OP, x, lx)?;
