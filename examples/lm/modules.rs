@@ -7,6 +7,8 @@
 mod block;
 #[path = "../lm/budget.rs"]
 mod budget;
+#[path = "../lm/config.rs"]
+mod config;
 #[path = "../lm/cli.rs"]
 mod cli;
 #[path = "../lm/data/mod.rs"]

@@ -13,6 +13,9 @@ mod block;
 #[path = "../../examples/lm/budget.rs"]
 mod budget;
 #[allow(dead_code)]
+#[path = "../../examples/lm/config.rs"]
+mod config;
+#[allow(dead_code)]
 #[path = "../../examples/lm/data/mod.rs"]
 mod data;
 #[path = "../gpt_common/mod.rs"]
