@@ -14,6 +14,7 @@ pub(crate) mod block;
 pub(crate) mod flag;
 pub(crate) mod meta;
 pub(crate) mod param_grads;
+mod requantize;
 pub(crate) mod sink;
 pub(crate) mod stats;
 pub(crate) mod telemetry;
