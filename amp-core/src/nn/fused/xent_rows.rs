@@ -102,4 +102,37 @@ mod tests {
         }
         Ok(())
     }
+
+    /// Non-finite logits and a target outside the row give the two
+    /// kernels' values too (NaN and inf where they give them): a NaN row,
+    /// a +inf logit, a -inf logit, a target past the last class.
+    #[test]
+    fn non_finite_rows_and_bad_targets_as_the_two_kernels() -> crate::Result<()> {
+        let dev = Device::Cpu;
+        let cols = 8;
+        let mut v: Vec<f32> = (0..4 * cols).map(|i| (i % 5) as f32 * 0.5).collect();
+        v[2] = f32::NAN;
+        v[cols + 3] = f32::INFINITY;
+        v[2 * cols + 1] = f32::NEG_INFINITY;
+        let x = Tensor::from_vec(v, (4, cols), &dev)?;
+        let t = Tensor::from_vec(vec![1u32, 3, 0, cols as u32 + 2], 4, &dev)?;
+        let (pairs, dx) = super::super::cross_entropy_rows_with_grad(&x, &t)?;
+        let want = x.apply_op2_no_bwd(&t, &super::super::ops::CrossEntropy)?;
+        let ones = Tensor::ones((4, 1), DType::F32, &dev)?;
+        let gl = Tensor::cat(&[&ones, &want.narrow(1, 1, 1)?], 1)?;
+        let want_dx = x.apply_op3_no_bwd(&t, &gl, &CrossEntropyBwd)?;
+        let bits = |a: &Tensor| -> crate::Result<Vec<u32>> {
+            Ok(a.flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() })
+                .collect())
+        };
+        assert_eq!(bits(&pairs)?, bits(&want)?);
+        assert_eq!(bits(&dx)?, bits(&want_dx)?);
+        let p = pairs.to_vec2::<f32>()?;
+        assert!(p[0][0].is_nan(), "a NaN row's loss is NaN");
+        assert!(p[3][0].is_nan(), "a target past the classes gives NaN");
+        Ok(())
+    }
 }
