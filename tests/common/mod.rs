@@ -199,3 +199,25 @@ pub fn masters(opt: &AmpOptimizer) -> Vec<(String, Vec<f32>)> {
         })
         .collect()
 }
+
+/// Which path ran for a loss from `nn::linear_cross_entropy` backpropagated
+/// once: a second backward is an error naming what went with the first
+/// (the chunked op's gradients for `chunk > 0`, else the separate loss
+/// op's logits). `Err` says what the second backward said instead.
+pub fn head_path_ran(loss: &Tensor, chunk: usize) -> Result<(), String> {
+    let again = loss
+        .backward()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    let went = if chunk > 0 {
+        "its gradients went"
+    } else {
+        "its logits went"
+    };
+    if again.contains(went) {
+        Ok(())
+    } else {
+        Err(format!("chunk {chunk}: expected \"{went}\", got: {again}"))
+    }
+}

@@ -663,17 +663,7 @@ fn head_loss(vars: &[Var], h: &Var, t: &Tensor, chunk: usize) -> Result<(Tensor,
     let loss = loss?;
     let grads = loss.backward()?;
     // which path ran: a second backward names what went with the first
-    let again = loss
-        .backward()
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
-    let went = if chunk > 0 {
-        "its gradients went"
-    } else {
-        "its logits went"
-    };
-    ensure!(again.contains(went), "chunk {chunk}: {again}");
+    crate::common::head_path_ran(&loss, chunk).map_err(anyhow::Error::msg)?;
     let dw = sink
         .take()?
         .remove("head.weight")

@@ -65,6 +65,9 @@ macro_rules! test_device {
     };
 }
 
+#[path = "../common/mod.rs"]
+mod common;
+
 // (a crate root's modules sit beside it: these live in tests/gpu/)
 mod block;
 mod buckets;
