@@ -7,9 +7,9 @@
 //
 // - 1 x 128 tiles and rows: the pair kernel below (a 128 x 128 tile of x
 //   per block, the casts of x and of xᵀ from one read; rows after a pass
-//   for every row's and column's amax).
-// - 128 x 128 blocks: one block of 256 threads per tile, 64 values a thread
-//   in registers: warp w holds rows w + 8 i, lane l columns l + 32 j.
+//   for every row's and column's amax), or its rows-only form.
+// - 128 x 128 blocks: one block of 256 threads per tile, 16-byte loads,
+//   the tile held in registers as loaded (BF16: 8 vectors a thread).
 //
 // Outside the tensor (a short last tile) a value counts as 0 for the amax
 // and is not stored. A tile whose amax is inf or NaN is encoded with scale
@@ -21,19 +21,75 @@
 // 4, the padding written 1 by the block of column 0.
 #include "cast.cuh"
 
+// A 16-bit element's bits as f32 (to_f32), by its type.
+__device__ __forceinline__ float bits16_f32(uint16_t h, const __half*) { return to_f32(__ushort_as_half(h)); }
+__device__ __forceinline__ float bits16_f32(uint16_t h, const __nv_bfloat16*) {
+    return to_f32(__ushort_as_bfloat16(h));
+}
+
 // The stored scale_inv of a tile: 1 / s, NaN where the amax is not finite.
 __device__ __forceinline__ float tile_scale_inv(uint32_t amax, float s) {
     return amax >= 0x7F800000u ? __uint_as_float(CANONICAL_NAN) : 1.0f / s;
 }
 
-// 4 codes of v[0..4) times s[0..4), packed (v[0] in the low byte), as
+// 4 codes of v[0..4) times s, packed (v[0] in the low byte), as
 // Fmt::encode makes them one by one: pairs through the hardware conversion,
-// NaN codes fixed on the word.
+// NaN codes fixed on the word unless the caller knows there are none (a
+// tile with a finite amax: its products are finite and saturate).
 template <int FMT>
-__device__ __forceinline__ uint32_t encode4(const float* v, const float* s) {
-    const uint32_t w = (uint32_t)Fmt<FMT>::encode2_raw(v[0] * s[0], v[1] * s[1]) |
-                       ((uint32_t)Fmt<FMT>::encode2_raw(v[2] * s[2], v[3] * s[3]) << 16);
-    return Fmt<FMT>::nan_fix(w);
+__device__ __forceinline__ uint32_t encode4(const float* v, float s, bool finite) {
+    const uint32_t w = (uint32_t)Fmt<FMT>::encode2_raw(v[0] * s, v[1] * s) |
+                       ((uint32_t)Fmt<FMT>::encode2_raw(v[2] * s, v[3] * s) << 16);
+    return finite ? w : Fmt<FMT>::nan_fix(w);
+}
+
+// encode4 where the whole warp calls it together (the FAST kernels): the
+// NaN fix only runs when some lane of the warp needs it.
+template <int FMT>
+__device__ __forceinline__ uint32_t encode4_warp(const float* v, float s, bool finite) {
+    const uint32_t w = (uint32_t)Fmt<FMT>::encode2_raw(v[0] * s, v[1] * s) |
+                       ((uint32_t)Fmt<FMT>::encode2_raw(v[2] * s, v[3] * s) << 16);
+    if (__any_sync(0xFFFFFFFFu, !finite)) return finite ? w : Fmt<FMT>::nan_fix(w);
+    return w;
+}
+
+// The scale of a tile with amax bits `amax` (prev 1): compute_scale, with
+// the power-of-two rule inline and branch-light (the same value).
+__device__ __forceinline__ float pow2_tile_scale(uint32_t amax, float fmt_max, unsigned margin) {
+    if (amax == 0u || amax >= 0x7F800000u || !(fmt_max > 0.0f && isfinite(fmt_max))) return 1.0f;
+    uint32_t fm, fa;
+    const int em = exp_frac(fmt_max, &fm), ea = exp_frac(__uint_as_float(amax), &fa);
+    long long e = (long long)(em - ea) - (fm < fa ? 1 : 0) - (long long)margin;
+    e = e < -126 ? -126 : (e > 127 ? 127 : e);
+    return __uint_as_float((uint32_t)(e + 127) << 23);
+}
+__device__ __forceinline__ float tile_scale(int rule, uint32_t amax, float fmt_max, unsigned margin) {
+    if (rule != 1) return compute_scale(rule, __uint_as_float(amax), 1.0f, fmt_max, margin);
+    return pow2_tile_scale(amax, fmt_max, margin);
+}
+
+// Packed amaxes: a load_raw word's absolute values (sign bits cleared; the
+// bits order |x| with NaN above inf, per 16-bit half for BF16 and F16),
+// their elementwise max, and one value's bits as f32 (to_f32's).
+template <typename T>
+__device__ __forceinline__ uint32_t abs_word(uint32_t w) {
+    return sizeof(T) == 4 ? w & 0x7FFFFFFFu : w & 0x7FFF7FFFu;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t max_word(uint32_t a, uint32_t b) {
+    if constexpr (sizeof(T) == 4) {
+        return max(a, b);
+    } else {
+        return __vmaxu2(a, b);
+    }
+}
+template <typename T>
+__device__ __forceinline__ uint32_t f32_bits(uint32_t w, int half) {
+    if constexpr (sizeof(T) == 4) {
+        return w;
+    } else {
+        return __float_as_uint(bits16_f32((uint16_t)(w >> (16 * half)), (const T*)nullptr));
+    }
 }
 
 __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
@@ -41,39 +97,116 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
     return v;
 }
 
-template <typename T, int FMT>
-__device__ void quantize_blocks_impl(const T* __restrict__ x, uint8_t* __restrict__ codes,
-                                     float* __restrict__ scale_inv, int rows, int cols, int ld, int rule, unsigned margin, float fmt_max) {
-    __shared__ uint32_t s_amax[8];
-    const int tc = blockIdx.x, tr = blockIdx.y;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int r0 = tr * 128 + w, c0 = tc * 128 + lane;
-    float v[16][4];
-    uint32_t amax = 0;
+// V = 16 / sizeof(T) elements of row r from column c0 as they are stored
+// (16 bytes): one 16-byte load where `vec` and the row holds them all, else
+// element by element; 0 outside the tensor. Kept packed until used, so a
+// thread holds twice the loads in flight for its registers.
+template <typename T>
+__device__ __forceinline__ uint4 load_raw(const T* __restrict__ x, int r, int rows, int cols, int c0, int vec) {
+    constexpr int V = 16 / sizeof(T);
+    const T* src = x + (size_t)r * cols + c0;
+    if (vec && r < rows && c0 + V <= cols) return __ldg(reinterpret_cast<const uint4*>(src));
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if (r < rows) {
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int r = r0 + 8 * i;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int c = c0 + 32 * j;
-            v[i][j] = (r < rows && c < cols) ? to_f32(x[(size_t)r * cols + c]) : 0.0f;
-            amax = max(amax, abs_bits(v[i][j]));
+        for (int j = 0; j < V; j++) {
+            if (c0 + j >= cols) break;
+            uint32_t bits;
+            if constexpr (sizeof(T) == 4) {
+                bits = __float_as_uint(to_f32(src[j]));
+            } else {
+                bits = (uint32_t)(*reinterpret_cast<const uint16_t*>(&src[j]));
+            }
+            w[j * sizeof(T) / 4] |= bits << (8 * ((j * sizeof(T)) % 4));
         }
     }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Element j of a load_raw vector as f32 (to_f32's bits).
+template <typename T>
+__device__ __forceinline__ float raw_f32(const uint4& raw, int j) {
+    const uint32_t w = j * sizeof(T) / 4 == 0 ? raw.x : j * sizeof(T) / 4 == 1 ? raw.y : j * sizeof(T) / 4 == 2 ? raw.z : raw.w;
+    if constexpr (sizeof(T) == 4) {
+        return __uint_as_float(w);
+    } else {
+        return bits16_f32((uint16_t)(w >> (16 * (j & 1))), (const T*)nullptr);
+    }
+}
+
+// A load_raw vector's V values as f32.
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& raw, float* v) {
+#pragma unroll
+    for (int j = 0; j < 16 / (int)sizeof(T); j++) v[j] = raw_f32<T>(raw, j);
+}
+
+// V codes of v[0..V) * s at dst (columns c0.. of a row with `cols`): one
+// store of V / 4 words where `vec` and the row holds them all (dst is then
+// V-byte aligned), else byte by byte within the row.
+// WARP: the whole warp stores full vectors together (encode4_warp).
+template <int FMT, int V, bool WARP = false>
+__device__ __forceinline__ void store_codes(uint8_t* dst, const float* v, float s, bool finite, int c0, int cols,
+                                            int vec) {
+    if (WARP || (vec && c0 + V <= cols)) {
+        uint32_t words[V / 4];
+#pragma unroll
+        for (int k = 0; k < V / 4; k++)
+            words[k] = WARP ? encode4_warp<FMT>(&v[4 * k], s, finite) : encode4<FMT>(&v[4 * k], s, finite);
+        if constexpr (V == 8) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+        } else {
+            *reinterpret_cast<uint32_t*>(dst) = words[0];
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            if (c0 + j < cols) dst[j] = Fmt<FMT>::encode(v[j] * s);
+    }
+}
+
+// 128 x 128 blocks: one block of BLK_THREADS threads per tile; each thread
+// holds STEPS 16-byte vectors (BF16: 8 rows of 8 values), loaded before any
+// is used; the tile's amax over the warps in shared memory.
+#define BLK_THREADS 256
+template <typename T, int FMT>
+__device__ void quantize_blocks_impl(const T* __restrict__ x, uint8_t* __restrict__ codes,
+                                     float* __restrict__ scale_inv, int rows, int cols, int ld, int rule,
+                                     unsigned margin, float fmt_max, int vec) {
+    constexpr int V = 16 / sizeof(T);
+    constexpr int LPR = 128 / V;
+    constexpr int RPW = 32 / LPR;
+    constexpr int W = BLK_THREADS / 32;
+    constexpr int STEPS = 128 / (W * RPW);
+    __shared__ uint32_t s_amax[W];
+    const int tc = blockIdx.x, tr = blockIdx.y;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int sub = lane / LPR, cl = (lane % LPR) * V;
+    const int c0 = tc * 128 + cl;
+    uint4 raw[STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; i++) raw[i] = load_raw<T>(x, tr * 128 + (i * W + w) * RPW + sub, rows, cols, c0, vec);
+    uint32_t pm = 0;  // packed
+#pragma unroll
+    for (int i = 0; i < STEPS; i++) {
+        pm = max_word<T>(pm, max_word<T>(max_word<T>(abs_word<T>(raw[i].x), abs_word<T>(raw[i].y)),
+                                         max_word<T>(abs_word<T>(raw[i].z), abs_word<T>(raw[i].w))));
+    }
+    uint32_t amax = sizeof(T) == 4 ? pm : f32_bits<T>(max(pm & 0xFFFFu, pm >> 16), 0);
     amax = warp_max(amax);
     if (lane == 0) s_amax[w] = amax;
     __syncthreads();
-    amax = lane < 8 ? s_amax[lane] : 0u;
+    amax = lane < W ? s_amax[lane] : 0u;
     amax = warp_max(amax);
-    const float s = compute_scale(rule, __uint_as_float(amax), 1.0f, fmt_max, margin);
+    const float s = tile_scale(rule, amax, fmt_max, margin);
+    const bool finite = amax < 0x7F800000u;
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int r = r0 + 8 * i;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int c = c0 + 32 * j;
-            if (r < rows && c < cols) codes[(size_t)r * cols + c] = Fmt<FMT>::encode(v[i][j] * s);
-        }
+    for (int i = 0; i < STEPS; i++) {
+        const int r = tr * 128 + (i * W + w) * RPW + sub;
+        if (r >= rows) continue;
+        float v[V];
+        unpack<T>(raw[i], v);
+        store_codes<FMT, V>(codes + (size_t)r * cols + c0, v, s, finite, c0, cols, vec);
     }
     if (threadIdx.x == 0) scale_inv[(size_t)tr * ld + tc] = tile_scale_inv(amax, s);
     if (tc == 0 && threadIdx.x > 0 && (int)(gridDim.x + threadIdx.x - 1) < ld)
@@ -81,10 +214,10 @@ __device__ void quantize_blocks_impl(const T* __restrict__ x, uint8_t* __restric
 }
 
 #define BLOCK_QUANTIZE(TN, T, FN, FMT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) block_quantize_blocks_##TN##_##FN(               \
+    extern "C" __global__ void __launch_bounds__(BLK_THREADS) block_quantize_blocks_##TN##_##FN(       \
         const T* x, uint8_t* codes, float* si, int rows, int cols, int ld, int rule,                   \
-        unsigned margin, float fmt_max) {                                                              \
-        quantize_blocks_impl<T, FMT>(x, codes, si, rows, cols, ld, rule, margin, fmt_max);             \
+        unsigned margin, float fmt_max, int vec) {                                                     \
+        quantize_blocks_impl<T, FMT>(x, codes, si, rows, cols, ld, rule, margin, fmt_max, vec);        \
     }
 BLOCK_QUANTIZE(f32, float, e4m3, 0)
 BLOCK_QUANTIZE(f32, float, e5m2, 1)
@@ -95,221 +228,237 @@ BLOCK_QUANTIZE(f16, __half, e5m2, 1)
 
 // 1 x 128 casts (or, given row_amax and col_amax, whole-row casts: torchao's
 // rowwise, the amaxes from block_rowcol_amax) of x [rows, cols] and of its
-// transpose from one read of x: one
-// block of PAIR_THREADS threads per 128 x 128 tile of x (512: 32 values a
-// thread in registers, so that two blocks fit an SM and loads stay in
-// flight while the other block computes). Each thread loads 16-byte
-// vectors (V elements: 8 BF16/FP16, 4 F32) of LPR lanes per tile row; the
-// rows' amaxes reduce over those lanes, the columns' over the thread's rows,
-// the warp's row groups and the 8 warps (shared memory). Either output may
-// be absent (null codes):
+// transpose from one read of x: one block of PAIR_THREADS threads per
+// 128 x 128 tile of x. Each thread loads STEPS consecutive rows (BF16: 4,
+// F32: 8) of V = 16 / sizeof(T) columns, 16 bytes a load, LPR lanes a tile
+// row, all loads before any is used; the rows' amaxes reduce over those
+// lanes, the columns' over the thread's rows, the warp's row groups and
+// the W warps (shared memory). Either output may be absent (null codes):
 // - rowwise: codes [rows, cols], scale of (r, tile tc) at tc * rows + r;
-// - transposed: codes_t [cols, rows] (xᵀ, tiles of 128 along x's rows),
-//   scale of (c, tile tr) at tr * cols + c; the codes are staged in shared
-//   memory and written out a row of xᵀ per warp, 4 bytes a lane.
+// - transposed (block_quantize_pair_*, TRANS): codes_t [cols, rows] (xᵀ,
+//   tiles of 128 along x's rows), scale of (c, tile tr) at tr * cols + c.
+//   A thread packs each of its columns' STEPS consecutive rows into
+//   STEPS / 4 words of a shared 128 x 32-word tile of xᵀ (word p of row cc
+//   stored at p ^ swz(cc), swz(cc) = (cc / V) * RPW: the warp's 32 stores
+//   fall in 32 banks), then 8 lanes write a row of xᵀ, 16 bytes each.
+// Without TRANS (block_quantize_rows_*) no shared memory and fewer
+// registers: more blocks an SM.
 // `vec`: x's address and cols allow 16-byte loads (else element loads);
-// `vec_t`: codes_t's address and rows allow 4-byte stores.
+// `vec_t`: rows allow 16-byte stores of codes_t (rows % 16 == 0).
 #define PAIR_THREADS 512
 
-// The tile's column amaxes: each thread's partials `cm` (its V columns over
-// its rows) folded over the warp's row groups and the W warps; after the
-// call, thread t < 128 reads column t's amax from `tile_col_amax`'s result.
-template <int V, int LPR, int W>
+template <typename T>
+struct PairShape {
+    static constexpr int V = 16 / sizeof(T);
+    static constexpr int LPR = 128 / V;
+    static constexpr int RPW = 32 / LPR;
+    static constexpr int W = PAIR_THREADS / 32;
+    static constexpr int STEPS = 128 / (W * RPW);
+    static_assert(STEPS % 4 == 0, "a thread packs 4 rows a word");
+};
+
+// The tile's column amaxes: each thread's packed partials `cm` (its V
+// columns over its rows, max_word) folded over the warp's row groups, then
+// as f32 bits over the W warps; after the call, thread t < 128 holds
+// column t's amax.
+template <typename T>
 __device__ __forceinline__ uint32_t tile_col_amax(uint32_t* cm, uint32_t (*s_col)[128], int w, int sub, int cl) {
+    using S = PairShape<T>;
 #pragma unroll
-    for (int j = 0; j < V; j++)
+    for (int k = 0; k < 4; k++)
 #pragma unroll
-        for (int o = LPR; o < 32; o <<= 1) cm[j] = max(cm[j], __shfl_xor_sync(0xFFFFFFFFu, cm[j], o));
+        for (int o = S::LPR; o < 32; o <<= 1) cm[k] = max_word<T>(cm[k], __shfl_xor_sync(0xFFFFFFFFu, cm[k], o));
     if (sub == 0) {
 #pragma unroll
-        for (int j = 0; j < V; j++) s_col[w][cl + j] = cm[j];
+        for (int j = 0; j < S::V; j++) s_col[w][cl + j] = f32_bits<T>(cm[j * sizeof(T) / 4], j & 1);
     }
     __syncthreads();
     uint32_t m = 0;
     if (threadIdx.x < 128) {
 #pragma unroll
-        for (int k = 0; k < W; k++) m = max(m, s_col[k][threadIdx.x]);
+        for (int k = 0; k < S::W; k++) m = max(m, s_col[k][threadIdx.x]);
     }
     return m;
 }
 
-
-// V = 16 / sizeof(T) elements of row r from column c0 as f32: one 16-byte
-// load where `vec` and the row holds them all, else element by element;
-// 0 outside the tensor.
+// Shared memory of the transposed half.
 template <typename T>
-__device__ __forceinline__ void load_vec(const T* __restrict__ x, int r, int rows, int cols, int c0, int vec,
-                                         float* out) {
-    constexpr int V = 16 / sizeof(T);
-    const T* src = x + (size_t)r * cols + c0;
-    if (vec && r < rows && c0 + V <= cols) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
-        const T* xs = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int j = 0; j < V; j++) out[j] = to_f32(xs[j]);
-    } else {
-#pragma unroll
-        for (int j = 0; j < V; j++) out[j] = (r < rows && c0 + j < cols) ? to_f32(src[j]) : 0.0f;
-    }
-}
+struct PairSmem {
+    uint32_t col[PairShape<T>::W][128];
+    float scale_t[128];
+    uint32_t t[128 * 32];  // xᵀ's codes, 32 words a row, swizzled
+};
 
-
-template <typename T, int FMT>
-__device__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols, uint8_t* __restrict__ codes,
-                                   float* __restrict__ scale_inv, uint8_t* __restrict__ codes_t,
-                                   float* __restrict__ scale_inv_t, const uint32_t* __restrict__ row_amax,
-                                   const uint32_t* __restrict__ col_amax, int rule, unsigned margin,
-                                   float fmt_max, int vec, int vec_t) {
-    constexpr int V = 16 / sizeof(T);
-    constexpr int LPR = 128 / V;
-    constexpr int RPW = 32 / LPR;
-    constexpr int W = PAIR_THREADS / 32;
-    constexpr int STEPS = 128 / (W * RPW);
-    constexpr int ST = 132;  // staging row stride: 33 words, odd
-    __shared__ uint32_t s_col[W][128];
-    __shared__ float s_scale_t[128];
-    __shared__ __align__(16) uint8_t s_t[128 * ST];
+template <typename T, int FMT, bool TRANS, bool FAST>
+__device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols,
+                                                   uint8_t* __restrict__ codes, float* __restrict__ scale_inv,
+                                                   uint8_t* __restrict__ codes_t, float* __restrict__ scale_inv_t,
+                                                   const uint32_t* __restrict__ row_amax,
+                                                   const uint32_t* __restrict__ col_amax, int rule,
+                                                   unsigned margin, float fmt_max, int vec, int vec_t,
+                                                   PairSmem<T>* sm) {
+    using S = PairShape<T>;
+    constexpr int V = S::V, LPR = S::LPR, RPW = S::RPW, STEPS = S::STEPS;
     const int tc = blockIdx.x, tr = blockIdx.y;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int sub = lane / LPR, cl = (lane % LPR) * V;
+    const int sub = lane / LPR, q = lane % LPR, cl = q * V;
     const int c0 = tc * 128 + cl;
-    float v[STEPS][V];
-    uint32_t cm[V];
-#pragma unroll
-    for (int j = 0; j < V; j++) cm[j] = 0;
+    const int g = w * RPW + sub;  // the thread's rows: g * STEPS .. + STEPS of the tile
+    const int rl0 = g * STEPS;
+    uint4 raw[STEPS];
 #pragma unroll
     for (int i = 0; i < STEPS; i++) {
-        const int rl = (i * W + w) * RPW + sub;
-        const int r = tr * 128 + rl;
-        load_vec<T>(x, r, rows, cols, c0, vec, v[i]);
-        uint32_t m = 0;
+        if constexpr (FAST) {
+            raw[i] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)(tr * 128 + rl0 + i) * cols + c0));
+        } else {
+            raw[i] = load_raw<T>(x, tr * 128 + rl0 + i, rows, cols, c0, vec);
+        }
+    }
+    uint32_t cm[4] = {0u, 0u, 0u, 0u};  // packed column partials, word k of the vectors
 #pragma unroll
-        for (int j = 0; j < V; j++) {
-            const uint32_t a = abs_bits(v[i][j]);
-            m = max(m, a);
-            cm[j] = max(cm[j], a);
+    for (int i = 0; i < STEPS; i++) {
+        const int r = tr * 128 + rl0 + i;
+        const uint32_t a[4] = {abs_word<T>(raw[i].x), abs_word<T>(raw[i].y), abs_word<T>(raw[i].z),
+                               abs_word<T>(raw[i].w)};
+        if constexpr (TRANS) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) cm[k] = max_word<T>(cm[k], a[k]);
         }
         if (codes) {
-            if (row_amax) {
+            uint32_t m;
+            if (!FAST && row_amax) {
                 m = r < rows ? row_amax[r] : 0u;
             } else {
+                uint32_t p = max_word<T>(max_word<T>(a[0], a[1]), max_word<T>(a[2], a[3]));
+                if constexpr (sizeof(T) == 2) p = max(p & 0xFFFFu, p >> 16);
 #pragma unroll
-                for (int o = LPR / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+                for (int o = LPR / 2; o > 0; o >>= 1) p = max(p, __shfl_xor_sync(0xFFFFFFFFu, p, o));
+                m = f32_bits<T>(p, 0);
             }
-            const float s = compute_scale(rule, __uint_as_float(m), 1.0f, fmt_max, margin);
-            if (r < rows) {
-                uint8_t* dst = codes + (size_t)r * cols + c0;
-                if (vec && c0 + V <= cols) {
-                    // V codes in V / 4 words, one store (dst is V-byte aligned)
-                    const float ss[4] = {s, s, s, s};
-                    uint32_t words[V / 4];
-#pragma unroll
-                    for (int k = 0; k < V / 4; k++) words[k] = encode4<FMT>(&v[i][4 * k], ss);
-                    if constexpr (V == 8) {
-                        *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-                    } else {
-                        *reinterpret_cast<uint32_t*>(dst) = words[0];
-                    }
-                } else {
-#pragma unroll
-                    for (int j = 0; j < V; j++)
-                        if (c0 + j < cols) dst[j] = Fmt<FMT>::encode(v[i][j] * s);
-                }
-                if (cl == 0 && !row_amax) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(m, s);
-                if (cl == 0 && row_amax && tc == 0) scale_inv[r] = tile_scale_inv(m, s);
+            const float s = FAST ? pow2_tile_scale(m, fmt_max, margin) : tile_scale(rule, m, fmt_max, margin);
+            if (FAST || r < rows) {
+                float v[V];
+                unpack<T>(raw[i], v);
+                store_codes<FMT, V, FAST>(codes + (size_t)r * cols + c0, v, s, m < 0x7F800000u, c0, cols, vec);
+                if (cl == 0 && (FAST || !row_amax)) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(m, s);
+                if (!FAST && cl == 0 && row_amax && tc == 0) scale_inv[r] = tile_scale_inv(m, s);
             }
         }
     }
-    if (!codes_t) return;
-    const uint32_t folded = tile_col_amax<V, LPR, W>(cm, s_col, w, sub, cl);
-    if (threadIdx.x < 128) {
-        const int c = tc * 128 + threadIdx.x;
-        const uint32_t m = col_amax ? (c < cols ? col_amax[c] : 0u) : folded;
-        const float s = compute_scale(rule, __uint_as_float(m), 1.0f, fmt_max, margin);
-        s_scale_t[threadIdx.x] = s;
-        if (c < cols && !col_amax) scale_inv_t[(size_t)tr * cols + c] = tile_scale_inv(m, s);
-        if (c < cols && col_amax && tr == 0) scale_inv_t[c] = tile_scale_inv(m, s);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < STEPS; i++) {
-        const int rl = (i * W + w) * RPW + sub;
-#pragma unroll
-        for (int k = 0; k < V / 4; k++) {
-            const uint32_t word = encode4<FMT>(&v[i][4 * k], &s_scale_t[cl + 4 * k]);
-#pragma unroll
-            for (int b = 0; b < 4; b++) s_t[(cl + 4 * k + b) * ST + rl] = (uint8_t)(word >> (8 * b));
+    if constexpr (TRANS) {
+        if (!codes_t) return;
+        const uint32_t folded = tile_col_amax<T>(cm, sm->col, w, sub, cl);
+        if (threadIdx.x < 128) {
+            const int c = tc * 128 + threadIdx.x;
+            const uint32_t m = (!FAST && col_amax) ? (c < cols ? col_amax[c] : 0u) : folded;
+            const float s = FAST ? pow2_tile_scale(m, fmt_max, margin) : tile_scale(rule, m, fmt_max, margin);
+            sm->scale_t[threadIdx.x] = s;
+            sm->col[0][threadIdx.x] = m;  // this thread's column only: read by all after the barrier
+            if ((FAST || c < cols) && (FAST || !col_amax)) scale_inv_t[(size_t)tr * cols + c] = tile_scale_inv(m, s);
+            if (!FAST && c < cols && col_amax && tr == 0) scale_inv_t[c] = tile_scale_inv(m, s);
         }
-    }
-    __syncthreads();
-    // row cc of the tile's xᵀ block: codes_t[tc * 128 + cc][tr * 128 ..]
-    const int r0 = tr * 128;
-    for (int q = threadIdx.x; q < 128 * 32; q += PAIR_THREADS) {
-        const int cc = q >> 5, word = q & 31;
-        const int c = tc * 128 + cc, rr = r0 + word * 4;
-        if (c >= cols || rr >= rows) continue;
-        uint8_t* dst = codes_t + (size_t)c * rows + rr;
-        const uint8_t* from = s_t + cc * ST + word * 4;
-        if (vec_t && rr + 4 <= rows) {
-            *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(from);
-        } else {
-            for (int k = 0; k < 4 && rr + k < rows; k++) dst[k] = from[k];
+        __syncthreads();
+        const int swz = q * RPW;
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            const float s = sm->scale_t[cl + j];
+            const bool finite = sm->col[0][cl + j] < 0x7F800000u;
+#pragma unroll
+            for (int k = 0; k < STEPS / 4; k++) {
+                const float col[4] = {raw_f32<T>(raw[4 * k], j), raw_f32<T>(raw[4 * k + 1], j),
+                                      raw_f32<T>(raw[4 * k + 2], j), raw_f32<T>(raw[4 * k + 3], j)};
+                sm->t[(cl + j) * 32 + ((g * (STEPS / 4) + k) ^ swz)] =
+                    FAST ? encode4_warp<FMT>(col, s, finite) : encode4<FMT>(col, s, finite);
+            }
+        }
+        __syncthreads();
+        // row cc of the tile's xᵀ: codes_t[tc * 128 + cc][tr * 128 ..], 8
+        // lanes a row, 16 bytes (4 rows of x in each of 4 words) a lane
+#pragma unroll
+        for (int it = 0; it < 128 * 8 / PAIR_THREADS; it++) {
+            const int idx = threadIdx.x + it * PAIR_THREADS;
+            const int cc = idx >> 3, pg = idx & 7;  // physical group of 4 words
+            const int sw = (cc / V) * RPW;
+            const int lg = pg ^ (sw >> 2);  // the logical group it holds
+            const uint4 u = *reinterpret_cast<const uint4*>(&sm->t[cc * 32 + pg * 4]);
+            const uint32_t ph[4] = {u.x, u.y, u.z, u.w};
+            uint32_t wd[4];
+#pragma unroll
+            for (int t = 0; t < 4; t++) wd[t] = ph[t ^ (sw & 3)];
+            const int c = tc * 128 + cc, rr = tr * 128 + lg * 16;
+            if (!FAST && (c >= cols || rr >= rows)) continue;
+            uint8_t* dst = codes_t + (size_t)c * rows + rr;
+            if (FAST || (vec_t && rr + 16 <= rows)) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+            } else {
+                for (int k = 0; k < 16 && rr + k < rows; k++) dst[k] = (uint8_t)(wd[k >> 2] >> (8 * (k & 3)));
+            }
         }
     }
 }
 
-#define BLOCK_QUANTIZE_PAIR(TN, T, FN, FMT)                                                            \
-    extern "C" __global__ void __launch_bounds__(PAIR_THREADS) block_quantize_pair_##TN##_##FN(        \
+// FAST (the `_fast` kernels): rows and cols multiples of 128, `vec` and
+// `vec_t`, the power-of-two rule, no row_amax or col_amax: no bounds and no
+// fallbacks in the code (the training path's shapes).
+#define PAIR_KERNELS(TN, T, FN, FMT, MINB, MINB_ROWS, SFX, FAST)                                      \
+    extern "C" __global__ void __launch_bounds__(PAIR_THREADS, MINB) block_quantize_pair##SFX##_##TN##_##FN( \
         const T* x, int rows, int cols, uint8_t* codes, float* si, uint8_t* codes_t, float* si_t,      \
         const uint32_t* row_amax, const uint32_t* col_amax, int rule, unsigned margin, float fmt_max,  \
         int vec, int vec_t) {                                                                          \
-        quantize_pair_impl<T, FMT>(x, rows, cols, codes, si, codes_t, si_t, row_amax, col_amax, rule,  \
-                                   margin, fmt_max, vec, vec_t);                                       \
+        __shared__ __align__(16) PairSmem<T> sm;                                                       \
+        quantize_pair_impl<T, FMT, true, FAST>(x, rows, cols, codes, si, codes_t, si_t, row_amax,      \
+                                               col_amax, rule, margin, fmt_max, vec, vec_t, &sm);      \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(PAIR_THREADS, MINB_ROWS) block_quantize_rows##SFX##_##TN##_##FN( \
+        const T* x, int rows, int cols, uint8_t* codes, float* si, uint8_t* codes_t, float* si_t,      \
+        const uint32_t* row_amax, const uint32_t* col_amax, int rule, unsigned margin, float fmt_max,  \
+        int vec, int vec_t) {                                                                          \
+        quantize_pair_impl<T, FMT, false, FAST>(x, rows, cols, codes, si, nullptr, nullptr, row_amax,  \
+                                                nullptr, rule, margin, fmt_max, vec, vec_t, nullptr);  \
     }
-BLOCK_QUANTIZE_PAIR(f32, float, e4m3, 0)
-BLOCK_QUANTIZE_PAIR(f32, float, e5m2, 1)
-BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e4m3, 0)
-BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e5m2, 1)
-BLOCK_QUANTIZE_PAIR(f16, __half, e4m3, 0)
-BLOCK_QUANTIZE_PAIR(f16, __half, e5m2, 1)
+#define BLOCK_QUANTIZE_PAIR(TN, T, FN, FMT, MINB, MINB_ROWS)                                           \
+    PAIR_KERNELS(TN, T, FN, FMT, MINB, MINB_ROWS, , false)                                             \
+    PAIR_KERNELS(TN, T, FN, FMT, MINB + 1, MINB_ROWS, _fast, true)
+BLOCK_QUANTIZE_PAIR(f32, float, e4m3, 0, 1, 2)
+BLOCK_QUANTIZE_PAIR(f32, float, e5m2, 1, 1, 2)
+BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e4m3, 0, 2, 3)
+BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e5m2, 1, 2, 3)
+BLOCK_QUANTIZE_PAIR(f16, __half, e4m3, 0, 2, 3)
+BLOCK_QUANTIZE_PAIR(f16, __half, e5m2, 1, 2, 3)
 
 // The amaxes of every row and every column of x [rows, cols] (bits, NaN
-// above inf), for the rowwise pair: one block per 128 x 128 tile folds its
-// part into row_amax and col_amax (zeroed) with one atomic max a row and a
-// column.
+// above inf), for the rowwise pair: one block per 128 x 128 tile (the pair
+// kernel's shape) folds its part into row_amax and col_amax (zeroed) with
+// one atomic max a row and a column.
 template <typename T>
 __device__ void rowcol_amax_impl(const T* __restrict__ x, int rows, int cols, uint32_t* __restrict__ row_amax,
                                  uint32_t* __restrict__ col_amax, int vec) {
-    constexpr int V = 16 / sizeof(T);
-    constexpr int LPR = 128 / V;
-    constexpr int RPW = 32 / LPR;
-    constexpr int W = PAIR_THREADS / 32;
-    constexpr int STEPS = 128 / (W * RPW);
+    using S = PairShape<T>;
+    constexpr int V = S::V, LPR = S::LPR, RPW = S::RPW, W = S::W, STEPS = S::STEPS;
     __shared__ uint32_t s_col[W][128];
     const int tc = blockIdx.x, tr = blockIdx.y;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int sub = lane / LPR, cl = (lane % LPR) * V;
     const int c0 = tc * 128 + cl;
-    uint32_t cm[V];
+    const int rl0 = (w * RPW + sub) * STEPS;
+    uint4 raw[STEPS];
 #pragma unroll
-    for (int j = 0; j < V; j++) cm[j] = 0;
+    for (int i = 0; i < STEPS; i++) raw[i] = load_raw<T>(x, tr * 128 + rl0 + i, rows, cols, c0, vec);
+    uint32_t cm[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int i = 0; i < STEPS; i++) {
-        const int r = tr * 128 + (i * W + w) * RPW + sub;
-        float v[V];
-        load_vec<T>(x, r, rows, cols, c0, vec, v);
-        uint32_t m = 0;
+        const int r = tr * 128 + rl0 + i;
+        const uint32_t a[4] = {abs_word<T>(raw[i].x), abs_word<T>(raw[i].y), abs_word<T>(raw[i].z),
+                               abs_word<T>(raw[i].w)};
 #pragma unroll
-        for (int j = 0; j < V; j++) {
-            const uint32_t a = abs_bits(v[j]);
-            m = max(m, a);
-            cm[j] = max(cm[j], a);
-        }
+        for (int k = 0; k < 4; k++) cm[k] = max_word<T>(cm[k], a[k]);
+        uint32_t p = max_word<T>(max_word<T>(a[0], a[1]), max_word<T>(a[2], a[3]));
+        if constexpr (sizeof(T) == 2) p = max(p & 0xFFFFu, p >> 16);
 #pragma unroll
-        for (int o = LPR / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-        if (cl == 0 && r < rows) atomicMax(&row_amax[r], m);
+        for (int o = LPR / 2; o > 0; o >>= 1) p = max(p, __shfl_xor_sync(0xFFFFFFFFu, p, o));
+        if (cl == 0 && r < rows) atomicMax(&row_amax[r], f32_bits<T>(p, 0));
     }
-    const uint32_t m = tile_col_amax<V, LPR, W>(cm, s_col, w, sub, cl);
+    const uint32_t m = tile_col_amax<T>(cm, s_col, w, sub, cl);
     const int c = tc * 128 + threadIdx.x;
     if (threadIdx.x < 128 && c < cols) atomicMax(&col_amax[c], m);
 }

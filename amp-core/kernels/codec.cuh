@@ -209,7 +209,25 @@ __device__ __forceinline__ float pow2(int e) {
     return __uint_as_float((uint32_t)(e + 127) << 23);
 }
 
+// x = 1.frac * 2^e for a positive finite x (a subnormal normalized): e,
+// and frac's 23 bits in *frac.
+__device__ __forceinline__ int exp_frac(float x, uint32_t* frac) {
+    const uint32_t b = __float_as_uint(x);
+    int e = (int)(b >> 23);
+    uint32_t m = b & 0x7FFFFFu;
+    if (e == 0) {
+        const int sh = __clz(m) - 8;  // the leading 1 to bit 23
+        m = (m << sh) & 0x7FFFFFu;
+        e = 1 - sh;
+    }
+    *frac = m;
+    return e - 127;
+}
+
 // ScaleRule::compute of scale.rs (the casts'). rule: 0 = Te, 1 = PowerOfTwo.
+// PowerOfTwo: floor(log2(max / amax)), the exponent of scale.rs's rounded
+// f64 quotient (never rounded across a power of two, as scale.rs says),
+// from the two exponents and significands: no division.
 __device__ float compute_scale(int rule, float amax, float prev, float max, unsigned margin) {
     if (!(amax > 0.0f && isfinite(amax) && max > 0.0f && isfinite(max))) return prev;
     float s;
@@ -217,8 +235,9 @@ __device__ float compute_scale(int rule, float amax, float prev, float max, unsi
         s = (max / amax) / pow2((int)min(margin, 255u));
         if (isinf(s)) s = 3.40282347e+38f;
     } else {
-        const double q = (double)max / (double)amax;
-        long long e = (long long)((__double_as_longlong(q) >> 52) & 0x7FF) - 1023;
+        uint32_t fm, fa;
+        const int em = exp_frac(max, &fm), ea = exp_frac(amax, &fa);
+        long long e = (long long)(em - ea) - (fm < fa ? 1 : 0);
         e -= (long long)margin;
         e = e < -126 ? -126 : (e > 127 ? 127 : e);
         s = pow2((int)e);

@@ -31,13 +31,17 @@ fn spread(rng: &mut Rng, rows: usize, cols: usize, specials: bool) -> Vec<f32> {
     v
 }
 
-const SHAPES: [(usize, usize); 6] = [
+// (144, 300) and (272, 200): xᵀ's 16-byte stores (rows % 16 == 0) beside
+// element loads and a short last tile of 16-byte loads.
+const SHAPES: [(usize, usize); 8] = [
     (1, 1),
     (3, 129),
     (130, 257),
     (256, 1024),
     (1000, 4096),
     (7, 5000),
+    (144, 300),
+    (272, 200),
 ];
 const TILINGS: [Tiling; 3] = [Tiling::Vec128, Tiling::Blk128, Tiling::Row];
 

@@ -129,6 +129,8 @@ pub(crate) fn block_quantize(
     macro_rules! go {
         ($t:ty) => {{
             let xv = view::<$t>(OP, x, lx)?;
+            let per_load = 16 / std::mem::size_of::<$t>();
+            let vec = i32::from(aligned(&xv, &dev) && cols % per_load == 0);
             let mut b = stream.launch_builder(&f);
             b.arg(&xv)
                 .arg(&mut codes)
@@ -138,7 +140,8 @@ pub(crate) fn block_quantize(
                 .arg(&ld)
                 .arg(&rule)
                 .arg(&k.margin)
-                .arg(&max);
+                .arg(&max)
+                .arg(&vec);
             // SAFETY: arguments match the kernel's parameters (block.cu).
             unsafe { b.launch(cfg) }.w()?;
         }};
@@ -278,10 +281,21 @@ pub(crate) fn block_quantize_pair(
     };
     if n > 0 {
         let tname = input_name(OP, x.dtype())?;
-        let f = block_func(
-            &dev,
-            &format!("block_quantize_pair_{tname}_{}", fmt_name(k.qtype)),
-        )?;
+        // without xᵀ, the kernel with no shared memory (more blocks an SM)
+        let kind = if k.transposed { "pair" } else { "rows" };
+        // the `_fast` kernels: whole 128 x 128 tiles, 16-byte loads and
+        // stores, power-of-two scales, 1 x 128 tiles (block.cu)
+        let fast_shape = rows % 128 == 0
+            && cols % 128 == 0
+            && k.rule == ScaleRule::PowerOfTwo
+            && k.tiling == Tiling::Vec128;
+        let func = |vec: i32| {
+            let fast = if fast_shape && vec == 1 { "_fast" } else { "" };
+            block_func(
+                &dev,
+                &format!("block_quantize_{kind}{fast}_{tname}_{}", fmt_name(k.qtype)),
+            )
+        };
         let rule = rule_code(k.rule);
         let max = k.qtype.max();
         let cfg = LaunchConfig {
@@ -296,7 +310,8 @@ pub(crate) fn block_quantize_pair(
         };
         let stream = dev.cuda_stream();
         let null = 0u64;
-        let vec_t = i32::from(rows % 4 == 0);
+        // 16-byte stores of xᵀ's rows
+        let vec_t = i32::from(rows % 16 == 0);
         // rows: every row's and column's amax first (bits, atomic max)
         let mut amaxes = if k.tiling == Tiling::Row {
             Some((dev.alloc_zeros::<u32>(rows)?, dev.alloc_zeros::<u32>(cols)?))
@@ -318,6 +333,7 @@ pub(crate) fn block_quantize_pair(
                     // SAFETY: arguments match the kernel's parameters (block.cu).
                     unsafe { b.launch(cfg) }.w()?;
                 }
+                let f = func(vec)?;
                 let mut b = stream.launch_builder(&f);
                 b.arg(&xv).arg(&r32).arg(&c32);
                 match (&mut codes, &mut scales) {
