@@ -42,6 +42,23 @@ impl Weight {
         }
     }
 
+    /// [`master_f32`](Self::master_f32) converted to `dtype` (a native
+    /// GEMM's, or the block casts' source): a scaled copy decoded straight
+    /// into `dtype` in one pass, the same values as decoding to F32 and
+    /// converting (the product `decode(code) * scale_inv` rounded once).
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn native(&self, dtype: DType) -> Result<Tensor> {
+        match self {
+            Self::F32(v) => Ok(v.as_tensor().to_dtype(dtype)?),
+            Self::F16(t) | Self::Fp8 { master: t, .. } | Self::Fp8Gathered(t) => match dtype {
+                DType::F32 | DType::BF16 | DType::F16 => t.dequantize(dtype),
+                _ => Ok(t.dequantize(DType::F32)?.to_dtype(dtype)?),
+            },
+        }
+    }
+
     /// The shape.
     pub fn shape(&self) -> &Shape {
         match self {

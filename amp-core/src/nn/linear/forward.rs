@@ -149,7 +149,7 @@ impl Linear {
             if let Some(w) = w_native_once.get() {
                 return Ok(Tensor::clone(w));
             }
-            let w = weight.master_f32()?.to_dtype(x.dtype())?;
+            let w = weight.native(x.dtype())?;
             Ok(w_native_once.get_or_init(|| w).clone())
         };
         // the weight's codes cast again in backward where it is stored in

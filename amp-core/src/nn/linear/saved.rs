@@ -97,6 +97,10 @@ impl Origin {
             Ok(t.detach().reshape(((), last))?.contiguous()?)
         };
         let v = match self {
+            // decoded straight into `dtype`, as `Weight::native`
+            Self::Scaled(w) if matches!(dtype, DType::F32 | DType::BF16 | DType::F16) => {
+                return Ok(w.dequantize(dtype)?);
+            }
             Self::Scaled(w) => w.dequantize(DType::F32)?,
             Self::Value(t) => rows(t)?,
             Self::Activated(act, z) => act.detached(&rows(z)?)?,
