@@ -99,7 +99,7 @@ impl Origin {
         let v = match self {
             // decoded straight into `dtype`, as `Weight::native`
             Self::Scaled(w) if matches!(dtype, DType::F32 | DType::BF16 | DType::F16) => {
-                return Ok(w.dequantize(dtype)?);
+                return w.dequantize(dtype);
             }
             Self::Scaled(w) => w.dequantize(DType::F32)?,
             Self::Value(t) => rows(t)?,
