@@ -426,6 +426,115 @@ BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e5m2, 1, 2, 3)
 BLOCK_QUANTIZE_PAIR(f16, __half, e4m3, 0, 2, 3)
 BLOCK_QUANTIZE_PAIR(f16, __half, e5m2, 1, 2, 3)
 
+// 128 x 128 blocks of a weight from its scaled FP16 copy (O1's and O2's
+// master): value = decode(code) * scale_inv, rounded to BF16 where ROUND
+// (Weight::native's value, the block casts' source), as
+// block_quantize_blocks casts it, and the blocks of its transpose
+// (BlockTensor::t: the codes transposed, each block keeping its scale),
+// from one read. Whole tiles and 16-byte access only (rows and cols
+// multiples of 128, aligned): the pair kernel's shape, one amax a tile.
+// Scales: w's at tr * ld + tc (ld: the tiles across padded to 4), wᵀ's at
+// tc * ld_t + tr (ld_t: the tiles down padded to 4), the padding 1.
+// Either output may be absent (null codes).
+template <bool ROUND>
+__device__ __forceinline__ float scaled_f16(const uint4& raw, int j, float si) {
+    const uint32_t w = j / 2 == 0 ? raw.x : j / 2 == 1 ? raw.y : j / 2 == 2 ? raw.z : raw.w;
+    const float v = Fmt<K_F16>::decode((uint16_t)(w >> (16 * (j & 1)))) * si;
+    if constexpr (ROUND) {
+        if (isnan(v)) return v;
+        return __bfloat162float(__float2bfloat16_rn(v));
+    }
+    return v;
+}
+
+template <int FMT, bool ROUND>
+__device__ __forceinline__ void quantize_scaled_blocks_impl(const uint16_t* __restrict__ q,
+                                                            const float* __restrict__ si_p, int rows, int cols,
+                                                            uint8_t* __restrict__ codes, float* __restrict__ scale_inv,
+                                                            int ld, uint8_t* __restrict__ codes_t,
+                                                            float* __restrict__ scale_inv_t, int ld_t, int rule,
+                                                            unsigned margin, float fmt_max, PairSmem<__half>* sm) {
+    using S = PairShape<__half>;
+    constexpr int V = S::V, LPR = S::LPR, RPW = S::RPW, W = S::W, STEPS = S::STEPS;
+    const int tc = blockIdx.x, tr = blockIdx.y;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int sub = lane / LPR, ql = lane % LPR, cl = ql * V;
+    const int c0 = tc * 128 + cl;
+    const int g = w * RPW + sub;
+    const int rl0 = g * STEPS;
+    const float si = *si_p;
+    uint4 raw[STEPS];
+#pragma unroll
+    for (int i = 0; i < STEPS; i++)
+        raw[i] = __ldg(reinterpret_cast<const uint4*>(q + (size_t)(tr * 128 + rl0 + i) * cols + c0));
+    uint32_t amax = 0;
+#pragma unroll
+    for (int i = 0; i < STEPS; i++)
+#pragma unroll
+        for (int j = 0; j < V; j++) amax = max(amax, abs_bits(scaled_f16<ROUND>(raw[i], j, si)));
+    amax = warp_max(amax);
+    if (lane == 0) sm->col[0][w] = amax;
+    __syncthreads();
+    amax = lane < W ? sm->col[0][lane] : 0u;
+    amax = warp_max(amax);
+    const float s = tile_scale(rule, amax, fmt_max, margin);
+    const bool finite = amax < 0x7F800000u;
+    if (codes) {
+#pragma unroll
+        for (int i = 0; i < STEPS; i++) {
+            float v[V];
+#pragma unroll
+            for (int j = 0; j < V; j++) v[j] = scaled_f16<ROUND>(raw[i], j, si);
+            store_codes<FMT, V, true>(codes + (size_t)(tr * 128 + rl0 + i) * cols + c0, v, s, finite, c0, cols, 1);
+        }
+        if (threadIdx.x == 0) scale_inv[(size_t)tr * ld + tc] = tile_scale_inv(amax, s);
+        if (tc == 0 && threadIdx.x > 0 && (int)(gridDim.x + threadIdx.x - 1) < ld)
+            scale_inv[(size_t)tr * ld + gridDim.x + threadIdx.x - 1] = 1.0f;
+    }
+    if (!codes_t) return;
+    if (threadIdx.x == 0) scale_inv_t[(size_t)tc * ld_t + tr] = tile_scale_inv(amax, s);
+    if (tr == 0 && threadIdx.x > 0 && (int)(gridDim.y + threadIdx.x - 1) < ld_t)
+        scale_inv_t[(size_t)tc * ld_t + gridDim.y + threadIdx.x - 1] = 1.0f;
+    const int swz = ql * RPW;
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+#pragma unroll
+        for (int k = 0; k < STEPS / 4; k++) {
+            const float col[4] = {scaled_f16<ROUND>(raw[4 * k], j, si), scaled_f16<ROUND>(raw[4 * k + 1], j, si),
+                                  scaled_f16<ROUND>(raw[4 * k + 2], j, si), scaled_f16<ROUND>(raw[4 * k + 3], j, si)};
+            sm->t[(cl + j) * 32 + ((g * (STEPS / 4) + k) ^ swz)] = encode4_warp<FMT>(col, s, finite);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int it = 0; it < 128 * 8 / PAIR_THREADS; it++) {
+        const int idx = threadIdx.x + it * PAIR_THREADS;
+        const int cc = idx >> 3, pg = idx & 7;
+        const int sw = (cc / V) * RPW;
+        const int lg = pg ^ (sw >> 2);
+        const uint4 u = *reinterpret_cast<const uint4*>(&sm->t[cc * 32 + pg * 4]);
+        const uint32_t ph[4] = {u.x, u.y, u.z, u.w};
+        uint32_t wd[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) wd[t] = ph[t ^ (sw & 3)];
+        *reinterpret_cast<uint4*>(codes_t + (size_t)(tc * 128 + cc) * rows + tr * 128 + lg * 16) =
+            make_uint4(wd[0], wd[1], wd[2], wd[3]);
+    }
+}
+
+#define SCALED_BLOCKS(FN, FMT, RN, ROUND)                                                              \
+    extern "C" __global__ void __launch_bounds__(PAIR_THREADS, 2) block_quantize_scaled_blocks_##FN##_##RN( \
+        const uint16_t* q, const float* si, int rows, int cols, uint8_t* codes, float* scale_inv, int ld, \
+        uint8_t* codes_t, float* scale_inv_t, int ld_t, int rule, unsigned margin, float fmt_max) {    \
+        __shared__ __align__(16) PairSmem<__half> sm;                                                  \
+        quantize_scaled_blocks_impl<FMT, ROUND>(q, si, rows, cols, codes, scale_inv, ld, codes_t,      \
+                                                scale_inv_t, ld_t, rule, margin, fmt_max, &sm);        \
+    }
+SCALED_BLOCKS(e4m3, 0, bf16, true)
+SCALED_BLOCKS(e4m3, 0, f32, false)
+SCALED_BLOCKS(e5m2, 1, bf16, true)
+SCALED_BLOCKS(e5m2, 1, f32, false)
+
 // The amaxes of every row and every column of x [rows, cols] (bits, NaN
 // above inf), for the rowwise pair: one block per 128 x 128 tile (the pair
 // kernel's shape) folds its part into row_amax and col_amax (zeroed) with

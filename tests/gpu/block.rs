@@ -5,13 +5,17 @@
 //! differ from tile to tile by up to 2^24.
 
 use crate::util::{same, Rng};
-use amp::{block_gemm, block_gemm_fused, BlockTensor, Epilogue, QType, ScaleRule, Tiling};
+use amp::{
+    block_gemm, block_gemm_fused, BlockTensor, CurrentScaling, Epilogue, QType, ScaleRule,
+    ScalingTensor, Tiling,
+};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 
 test_device!(block_casts, block_casts_cuda);
 test_device!(block_gemm_f64, block_gemm_cuda);
 test_device!(block_epilogue, block_epilogue_cuda);
+test_device!(block_scaled_weight, block_scaled_weight_cuda);
 
 /// `[rows, cols]` normal values times 2^(-12..12), the power changing every
 /// 97 elements (so tiles get scales far apart), and with `specials` a zero
@@ -202,5 +206,75 @@ fn block_epilogue(dev: &Device) -> Result<()> {
         ok &= pass;
     }
     ensure!(ok, "block GEMM epilogue beyond tolerance");
+    Ok(())
+}
+
+/// A scaled FP16 weight's 128 x 128 blocks and its transpose's from one
+/// read of its codes (`BlockTensor::blocks_of_scaled`) against the cast of
+/// its decoded value and that cast's `t()`, bit for bit: BF16 and F32
+/// values, both formats and rules, a NaN tile, an inf that saturates the
+/// FP16 copy, a zero tile; shapes the kernel refuses give `None`.
+fn block_scaled_weight(dev: &Device) -> Result<()> {
+    let mut ok = true;
+    let mut rng = Rng(79);
+    for (rows, cols) in [(128, 128), (256, 1024), (384, 640), (1024, 256)] {
+        let mut v = spread(&mut rng, rows, cols, true);
+        v[cols + 5] = f32::INFINITY; // saturates the FP16 copy's scale
+        v[(rows / 2) * cols + cols - 1] = 0.0;
+        let x = Tensor::from_vec(v, (rows, cols), dev)?;
+        let (w, _) = ScalingTensor::quantize(&x, QType::F16, &CurrentScaling::default())?;
+        for dtype in [DType::BF16, DType::F32] {
+            for qtype in [QType::E4M3, QType::E5M2] {
+                for rule in [ScaleRule::PowerOfTwo, ScaleRule::Te] {
+                    let what = format!("[{rows}, {cols}] {dtype:?} {qtype} {rule:?}");
+                    let want =
+                        BlockTensor::quantize(&w.dequantize(dtype)?, qtype, Tiling::Blk128, rule)?;
+                    let want_t = want.t()?;
+                    let Some((Some(got), Some(got_t))) =
+                        BlockTensor::blocks_of_scaled(&w, dtype, qtype, rule, (true, true))?
+                    else {
+                        anyhow::bail!("{what}: the one-read path did not run");
+                    };
+                    ok &= same(&format!("{what} codes"), got.data(), want.data())?;
+                    ok &= same(&format!("{what} scales"), got.scale_inv(), want.scale_inv())?;
+                    ok &= same(&format!("{what} codes_t"), got_t.data(), want_t.data())?;
+                    ok &= same(
+                        &format!("{what} scales_t"),
+                        got_t.scale_inv(),
+                        want_t.scale_inv(),
+                    )?;
+                    // only the transpose
+                    let Some((None, Some(t_only))) =
+                        BlockTensor::blocks_of_scaled(&w, dtype, qtype, rule, (false, true))?
+                    else {
+                        anyhow::bail!("{what}: the transpose alone did not run");
+                    };
+                    ok &= same(
+                        &format!("{what} codes_t alone"),
+                        t_only.data(),
+                        want_t.data(),
+                    )?;
+                }
+            }
+        }
+    }
+    // not whole tiles: the caller casts the decoded value
+    let x = Tensor::from_vec(spread(&mut rng, 130, 256, false), (130, 256), dev)?;
+    let (w, _) = ScalingTensor::quantize(&x, QType::F16, &CurrentScaling::default())?;
+    let r = BlockTensor::blocks_of_scaled(
+        &w,
+        DType::BF16,
+        QType::E4M3,
+        ScaleRule::PowerOfTwo,
+        (true, true),
+    )?;
+    ensure!(
+        r.is_none(),
+        "a [130, 256] weight took the whole-tile kernel"
+    );
+    ensure!(
+        ok,
+        "the one-read weight blocks differ from the cast of the decoded value"
+    );
     Ok(())
 }

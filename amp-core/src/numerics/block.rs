@@ -319,6 +319,36 @@ impl Kernel for BlockQuantizePair {
     }
 }
 
+/// 128 x 128 blocks of a scaled FP16 tensor's value in `dtype` (BF16 or
+/// F32: `decode(code) * scale_inv` rounded once) and of its transpose,
+/// from one read: the requested ones of `(codes, scale_inv)` (`rowwise`)
+/// and `(codes_t, scale_inv_t)` (`transposed`), each exactly
+/// [`BlockQuantize`] of the decoded value (and its
+/// [`BlockTensor::t`](crate::scaling::block::BlockTensor::t)). CUDA only,
+/// for whole 128 x 128 tiles; the CPU casts the decoded value itself.
+/// Inputs: the FP16 codes, their `[1]` scale_inv.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launch only
+pub(crate) struct BlockQuantizeScaledBlocks {
+    pub qtype: QType,
+    pub rule: ScaleRule,
+    pub dtype: DType,
+    pub rowwise: bool,
+    pub transposed: bool,
+}
+
+impl Kernel for BlockQuantizeScaledBlocks {
+    const NAME: &'static str = "block_quantize_scaled_blocks";
+    fn cpu(&self, _: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
+        Err(Error::Unsupported {
+            op: Self::NAME,
+            what: "the CPU (it casts the decoded value: BlockTensor::quantize)".into(),
+        })
+    }
+    fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
+        crate::numerics::cuda::block_quantize_scaled_blocks(self, inputs)
+    }
+}
+
 /// `decode(code) * scale_inv[tile]` in `dtype`. Inputs: codes, scale_inv.
 pub(crate) struct BlockDequantize {
     pub qtype: QType,

@@ -238,3 +238,10 @@ pub(crate) fn block_quantize_pair(
 ) -> Outputs {
     Err(Error::NotCompiled("cuda"))
 }
+
+pub(crate) fn block_quantize_scaled_blocks(
+    _: &crate::numerics::block::BlockQuantizeScaledBlocks,
+    _: Inputs<'_>,
+) -> Outputs {
+    Err(Error::NotCompiled("cuda"))
+}

@@ -6,11 +6,12 @@ use crate::error::{Error, Result};
 use crate::numerics::block::Tiling;
 use crate::numerics::block::{
     check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, BlockQuantizePair,
+    BlockQuantizeScaledBlocks,
 };
 use crate::numerics::kernel::{arity, launch, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
-use crate::scaling::tensor::check_float;
+use crate::scaling::tensor::{check_float, ScalingTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 
 /// A 2-D FP8 tensor scaled per tile: `data` holds the codes `[rows, cols]`
@@ -69,6 +70,66 @@ impl BlockTensor {
             qtype,
             tiling,
         })
+    }
+
+    /// 128 x 128 blocks of a scaled FP16 tensor's value in `dtype` and of
+    /// its transpose (the `wanted` ones), as `quantize` of
+    /// `w.dequantize(dtype)` and that cast's [`t`](Self::t) make them, from
+    /// one read of `w`'s codes: a weight's forward and dgrad operands.
+    /// `None` where the one-read kernel does not apply (not CUDA, not FP16,
+    /// not whole 128 x 128 tiles, `dtype` neither BF16 nor F32): cast the
+    /// decoded value then.
+    ///
+    /// # Errors
+    /// A `qtype` that is not FP8; the kernel's.
+    pub fn blocks_of_scaled(
+        w: &ScalingTensor,
+        dtype: DType,
+        qtype: QType,
+        rule: ScaleRule,
+        wanted: (bool, bool),
+    ) -> Result<Option<(Option<Self>, Option<Self>)>> {
+        const OP: &str = BlockQuantizeScaledBlocks::NAME;
+        fp8_of(OP, qtype)?;
+        let data = w.data();
+        let whole = match data.dims() {
+            [rows, cols] => rows % 128 == 0 && cols % 128 == 0 && *rows > 0 && *cols > 0,
+            _ => false,
+        };
+        let contiguous = data.is_contiguous() && data.layout().start_offset() == 0;
+        if !data.device().is_cuda()
+            || w.qtype() != QType::F16
+            || !whole
+            || !contiguous
+            || !matches!(dtype, DType::BF16 | DType::F32)
+        {
+            return Ok(None);
+        }
+        let op = BlockQuantizeScaledBlocks {
+            qtype,
+            rule,
+            dtype,
+            rowwise: wanted.0,
+            transposed: wanted.1,
+        };
+        let mut out = launch(&op, &[data, w.meta().scale_inv()])?.into_iter();
+        let mut take = |on: bool| -> Result<Option<Self>> {
+            if !on {
+                return Ok(None);
+            }
+            match (out.next(), out.next()) {
+                (Some(data), Some(scale_inv)) => Ok(Some(Self {
+                    data,
+                    scale_inv,
+                    qtype,
+                    tiling: Tiling::Blk128,
+                })),
+                _ => Err(arity(OP)),
+            }
+        };
+        let a = take(wanted.0)?;
+        let b = take(wanted.1)?;
+        Ok(Some((a, b)))
     }
 
     /// The casts of `x` (`rowwise`) and of `xᵀ` (`transposed`, tiles along

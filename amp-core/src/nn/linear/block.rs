@@ -38,6 +38,7 @@ use crate::numerics::recipe::TileRecipe;
 use crate::numerics::transpose::transpose_2d;
 use crate::scaling::block::BlockTensor;
 use crate::scaling::telemetry::telemetry_enabled;
+use crate::scaling::tensor::ScalingTensor;
 use candle_core::{DType, Tensor};
 
 fn fmt(r: &TileRecipe, fwd: bool) -> crate::numerics::qtype::QType {
@@ -82,40 +83,73 @@ fn missing() -> crate::error::Error {
     }
 }
 
-/// fprop: `y = x · Wᵀ` in `x`'s dtype (with `epi`'s addends, see
-/// [`block_gemm_fused`]), and the operands backward takes where it keeps
-/// them (`keep`: the input's, the weight's): the wgrad operand `xᵀ` and the
-/// dgrad operand `Wᵀ`. `x` is `[tokens, in]`, `w` `[out, in]` in high
-/// precision. `x` is read once for both of its 1 x 128 casts.
-pub(crate) fn forward(
-    x: &Tensor,
+/// The weight's operands from `w` `[out, in]` in high precision: `W` for
+/// fprop and, where kept (`keep_t`), `Wᵀ` for dgrad.
+pub(crate) fn weight_operands(
     w: &Tensor,
     r: &TileRecipe,
-    keep: (bool, bool),
-    epi: Epilogue<'_>,
-    casts: &LastCasts,
-) -> Result<(Tensor, Option<BlockTensor>, Option<BlockTensor>)> {
-    let (xq, x_t) = cast_pair(x, r, true, r.input, (true, keep.0))?;
-    let (wq, w_t) = match r.weight {
+    keep_t: bool,
+) -> Result<(BlockTensor, Option<BlockTensor>)> {
+    match r.weight {
         Tiling::Blk128 => {
             let wq = cast(w, r, true, Tiling::Blk128)?;
-            let w_t = keep.1.then(|| wq.t()).transpose()?;
-            (wq, w_t)
+            let w_t = keep_t.then(|| wq.t()).transpose()?;
+            Ok((wq, w_t))
         }
         // W and Wᵀ in the same tiles: one read of W where they pair
         t => {
             let w = w.contiguous()?;
             let (wq, w_t) = if matches!(t, Tiling::Vec128 | Tiling::Row) {
-                BlockTensor::quantize_pair(&w, fmt(r, true), t, r.rule, (true, keep.1))?
+                BlockTensor::quantize_pair(&w, fmt(r, true), t, r.rule, (true, keep_t))?
             } else {
                 (Some(cast(&w, r, true, t)?), None)
             };
-            (wq.ok_or_else(missing)?, w_t)
+            Ok((wq.ok_or_else(missing)?, w_t))
         }
-    };
+    }
+}
+
+/// [`weight_operands`] of a scaled FP16 weight's value in `dtype` from
+/// one read of its codes (`BlockTensor::blocks_of_scaled`: the same
+/// operands), where that applies: 128 x 128 weight blocks, whole tiles on
+/// CUDA, telemetry off (it compares a cast with its decoded source).
+pub(crate) fn scaled_weight_operands(
+    w: &ScalingTensor,
+    dtype: DType,
+    r: &TileRecipe,
+    keep_t: bool,
+) -> Result<Option<(BlockTensor, Option<BlockTensor>)>> {
+    if r.weight != Tiling::Blk128 || telemetry_enabled() {
+        return Ok(None);
+    }
+    match BlockTensor::blocks_of_scaled(w, dtype, fmt(r, true), r.rule, (true, keep_t))? {
+        Some((Some(wq), w_t)) => Ok(Some((wq, w_t))),
+        Some((None, _)) => Err(missing()),
+        None => Ok(None),
+    }
+}
+
+/// fprop: `y = x · Wᵀ` in `x`'s dtype (with `epi`'s addends, see
+/// [`block_gemm_fused`]) from the weight's operands `(W, Wᵀ)`
+/// ([`weight_operands`]; `w_source`, its high-precision value, for
+/// telemetry), and the operands backward takes: the wgrad operand `xᵀ`
+/// where kept (`keep_x`) and `Wᵀ` as given. `x` is `[tokens, in]`, read
+/// once for both of its 1 x 128 casts.
+pub(crate) fn forward(
+    x: &Tensor,
+    (wq, w_t): (BlockTensor, Option<BlockTensor>),
+    w_source: Option<&Tensor>,
+    r: &TileRecipe,
+    keep_x: bool,
+    epi: Epilogue<'_>,
+    casts: &LastCasts,
+) -> Result<(Tensor, Option<BlockTensor>, Option<BlockTensor>)> {
+    let (xq, x_t) = cast_pair(x, r, true, r.input, (true, keep_x))?;
     let xq = xq.ok_or_else(missing)?;
     record_block(casts, Role::Input as usize, &xq, x)?;
-    record_block(casts, Role::Weight as usize, &wq, w)?;
+    if let Some(w) = w_source {
+        record_block(casts, Role::Weight as usize, &wq, w)?;
+    }
     let y = block_gemm_fused(&xq, &wq, x.dtype(), epi)?;
     Ok((y, x_t, w_t))
 }

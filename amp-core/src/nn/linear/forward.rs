@@ -175,7 +175,21 @@ impl Linear {
                 bias: bias.as_ref(),
                 residual: res.as_ref(),
             };
-            let (y, x_t, w_t) = block::forward(x, &w_native()?, r, keep, epi, &self.casts)?;
+            // an FP16 weight's operands from one read of its codes where
+            // that applies, else cast from its decoded value
+            let from_codes = match weight {
+                Weight::F16(t) => block::scaled_weight_operands(t, x.dtype(), r, keep.1)?,
+                _ => None,
+            };
+            let (w_ops, w_source) = match from_codes {
+                Some(ops) => (ops, None),
+                None => {
+                    let w = w_native()?;
+                    (block::weight_operands(&w, r, keep.1)?, Some(w))
+                }
+            };
+            let (y, x_t, w_t) =
+                block::forward(x, w_ops, w_source.as_ref(), r, keep.0, epi, &self.casts)?;
             (y, fused, Some((x_t, w_t)))
         } else {
             let (y, in_gemm) = match (&xq, &wq) {

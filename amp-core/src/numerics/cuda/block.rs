@@ -4,7 +4,8 @@
 use super::launch::{aligned, block_func, grid, view};
 use crate::error::{Error, Result};
 use crate::numerics::block::{
-    check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, BlockQuantizePair, Tiling,
+    check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, BlockQuantizePair,
+    BlockQuantizeScaledBlocks, Tiling,
 };
 use crate::numerics::kernel::{arity, Kernel};
 use crate::numerics::qtype::QType;
@@ -379,6 +380,123 @@ pub(crate) fn block_quantize_pair(
         let c = codes_t.ok_or_else(|| arity(OP))?;
         out.push((wrap(c), Shape::from((cols, rows))));
         out.push((fill(scales_t, sd_t.0 * sd_t.1)?, Shape::from(sd_t)));
+    }
+    Ok(out)
+}
+
+/// The requested `[codes, scale_inv]`, `[codes_t, scale_inv_t]` of a
+/// scaled FP16 `[q, scale_inv]` (see [`BlockQuantizeScaledBlocks`]): whole
+/// 128 x 128 tiles of a contiguous, 16-byte aligned input only.
+pub(crate) fn block_quantize_scaled_blocks(
+    k: &BlockQuantizeScaledBlocks,
+    inputs: &[(&CudaStorage, &Layout)],
+) -> Result<Outputs> {
+    const OP: &str = BlockQuantizeScaledBlocks::NAME;
+    let [(q, lq), (s, ls)] = inputs else {
+        return Err(arity(OP));
+    };
+    fp8_of(OP, k.qtype)?;
+    let (rows, cols) = dims2(OP, lq.shape())?;
+    let unsupported = |what: String| Error::Unsupported { op: OP, what };
+    if q.dtype() != DType::F16 || ls.shape().elem_count() != 1 {
+        return Err(unsupported(format!(
+            "{:?} codes with {} scales (an FP16 tensor with one scale)",
+            q.dtype(),
+            ls.shape().elem_count()
+        )));
+    }
+    let round = match k.dtype {
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        d => return Err(unsupported(format!("a {d:?} value (BF16 or F32)"))),
+    };
+    let (down, across) = (rows / 128, cols / 128);
+    if rows % 128 != 0 || cols % 128 != 0 || rows == 0 || cols == 0 || down > 65_535 {
+        return Err(unsupported(format!(
+            "a [{rows}, {cols}] input (whole 128 x 128 tiles)"
+        )));
+    }
+    let too_big = || unsupported(format!("a [{rows}, {cols}] input (indices beyond i32)"));
+    let (r32, c32) = (
+        i32::try_from(rows).map_err(|_| too_big())?,
+        i32::try_from(cols).map_err(|_| too_big())?,
+    );
+    let dev = q.device().clone();
+    let qv = view::<f16>(OP, q, lq)?;
+    if !aligned(&qv, &dev) {
+        return Err(unsupported("codes not 16-byte aligned".into()));
+    }
+    let sv = view::<f32>(OP, s, ls)?;
+    let (ld, ld_t) = (across.div_ceil(4) * 4, down.div_ceil(4) * 4);
+    let (ld32, ldt32) = (
+        i32::try_from(ld).map_err(|_| too_big())?,
+        i32::try_from(ld_t).map_err(|_| too_big())?,
+    );
+    let n = rows * cols;
+    // SAFETY: the kernel writes every code and every scale of what it makes.
+    let alloc_u8 = || -> Result<_> { Ok(unsafe { dev.alloc::<u8>(n)? }) };
+    let alloc_f32 = |len: usize| -> Result<_> { Ok(unsafe { dev.alloc::<f32>(len)? }) };
+    let mut codes = if k.rowwise { Some(alloc_u8()?) } else { None };
+    let mut scales = if k.rowwise {
+        Some(alloc_f32(down * ld)?)
+    } else {
+        None
+    };
+    let mut codes_t = if k.transposed {
+        Some(alloc_u8()?)
+    } else {
+        None
+    };
+    let mut scales_t = if k.transposed {
+        Some(alloc_f32(across * ld_t)?)
+    } else {
+        None
+    };
+    let f = block_func(
+        &dev,
+        &format!("block_quantize_scaled_blocks_{}_{round}", fmt_name(k.qtype)),
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32::try_from(across).map_err(|_| too_big())?,
+            down as u32,
+            1,
+        ),
+        // PAIR_THREADS in block.cu
+        block_dim: (512, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rule, max, margin, null) = (rule_code(k.rule), k.qtype.max(), 0u32, 0u64);
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
+    b.arg(&qv).arg(&sv).arg(&r32).arg(&c32);
+    match (&mut codes, &mut scales) {
+        (Some(c), Some(s)) => b.arg(c).arg(s),
+        _ => b.arg(&null).arg(&null),
+    };
+    b.arg(&ld32);
+    match (&mut codes_t, &mut scales_t) {
+        (Some(c), Some(s)) => b.arg(c).arg(s),
+        _ => b.arg(&null).arg(&null),
+    };
+    b.arg(&ldt32).arg(&rule).arg(&margin).arg(&max);
+    // SAFETY: arguments match the kernel's parameters (block.cu).
+    unsafe { b.launch(cfg) }.w()?;
+    let wrap = |c| CudaStorage::wrap_cuda_slice(c, dev.clone());
+    let mut out = Vec::new();
+    if let (Some(c), Some(s)) = (codes, scales) {
+        out.push((wrap(c), Shape::from((rows, cols))));
+        out.push((
+            CudaStorage::wrap_cuda_slice(s, dev.clone()),
+            Shape::from((down, ld)),
+        ));
+    }
+    if let (Some(c), Some(s)) = (codes_t, scales_t) {
+        out.push((wrap(c), Shape::from((cols, rows))));
+        out.push((
+            CudaStorage::wrap_cuda_slice(s, dev.clone()),
+            Shape::from((across, ld_t)),
+        ));
     }
     Ok(out)
 }

@@ -62,7 +62,9 @@ pub(crate) mod pool;
 mod scalars;
 pub(crate) mod transpose;
 
-pub(crate) use block::{block_dequantize, block_quantize, block_quantize_pair};
+pub(crate) use block::{
+    block_dequantize, block_quantize, block_quantize_pair, block_quantize_scaled_blocks,
+};
 pub(crate) use bucket::{
     bucket_amax, bucket_column_max, bucket_concat, bucket_copy_from, bucket_decode_sum,
     bucket_flag_scale_inv, bucket_max, bucket_mean_bound, bucket_quantize, bucket_requantize,
