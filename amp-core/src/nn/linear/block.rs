@@ -15,7 +15,9 @@
 //! not a transpose of the forward's codes, which would quantize twice),
 //! made in the forward and kept for backward instead of `x`. The weight's
 //! source is its master in high precision (F32, or the FP16 master
-//! decoded, O3's on one rank included; O3 across ranks, whose master is
+//! decoded, O3's on one rank included; an FP16 master's 128 x 128 blocks
+//! and their transpose come from one read of its codes on CUDA, the same
+//! operands: [`scaled_weight_operands`]; O3 across ranks, whose master is
 //! sharded, decodes the gathered per-tensor E4M3 weight, and its codes
 //! recast per block lose nothing: every block's power-of-two scale is at
 //! least the tensor's). The weight gradient leaves in F32, to the sink
