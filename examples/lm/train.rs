@@ -12,7 +12,7 @@ use amp::comm::Communicator;
 use amp::levels::{initialize, initialize_distributed, AmpConfig, AmpContext};
 use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
 use anyhow::{bail, Context, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -179,6 +179,11 @@ pub fn train_rank(
     let step_clock = std::env::var_os("AMP_STEP_CLOCK").is_some();
     let mut telemetry_rows = Vec::new();
     let mut second_step = None;
+    // The step's loss read without waiting for the stream: its copy queued
+    // behind the forward and waited for after the step (done long before),
+    // so the host queues the next step while the device still runs this
+    // one's update (a read of the loss tensor would wait for all of it).
+    let mut loss_read = amp::cuda::HostReadback::default();
     // CPU: the heap's high-water mark before the second step's probe
     // resets it (the model's build and conversion, the first step)
     let mut heap_early_peak = 0;
@@ -264,6 +269,7 @@ pub fn train_rank(
                     loss
                 };
                 forward_mark = Some(amp::cuda::StreamMark::now(&cfg.device)?);
+                loss_read.queue(&loss.detach().to_dtype(DType::F64)?)?;
                 if step == start || probe {
                     // the memory probes read the pool after the forward
                     cfg.device.synchronize()?;
@@ -282,7 +288,11 @@ pub fn train_rank(
             probed[2] = peak_now()?;
             second_step = Some(probed);
         }
-        local += stepped.loss.to_scalar::<f32>()?;
+        // the F32 loss through F64 and back: the same value
+        let read = loss_read.wait()?;
+        local += *read
+            .first()
+            .context("the step's loss read came back empty")? as f32;
         if record {
             amp::nn::set_telemetry(false);
             telemetry_rows.extend(crate::telemetry::collect(&model, step + 1)?);
