@@ -289,7 +289,7 @@ struct PairSmem {
     uint32_t t[128 * 32];  // xᵀ's codes, 32 words a row, swizzled
 };
 
-template <typename T, int FMT, bool TRANS, bool FAST>
+template <typename T, int FMT, bool TRANS, bool FAST, bool ROWS = false>
 __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols,
                                                    uint8_t* __restrict__ codes, float* __restrict__ scale_inv,
                                                    uint8_t* __restrict__ codes_t, float* __restrict__ scale_inv_t,
@@ -305,6 +305,10 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
     const int c0 = tc * 128 + cl;
     const int g = w * RPW + sub;  // the thread's rows: g * STEPS .. + STEPS of the tile
     const int rl0 = g * STEPS;
+    // whole-row scales from the amaxes given (rowwise): a compile-time fact
+    // of the FAST kernels, the pointers' presence otherwise
+    const bool rows_given = FAST ? ROWS : row_amax != nullptr;
+    const bool cols_given = FAST ? ROWS : col_amax != nullptr;
     uint4 raw[STEPS];
 #pragma unroll
     for (int i = 0; i < STEPS; i++) {
@@ -320,14 +324,14 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
         const int r = tr * 128 + rl0 + i;
         const uint32_t a[4] = {abs_word<T>(raw[i].x), abs_word<T>(raw[i].y), abs_word<T>(raw[i].z),
                                abs_word<T>(raw[i].w)};
-        if constexpr (TRANS) {
+        if constexpr (TRANS && !(FAST && ROWS)) {
 #pragma unroll
             for (int k = 0; k < 4; k++) cm[k] = max_word<T>(cm[k], a[k]);
         }
         if (codes) {
             uint32_t m;
-            if (!FAST && row_amax) {
-                m = r < rows ? row_amax[r] : 0u;
+            if (rows_given) {
+                m = (FAST || r < rows) ? row_amax[r] : 0u;
             } else {
                 uint32_t p = max_word<T>(max_word<T>(a[0], a[1]), max_word<T>(a[2], a[3]));
                 if constexpr (sizeof(T) == 2) p = max(p & 0xFFFFu, p >> 16);
@@ -340,22 +344,23 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
                 float v[V];
                 unpack<T>(raw[i], v);
                 store_codes<FMT, V, FAST>(codes + (size_t)r * cols + c0, v, s, m < 0x7F800000u, c0, cols, vec);
-                if (cl == 0 && (FAST || !row_amax)) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(m, s);
-                if (!FAST && cl == 0 && row_amax && tc == 0) scale_inv[r] = tile_scale_inv(m, s);
+                if (cl == 0 && !rows_given) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(m, s);
+                if (cl == 0 && rows_given && tc == 0) scale_inv[r] = tile_scale_inv(m, s);
             }
         }
     }
     if constexpr (TRANS) {
         if (!codes_t) return;
-        const uint32_t folded = tile_col_amax<T>(cm, sm->col, w, sub, cl);
+        uint32_t folded = 0;
+        if constexpr (!(FAST && ROWS)) folded = tile_col_amax<T>(cm, sm->col, w, sub, cl);
         if (threadIdx.x < 128) {
             const int c = tc * 128 + threadIdx.x;
-            const uint32_t m = (!FAST && col_amax) ? (c < cols ? col_amax[c] : 0u) : folded;
+            const uint32_t m = cols_given ? ((FAST || c < cols) ? col_amax[c] : 0u) : folded;
             const float s = FAST ? pow2_tile_scale(m, fmt_max, margin) : tile_scale(rule, m, fmt_max, margin);
             sm->scale_t[threadIdx.x] = s;
             sm->col[0][threadIdx.x] = m;  // this thread's column only: read by all after the barrier
-            if ((FAST || c < cols) && (FAST || !col_amax)) scale_inv_t[(size_t)tr * cols + c] = tile_scale_inv(m, s);
-            if (!FAST && c < cols && col_amax && tr == 0) scale_inv_t[c] = tile_scale_inv(m, s);
+            if ((FAST || c < cols) && !cols_given) scale_inv_t[(size_t)tr * cols + c] = tile_scale_inv(m, s);
+            if ((FAST || c < cols) && cols_given && tr == 0) scale_inv_t[c] = tile_scale_inv(m, s);
         }
         __syncthreads();
         const int swz = q * RPW;
@@ -398,27 +403,30 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
 }
 
 // FAST (the `_fast` kernels): rows and cols multiples of 128, `vec` and
-// `vec_t`, the power-of-two rule, no row_amax or col_amax: no bounds and no
-// fallbacks in the code (the training path's shapes).
-#define PAIR_KERNELS(TN, T, FN, FMT, MINB, MINB_ROWS, SFX, FAST)                                      \
+// `vec_t`, the power-of-two rule: no bounds and no fallbacks in the code
+// (the training path's shapes); 1 x 128 tiles, or with ROWS (the
+// `_fast_rows` kernels) whole rows from row_amax and col_amax.
+#define PAIR_KERNELS(TN, T, FN, FMT, MINB, MINB_ROWS, SFX, FAST, ROWS)                                \
     extern "C" __global__ void __launch_bounds__(PAIR_THREADS, MINB) block_quantize_pair##SFX##_##TN##_##FN( \
         const T* x, int rows, int cols, uint8_t* codes, float* si, uint8_t* codes_t, float* si_t,      \
         const uint32_t* row_amax, const uint32_t* col_amax, int rule, unsigned margin, float fmt_max,  \
         int vec, int vec_t) {                                                                          \
         __shared__ __align__(16) PairSmem<T> sm;                                                       \
-        quantize_pair_impl<T, FMT, true, FAST>(x, rows, cols, codes, si, codes_t, si_t, row_amax,      \
-                                               col_amax, rule, margin, fmt_max, vec, vec_t, &sm);      \
+        quantize_pair_impl<T, FMT, true, FAST, ROWS>(x, rows, cols, codes, si, codes_t, si_t, row_amax, \
+                                                     col_amax, rule, margin, fmt_max, vec, vec_t, &sm); \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(PAIR_THREADS, MINB_ROWS) block_quantize_rows##SFX##_##TN##_##FN( \
         const T* x, int rows, int cols, uint8_t* codes, float* si, uint8_t* codes_t, float* si_t,      \
         const uint32_t* row_amax, const uint32_t* col_amax, int rule, unsigned margin, float fmt_max,  \
         int vec, int vec_t) {                                                                          \
-        quantize_pair_impl<T, FMT, false, FAST>(x, rows, cols, codes, si, nullptr, nullptr, row_amax,  \
-                                                nullptr, rule, margin, fmt_max, vec, vec_t, nullptr);  \
+        quantize_pair_impl<T, FMT, false, FAST, ROWS>(x, rows, cols, codes, si, nullptr, nullptr,      \
+                                                      row_amax, nullptr, rule, margin, fmt_max, vec,   \
+                                                      vec_t, nullptr);                                 \
     }
 #define BLOCK_QUANTIZE_PAIR(TN, T, FN, FMT, MINB, MINB_ROWS)                                           \
-    PAIR_KERNELS(TN, T, FN, FMT, MINB, MINB_ROWS, , false)                                             \
-    PAIR_KERNELS(TN, T, FN, FMT, MINB + 1, MINB_ROWS, _fast, true)
+    PAIR_KERNELS(TN, T, FN, FMT, MINB, MINB_ROWS, , false, false)                                      \
+    PAIR_KERNELS(TN, T, FN, FMT, MINB + 1, MINB_ROWS, _fast, true, false)                              \
+    PAIR_KERNELS(TN, T, FN, FMT, MINB + 1, MINB_ROWS, _fast_rows, true, true)
 BLOCK_QUANTIZE_PAIR(f32, float, e4m3, 0, 1, 2)
 BLOCK_QUANTIZE_PAIR(f32, float, e5m2, 1, 1, 2)
 BLOCK_QUANTIZE_PAIR(bf16, __nv_bfloat16, e4m3, 0, 2, 3)

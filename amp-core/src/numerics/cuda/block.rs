@@ -285,13 +285,19 @@ pub(crate) fn block_quantize_pair(
         // without xᵀ, the kernel with no shared memory (more blocks an SM)
         let kind = if k.transposed { "pair" } else { "rows" };
         // the `_fast` kernels: whole 128 x 128 tiles, 16-byte loads and
-        // stores, power-of-two scales, 1 x 128 tiles (block.cu)
-        let fast_shape = rows % 128 == 0
-            && cols % 128 == 0
-            && k.rule == ScaleRule::PowerOfTwo
-            && k.tiling == Tiling::Vec128;
+        // stores, power-of-two scales; `_fast_rows` for rows (block.cu)
+        let fast_shape = rows % 128 == 0 && cols % 128 == 0 && k.rule == ScaleRule::PowerOfTwo;
+        let fast_kind = match k.tiling {
+            Tiling::Vec128 => "_fast",
+            Tiling::Row => "_fast_rows",
+            Tiling::Blk128 => "",
+        };
         let func = |vec: i32| {
-            let fast = if fast_shape && vec == 1 { "_fast" } else { "" };
+            let fast = if fast_shape && vec == 1 {
+                fast_kind
+            } else {
+                ""
+            };
             block_func(
                 &dev,
                 &format!("block_quantize_{kind}{fast}_{tname}_{}", fmt_name(k.qtype)),
