@@ -165,6 +165,43 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, const float* v, float 
     }
 }
 
+// A scaled FP16 source (an O1/O2 weight's codes and their scale_inv):
+// element j's value decode(code) * si, rounded to BF16 where ROUND (what
+// Weight::native decodes).
+template <bool ROUND>
+__device__ __forceinline__ float scaled_f16(const uint4& raw, int j, float si) {
+    const uint32_t w = j / 2 == 0 ? raw.x : j / 2 == 1 ? raw.y : j / 2 == 2 ? raw.z : raw.w;
+    const float v = Fmt<K_F16>::decode((uint16_t)(w >> (16 * (j & 1)))) * si;
+    if constexpr (ROUND) {
+        if (isnan(v)) return v;
+        return __bfloat162float(__float2bfloat16_rn(v));
+    }
+    return v;
+}
+
+// Element j of a load_raw vector as f32 by source: SRC 0 the stored T
+// (raw_f32), 1 a scaled FP16 source's F32 value, 2 its BF16 value.
+template <typename T, int SRC>
+__device__ __forceinline__ float src_f32(const uint4& raw, int j, float si) {
+    if constexpr (SRC == 0) {
+        return raw_f32<T>(raw, j);
+    } else {
+        return scaled_f16<SRC == 2>(raw, j, si);
+    }
+}
+
+// A packed amax word's value `half` as f32 bits by source: for a scaled
+// FP16 source the value of the largest |code| (decode, the scale and the
+// rounding keep the order, NaN codes above inf's).
+template <typename T, int SRC>
+__device__ __forceinline__ uint32_t src_bits(uint32_t w, int half, float si) {
+    if constexpr (SRC == 0) {
+        return f32_bits<T>(w, half);
+    } else {
+        return __float_as_uint(fabsf(scaled_f16<SRC == 2>(make_uint4(w, 0u, 0u, 0u), half, si)));
+    }
+}
+
 // 128 x 128 blocks: one block of BLK_THREADS threads per tile; each thread
 // holds STEPS 16-byte vectors (BF16: 8 rows of 8 values), loaded before any
 // is used; the tile's amax over the warps in shared memory.
@@ -261,8 +298,9 @@ struct PairShape {
 // columns over its rows, max_word) folded over the warp's row groups, then
 // as f32 bits over the W warps; after the call, thread t < 128 holds
 // column t's amax.
-template <typename T>
-__device__ __forceinline__ uint32_t tile_col_amax(uint32_t* cm, uint32_t (*s_col)[128], int w, int sub, int cl) {
+template <typename T, int SRC = 0>
+__device__ __forceinline__ uint32_t tile_col_amax(uint32_t* cm, uint32_t (*s_col)[128], int w, int sub, int cl,
+                                                  float si = 1.0f) {
     using S = PairShape<T>;
 #pragma unroll
     for (int k = 0; k < 4; k++)
@@ -270,7 +308,7 @@ __device__ __forceinline__ uint32_t tile_col_amax(uint32_t* cm, uint32_t (*s_col
         for (int o = S::LPR; o < 32; o <<= 1) cm[k] = max_word<T>(cm[k], __shfl_xor_sync(0xFFFFFFFFu, cm[k], o));
     if (sub == 0) {
 #pragma unroll
-        for (int j = 0; j < S::V; j++) s_col[w][cl + j] = f32_bits<T>(cm[j * sizeof(T) / 4], j & 1);
+        for (int j = 0; j < S::V; j++) s_col[w][cl + j] = src_bits<T, SRC>(cm[j * sizeof(T) / 4], j & 1, si);
     }
     __syncthreads();
     uint32_t m = 0;
@@ -289,14 +327,14 @@ struct PairSmem {
     uint32_t t[128 * 32];  // xᵀ's codes, 32 words a row, swizzled
 };
 
-template <typename T, int FMT, bool TRANS, bool FAST, bool ROWS = false>
+template <typename T, int FMT, bool TRANS, bool FAST, bool ROWS = false, int SRC = 0>
 __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols,
                                                    uint8_t* __restrict__ codes, float* __restrict__ scale_inv,
                                                    uint8_t* __restrict__ codes_t, float* __restrict__ scale_inv_t,
                                                    const uint32_t* __restrict__ row_amax,
                                                    const uint32_t* __restrict__ col_amax, int rule,
                                                    unsigned margin, float fmt_max, int vec, int vec_t,
-                                                   PairSmem<T>* sm) {
+                                                   PairSmem<T>* sm, float si = 1.0f) {
     using S = PairShape<T>;
     constexpr int V = S::V, LPR = S::LPR, RPW = S::RPW, STEPS = S::STEPS;
     const int tc = blockIdx.x, tr = blockIdx.y;
@@ -337,12 +375,13 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
                 if constexpr (sizeof(T) == 2) p = max(p & 0xFFFFu, p >> 16);
 #pragma unroll
                 for (int o = LPR / 2; o > 0; o >>= 1) p = max(p, __shfl_xor_sync(0xFFFFFFFFu, p, o));
-                m = f32_bits<T>(p, 0);
+                m = src_bits<T, SRC>(p, 0, si);
             }
             const float s = FAST ? pow2_tile_scale(m, fmt_max, margin) : tile_scale(rule, m, fmt_max, margin);
             if (FAST || r < rows) {
                 float v[V];
-                unpack<T>(raw[i], v);
+#pragma unroll
+                for (int j = 0; j < V; j++) v[j] = src_f32<T, SRC>(raw[i], j, si);
                 store_codes<FMT, V, FAST>(codes + (size_t)r * cols + c0, v, s, m < 0x7F800000u, c0, cols, vec);
                 if (cl == 0 && !rows_given) scale_inv[(size_t)tc * rows + r] = tile_scale_inv(m, s);
                 if (cl == 0 && rows_given && tc == 0) scale_inv[r] = tile_scale_inv(m, s);
@@ -352,7 +391,7 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
     if constexpr (TRANS) {
         if (!codes_t) return;
         uint32_t folded = 0;
-        if constexpr (!(FAST && ROWS)) folded = tile_col_amax<T>(cm, sm->col, w, sub, cl);
+        if constexpr (!(FAST && ROWS)) folded = tile_col_amax<T, SRC>(cm, sm->col, w, sub, cl, si);
         if (threadIdx.x < 128) {
             const int c = tc * 128 + threadIdx.x;
             const uint32_t m = cols_given ? ((FAST || c < cols) ? col_amax[c] : 0u) : folded;
@@ -370,8 +409,9 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
             const bool finite = sm->col[0][cl + j] < 0x7F800000u;
 #pragma unroll
             for (int k = 0; k < STEPS / 4; k++) {
-                const float col[4] = {raw_f32<T>(raw[4 * k], j), raw_f32<T>(raw[4 * k + 1], j),
-                                      raw_f32<T>(raw[4 * k + 2], j), raw_f32<T>(raw[4 * k + 3], j)};
+                const float col[4] = {src_f32<T, SRC>(raw[4 * k], j, si), src_f32<T, SRC>(raw[4 * k + 1], j, si),
+                                      src_f32<T, SRC>(raw[4 * k + 2], j, si),
+                                      src_f32<T, SRC>(raw[4 * k + 3], j, si)};
                 sm->t[(cl + j) * 32 + ((g * (STEPS / 4) + k) ^ swz)] =
                     FAST ? encode4_warp<FMT>(col, s, finite) : encode4<FMT>(col, s, finite);
             }
@@ -444,17 +484,6 @@ BLOCK_QUANTIZE_PAIR(f16, __half, e5m2, 1, 2, 3)
 // Scales: w's at tr * ld + tc (ld: the tiles across padded to 4), wᵀ's at
 // tc * ld_t + tr (ld_t: the tiles down padded to 4), the padding 1.
 // Either output may be absent (null codes).
-template <bool ROUND>
-__device__ __forceinline__ float scaled_f16(const uint4& raw, int j, float si) {
-    const uint32_t w = j / 2 == 0 ? raw.x : j / 2 == 1 ? raw.y : j / 2 == 2 ? raw.z : raw.w;
-    const float v = Fmt<K_F16>::decode((uint16_t)(w >> (16 * (j & 1)))) * si;
-    if constexpr (ROUND) {
-        if (isnan(v)) return v;
-        return __bfloat162float(__float2bfloat16_rn(v));
-    }
-    return v;
-}
-
 template <int FMT, bool ROUND>
 __device__ __forceinline__ void quantize_scaled_blocks_impl(const uint16_t* __restrict__ q,
                                                             const float* __restrict__ si_p, int rows, int cols,
@@ -547,9 +576,9 @@ SCALED_BLOCKS(e5m2, 1, f32, false)
 // above inf), for the rowwise pair: one block per 128 x 128 tile (the pair
 // kernel's shape) folds its part into row_amax and col_amax (zeroed) with
 // one atomic max a row and a column.
-template <typename T>
+template <typename T, int SRC = 0>
 __device__ void rowcol_amax_impl(const T* __restrict__ x, int rows, int cols, uint32_t* __restrict__ row_amax,
-                                 uint32_t* __restrict__ col_amax, int vec) {
+                                 uint32_t* __restrict__ col_amax, int vec, float si = 1.0f) {
     using S = PairShape<T>;
     constexpr int V = S::V, LPR = S::LPR, RPW = S::RPW, W = S::W, STEPS = S::STEPS;
     __shared__ uint32_t s_col[W][128];
@@ -573,9 +602,9 @@ __device__ void rowcol_amax_impl(const T* __restrict__ x, int rows, int cols, ui
         if constexpr (sizeof(T) == 2) p = max(p & 0xFFFFu, p >> 16);
 #pragma unroll
         for (int o = LPR / 2; o > 0; o >>= 1) p = max(p, __shfl_xor_sync(0xFFFFFFFFu, p, o));
-        if (cl == 0 && r < rows) atomicMax(&row_amax[r], f32_bits<T>(p, 0));
+        if (cl == 0 && r < rows) atomicMax(&row_amax[r], src_bits<T, SRC>(p, 0, si));
     }
-    const uint32_t m = tile_col_amax<T>(cm, s_col, w, sub, cl);
+    const uint32_t m = tile_col_amax<T, SRC>(cm, s_col, w, sub, cl, si);
     const int c = tc * 128 + threadIdx.x;
     if (threadIdx.x < 128 && c < cols) atomicMax(&col_amax[c], m);
 }
@@ -589,6 +618,32 @@ __device__ void rowcol_amax_impl(const T* __restrict__ x, int rows, int cols, ui
 ROWCOL_AMAX(f32, float)
 ROWCOL_AMAX(bf16, __nv_bfloat16)
 ROWCOL_AMAX(f16, __half)
+
+// The rowwise pair of a scaled FP16 weight (O1's and O2's master) from its
+// codes: the amaxes of its value's rows and columns (RN: bf16, the value
+// rounded to BF16 as Weight::native makes it; f32, not rounded), then the
+// _fast_rows pair of that value: the same codes and scales as decoding
+// first, a decode pass fewer. Whole tiles, 16-byte access only.
+#define SCALED_ROWS(RN, SRC)                                                                           \
+    extern "C" __global__ void __launch_bounds__(PAIR_THREADS) block_rowcol_amax_scaled_##RN(          \
+        const __half* q, const float* si, int rows, int cols, uint32_t* row_amax, uint32_t* col_amax) { \
+        rowcol_amax_impl<__half, SRC>(q, rows, cols, row_amax, col_amax, 1, *si);                      \
+    }
+#define SCALED_ROWS_PAIR(RN, SRC, FN, FMT)                                                             \
+    extern "C" __global__ void __launch_bounds__(PAIR_THREADS, 3) block_quantize_pair_scaled_##RN##_##FN( \
+        const __half* q, const float* si, int rows, int cols, uint8_t* codes, float* sc, uint8_t* codes_t, \
+        float* sc_t, const uint32_t* row_amax, const uint32_t* col_amax, float fmt_max) {              \
+        __shared__ __align__(16) PairSmem<__half> sm;                                                  \
+        quantize_pair_impl<__half, FMT, true, true, true, SRC>(q, rows, cols, codes, sc, codes_t, sc_t, \
+                                                               row_amax, col_amax, 1, 0u, fmt_max, 1, 1, \
+                                                               &sm, *si);                              \
+    }
+SCALED_ROWS(f32, 1)
+SCALED_ROWS(bf16, 2)
+SCALED_ROWS_PAIR(f32, 1, e4m3, 0)
+SCALED_ROWS_PAIR(f32, 1, e5m2, 1)
+SCALED_ROWS_PAIR(bf16, 2, e4m3, 0)
+SCALED_ROWS_PAIR(bf16, 2, e5m2, 1)
 
 // decode(code) * scale_inv[tile], grid-stride over the elements; tile (down,
 // across) keeps its scale at down * s_down + across * s_across.

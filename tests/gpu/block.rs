@@ -210,10 +210,11 @@ fn block_epilogue(dev: &Device) -> Result<()> {
 }
 
 /// A scaled FP16 weight's 128 x 128 blocks and its transpose's from one
-/// read of its codes (`BlockTensor::blocks_of_scaled`) against the cast of
-/// its decoded value and that cast's `t()`, bit for bit: BF16 and F32
-/// values, both formats and rules, a NaN tile, an inf that saturates the
-/// FP16 copy, a zero tile; shapes the kernel refuses give `None`.
+/// read of its codes, and its rowwise pair from two (`BlockTensor::
+/// of_scaled`), against the casts of its decoded value (and the blocks'
+/// `t()`), bit for bit: BF16 and F32 values, both formats and rules, a NaN
+/// tile, an inf that saturates the FP16 copy, a zero tile; shapes and
+/// rules the kernels refuse give `None`.
 fn block_scaled_weight(dev: &Device) -> Result<()> {
     let mut ok = true;
     let mut rng = Rng(79);
@@ -230,8 +231,14 @@ fn block_scaled_weight(dev: &Device) -> Result<()> {
                     let want =
                         BlockTensor::quantize(&w.dequantize(dtype)?, qtype, Tiling::Blk128, rule)?;
                     let want_t = want.t()?;
-                    let Some((Some(got), Some(got_t))) =
-                        BlockTensor::blocks_of_scaled(&w, dtype, qtype, rule, (true, true))?
+                    let Some((Some(got), Some(got_t))) = BlockTensor::of_scaled(
+                        &w,
+                        dtype,
+                        qtype,
+                        Tiling::Blk128,
+                        rule,
+                        (true, true),
+                    )?
                     else {
                         anyhow::bail!("{what}: the one-read path did not run");
                     };
@@ -244,8 +251,14 @@ fn block_scaled_weight(dev: &Device) -> Result<()> {
                         want_t.scale_inv(),
                     )?;
                     // only the transpose
-                    let Some((None, Some(t_only))) =
-                        BlockTensor::blocks_of_scaled(&w, dtype, qtype, rule, (false, true))?
+                    let Some((None, Some(t_only))) = BlockTensor::of_scaled(
+                        &w,
+                        dtype,
+                        qtype,
+                        Tiling::Blk128,
+                        rule,
+                        (false, true),
+                    )?
                     else {
                         anyhow::bail!("{what}: the transpose alone did not run");
                     };
@@ -254,6 +267,37 @@ fn block_scaled_weight(dev: &Device) -> Result<()> {
                         t_only.data(),
                         want_t.data(),
                     )?;
+                    // rows: the pair of the decoded value (power-of-two scales only)
+                    let rows_of =
+                        BlockTensor::of_scaled(&w, dtype, qtype, Tiling::Row, rule, (true, true))?;
+                    if rule != ScaleRule::PowerOfTwo {
+                        ensure!(
+                            rows_of.is_none(),
+                            "{what}: rows under {rule:?} took the kernels"
+                        );
+                        continue;
+                    }
+                    let (Some(c1), Some(c2)) = BlockTensor::quantize_pair(
+                        &w.dequantize(dtype)?,
+                        qtype,
+                        Tiling::Row,
+                        rule,
+                        (true, true),
+                    )?
+                    else {
+                        anyhow::bail!("{what}: the decoded pair is missing");
+                    };
+                    let Some((Some(g1), Some(g2))) = rows_of else {
+                        anyhow::bail!("{what}: the rows from the codes did not run");
+                    };
+                    for (g, c, part) in [(g1, c1, "rows"), (g2, c2, "rows transposed")] {
+                        ok &= same(&format!("{what} {part} codes"), g.data(), c.data())?;
+                        ok &= same(
+                            &format!("{what} {part} scales"),
+                            g.scale_inv(),
+                            c.scale_inv(),
+                        )?;
+                    }
                 }
             }
         }
@@ -261,10 +305,11 @@ fn block_scaled_weight(dev: &Device) -> Result<()> {
     // not whole tiles: the caller casts the decoded value
     let x = Tensor::from_vec(spread(&mut rng, 130, 256, false), (130, 256), dev)?;
     let (w, _) = ScalingTensor::quantize(&x, QType::F16, &CurrentScaling::default())?;
-    let r = BlockTensor::blocks_of_scaled(
+    let r = BlockTensor::of_scaled(
         &w,
         DType::BF16,
         QType::E4M3,
+        Tiling::Blk128,
         ScaleRule::PowerOfTwo,
         (true, true),
     )?;

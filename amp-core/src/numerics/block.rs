@@ -319,17 +319,21 @@ impl Kernel for BlockQuantizePair {
     }
 }
 
-/// 128 x 128 blocks of a scaled FP16 tensor's value in `dtype` (BF16 or
-/// F32: `decode(code) * scale_inv` rounded once) and of its transpose,
-/// from one read: the requested ones of `(codes, scale_inv)` (`rowwise`)
-/// and `(codes_t, scale_inv_t)` (`transposed`), each exactly
-/// [`BlockQuantize`] of the decoded value (and its
-/// [`BlockTensor::t`](crate::scaling::block::BlockTensor::t)). CUDA only,
-/// for whole 128 x 128 tiles; the CPU casts the decoded value itself.
-/// Inputs: the FP16 codes, their `[1]` scale_inv.
+/// The casts of a scaled FP16 tensor's value in `dtype` (BF16 or F32:
+/// `decode(code) * scale_inv` rounded once) and of its transpose from its
+/// codes: the requested ones of `(codes, scale_inv)` (`rowwise`) and
+/// `(codes_t, scale_inv_t)` (`transposed`), each exactly what the casts
+/// of the decoded value make. `tiling`: [`Tiling::Blk128`], 128 x 128
+/// blocks from one read, the transpose as
+/// [`BlockTensor::t`](crate::scaling::block::BlockTensor::t) makes it (any
+/// rule); [`Tiling::Row`], the rowwise pair of [`BlockQuantizePair`] from
+/// two reads of the codes (the power-of-two rule only). CUDA only, for
+/// whole 128 x 128 tiles; the CPU casts the decoded value itself. Inputs:
+/// the FP16 codes, their `[1]` scale_inv.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launch only
 pub(crate) struct BlockQuantizeScaledBlocks {
     pub qtype: QType,
+    pub tiling: Tiling,
     pub rule: ScaleRule,
     pub dtype: DType,
     pub rowwise: bool,

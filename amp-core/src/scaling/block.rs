@@ -72,20 +72,24 @@ impl BlockTensor {
         })
     }
 
-    /// 128 x 128 blocks of a scaled FP16 tensor's value in `dtype` and of
-    /// its transpose (the `wanted` ones), as `quantize` of
-    /// `w.dequantize(dtype)` and that cast's [`t`](Self::t) make them, from
-    /// one read of `w`'s codes: a weight's forward and dgrad operands.
-    /// `None` where the one-read kernel does not apply (not CUDA, not FP16,
-    /// not whole 128 x 128 tiles, `dtype` neither BF16 nor F32): cast the
-    /// decoded value then.
+    /// The casts of a scaled FP16 tensor's value in `dtype` and of its
+    /// transpose (the `wanted` ones) from `w`'s codes, the same as casting
+    /// `w.dequantize(dtype)`: a weight's forward and dgrad operands.
+    /// `tiling` [`Tiling::Blk128`]: its 128 x 128 blocks and their
+    /// [`t`](Self::t), from one read; [`Tiling::Row`]: its rowwise
+    /// [`quantize_pair`](Self::quantize_pair), from two reads (the
+    /// power-of-two rule). `None` where the kernels do not apply (not
+    /// CUDA, not FP16, not whole 128 x 128 tiles, `dtype` neither BF16 nor
+    /// F32, 1 x 128 tiles, rows under another rule): cast the decoded
+    /// value then.
     ///
     /// # Errors
     /// A `qtype` that is not FP8; the kernel's.
-    pub fn blocks_of_scaled(
+    pub fn of_scaled(
         w: &ScalingTensor,
         dtype: DType,
         qtype: QType,
+        tiling: Tiling,
         rule: ScaleRule,
         wanted: (bool, bool),
     ) -> Result<Option<(Option<Self>, Option<Self>)>> {
@@ -97,16 +101,23 @@ impl BlockTensor {
             _ => false,
         };
         let contiguous = data.is_contiguous() && data.layout().start_offset() == 0;
+        let kernels = match tiling {
+            Tiling::Blk128 => true,
+            Tiling::Row => rule == ScaleRule::PowerOfTwo,
+            Tiling::Vec128 => false,
+        };
         if !data.device().is_cuda()
             || w.qtype() != QType::F16
             || !whole
             || !contiguous
+            || !kernels
             || !matches!(dtype, DType::BF16 | DType::F32)
         {
             return Ok(None);
         }
         let op = BlockQuantizeScaledBlocks {
             qtype,
+            tiling,
             rule,
             dtype,
             rowwise: wanted.0,
@@ -122,7 +133,7 @@ impl BlockTensor {
                     data,
                     scale_inv,
                     qtype,
-                    tiling: Tiling::Blk128,
+                    tiling,
                 })),
                 _ => Err(arity(OP)),
             }

@@ -16,8 +16,8 @@
 //! made in the forward and kept for backward instead of `x`. The weight's
 //! source is its master in high precision (F32, or the FP16 master
 //! decoded, O3's on one rank included; an FP16 master's 128 x 128 blocks
-//! and their transpose come from one read of its codes on CUDA, the same
-//! operands: [`scaled_weight_operands`]; O3 across ranks, whose master is
+//! and their transpose, or its rowwise pair, come from its codes on CUDA
+//! without a decode pass, the same operands: [`scaled_weight_operands`]; O3 across ranks, whose master is
 //! sharded, decodes the gathered per-tensor E4M3 weight, and its codes
 //! recast per block lose nothing: every block's power-of-two scale is at
 //! least the tensor's). The weight gradient leaves in F32, to the sink
@@ -111,20 +111,21 @@ pub(crate) fn weight_operands(
     }
 }
 
-/// [`weight_operands`] of a scaled FP16 weight's value in `dtype` from
-/// one read of its codes (`BlockTensor::blocks_of_scaled`: the same
-/// operands), where that applies: 128 x 128 weight blocks, whole tiles on
-/// CUDA, telemetry off (it compares a cast with its decoded source).
+/// [`weight_operands`] of a scaled FP16 weight's value in `dtype` from its
+/// codes (`BlockTensor::of_scaled`: the same operands, no decode pass),
+/// where that applies: 128 x 128 weight blocks (one read) or rows (two),
+/// whole tiles on CUDA, telemetry off (it compares a cast with its
+/// decoded source).
 pub(crate) fn scaled_weight_operands(
     w: &ScalingTensor,
     dtype: DType,
     r: &TileRecipe,
     keep_t: bool,
 ) -> Result<Option<(BlockTensor, Option<BlockTensor>)>> {
-    if r.weight != Tiling::Blk128 || telemetry_enabled() {
+    if !matches!(r.weight, Tiling::Blk128 | Tiling::Row) || telemetry_enabled() {
         return Ok(None);
     }
-    match BlockTensor::blocks_of_scaled(w, dtype, fmt(r, true), r.rule, (true, keep_t))? {
+    match BlockTensor::of_scaled(w, dtype, fmt(r, true), r.weight, r.rule, (true, keep_t))? {
         Some((Some(wq), w_t)) => Ok(Some((wq, w_t))),
         Some((None, _)) => Err(missing()),
         None => Ok(None),

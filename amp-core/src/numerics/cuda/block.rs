@@ -439,6 +439,12 @@ pub(crate) fn block_quantize_scaled_blocks(
         i32::try_from(ld_t).map_err(|_| too_big())?,
     );
     let n = rows * cols;
+    if k.tiling == Tiling::Row {
+        return scaled_rows(k, (&qv, &sv), (rows, cols), &dev);
+    }
+    if k.tiling != Tiling::Blk128 {
+        return Err(unsupported(format!("{} tiles (128x128 or rows)", k.tiling)));
+    }
     // SAFETY: the kernel writes every code and every scale of what it makes.
     let alloc_u8 = || -> Result<_> { Ok(unsafe { dev.alloc::<u8>(n)? }) };
     let alloc_f32 = |len: usize| -> Result<_> { Ok(unsafe { dev.alloc::<f32>(len)? }) };
@@ -502,6 +508,116 @@ pub(crate) fn block_quantize_scaled_blocks(
         out.push((
             CudaStorage::wrap_cuda_slice(s, dev.clone()),
             Shape::from((across, ld_t)),
+        ));
+    }
+    Ok(out)
+}
+
+type Scaled<'a> = (
+    &'a candle_core::cuda_backend::cudarc::driver::CudaView<'a, f16>,
+    &'a candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>,
+);
+
+/// The rowwise pair of a scaled FP16 `[rows, cols]` (whole 128 x 128
+/// tiles, aligned; checked by the caller): every row's and column's amax
+/// from the codes, then the `_fast_rows` pair (block.cu, "SCALED_ROWS").
+fn scaled_rows(
+    k: &BlockQuantizeScaledBlocks,
+    (qv, sv): Scaled<'_>,
+    (rows, cols): (usize, usize),
+    dev: &CudaDevice,
+) -> Result<Outputs> {
+    const OP: &str = BlockQuantizeScaledBlocks::NAME;
+    if k.rule != ScaleRule::PowerOfTwo {
+        return Err(Error::Unsupported {
+            op: OP,
+            what: "rows with a rule other than the power of two".into(),
+        });
+    }
+    let round = if k.dtype == DType::BF16 {
+        "bf16"
+    } else {
+        "f32"
+    };
+    let (r32, c32) = (rows as i32, cols as i32);
+    let n = rows * cols;
+    let mut row_amax = dev.alloc_zeros::<u32>(rows)?;
+    let mut col_amax = dev.alloc_zeros::<u32>(cols)?;
+    // SAFETY: the pair kernel writes every code and scale it is given.
+    let mut codes = if k.rowwise {
+        Some(unsafe { dev.alloc::<u8>(n)? })
+    } else {
+        None
+    };
+    let mut scales = if k.rowwise {
+        Some(unsafe { dev.alloc::<f32>(rows)? })
+    } else {
+        None
+    };
+    let mut codes_t = if k.transposed {
+        Some(unsafe { dev.alloc::<u8>(n)? })
+    } else {
+        None
+    };
+    let mut scales_t = if k.transposed {
+        Some(unsafe { dev.alloc::<f32>(cols)? })
+    } else {
+        None
+    };
+    let cfg = LaunchConfig {
+        grid_dim: ((cols / 128) as u32, (rows / 128) as u32, 1),
+        // PAIR_THREADS in block.cu
+        block_dim: (512, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let fa = block_func(dev, &format!("block_rowcol_amax_scaled_{round}"))?;
+    let mut b = stream.launch_builder(&fa);
+    b.arg(qv)
+        .arg(sv)
+        .arg(&r32)
+        .arg(&c32)
+        .arg(&mut row_amax)
+        .arg(&mut col_amax);
+    // SAFETY: arguments match the kernel's parameters (block.cu).
+    unsafe { b.launch(cfg) }.w()?;
+    let f = block_func(
+        dev,
+        &format!("block_quantize_pair_scaled_{round}_{}", fmt_name(k.qtype)),
+    )?;
+    let (null, max) = (0u64, k.qtype.max());
+    let mut b = stream.launch_builder(&f);
+    b.arg(qv).arg(sv).arg(&r32).arg(&c32);
+    match (&mut codes, &mut scales) {
+        (Some(c), Some(s)) => b.arg(c).arg(s),
+        _ => b.arg(&null).arg(&null),
+    };
+    match (&mut codes_t, &mut scales_t) {
+        (Some(c), Some(s)) => b.arg(c).arg(s),
+        _ => b.arg(&null).arg(&null),
+    };
+    b.arg(&row_amax).arg(&col_amax).arg(&max);
+    // SAFETY: arguments match the kernel's parameters (block.cu).
+    unsafe { b.launch(cfg) }.w()?;
+    let mut out = Vec::new();
+    if let (Some(c), Some(s)) = (codes, scales) {
+        out.push((
+            CudaStorage::wrap_cuda_slice(c, dev.clone()),
+            Shape::from((rows, cols)),
+        ));
+        out.push((
+            CudaStorage::wrap_cuda_slice(s, dev.clone()),
+            Shape::from((rows, 1)),
+        ));
+    }
+    if let (Some(c), Some(s)) = (codes_t, scales_t) {
+        out.push((
+            CudaStorage::wrap_cuda_slice(c, dev.clone()),
+            Shape::from((cols, rows)),
+        ));
+        out.push((
+            CudaStorage::wrap_cuda_slice(s, dev.clone()),
+            Shape::from((cols, 1)),
         ));
     }
     Ok(out)
