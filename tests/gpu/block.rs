@@ -231,42 +231,19 @@ fn block_scaled_weight(dev: &Device) -> Result<()> {
                     let want =
                         BlockTensor::quantize(&w.dequantize(dtype)?, qtype, Tiling::Blk128, rule)?;
                     let want_t = want.t()?;
-                    let Some((Some(got), Some(got_t))) = BlockTensor::of_scaled(
-                        &w,
-                        dtype,
-                        qtype,
-                        Tiling::Blk128,
-                        rule,
-                        (true, true),
-                    )?
-                    else {
+                    let blocks = |wanted| {
+                        BlockTensor::of_scaled(&w, dtype, qtype, Tiling::Blk128, rule, wanted)
+                    };
+                    let Some((Some(got), Some(got_t))) = blocks((true, true))? else {
                         anyhow::bail!("{what}: the one-read path did not run");
                     };
-                    ok &= same(&format!("{what} codes"), got.data(), want.data())?;
-                    ok &= same(&format!("{what} scales"), got.scale_inv(), want.scale_inv())?;
-                    ok &= same(&format!("{what} codes_t"), got_t.data(), want_t.data())?;
-                    ok &= same(
-                        &format!("{what} scales_t"),
-                        got_t.scale_inv(),
-                        want_t.scale_inv(),
-                    )?;
+                    ok &= same_cast(&what, &got, &want)?;
+                    ok &= same_cast(&format!("{what} transposed"), &got_t, &want_t)?;
                     // only the transpose
-                    let Some((None, Some(t_only))) = BlockTensor::of_scaled(
-                        &w,
-                        dtype,
-                        qtype,
-                        Tiling::Blk128,
-                        rule,
-                        (false, true),
-                    )?
-                    else {
+                    let Some((None, Some(t_only))) = blocks((false, true))? else {
                         anyhow::bail!("{what}: the transpose alone did not run");
                     };
-                    ok &= same(
-                        &format!("{what} codes_t alone"),
-                        t_only.data(),
-                        want_t.data(),
-                    )?;
+                    ok &= same_cast(&format!("{what} transposed alone"), &t_only, &want_t)?;
                     // rows: the pair of the decoded value (power-of-two scales only)
                     let rows_of =
                         BlockTensor::of_scaled(&w, dtype, qtype, Tiling::Row, rule, (true, true))?;
@@ -290,14 +267,8 @@ fn block_scaled_weight(dev: &Device) -> Result<()> {
                     let Some((Some(g1), Some(g2))) = rows_of else {
                         anyhow::bail!("{what}: the rows from the codes did not run");
                     };
-                    for (g, c, part) in [(g1, c1, "rows"), (g2, c2, "rows transposed")] {
-                        ok &= same(&format!("{what} {part} codes"), g.data(), c.data())?;
-                        ok &= same(
-                            &format!("{what} {part} scales"),
-                            g.scale_inv(),
-                            c.scale_inv(),
-                        )?;
-                    }
+                    ok &= same_cast(&format!("{what} rows"), &g1, &c1)?;
+                    ok &= same_cast(&format!("{what} rows transposed"), &g2, &c2)?;
                 }
             }
         }
@@ -322,4 +293,11 @@ fn block_scaled_weight(dev: &Device) -> Result<()> {
         "the one-read weight blocks differ from the cast of the decoded value"
     );
     Ok(())
+}
+
+/// Whether two casts' codes and scales agree bit for bit (`same` on each).
+fn same_cast(what: &str, got: &BlockTensor, want: &BlockTensor) -> Result<bool> {
+    let codes = same(&format!("{what} codes"), got.data(), want.data())?;
+    let scales = same(&format!("{what} scales"), got.scale_inv(), want.scale_inv())?;
+    Ok(codes && scales)
 }

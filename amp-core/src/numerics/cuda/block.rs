@@ -11,7 +11,7 @@ use crate::numerics::kernel::{arity, Kernel};
 use crate::numerics::qtype::QType;
 use crate::numerics::scale::ScaleRule;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{DType, Layout, Shape};
 use half::{bf16, f16};
@@ -494,23 +494,40 @@ pub(crate) fn block_quantize_scaled_blocks(
     b.arg(&ldt32).arg(&rule).arg(&margin).arg(&max);
     // SAFETY: arguments match the kernel's parameters (block.cu).
     unsafe { b.launch(cfg) }.w()?;
-    let wrap = |c| CudaStorage::wrap_cuda_slice(c, dev.clone());
+    Ok(made(
+        &dev,
+        [
+            (codes, scales, (rows, cols), (down, ld)),
+            (codes_t, scales_t, (cols, rows), (across, ld_t)),
+        ],
+    ))
+}
+
+/// A cast's codes and scales if made, with their shapes.
+type Made = (
+    Option<CudaSlice<u8>>,
+    Option<CudaSlice<f32>>,
+    (usize, usize),
+    (usize, usize),
+);
+
+/// A cast's codes and scales as outputs, each pair that was made with the
+/// shapes of its codes and scales, in order.
+fn made(dev: &CudaDevice, parts: [Made; 2]) -> Outputs {
     let mut out = Vec::new();
-    if let (Some(c), Some(s)) = (codes, scales) {
-        out.push((wrap(c), Shape::from((rows, cols))));
-        out.push((
-            CudaStorage::wrap_cuda_slice(s, dev.clone()),
-            Shape::from((down, ld)),
-        ));
+    for (codes, scales, cs, ss) in parts {
+        if let (Some(c), Some(s)) = (codes, scales) {
+            out.push((
+                CudaStorage::wrap_cuda_slice(c, dev.clone()),
+                Shape::from(cs),
+            ));
+            out.push((
+                CudaStorage::wrap_cuda_slice(s, dev.clone()),
+                Shape::from(ss),
+            ));
+        }
     }
-    if let (Some(c), Some(s)) = (codes_t, scales_t) {
-        out.push((wrap(c), Shape::from((cols, rows))));
-        out.push((
-            CudaStorage::wrap_cuda_slice(s, dev.clone()),
-            Shape::from((across, ld_t)),
-        ));
-    }
-    Ok(out)
+    out
 }
 
 type Scaled<'a> = (
@@ -599,26 +616,11 @@ fn scaled_rows(
     b.arg(&row_amax).arg(&col_amax).arg(&max);
     // SAFETY: arguments match the kernel's parameters (block.cu).
     unsafe { b.launch(cfg) }.w()?;
-    let mut out = Vec::new();
-    if let (Some(c), Some(s)) = (codes, scales) {
-        out.push((
-            CudaStorage::wrap_cuda_slice(c, dev.clone()),
-            Shape::from((rows, cols)),
-        ));
-        out.push((
-            CudaStorage::wrap_cuda_slice(s, dev.clone()),
-            Shape::from((rows, 1)),
-        ));
-    }
-    if let (Some(c), Some(s)) = (codes_t, scales_t) {
-        out.push((
-            CudaStorage::wrap_cuda_slice(c, dev.clone()),
-            Shape::from((cols, rows)),
-        ));
-        out.push((
-            CudaStorage::wrap_cuda_slice(s, dev.clone()),
-            Shape::from((cols, 1)),
-        ));
-    }
-    Ok(out)
+    Ok(made(
+        dev,
+        [
+            (codes, scales, (rows, cols), (rows, 1)),
+            (codes_t, scales_t, (cols, rows), (cols, 1)),
+        ],
+    ))
 }
