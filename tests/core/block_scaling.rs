@@ -451,3 +451,49 @@ fn the_pair_cast_is_both_casts() {
         );
     }
 }
+
+/// A scaled FP16 weight decoded straight into a GEMM's dtype
+/// (`Weight::native`) holds the values of the F32 decode converted, and
+/// `of_scaled` leaves the CPU to cast the decoded value itself (`None`);
+/// a target that is not FP8 is an error.
+#[test]
+fn a_scaled_weight_decodes_straight_and_the_cpu_casts_its_value() {
+    let x = Tensor::from_vec(spread(256, 384, 3), (256, 384), &Device::Cpu).unwrap();
+    let (w, _) = ScalingTensor::quantize(&x, QType::F16, &CurrentScaling::default()).unwrap();
+    let weight = amp::Weight::F16(w.clone());
+    let bits = |t: Tensor| -> Vec<u32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flat::<f32>()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let straight = weight.native(dtype).unwrap();
+        assert_eq!(straight.dtype(), dtype);
+        let converted = weight.master_f32().unwrap().to_dtype(dtype).unwrap();
+        assert_eq!(bits(straight), bits(converted), "{dtype:?}");
+    }
+    for tiling in [Tiling::Blk128, Tiling::Row, Tiling::Vec128] {
+        let r = BlockTensor::of_scaled(
+            &w,
+            DType::BF16,
+            QType::E4M3,
+            tiling,
+            ScaleRule::PowerOfTwo,
+            (true, true),
+        )
+        .unwrap();
+        assert!(r.is_none(), "{tiling}: the CPU took a CUDA path");
+    }
+    let not_fp8 = BlockTensor::of_scaled(
+        &w,
+        DType::BF16,
+        QType::F16,
+        Tiling::Blk128,
+        ScaleRule::PowerOfTwo,
+        (true, true),
+    );
+    assert!(not_fp8.is_err());
+}
