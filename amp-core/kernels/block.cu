@@ -37,9 +37,13 @@ __device__ __forceinline__ float tile_scale_inv(uint32_t amax, float s) {
 // NaN codes fixed on the word unless the caller knows there are none (a
 // tile with a finite amax: its products are finite and saturate).
 template <int FMT>
+__device__ __forceinline__ uint32_t encode4_raw(const float* v, float s) {
+    return (uint32_t)Fmt<FMT>::encode2_raw(v[0] * s, v[1] * s) |
+           ((uint32_t)Fmt<FMT>::encode2_raw(v[2] * s, v[3] * s) << 16);
+}
+template <int FMT>
 __device__ __forceinline__ uint32_t encode4(const float* v, float s, bool finite) {
-    const uint32_t w = (uint32_t)Fmt<FMT>::encode2_raw(v[0] * s, v[1] * s) |
-                       ((uint32_t)Fmt<FMT>::encode2_raw(v[2] * s, v[3] * s) << 16);
+    const uint32_t w = encode4_raw<FMT>(v, s);
     return finite ? w : Fmt<FMT>::nan_fix(w);
 }
 
@@ -47,8 +51,7 @@ __device__ __forceinline__ uint32_t encode4(const float* v, float s, bool finite
 // NaN fix only runs when some lane of the warp needs it.
 template <int FMT>
 __device__ __forceinline__ uint32_t encode4_warp(const float* v, float s, bool finite) {
-    const uint32_t w = (uint32_t)Fmt<FMT>::encode2_raw(v[0] * s, v[1] * s) |
-                       ((uint32_t)Fmt<FMT>::encode2_raw(v[2] * s, v[3] * s) << 16);
+    const uint32_t w = encode4_raw<FMT>(v, s);
     if (__any_sync(0xFFFFFFFFu, !finite)) return finite ? w : Fmt<FMT>::nan_fix(w);
     return w;
 }
@@ -57,11 +60,7 @@ __device__ __forceinline__ uint32_t encode4_warp(const float* v, float s, bool f
 // the power-of-two rule inline and branch-light (the same value).
 __device__ __forceinline__ float pow2_tile_scale(uint32_t amax, float fmt_max, unsigned margin) {
     if (amax == 0u || amax >= 0x7F800000u || !(fmt_max > 0.0f && isfinite(fmt_max))) return 1.0f;
-    uint32_t fm, fa;
-    const int em = exp_frac(fmt_max, &fm), ea = exp_frac(__uint_as_float(amax), &fa);
-    long long e = (long long)(em - ea) - (fm < fa ? 1 : 0) - (long long)margin;
-    e = e < -126 ? -126 : (e > 127 ? 127 : e);
-    return __uint_as_float((uint32_t)(e + 127) << 23);
+    return pow2_ratio_scale(fmt_max, __uint_as_float(amax), margin);
 }
 __device__ __forceinline__ float tile_scale(int rule, uint32_t amax, float fmt_max, unsigned margin) {
     if (rule != 1) return compute_scale(rule, __uint_as_float(amax), 1.0f, fmt_max, margin);
@@ -327,6 +326,38 @@ struct PairSmem {
     uint32_t t[128 * 32];  // xᵀ's codes, 32 words a row, swizzled
 };
 
+// The tile's xᵀ codes staged in `t` (128 rows of 32 words, word p of row
+// cc at p ^ swz(cc), swz(cc) = (cc / V) * RPW) out to codes_t [cols, rows]:
+// row cc to codes_t[tc * 128 + cc][tr * 128 ..], 8 lanes a row, 16 bytes
+// (4 rows of x in each of 4 words) a lane; FAST: whole tiles, 16-byte
+// stores, else bounds and byte stores where `vec_t` or the row end fails.
+template <typename T, bool FAST>
+__device__ __forceinline__ void store_tile_t(const uint32_t* t, uint8_t* __restrict__ codes_t, int rows, int cols,
+                                             int vec_t) {
+    using S = PairShape<T>;
+    const int tc = blockIdx.x, tr = blockIdx.y;
+#pragma unroll
+    for (int it = 0; it < 128 * 8 / PAIR_THREADS; it++) {
+        const int idx = threadIdx.x + it * PAIR_THREADS;
+        const int cc = idx >> 3, pg = idx & 7;  // physical group of 4 words
+        const int sw = (cc / S::V) * S::RPW;
+        const int lg = pg ^ (sw >> 2);  // the logical group it holds
+        const uint4 u = *reinterpret_cast<const uint4*>(&t[cc * 32 + pg * 4]);
+        const uint32_t ph[4] = {u.x, u.y, u.z, u.w};
+        uint32_t wd[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) wd[k] = ph[k ^ (sw & 3)];
+        const int c = tc * 128 + cc, rr = tr * 128 + lg * 16;
+        if (!FAST && (c >= cols || rr >= rows)) continue;
+        uint8_t* dst = codes_t + (size_t)c * rows + rr;
+        if (FAST || (vec_t && rr + 16 <= rows)) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+        } else {
+            for (int k = 0; k < 16 && rr + k < rows; k++) dst[k] = (uint8_t)(wd[k >> 2] >> (8 * (k & 3)));
+        }
+    }
+}
+
 template <typename T, int FMT, bool TRANS, bool FAST, bool ROWS = false, int SRC = 0>
 __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int rows, int cols,
                                                    uint8_t* __restrict__ codes, float* __restrict__ scale_inv,
@@ -417,28 +448,7 @@ __device__ __forceinline__ void quantize_pair_impl(const T* __restrict__ x, int 
             }
         }
         __syncthreads();
-        // row cc of the tile's xᵀ: codes_t[tc * 128 + cc][tr * 128 ..], 8
-        // lanes a row, 16 bytes (4 rows of x in each of 4 words) a lane
-#pragma unroll
-        for (int it = 0; it < 128 * 8 / PAIR_THREADS; it++) {
-            const int idx = threadIdx.x + it * PAIR_THREADS;
-            const int cc = idx >> 3, pg = idx & 7;  // physical group of 4 words
-            const int sw = (cc / V) * RPW;
-            const int lg = pg ^ (sw >> 2);  // the logical group it holds
-            const uint4 u = *reinterpret_cast<const uint4*>(&sm->t[cc * 32 + pg * 4]);
-            const uint32_t ph[4] = {u.x, u.y, u.z, u.w};
-            uint32_t wd[4];
-#pragma unroll
-            for (int t = 0; t < 4; t++) wd[t] = ph[t ^ (sw & 3)];
-            const int c = tc * 128 + cc, rr = tr * 128 + lg * 16;
-            if (!FAST && (c >= cols || rr >= rows)) continue;
-            uint8_t* dst = codes_t + (size_t)c * rows + rr;
-            if (FAST || (vec_t && rr + 16 <= rows)) {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-            } else {
-                for (int k = 0; k < 16 && rr + k < rows; k++) dst[k] = (uint8_t)(wd[k >> 2] >> (8 * (k & 3)));
-            }
-        }
+        store_tile_t<T, FAST>(sm->t, codes_t, rows, cols, vec_t);
     }
 }
 
@@ -543,20 +553,7 @@ __device__ __forceinline__ void quantize_scaled_blocks_impl(const uint16_t* __re
         }
     }
     __syncthreads();
-#pragma unroll
-    for (int it = 0; it < 128 * 8 / PAIR_THREADS; it++) {
-        const int idx = threadIdx.x + it * PAIR_THREADS;
-        const int cc = idx >> 3, pg = idx & 7;
-        const int sw = (cc / V) * RPW;
-        const int lg = pg ^ (sw >> 2);
-        const uint4 u = *reinterpret_cast<const uint4*>(&sm->t[cc * 32 + pg * 4]);
-        const uint32_t ph[4] = {u.x, u.y, u.z, u.w};
-        uint32_t wd[4];
-#pragma unroll
-        for (int t = 0; t < 4; t++) wd[t] = ph[t ^ (sw & 3)];
-        *reinterpret_cast<uint4*>(codes_t + (size_t)(tc * 128 + cc) * rows + tr * 128 + lg * 16) =
-            make_uint4(wd[0], wd[1], wd[2], wd[3]);
-    }
+    store_tile_t<__half, true>(sm->t, codes_t, rows, cols, 1);
 }
 
 #define SCALED_BLOCKS(FN, FMT, RN, ROUND)                                                              \

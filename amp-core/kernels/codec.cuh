@@ -224,24 +224,25 @@ __device__ __forceinline__ int exp_frac(float x, uint32_t* frac) {
     return e - 127;
 }
 
+// The power-of-two scale of positive finite max and amax: 2^e, e =
+// floor(log2(max / amax)) - margin clamped to the normal range, the
+// exponent of scale.rs's rounded f64 quotient (never rounded across a
+// power of two, as scale.rs says) from the two exponents and
+// significands: no division. Always a normal float.
+__device__ __forceinline__ float pow2_ratio_scale(float max, float amax, unsigned margin) {
+    uint32_t fm, fa;
+    const int em = exp_frac(max, &fm), ea = exp_frac(amax, &fa);
+    long long e = (long long)(em - ea) - (fm < fa ? 1 : 0) - (long long)margin;
+    e = e < -126 ? -126 : (e > 127 ? 127 : e);
+    return __uint_as_float((uint32_t)(e + 127) << 23);
+}
+
 // ScaleRule::compute of scale.rs (the casts'). rule: 0 = Te, 1 = PowerOfTwo.
-// PowerOfTwo: floor(log2(max / amax)), the exponent of scale.rs's rounded
-// f64 quotient (never rounded across a power of two, as scale.rs says),
-// from the two exponents and significands: no division.
 __device__ float compute_scale(int rule, float amax, float prev, float max, unsigned margin) {
     if (!(amax > 0.0f && isfinite(amax) && max > 0.0f && isfinite(max))) return prev;
-    float s;
-    if (rule == 0) {
-        s = (max / amax) / pow2((int)min(margin, 255u));
-        if (isinf(s)) s = 3.40282347e+38f;
-    } else {
-        uint32_t fm, fa;
-        const int em = exp_frac(max, &fm), ea = exp_frac(amax, &fa);
-        long long e = (long long)(em - ea) - (fm < fa ? 1 : 0);
-        e -= (long long)margin;
-        e = e < -126 ? -126 : (e > 127 ? 127 : e);
-        s = pow2((int)e);
-    }
+    if (rule != 0) return pow2_ratio_scale(max, amax, margin);
+    float s = (max / amax) / pow2((int)min(margin, 255u));
+    if (isinf(s)) s = 3.40282347e+38f;
     return (s >= 1.17549435e-38f && isfinite(s)) ? s : prev;
 }
 

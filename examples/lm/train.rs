@@ -217,7 +217,9 @@ pub fn train_rank(
         );
         // Micro-batches but the last: forward and backward, gradients kept.
         let m_rows = rows / micro;
-        let mut local = 0f32;
+        // the micro-batches' losses summed on the device, in order (the
+        // same f32 additions a host sum makes), read once with the last
+        let mut micro_sum: Option<Tensor> = None;
         for m in 0..micro - 1 {
             let (xm, ym) = (
                 x.narrow(0, m * m_rows, m_rows)?,
@@ -227,7 +229,10 @@ pub fn train_rank(
                 let _fp8 = amp.autocast();
                 (model.loss(&xm, &ym)? / micro as f64)?
             };
-            local += loss.to_scalar::<f32>()?;
+            micro_sum = Some(match micro_sum.take() {
+                Some(sum) => (sum + loss.detach())?,
+                None => loss.detach(),
+            });
             opt.backward_accumulate(loss)?;
         }
         let (x, y) = (
@@ -269,7 +274,11 @@ pub fn train_rank(
                     loss
                 };
                 forward_mark = Some(amp::cuda::StreamMark::now(&cfg.device)?);
-                loss_read.queue(&loss.detach().to_dtype(DType::F64)?)?;
+                let total = match &micro_sum {
+                    Some(sum) => (sum + loss.detach())?,
+                    None => loss.detach(),
+                };
+                loss_read.queue(&total.to_dtype(DType::F64)?)?;
                 if step == start || probe {
                     // the memory probes read the pool after the forward
                     cfg.device.synchronize()?;
@@ -288,9 +297,10 @@ pub fn train_rank(
             probed[2] = peak_now()?;
             second_step = Some(probed);
         }
-        // the F32 loss through F64 and back: the same value
+        // the F32 loss (the micro-batches' sum) through F64 and back: the
+        // same value
         let read = loss_read.wait()?;
-        local += *read
+        let local = *read
             .first()
             .context("the step's loss read came back empty")? as f32;
         if record {

@@ -331,7 +331,7 @@ impl Kernel for BlockQuantizePair {
 /// whole 128 x 128 tiles; the CPU casts the decoded value itself. Inputs:
 /// the FP16 codes, their `[1]` scale_inv.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launch only
-pub(crate) struct BlockQuantizeScaledBlocks {
+pub(crate) struct BlockQuantizeScaled {
     pub qtype: QType,
     pub tiling: Tiling,
     pub rule: ScaleRule,
@@ -340,8 +340,8 @@ pub(crate) struct BlockQuantizeScaledBlocks {
     pub transposed: bool,
 }
 
-impl Kernel for BlockQuantizeScaledBlocks {
-    const NAME: &'static str = "block_quantize_scaled_blocks";
+impl Kernel for BlockQuantizeScaled {
+    const NAME: &'static str = "block_quantize_scaled";
     fn cpu(&self, _: &[(&CpuStorage, &Layout)]) -> Result<Vec<(CpuStorage, Shape)>> {
         Err(Error::Unsupported {
             op: Self::NAME,
@@ -349,7 +349,7 @@ impl Kernel for BlockQuantizeScaledBlocks {
         })
     }
     fn cuda(&self, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<(CudaStorage, Shape)>> {
-        crate::numerics::cuda::block_quantize_scaled_blocks(self, inputs)
+        crate::numerics::cuda::block_quantize_scaled(self, inputs)
     }
 }
 

@@ -239,8 +239,8 @@ pub(crate) fn block_quantize_pair(
     Err(Error::NotCompiled("cuda"))
 }
 
-pub(crate) fn block_quantize_scaled_blocks(
-    _: &crate::numerics::block::BlockQuantizeScaledBlocks,
+pub(crate) fn block_quantize_scaled(
+    _: &crate::numerics::block::BlockQuantizeScaled,
     _: Inputs<'_>,
 ) -> Outputs {
     Err(Error::NotCompiled("cuda"))

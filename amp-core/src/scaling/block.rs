@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::numerics::block::Tiling;
 use crate::numerics::block::{
     check_scales, dims2, fp8_of, BlockDequantize, BlockQuantize, BlockQuantizePair,
-    BlockQuantizeScaledBlocks,
+    BlockQuantizeScaled,
 };
 use crate::numerics::kernel::{arity, launch, Kernel};
 use crate::numerics::qtype::QType;
@@ -93,7 +93,7 @@ impl BlockTensor {
         rule: ScaleRule,
         wanted: (bool, bool),
     ) -> Result<Option<(Option<Self>, Option<Self>)>> {
-        const OP: &str = BlockQuantizeScaledBlocks::NAME;
+        const OP: &str = BlockQuantizeScaled::NAME;
         fp8_of(OP, qtype)?;
         let data = w.data();
         let whole = match data.dims() {
@@ -115,7 +115,7 @@ impl BlockTensor {
         {
             return Ok(None);
         }
-        let op = BlockQuantizeScaledBlocks {
+        let op = BlockQuantizeScaled {
             qtype,
             tiling,
             rule,

@@ -361,6 +361,20 @@ impl ScalingTensor {
         Ok(out)
     }
 
+    /// [`dequantize`](Self::dequantize) into any float `dtype`: straight
+    /// for F32, BF16 and F16 (the product `decode(code) * scale_inv`
+    /// rounded once), through F32 for the others; the same values either
+    /// way.
+    ///
+    /// # Errors
+    /// Only candle's.
+    pub fn decoded(&self, dtype: DType) -> Result<Tensor> {
+        match dtype {
+            DType::F32 | DType::BF16 | DType::F16 => self.dequantize(dtype),
+            _ => Ok(self.dequantize(DType::F32)?.to_dtype(dtype)?),
+        }
+    }
+
     /// The transpose of a 2-D tensor (data copied contiguous, same scale):
     /// the GEMM operands of dgrad and wgrad.
     ///

@@ -44,18 +44,15 @@ impl Weight {
 
     /// [`master_f32`](Self::master_f32) converted to `dtype` (a native
     /// GEMM's, or the block casts' source): a scaled copy decoded straight
-    /// into `dtype` in one pass, the same values as decoding to F32 and
-    /// converting (the product `decode(code) * scale_inv` rounded once).
+    /// into `dtype` ([`ScalingTensor::decoded`]), the same values as
+    /// decoding to F32 and converting.
     ///
     /// # Errors
     /// Only candle's.
     pub fn native(&self, dtype: DType) -> Result<Tensor> {
         match self {
             Self::F32(v) => Ok(v.as_tensor().to_dtype(dtype)?),
-            Self::F16(t) | Self::Fp8 { master: t, .. } | Self::Fp8Gathered(t) => match dtype {
-                DType::F32 | DType::BF16 | DType::F16 => t.dequantize(dtype),
-                _ => Ok(t.dequantize(DType::F32)?.to_dtype(dtype)?),
-            },
+            Self::F16(t) | Self::Fp8 { master: t, .. } | Self::Fp8Gathered(t) => t.decoded(dtype),
         }
     }
 

@@ -98,10 +98,7 @@ impl Origin {
         };
         let v = match self {
             // decoded straight into `dtype`, as `Weight::native`
-            Self::Scaled(w) if matches!(dtype, DType::F32 | DType::BF16 | DType::F16) => {
-                return w.dequantize(dtype);
-            }
-            Self::Scaled(w) => w.dequantize(DType::F32)?,
+            Self::Scaled(w) => return w.decoded(dtype),
             Self::Value(t) => rows(t)?,
             Self::Activated(act, z) => act.detached(&rows(z)?)?,
             Self::Norm(ln, x) => rows(&ln.recomputed(x)?)?,

@@ -5,7 +5,7 @@
 use super::block::{fmt_name, rule_code};
 use super::launch::{aligned, block_func, view};
 use crate::error::{Error, Result};
-use crate::numerics::block::{dims2, fp8_of, BlockQuantizeScaledBlocks, Tiling};
+use crate::numerics::block::{dims2, fp8_of, BlockQuantizeScaled, Tiling};
 use crate::numerics::kernel::{arity, Kernel};
 use crate::numerics::scale::ScaleRule;
 use candle_core::backend::BackendStorage;
@@ -17,13 +17,13 @@ use half::f16;
 type Outputs = Vec<(CudaStorage, Shape)>;
 
 /// The requested `[codes, scale_inv]`, `[codes_t, scale_inv_t]` of a
-/// scaled FP16 `[q, scale_inv]` (see [`BlockQuantizeScaledBlocks`]): whole
+/// scaled FP16 `[q, scale_inv]` (see [`BlockQuantizeScaled`]): whole
 /// 128 x 128 tiles of a contiguous, 16-byte aligned input only.
-pub(crate) fn block_quantize_scaled_blocks(
-    k: &BlockQuantizeScaledBlocks,
+pub(crate) fn block_quantize_scaled(
+    k: &BlockQuantizeScaled,
     inputs: &[(&CudaStorage, &Layout)],
 ) -> Result<Outputs> {
-    const OP: &str = BlockQuantizeScaledBlocks::NAME;
+    const OP: &str = BlockQuantizeScaled::NAME;
     let [(q, lq), (s, ls)] = inputs else {
         return Err(arity(OP));
     };
@@ -165,12 +165,12 @@ type Scaled<'a> = (
 /// tiles, aligned; checked by the caller): every row's and column's amax
 /// from the codes, then the `_fast_rows` pair (block.cu, "SCALED_ROWS").
 fn scaled_rows(
-    k: &BlockQuantizeScaledBlocks,
+    k: &BlockQuantizeScaled,
     (qv, sv): Scaled<'_>,
     (rows, cols): (usize, usize),
     dev: &CudaDevice,
 ) -> Result<Outputs> {
-    const OP: &str = BlockQuantizeScaledBlocks::NAME;
+    const OP: &str = BlockQuantizeScaled::NAME;
     if k.rule != ScaleRule::PowerOfTwo {
         return Err(Error::Unsupported {
             op: OP,

@@ -64,7 +64,7 @@ mod scalars;
 pub(crate) mod transpose;
 
 pub(crate) use block::{block_dequantize, block_quantize, block_quantize_pair};
-pub(crate) use block_scaled::block_quantize_scaled_blocks;
+pub(crate) use block_scaled::block_quantize_scaled;
 pub(crate) use bucket::{
     bucket_amax, bucket_column_max, bucket_concat, bucket_copy_from, bucket_decode_sum,
     bucket_flag_scale_inv, bucket_max, bucket_mean_bound, bucket_quantize, bucket_requantize,
