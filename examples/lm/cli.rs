@@ -246,6 +246,12 @@ struct Args {
     /// only this fits the memory estimate.
     #[arg(long)]
     lean_step: bool,
+    /// On a GPU, the host waits for each step's outcome before it goes
+    /// on, instead of leaving it on the device and reading it at the next
+    /// step (`AmpConfig::defer_outcome`, the default here; the same
+    /// values).
+    #[arg(long)]
+    sync_outcome: bool,
     /// At O2 and O3, both Adam moments in FP8: the second one as E4M3 codes
     /// of its square root instead of FP16 (`AmpConfig::fp8_moments`; one
     /// byte a parameter less). With --compare, O0 and O1 are run as always.
@@ -512,6 +518,7 @@ pub fn main() -> Result<()> {
         bf16_wire: args.bf16_wire,
         embedding_rows: args.embedding_rows,
         lean_step: args.lean_step,
+        defer_outcome: !args.sync_outcome,
         fp8_moments: args.fp8_moments,
         recompute: args.recompute,
         telemetry: args.telemetry.map(|n| (n, args.out.clone())),

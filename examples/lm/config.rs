@@ -96,6 +96,9 @@ pub struct TrainConfig {
     /// The optimizer reads the step's outcome before it updates
     /// (`AmpConfig::lean_step`).
     pub lean_step: bool,
+    /// The step's outcome left on the device and read at the next step
+    /// (`AmpConfig::defer_outcome`).
+    pub defer_outcome: bool,
     /// Both Adam moments in FP8 (`AmpConfig::fp8_moments`; O2 and O3).
     pub fp8_moments: bool,
     /// The MLP's activation input kept as E4M3 tiles for its backward
@@ -152,6 +155,7 @@ impl Default for TrainConfig {
             bf16_wire: false,
             embedding_rows: true,
             lean_step: false,
+            defer_outcome: true,
             fp8_moments: false,
             fp8_activation_inputs: false,
             loss_chunk_rows: amp::nn::DEFAULT_LOSS_CHUNK_ROWS,

@@ -134,6 +134,10 @@ pub struct Summary {
     /// The optimizer read each step's outcome before it updated, keeping
     /// no second copy of the states (`--lean-step`, or chosen to fit).
     pub lean_step: bool,
+    /// The host read each step's outcome at the next step (the default on a
+    /// GPU; off with `--sync-outcome`, dynamic loss scaling or
+    /// `--lean-step`).
+    pub defer_outcome: bool,
     /// Both Adam moments in FP8 (`--fp8-moments`).
     pub fp8_moments: bool,
     /// Bytes this rank sent to other ranks per step (gradient averaging,

@@ -10,7 +10,7 @@ pub use crate::summary::{compute_name, device_name, Summary};
 use crate::summary::{median_max, persistent_json};
 use amp::comm::Communicator;
 use amp::levels::{initialize, initialize_distributed, AmpConfig, AmpContext};
-use amp::optim::{AdamWConfig, StepOutcome, WarmupCosine};
+use amp::optim::{AdamWConfig, WarmupCosine};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -106,6 +106,7 @@ pub fn train_rank(
         bf16_wire: cfg.bf16_wire,
         embedding_rows: cfg.embedding_rows,
         lean_step: cfg.lean_step,
+        defer_outcome: cfg.defer_outcome,
         fp8_moments: cfg.fp8_moments,
         ..Default::default()
     };
@@ -160,6 +161,9 @@ pub fn train_rank(
     // the batches consumed so far: applied and skipped steps alike, so a
     // resumed run neither repeats a batch nor runs more than --steps
     let start = opt.inner().step_count() + opt.inner().skipped_count();
+    // skipped steps counted from the optimizer's own count at the end: with
+    // the outcome left on the device a step learns its outcome one later
+    let skipped_before = opt.inner().skipped_count();
     let end = cfg.stop_at.unwrap_or(cfg.steps).min(cfg.steps);
     if start >= end {
         bail!("the checkpoint is at step {start}: nothing left to do before step {end}");
@@ -167,7 +171,7 @@ pub fn train_rank(
     let bar = progress_bar(cfg, start, rank == 0);
     let sent_before = comm.as_ref().map_or(0, |c| c.bytes_sent());
     let (mut train_curve, mut val_curve) = (Vec::new(), Vec::new());
-    let (mut skipped, mut train_secs) = (0u64, 0.0f64);
+    let mut train_secs = 0.0f64;
     let mut stopped = None;
     let mut step_secs: Vec<f64> = Vec::new();
     let (mut forward_ms, mut forward_peak) = (Vec::new(), None);
@@ -265,33 +269,32 @@ pub fn train_rank(
             }
             probed[0] = peak_now()?;
         }
-        let stepped = amp
-            .step(&mut opt, || -> Result<Tensor> {
-                let loss = model.loss(&x, &y)?;
-                let loss = if micro > 1 {
-                    (loss / micro as f64)?
-                } else {
-                    loss
-                };
-                forward_mark = Some(amp::cuda::StreamMark::now(&cfg.device)?);
-                let total = match &micro_sum {
-                    Some(sum) => (sum + loss.detach())?,
-                    None => loss.detach(),
-                };
-                loss_read.queue(&total.to_dtype(DType::F64)?)?;
-                if step == start || probe {
-                    // the memory probes read the pool after the forward
-                    cfg.device.synchronize()?;
-                }
-                if step == start && cfg.device.is_cuda() {
-                    forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
-                }
-                if probe {
-                    probed[1] = peak_now()?;
-                }
-                Ok(loss)
-            })
-            .with_context(|| format!("training step {}", step + 1))?;
+        amp.step(&mut opt, || -> Result<Tensor> {
+            let loss = model.loss(&x, &y)?;
+            let loss = if micro > 1 {
+                (loss / micro as f64)?
+            } else {
+                loss
+            };
+            forward_mark = Some(amp::cuda::StreamMark::now(&cfg.device)?);
+            let total = match &micro_sum {
+                Some(sum) => (sum + loss.detach())?,
+                None => loss.detach(),
+            };
+            loss_read.queue(&total.to_dtype(DType::F64)?)?;
+            if step == start || probe {
+                // the memory probes read the pool after the forward
+                cfg.device.synchronize()?;
+            }
+            if step == start && cfg.device.is_cuda() {
+                forward_peak = Some(amp::cuda::pool_peaks(&cfg.device)?.0);
+            }
+            if probe {
+                probed[1] = peak_now()?;
+            }
+            Ok(loss)
+        })
+        .with_context(|| format!("training step {}", step + 1))?;
         if probe {
             cfg.device.synchronize()?;
             probed[2] = peak_now()?;
@@ -312,9 +315,6 @@ pub fn train_rank(
                 amp.tied(),
                 step + 1,
             ));
-        }
-        if let StepOutcome::Skipped = stepped.outcome {
-            skipped += 1;
         }
         if step == start {
             backward_peak = opt.last_backward_peak();
@@ -347,6 +347,7 @@ pub fn train_rank(
         bar.inc(1);
         if let (Some(every), Some(path)) = (cfg.save_every, &cfg.save) {
             if done % every == 0 && done < end {
+                opt.resolve()?;
                 amp.save(path, &opt)
                     .with_context(|| format!("saving {} after step {done}", path.display()))?;
             }
@@ -357,6 +358,9 @@ pub fn train_rank(
         }
     }
     bar.finish_and_clear();
+    // the last step's outcome, if it is still on the device
+    opt.resolve()?;
+    let skipped = opt.inner().skipped_count() - skipped_before;
     if let (Some((_, dir)), false) = (&cfg.telemetry, telemetry_rows.is_empty()) {
         let stem = format!("telemetry-{:?}-{}", cfg.level, compute_name(&cfg.compute));
         let path = crate::telemetry::write(&telemetry_rows, dir, &stem)?;
@@ -478,6 +482,7 @@ pub fn train_rank(
             && amp::nn::flash_attention_enabled(),
         recompute: cfg.recompute,
         lean_step: cfg.lean_step,
+        defer_outcome: cfg.defer_outcome && cfg.device.is_cuda() && !cfg.lean_step,
         fp8_moments: cfg.fp8_moments,
         wire_bytes_per_step: wire as f64 / (end - start) as f64,
         comm_exposed_ms: (!comm_exposed_ms.is_empty()).then(|| median_max(&comm_exposed_ms).0),

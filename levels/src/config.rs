@@ -148,6 +148,17 @@ pub struct AmpConfig {
     /// moments during the step, for one wait of the host a step. The same
     /// values either way. Default off.
     pub lean_step: bool,
+    /// On a GPU, the step's outcome stays on the device
+    /// (`LowBitAdamWConfig::defer_outcome`): [`AmpContext::step`] returns
+    /// `StepOutcome::Pending` without waiting for the device, and the host
+    /// queues the next forward while the device finishes the step; the
+    /// next step (or [`AmpOptimizer::resolve`]) reads the outcome. The same
+    /// values either way; checkpoints are saved from a resolved step. Not
+    /// taken with dynamic loss scaling or `lean_step`. Default off.
+    ///
+    /// [`AmpContext::step`]: crate::AmpContext::step
+    /// [`AmpOptimizer::resolve`]: crate::AmpOptimizer::resolve
+    pub defer_outcome: bool,
     /// At O2 and O3, both Adam moments in FP8: the second one as the E4M3
     /// codes of its square root (`StateFormat::E4M3Sqrt`) instead of FP16,
     /// one byte a parameter less (O2 5 bytes a Linear parameter, O3
@@ -170,6 +181,7 @@ impl Default for AmpConfig {
             bf16_wire: false,
             embedding_rows: false,
             lean_step: false,
+            defer_outcome: false,
             fp8_moments: false,
         }
     }
@@ -191,6 +203,7 @@ struct AmpConfigFields {
     bf16_wire: bool,
     embedding_rows: bool,
     lean_step: bool,
+    defer_outcome: bool,
     fp8_moments: bool,
 }
 
@@ -209,6 +222,7 @@ impl Default for AmpConfigFields {
             bf16_wire: d.bf16_wire,
             embedding_rows: d.embedding_rows,
             lean_step: d.lean_step,
+            defer_outcome: d.defer_outcome,
             fp8_moments: d.fp8_moments,
         }
     }
@@ -228,6 +242,7 @@ impl From<AmpConfigFields> for AmpConfig {
             bf16_wire: f.bf16_wire,
             embedding_rows: f.embedding_rows,
             lean_step: f.lean_step,
+            defer_outcome: f.defer_outcome,
             fp8_moments: f.fp8_moments,
         }
     }

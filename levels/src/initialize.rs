@@ -207,6 +207,7 @@ pub(crate) fn initialize_with(
         loss_scaling: config.loss_scaling,
         max_grad_norm: config.max_grad_norm,
         lean_step: config.lean_step,
+        defer_outcome: config.defer_outcome,
         ..Default::default()
     };
     let opt = LowBitAdamW::with_formats(params, opt_config)?;

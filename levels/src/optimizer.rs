@@ -170,7 +170,9 @@ impl AmpOptimizer {
         let outcome = self
             .opt
             .step_partitioned(grads, &holds_slice, &mut total_sq)?;
-        if let StepOutcome::Applied { .. } = outcome {
+        // a pending step may be applied: its gathers go out (on a skip they
+        // gather the states put back, the same values)
+        if let StepOutcome::Applied { .. } | StepOutcome::Pending = outcome {
             let start = mark()?;
             group.after_step(&self.opt, &mut stats)?;
             if let (Some(a), Some(b)) = (start, mark()?) {
@@ -179,6 +181,18 @@ impl AmpOptimizer {
         }
         self.last_comm = Some(stats);
         Ok(outcome)
+    }
+
+    /// Reads the outcome of a pending step
+    /// ([`AmpConfig::defer_outcome`](crate::AmpConfig::defer_outcome)) and
+    /// settles the counters and the loss scaler by it; `None` without one
+    /// (`LowBitAdamW::resolve`). The next step does it by itself; call it
+    /// before reading the counters or saving a checkpoint.
+    ///
+    /// # Errors
+    /// The read's.
+    pub fn resolve(&mut self) -> Result<Option<StepOutcome>> {
+        Ok(self.opt.resolve()?)
     }
 
     /// With a data-parallel group, the communication of the last step:

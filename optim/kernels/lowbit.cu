@@ -418,5 +418,6 @@ LOWBIT(3304, K_F32, K_F32, K_E4M3, K_E4M3_SQRT)
 #include "sumsq.cuh"
 #include "sumsq_many.cuh"
 #include "clip.cuh"
+#include "restore.cuh"
 #include "multi.cuh"
 #include "codec_ops.cuh"

@@ -1,13 +1,14 @@
 //! Each optimizer kernel as an amp-core [`Kernel`]: its CPU body (beside
-//! its description in `fused.rs`, `multi.rs`, `codec.rs`) or, on a CUDA
-//! device, its CUDA body (`cuda.rs`, `cuda_sum_sq.rs`, `cuda_multi.rs`,
-//! `cuda_codec.rs`). The dispatch lives here, above both, so that the CUDA
-//! bodies can read the kernels' descriptions without the descriptions
-//! calling back into them.
+//! its description in `fused.rs`, `multi.rs`, `codec.rs`, `restore.rs`)
+//! or, on a CUDA device, its CUDA body (`cuda.rs`, `cuda_sum_sq.rs`,
+//! `cuda_multi.rs`, `cuda_codec.rs`, `cuda_restore.rs`). The dispatch
+//! lives here, above both, so that the CUDA bodies can read the kernels'
+//! descriptions without the descriptions calling back into them.
 
 use crate::codec::Codec;
 use crate::fused::{LowBitStep, SumSq, SumSqMany};
 use crate::multi::{LowBitMulti, SumSqMulti};
+use crate::restore::RestoreOnSkip;
 use amp_core::kernel::Kernel;
 use candle_core::{CpuStorage, Layout, Shape};
 
@@ -61,4 +62,8 @@ dispatch!(LowBitMulti, "lowbit_adamw_step_multi", |k, inputs| {
 });
 dispatch!(Codec, "lowbit_step_codec", |k, inputs| {
     crate::cuda_codec::codec(k, inputs)
+});
+// One launch behind a deferred step's updates, a pair a block.
+dispatch!(RestoreOnSkip, "restore_on_skip", |_k, inputs| {
+    crate::cuda_restore::restore_on_skip(inputs)
 });

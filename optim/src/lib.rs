@@ -51,6 +51,8 @@ mod cuda_codec;
 #[cfg(feature = "cuda")]
 mod cuda_multi;
 #[cfg(feature = "cuda")]
+mod cuda_restore;
+#[cfg(feature = "cuda")]
 mod cuda_sum_sq;
 mod dispatch;
 mod error;
@@ -59,6 +61,7 @@ mod grad;
 mod loss_scaler;
 mod lowbit;
 mod multi;
+mod restore;
 mod schedule;
 mod state;
 mod step;

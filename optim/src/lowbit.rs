@@ -37,6 +37,20 @@ pub struct LowBitAdamWConfig {
     /// parameter's, for one wait of the host on the device per step. The
     /// same values either way. Off by default.
     pub lean_step: bool,
+    /// On a GPU, leave the step's outcome on the device: the updates are
+    /// enqueued behind the skip decision (a skipped step's kernels return
+    /// at once and one more launch puts the replaced states back, bit for
+    /// bit), and the step returns [`StepOutcome::Pending`] without waiting
+    /// for the device, so the host goes on to queue the next forward while
+    /// the device finishes this step. The host learns the outcome at the
+    /// next step, or at [`LowBitAdamW::resolve`]; until then
+    /// [`step_count`](LowBitAdamW::step_count), the parameters' `step` and
+    /// the loss scaler count the pending step as applied. The same values
+    /// as without it. Not taken (the step waits as before) with dynamic
+    /// loss scaling (the next backward needs the scale the outcome sets),
+    /// with `lean_step`, on the CPU, or where a weight is not updated by the
+    /// kernels' own outputs or in place. Off by default.
+    pub defer_outcome: bool,
 }
 
 impl Default for LowBitAdamWConfig {
@@ -48,6 +62,7 @@ impl Default for LowBitAdamWConfig {
             max_grad_norm: None,
             loss_scaling: LossScaling::None,
             lean_step: false,
+            defer_outcome: false,
         }
     }
 }
@@ -81,6 +96,21 @@ pub enum StepOutcome {
     /// A gradient held inf or NaN: nothing changed but the loss scaler,
     /// which backed off.
     Skipped,
+    /// The outcome is still on the device
+    /// ([`LowBitAdamWConfig::defer_outcome`]): the next step, or
+    /// [`LowBitAdamW::resolve`], reads it and returns it as `Applied` or
+    /// `Skipped`.
+    Pending,
+}
+
+/// A step whose outcome the host has not read yet (`defer_outcome`): what
+/// to take back if it was skipped.
+#[derive(Debug)]
+pub(crate) struct PendingStep {
+    /// The parameters it stepped (their `step` advanced).
+    pub updated: Vec<usize>,
+    /// The moments' telemetry records before it.
+    pub records_before: usize,
 }
 
 /// AdamW with low-bit moments over parameters of any [`Weight`] storage.
@@ -98,6 +128,8 @@ pub struct LowBitAdamW {
     pub(crate) moment_records: Vec<MomentRecord>,
     /// The step's outcome on its way to the host (GPU path).
     pub(crate) outcome_read: amp_core::HostReadback,
+    /// The last step, while its outcome is on its way (`defer_outcome`).
+    pub(crate) pending: Option<PendingStep>,
 }
 
 impl LowBitAdamW {
@@ -160,6 +192,7 @@ impl LowBitAdamW {
             scratch: std::sync::Mutex::new(Vec::new()),
             moment_records: Vec::new(),
             outcome_read: amp_core::HostReadback::default(),
+            pending: None,
         })
     }
 
@@ -206,7 +239,8 @@ impl LowBitAdamW {
         &self.params
     }
 
-    /// Steps applied so far (skipped steps do not count).
+    /// Steps applied so far (skipped steps do not count; a
+    /// [pending](StepOutcome::Pending) one counts until it is resolved).
     pub fn step_count(&self) -> u64 {
         self.step
     }
@@ -221,6 +255,41 @@ impl LowBitAdamW {
     /// Restores the skipped-step counter (checkpoints).
     pub fn restore_skipped(&mut self, skipped: u64) {
         self.skipped = skipped;
+    }
+
+    /// Whether the last step's outcome is still on the device
+    /// ([`StepOutcome::Pending`]).
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Reads the outcome of a [pending](StepOutcome::Pending) step (one
+    /// wait for the device, where it has not reached the step's skip
+    /// decision yet) and settles what depends on it: a skipped step is
+    /// taken back from the counters (its states were put back on the
+    /// device) and the loss scaler backs off. `None` without a pending
+    /// step. Every step calls it first.
+    ///
+    /// # Errors
+    /// The read's.
+    pub fn resolve(&mut self) -> Result<Option<StepOutcome>> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(None);
+        };
+        let [sum_sq, grad_norm] = <[f64; 2]>::try_from(self.outcome_read.wait()?)
+            .map_err(|_| crate::update::kernel_error("clipping outcome"))?;
+        if sum_sq.is_finite() {
+            self.scaler.update(false);
+            return Ok(Some(StepOutcome::Applied { grad_norm }));
+        }
+        self.step -= 1;
+        for i in pending.updated {
+            self.params[i].step -= 1;
+        }
+        self.moment_records.truncate(pending.records_before);
+        self.scaler.update(true);
+        self.skipped += 1;
+        Ok(Some(StepOutcome::Skipped))
     }
 
     /// The loss scaler.

@@ -8,10 +8,12 @@ use crate::clip::{clip_math, ClipCoef};
 use crate::error::{Error, Result};
 use crate::fused::{SumSq, SumSqMany, META_LEN, Q};
 use crate::grad::{Grad, Grads};
-use crate::lowbit::{LowBitAdamW, ParamState, StepOutcome};
+use crate::loss_scaler::LossScaling;
+use crate::lowbit::{LowBitAdamW, ParamState, PendingStep, StepOutcome};
 use crate::multi::{
     buffer_index, meta_at, storage_dtype, LowBitMulti, MomentPlaces, SumSqMulti, MULTI_MAX,
 };
+use crate::restore::Replaced;
 use crate::state::State;
 use crate::telemetry;
 use crate::update::{
@@ -72,6 +74,8 @@ impl LowBitAdamW {
         partitioned: &dyn Fn(&str) -> bool,
         reduce: &mut ReduceNorm<'_>,
     ) -> Result<StepOutcome> {
+        // the last step's outcome first: this step's counters build on it
+        self.resolve()?;
         // Pass 1: shapes, finiteness and the global norm, decoding each
         // gradient on the fly.
         if let Some(name) = grads
@@ -212,6 +216,9 @@ impl LowBitAdamW {
     /// what they replace. A skipped step's kernels return at
     /// once; the states they would have replaced are kept until the read
     /// and put back (an F32 weight, updated in place, was never written).
+    /// With `defer_outcome` there is no wait: one more launch puts the
+    /// replaced states' bytes back on a skipped step, and the host reads
+    /// the outcome at the next step ([`resolve`](Self::resolve)).
     /// With partitioned parameters (`reduce`), their part of the norm is
     /// summed over the ranks on the device and added last, as the host
     /// path adds it.
@@ -264,6 +271,19 @@ impl LowBitAdamW {
         let step_before = self.step;
         let records_before = self.moment_records.len();
         let updated = self.update_all(&grads, plan, &grad_mul, &mut ones);
+        let defer =
+            self.config.defer_outcome && !matches!(self.scaler.config, LossScaling::Dynamic { .. });
+        if defer && updated.is_ok() {
+            // the replaced states put back on the device on a skip; where
+            // that cannot be enqueued, the outcome is read below instead
+            if let Ok(stepped) = self.put_back_on_skip(&grads, &before, &grad_mul) {
+                self.pending = Some(PendingStep {
+                    updated: stepped,
+                    records_before,
+                });
+                return Ok(StepOutcome::Pending);
+            }
+        }
         // freed behind the updates that read them, before the wait
         drop(grads);
         let [sum_sq, grad_norm] = <[f64; 2]>::try_from(self.outcome_read.wait()?)
@@ -287,6 +307,52 @@ impl LowBitAdamW {
         self.scaler.update(true);
         self.skipped += 1;
         Ok(StepOutcome::Skipped)
+    }
+
+    /// For a deferred step (`defer_outcome`): one launch behind the
+    /// updates that copies every state they replaced back where the step
+    /// is skipped ([`Replaced`]); the parameters stepped (their `step`
+    /// advanced), for [`resolve`](Self::resolve) to take back.
+    fn put_back_on_skip(
+        &self,
+        grads: &Grads,
+        before: &[(Weight, State, State, u64)],
+        grad_mul: &Tensor,
+    ) -> Result<Vec<usize>> {
+        let mut replaced = Replaced::default();
+        let mut stepped = Vec::new();
+        for (i, (p, (w, m, v, _))) in self.params.iter().zip(before).enumerate() {
+            if grads.get(&p.name).is_some() {
+                stepped.push(i);
+            }
+            match (&*p.slot.read()?, w) {
+                (Weight::F32(new), Weight::F32(old)) => {
+                    replaced.tensor(new.as_tensor(), old.as_tensor())
+                }
+                (Weight::F16(new), Weight::F16(old)) => replaced.scaled(new, old)?,
+                (
+                    Weight::Fp8 { weight, master },
+                    Weight::Fp8 {
+                        weight: old_weight,
+                        master: old_master,
+                    },
+                ) => {
+                    replaced.scaled(weight, old_weight)?;
+                    replaced.scaled(master, old_master)?;
+                }
+                _ => return Err(kernel_error("a weight's storage changed in a step")),
+            }
+            for (new, old) in [(&p.exp_avg, m), (&p.exp_avg_sq, v)] {
+                match (new, old) {
+                    (State::F32(new), State::F32(old)) => replaced.tensor(new, old),
+                    (State::Scaled(new), State::Scaled(old))
+                    | (State::Sqrt(new), State::Sqrt(old)) => replaced.scaled(new, old)?,
+                    _ => return Err(kernel_error("a moment's storage changed in a step")),
+                }
+            }
+        }
+        replaced.enqueue(grad_mul)?;
+        Ok(stepped)
     }
 
     /// The end of [`step_on_device`](Self::step_on_device) with

@@ -223,6 +223,35 @@ fn a_step_with_inf_or_nan_changes_no_byte_and_backs_the_scaler_off() {
 }
 
 #[test]
+fn a_deferred_outcome_is_read_in_the_step_on_the_cpu() {
+    // `defer_outcome` leaves the outcome on a GPU only: the CPU path reads
+    // it in the step, so nothing is ever pending there and every outcome
+    // is final (the GPU tests compare deferred steps with these)
+    let init = t(randn(12, 41), &[3, 4]);
+    let cfg = LowBitAdamWConfig {
+        defer_outcome: true,
+        ..Default::default()
+    };
+    let mut opt = LowBitAdamW::new(vec![("w".to_string(), slot("F16", &init))], cfg).unwrap();
+    let grads = |v: f32| {
+        let mut g = Grads::new();
+        g.insert(
+            "w",
+            Grad::F32((t(randn(12, 42), &[3, 4]) * f64::from(v)).unwrap()),
+        );
+        g
+    };
+    assert!(matches!(
+        opt.step(&grads(1.0)).unwrap(),
+        StepOutcome::Applied { .. }
+    ));
+    assert!(!opt.has_pending());
+    assert_eq!(opt.resolve().unwrap(), None);
+    assert_eq!(opt.step(&grads(f32::NAN)).unwrap(), StepOutcome::Skipped);
+    assert_eq!((opt.step_count(), opt.skipped_count()), (1, 1));
+}
+
+#[test]
 fn the_schedule_counts_batches_and_adam_counts_applied_steps() {
     let init = t(randn(12, 31), &[3, 4]);
     let sched = WarmupCosine {

@@ -27,7 +27,8 @@ impl AmpContext {
     /// # Errors
     /// [`Error::Checkpoint`](crate::error::Error::Checkpoint) on I/O errors, on
     /// every rank of a sharded run when any rank's write fails (the index
-    /// is then not written).
+    /// is then not written), and while the last step's outcome is pending
+    /// ([`AmpOptimizer::resolve`] first).
     pub fn save(&self, path: impl AsRef<Path>, opt: &AmpOptimizer) -> Result<()> {
         save::save(self, path.as_ref(), opt)
     }

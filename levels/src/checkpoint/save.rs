@@ -26,6 +26,14 @@ use std::path::Path;
 /// [`crate::error::Error::Checkpoint`] on I/O errors, on every rank of a
 /// sharded run when any rank's write fails.
 pub(crate) fn save(ctx: &AmpContext, path: &Path, opt: &AmpOptimizer) -> Result<()> {
+    if opt.inner().has_pending() {
+        // its counters may still count a skipped step as applied
+        return Err(err(
+            path,
+            "the last step's outcome is still on the device: call \
+             `AmpOptimizer::resolve` before saving",
+        ));
+    }
     if let Some(group) = distributed::group(opt).filter(|g| !g.shards().is_empty()) {
         return save_sharded(ctx, path, opt, group);
     }
