@@ -156,6 +156,24 @@ where
     };
     let t_count = inputs.len();
     let fast = fused(&inputs, cfg, n);
+    // One shot (`cfg.one_shot`, on the fused path): every tensor whole is
+    // this rank's piece of a bucket every rank receives whole.
+    let one_shot = cfg.one_shot && fast.is_some() && n > 1;
+    let (mine, pieces) = if one_shot {
+        let whole: Vec<Piece> = spans
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty())
+            .map(|(t, s)| Piece {
+                tensor: t,
+                start: s.start,
+                len: s.len(),
+            })
+            .collect();
+        (0..total, whole)
+    } else {
+        (mine, pieces)
+    };
     // The fused path launches only the bucket kernels and the collectives,
     // so it may run on the communicator's own stream.
     let side = comm.side_stream().filter(|_| fast.is_some());
@@ -186,8 +204,12 @@ where
                 cat_nonempty(&flat, &flat[0])?
             }
         };
-        // Step 2.
-        let (received, gathered) = exchange(&codes, &sent)?;
+        // Step 2 (one shot: every rank's codes whole, to every rank).
+        let (received, gathered) = if one_shot {
+            comm.all_to_all_gather(&vec![codes.clone(); n], &sent)?
+        } else {
+            exchange(&codes, &sent)?
+        };
         // Step 3: each tensor's result scale from the bound of its mean's
         // amax, the same on every rank (no agreement needed).
         let bound = bucket_mean_bound(&gathered, t_count, t_count, cfg.average)?;
@@ -227,8 +249,13 @@ where
         let result_global = bound;
 
         // Step 5: one all-gather of the bucket, cut back into tensors; each
-        // tensor's amax the bound its scale came from.
-        let gathered = comm.all_gather_shards(&shard, total)?;
+        // tensor's amax the bound its scale came from (one shot: the
+        // whole bucket is this rank's already).
+        let gathered = if one_shot {
+            shard
+        } else {
+            comm.all_gather_shards(&shard, total)?
+        };
         let amaxes = result_global;
         spans
             .into_iter()

@@ -76,6 +76,14 @@ pub struct Fp8ReduceConfig {
     /// Extra headroom: scales are divided by `2^margin` (0 needs none, see
     /// the module docs).
     pub margin: u32,
+    /// [`fp8_all_reduce_bucket`](crate::fp8_all_reduce_bucket) only: every
+    /// rank receives every rank's codes whole and reduces the whole bucket
+    /// itself (one exchange instead of an exchange and an all-gather; the
+    /// same bytes at `N = 2`, `(N - 1) L` a rank against `2 (N - 1) L / N`;
+    /// each rank decodes `N` times the codes instead of `N` times a
+    /// `1 / N` share of them). The same results bit for bit. Off by
+    /// default.
+    pub one_shot: bool,
 }
 
 impl Default for Fp8ReduceConfig {
@@ -85,6 +93,7 @@ impl Default for Fp8ReduceConfig {
             average: true,
             scale_rule: ScaleRule::PowerOfTwo,
             margin: 0,
+            one_shot: false,
         }
     }
 }

@@ -233,6 +233,11 @@ struct Args {
     /// mean rounded to BF16). FP8 gradients are unaffected.
     #[arg(long)]
     bf16_wire: bool,
+    /// With data parallelism, each bucket of FP8 gradients reduced in one
+    /// shot: every rank's codes to every rank, each summing the whole
+    /// bucket (`AmpConfig::fp8_one_shot`; the same values).
+    #[arg(long)]
+    fp8_one_shot: bool,
     /// With data parallelism: the token embedding's gradient averaged from
     /// every rank's looked-up rows instead of an all-reduce of the whole
     /// table (`AmpConfig::embedding_rows`; the examples' batches have one
@@ -516,6 +521,7 @@ pub fn main() -> Result<()> {
         grad_accum: args.grad_accum as usize,
         overlap: !args.no_overlap,
         bf16_wire: args.bf16_wire,
+        fp8_one_shot: args.fp8_one_shot,
         embedding_rows: args.embedding_rows,
         lean_step: args.lean_step,
         defer_outcome: !args.sync_outcome,

@@ -89,6 +89,8 @@ pub struct TrainConfig {
     pub overlap: bool,
     /// F32 gradients in BF16 on the wire (`AmpConfig::bf16_wire`).
     pub bf16_wire: bool,
+    /// FP8 buckets reduced in one shot (`AmpConfig::fp8_one_shot`).
+    pub fp8_one_shot: bool,
     /// The token table's gradient from its rows
     /// (`AmpConfig::embedding_rows`; on: the examples' batches have one
     /// shape on every rank).
@@ -153,6 +155,7 @@ impl Default for TrainConfig {
             grad_accum: 1,
             overlap: true,
             bf16_wire: false,
+            fp8_one_shot: false,
             embedding_rows: true,
             lean_step: false,
             defer_outcome: true,

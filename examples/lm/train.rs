@@ -104,6 +104,7 @@ pub fn train_rank(
         bucket_mb: cfg.bucket_mb,
         overlap_backward: cfg.overlap,
         bf16_wire: cfg.bf16_wire,
+        fp8_one_shot: cfg.fp8_one_shot,
         embedding_rows: cfg.embedding_rows,
         lean_step: cfg.lean_step,
         defer_outcome: cfg.defer_outcome,

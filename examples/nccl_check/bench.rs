@@ -229,6 +229,35 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
         bucket_s / f32_s,
         bucket_host_s * 1e3
     );
+    // The same buckets in one shot (`Fp8ReduceConfig::one_shot`): every
+    // rank's codes whole to every rank, each rank reducing every bucket.
+    let one_cfg = Fp8ReduceConfig {
+        one_shot: true,
+        ..cfg
+    };
+    let one_shot = || -> Result<()> {
+        for b in &buckets {
+            fp8_all_reduce_bucket(comm, b.iter().copied(), &one_cfg)?;
+        }
+        Ok(())
+    };
+    comm.barrier()?;
+    let (one_s, one_host_s) = time_both(dev, args.iters, one_shot)?;
+    comm.reset_bytes_sent();
+    one_shot()?;
+    line(
+        &format!(
+            "fp8 bucketed one shot, {count} E5M2 gradients in {} bucket(s)",
+            buckets.len()
+        ),
+        one_s,
+        comm.bytes_sent(),
+    );
+    println!(
+        "[rank {rank}/{n}] BENCH ratios: time fp8 one shot/f32 {:.3}; host enqueue {:.3} ms of it",
+        one_s / f32_s,
+        one_host_s * 1e3
+    );
     kernels(comm, &grads, args.iters)?;
     host_profile(comm, &grads[..1], args.iters)?;
     Ok(())

@@ -131,6 +131,13 @@ pub struct AmpConfig {
     /// `bf16_compress_hook`, with F32 sums). Off (the default): F32 on the
     /// wire, the exact mean. FP8 gradients are unaffected.
     pub bf16_wire: bool,
+    /// Each bucket of FP8 gradients reduced in one shot
+    /// (`Fp8ReduceConfig::one_shot`): every rank's codes go whole to
+    /// every rank, which sums the whole bucket itself, in one exchange
+    /// instead of an exchange and an all-gather. The same bytes at two
+    /// ranks (twice the decoding work a rank), more above; the same
+    /// values. Default off.
+    pub fp8_one_shot: bool,
     /// Data parallelism: an embedding table's gradient averaged from every
     /// rank's looked-up ids and row gradients (gathered) instead of an
     /// all-reduce of the whole table, where that sends fewer bytes
@@ -179,6 +186,7 @@ impl Default for AmpConfig {
             bucket_mb: DEFAULT_BUCKET_MB,
             overlap_backward: true,
             bf16_wire: false,
+            fp8_one_shot: false,
             embedding_rows: false,
             lean_step: false,
             defer_outcome: false,
@@ -201,6 +209,7 @@ struct AmpConfigFields {
     bucket_mb: f64,
     overlap_backward: bool,
     bf16_wire: bool,
+    fp8_one_shot: bool,
     embedding_rows: bool,
     lean_step: bool,
     defer_outcome: bool,
@@ -220,6 +229,7 @@ impl Default for AmpConfigFields {
             bucket_mb: d.bucket_mb,
             overlap_backward: d.overlap_backward,
             bf16_wire: d.bf16_wire,
+            fp8_one_shot: d.fp8_one_shot,
             embedding_rows: d.embedding_rows,
             lean_step: d.lean_step,
             defer_outcome: d.defer_outcome,
@@ -240,6 +250,7 @@ impl From<AmpConfigFields> for AmpConfig {
             bucket_mb: f.bucket_mb,
             overlap_backward: f.overlap_backward,
             bf16_wire: f.bf16_wire,
+            fp8_one_shot: f.fp8_one_shot,
             embedding_rows: f.embedding_rows,
             lean_step: f.lean_step,
             defer_outcome: f.defer_outcome,

@@ -4,7 +4,8 @@
 # (off, on) PAIRS times on the same GPU: a change that a switch keeps off
 # until measured, timed against itself. 8 x 1024, BF16 activations,
 # fp8-current; one line a run (tokens/s, step, peak, validation loss: the
-# same where the option keeps the values).
+# same where the option keeps the values). An empty OPTION runs the
+# build alone twice a pair (a baseline).
 #
 # CARRY (default .carry/gpu) holds gpt.gz. Env: STEPS (20), SKIP (5),
 # NPROC (1; more: that many GPUs under torchrun, 8 sequences a rank).
@@ -12,7 +13,7 @@
 #   bash scripts/gpu/ab-option.sh .carry/gpu 350m O2 "--producer-amax false" 3
 #   NPROC=2 bash scripts/gpu/ab-option.sh .carry/gpu 1.3b O2 "--casts-ahead false" 2
 set -uo pipefail
-CARRY=${1:-.carry/gpu}; SIZE=${2:-350m}; LEVEL=${3:-O2}; OPTION=${4:---producer-amax}; PAIRS=${5:-3}
+CARRY=${1:-.carry/gpu}; SIZE=${2:-350m}; LEVEL=${3:-O2}; OPTION=${4---producer-amax}; PAIRS=${5:-3}
 NPROC=${NPROC:-1}
 export NCCL_NVLS_ENABLE=0
 source "$(dirname "$0")/lib.sh"

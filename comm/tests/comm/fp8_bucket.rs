@@ -163,15 +163,20 @@ struct RankOut {
     bucket_cost: (usize, u64),
 }
 
-/// The documented bytes of rank `r`: the bucket's and the separate calls'.
-fn expected_bytes(lens: &[usize], world: usize, r: usize) -> (u64, u64) {
+/// The documented bytes of rank `r`: the bucket's and the separate calls'
+/// (`one_shot`: the bucket's codes whole to every other rank).
+fn expected_bytes(lens: &[usize], world: usize, r: usize, one_shot: bool) -> (u64, u64) {
     let (t, n) = (lens.len() as i64, world as i64);
     let l: usize = lens.iter().sum();
     let s_r = shard_len(l, r, world) as i64;
     let big_s_r: i64 = lens.iter().map(|&lt| shard_len(lt, r, world) as i64).sum();
     // the scales' and amaxes' gather (2 F32 a tensor to each other rank),
     // the codes
-    let bucket = 8 * (n - 1) * t + l as i64 + (n - 2) * s_r;
+    let bucket = if one_shot {
+        8 * (n - 1) * t + (n - 1) * l as i64
+    } else {
+        8 * (n - 1) * t + l as i64 + (n - 2) * s_r
+    };
     let single = 8 * (n - 1) * t + l as i64 + (n - 2) * big_s_r;
     (bucket as u64, single as u64)
 }
@@ -219,6 +224,8 @@ fn check_with(world: usize, specs: &[Spec], cfg: &Fp8ReduceConfig, scaled: bool)
     .unwrap_or_else(|e| panic!("{ctx}: {e}"));
     let lens: Vec<usize> = specs.iter().map(Spec::len).collect();
     let t = specs.len();
+    // one shot where the bucket runs a bucket at a time (scaled inputs)
+    let one_shot = cfg.one_shot && scaled && world > 1;
     let (mut total_bucket, mut total_single) = (0, 0);
     for (r, o) in out.iter().enumerate() {
         assert_eq!(o.bucket.len(), t, "{ctx}");
@@ -226,21 +233,30 @@ fn check_with(world: usize, specs: &[Spec], cfg: &Fp8ReduceConfig, scaled: bool)
             assert_eq!(b, s, "{ctx}: rank {r} tensor {i}");
             assert_eq!(b, &out[0].bucket[i], "{ctx}: rank {r} tensor {i} vs rank 0");
         }
-        let (want_bucket, want_single) = expected_bytes(&lens, world, r);
+        let (want_bucket, want_single) = expected_bytes(&lens, world, r, one_shot);
         // the exchange of codes and scales (two calls here: the counting
         // communicator sends them apart; NCCL's in one group) and the
-        // all-gather, for a tensor and for a bucket
+        // all-gather, for a tensor and for a bucket (no all-gather in one
+        // shot)
         assert_eq!(o.single_cost, (3 * t, want_single), "{ctx}: rank {r}");
+        let calls = if one_shot { 2 } else { 3 };
         assert_eq!(
             o.bucket_cost,
             (
-                if t == 0 { 0 } else { 3 },
+                if t == 0 { 0 } else { calls },
                 if t == 0 { 0 } else { want_bucket }
             ),
             "{ctx}: rank {r}"
         );
         total_bucket += o.bucket_cost.1;
         total_single += o.single_cost.1;
+    }
+    if one_shot {
+        // (N - 1) L a rank: the same bytes in all at N = 2 only
+        if world == 2 {
+            assert_eq!(total_bucket, total_single, "{ctx}");
+        }
+        return out[0].bucket.iter().map(|p| p.6).collect();
     }
     // The same bytes in all; the busiest rank (0) sends no more.
     assert_eq!(total_bucket, total_single, "{ctx}");
@@ -325,6 +341,11 @@ fn tensors_smaller_than_the_world_and_zeros() {
         for cfg in configs() {
             assert_eq!(check(world, &specs, &cfg), [true; 6], "N={world}");
         }
+        let one_shot = Fp8ReduceConfig {
+            one_shot: true,
+            ..Default::default()
+        };
+        assert_eq!(check_with(world, &specs, &one_shot, true), [true; 6]);
         // A bucket of one-element tensors only.
         specs = (0..5).map(|i| Spec::new(&[1], i * 3 - 6)).collect();
         assert_eq!(check(world, &specs, &Fp8ReduceConfig::default()), [true; 5]);
@@ -356,6 +377,15 @@ fn a_non_finite_value_makes_only_its_tensor_non_finite() {
                     "N={world} {bad}"
                 );
             }
+            let one_shot = Fp8ReduceConfig {
+                one_shot: true,
+                ..Default::default()
+            };
+            assert_eq!(
+                check_with(world, &specs, &one_shot, true),
+                [true, false, false, true],
+                "N={world} {bad} one shot"
+            );
         }
     }
 }
@@ -368,6 +398,12 @@ fn scaled_gradients_a_bucket_at_a_time_match_per_tensor() {
         let specs = odd_specs();
         for cfg in &configs() {
             assert_eq!(check_with(world, &specs, cfg, true), [true; 5]);
+            // and in one shot: every rank reduces the whole bucket itself
+            let one_shot = Fp8ReduceConfig {
+                one_shot: true,
+                ..*cfg
+            };
+            assert_eq!(check_with(world, &specs, &one_shot, true), [true; 5]);
         }
     }
 }

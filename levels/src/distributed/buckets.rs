@@ -29,6 +29,15 @@ use amp_core::{bucket_concat, QType, ScalingTensor};
 use amp_optim::{Grad, Grads};
 use candle_core::{DType, Tensor};
 
+/// How the gradients go on the wire: the F32 ones as BF16
+/// (`AmpConfig::bf16_wire`), the FP8 buckets in one shot
+/// (`AmpConfig::fp8_one_shot`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Wire {
+    pub(crate) bf16: bool,
+    pub(crate) one_shot: bool,
+}
+
 /// The mean of every rank's gradients, FP8 ones reduced in FP8, bucketed
 /// (see the module docs); of a sharded weight, only this rank's slice
 /// (its agreed amax pushed to `agreed`, for [`zero::poison`]).
@@ -37,7 +46,7 @@ pub(crate) fn average(
     grads: Grads,
     shards: &[Shard],
     cap: usize,
-    bf16_wire: bool,
+    wire: Wire,
     stats: &mut CommStats,
     agreed: &mut Vec<Tensor>,
 ) -> Result<Grads> {
@@ -67,6 +76,7 @@ pub(crate) fn average(
         let bucket = &whole[run];
         let cfg = Fp8ReduceConfig {
             qtype: bucket[0].1.qtype(),
+            one_shot: wire.one_shot,
             ..Default::default()
         };
         let reduced = fp8_all_reduce_bucket(comm, bucket.iter().map(|(_, t)| t), &cfg)?;
@@ -87,7 +97,7 @@ pub(crate) fn average(
     let items: Vec<(usize, ())> = dense.iter().map(|(_, t)| (t.elem_count(), ())).collect();
     for run in plan(&items, cap) {
         let bucket = &dense[run];
-        for (name, g) in bucket.iter().zip(all_reduce_mean(comm, bucket, bf16_wire)?) {
+        for (name, g) in bucket.iter().zip(all_reduce_mean(comm, bucket, wire.bf16)?) {
             out.insert(name.0.clone(), Grad::F32(g));
         }
         stats.buckets += 1;

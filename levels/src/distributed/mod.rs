@@ -58,8 +58,9 @@ pub(crate) struct Group {
     /// The buckets reduced during the backward ([`overlap`]), unless off.
     schedule: RefCell<Schedule>,
     overlap: bool,
-    /// F32 gradients as BF16 on the wire (`AmpConfig::bf16_wire`).
-    bf16_wire: bool,
+    /// F32 gradients as BF16 on the wire, FP8 buckets in one shot
+    /// (`AmpConfig::bf16_wire`, `AmpConfig::fp8_one_shot`).
+    wire: buckets::Wire,
     /// What the last backward reduced already, for [`DataParallel::average`].
     early: RefCell<Option<(Grads, CommStats, Late)>>,
     /// The agreed amaxes of this step's sharded gradients, for the norm.
@@ -140,7 +141,13 @@ impl Group {
             schedule.finish_recording(&grads, &self.shards, self.cap);
             return Ok((grads, Vec::new()));
         }
-        let Some(mut step) = Step::new(self.comm(), &self.shards, &schedule, pending) else {
+        let Some(mut step) = Step::new(
+            self.comm(),
+            self.wire.one_shot,
+            &self.shards,
+            &schedule,
+            pending,
+        ) else {
             return Ok((backward()?, Vec::new()));
         };
         let grads = with_sink_listener(
@@ -177,7 +184,7 @@ impl Group {
             grads,
             &self.shards,
             self.cap,
-            self.bf16_wire,
+            self.wire,
             stats,
             &mut agreed,
         )?;
@@ -336,7 +343,10 @@ pub fn initialize_distributed(
         cap: plan::cap_elems(config.bucket_mb),
         schedule: RefCell::new(Schedule::Unknown),
         overlap: config.overlap_backward,
-        bf16_wire: config.bf16_wire,
+        wire: buckets::Wire {
+            bf16: config.bf16_wire,
+            one_shot: config.fp8_one_shot,
+        },
         early: RefCell::new(None),
         agreed: RefCell::new(Vec::new()),
         tables,

@@ -89,6 +89,8 @@ impl Schedule {
 /// One step's reduction during the backward.
 pub(crate) struct Step<'a> {
     comm: &'a dyn Communicator,
+    /// FP8 buckets reduced in one shot (`AmpConfig::fp8_one_shot`).
+    one_shot: bool,
     shards: &'a [Shard],
     buckets: &'a [Bucket],
     /// Arrivals so far, by name.
@@ -133,6 +135,7 @@ impl Late {
 impl<'a> Step<'a> {
     pub(crate) fn new(
         comm: &'a dyn Communicator,
+        one_shot: bool,
         shards: &'a [Shard],
         schedule: &'a Schedule,
         pending: &'a mut Option<Grads>,
@@ -146,6 +149,7 @@ impl<'a> Step<'a> {
             .collect();
         Some(Self {
             comm,
+            one_shot,
             shards,
             buckets,
             arrived: HashMap::new(),
@@ -248,6 +252,7 @@ impl<'a> Step<'a> {
         } else {
             let cfg = Fp8ReduceConfig {
                 qtype,
+                one_shot: self.one_shot,
                 ..Default::default()
             };
             let out = defer_side_work(|| {
