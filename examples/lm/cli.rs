@@ -75,7 +75,8 @@ struct Args {
     /// Validation every this many steps.
     #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(u64).range(1..))]
     eval_every: u64,
-    /// Batches per validation.
+    /// Batches per validation: windows of the validation split drawn with
+    /// a fixed seed, the same for every `--seed`.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
     eval_batches: u64,
     /// Linear weights kept in high precision (name patterns, `*` wildcard).

@@ -12,7 +12,8 @@
 # also take the lines of several calls, concatenated.
 # Env: SEEDS (1 2 3 4 5), STEPS (600), RUNS (a list of LEVEL:COMPUTE[:fp8m];
 # default O0 and O2 with each FP8 path and with FP8 moments), EVAL_EVERY
-# (100). CARRY (default .carry/parity) holds gpt.gz and kjv.txt.
+# (100), EVAL_BATCHES (8: validation windows, the same for every seed).
+# CARRY (default .carry/parity) holds gpt.gz and kjv.txt.
 #
 #   SEEDS="1 2 3" bash scripts/gpu/parity.sh .carry/parity
 set -uo pipefail
@@ -30,6 +31,7 @@ for seed in ${SEEDS:-1 2 3 4 5}; do
     # shellcheck disable=SC2086 # $flag is one flag or none
     timeout 300 "$BIN/gpt" --device cuda --size 125m --data "$CARRY/kjv.txt" --batch 16 --seq 512 \
       --steps "${STEPS:-600}" --lr 1e-3 --warmup 60 --activations bf16 --eval-every "${EVAL_EVERY:-100}" \
+      --eval-batches "${EVAL_BATCHES:-8}" \
       --seed "$seed" --level "$level" --compute "$compute" $flag --json 2>"$OUT/err.log" | grep '^{' \
       | python3 -c "
 import json, sys
