@@ -10,7 +10,9 @@
 # validation curves) in $OUT/parity.jsonl, the curves (mean over seeds)
 # in $OUT/parity.svg (parity_plot.py); parity_table.py and parity_plot.py
 # also take the lines of several calls, concatenated.
-# Env: SEEDS (1 2 3 4 5), STEPS (600), RUNS (a list of LEVEL:COMPUTE[:fp8m];
+# Env: SEEDS (1 2 3 4 5), STEPS (600), RUNS (a list of
+# LEVEL:COMPUTE[:OPTS], OPTS joined by +: fp8m for --fp8-moments, e4m3 or
+# hybrid for the compute path's recipe with that fp8_format;
 # default O0 and O2 with each FP8 path and with FP8 moments), EVAL_EVERY
 # (100), EVAL_BATCHES (8: validation windows, the same for every seed).
 # CARRY (default .carry/parity) holds gpt.gz and kjv.txt.
@@ -26,9 +28,19 @@ RUNS=${RUNS:-"O0:native O2:fp8-current O2:fp8-delayed O2:fp8-block O2:fp8-rowwis
 : > "$OUT/parity.jsonl"
 for seed in ${SEEDS:-1 2 3 4 5}; do
   for r in $RUNS; do
-    IFS=: read -r level compute moments <<< "$r"
-    flag=""; [ "$moments" = "fp8m" ] && flag="--fp8-moments"
-    # shellcheck disable=SC2086 # $flag is one flag or none
+    IFS=: read -r level compute opts <<< "$r"
+    flag=""
+    for o in ${opts//+/ }; do
+      case $o in
+        fp8m) flag="$flag --fp8-moments" ;;
+        e4m3 | hybrid) # the compute path's recipe with this fp8_format
+          fmt=E4M3; [ "$o" = hybrid ] && fmt=HYBRID
+          echo "{\"fp8_format\": \"$fmt\"}" > "$OUT/$o.json"
+          flag="$flag --recipe $OUT/$o.json" ;;
+        *) echo "unknown run option $o" >&2; exit 2 ;;
+      esac
+    done
+    # shellcheck disable=SC2086 # $flag is flags or none
     timeout 300 "$BIN/gpt" --device cuda --size 125m --data "$CARRY/kjv.txt" --batch 16 --seq 512 \
       --steps "${STEPS:-600}" --lr 1e-3 --warmup 60 --activations bf16 --eval-every "${EVAL_EVERY:-100}" \
       --eval-batches "${EVAL_BATCHES:-8}" \
