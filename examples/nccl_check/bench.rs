@@ -201,63 +201,43 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
         }
         elems += t.elem_count();
     }
+    // The buckets as the levels reduce them, then in one shot
+    // (`Fp8ReduceConfig::one_shot`: every rank's codes whole to every rank,
+    // each rank reducing every bucket).
     let cfg = Fp8ReduceConfig {
         qtype: QType::E5M2,
         ..Default::default()
     };
-    let bucketed = || -> Result<()> {
-        for b in &buckets {
-            fp8_all_reduce_bucket(comm, b.iter().copied(), &cfg)?;
-        }
-        Ok(())
-    };
-    comm.barrier()?;
-    let (bucket_s, bucket_host_s) = time_both(dev, args.iters, bucketed)?;
-    comm.reset_bytes_sent();
-    bucketed()?;
-    line(
-        &format!(
-            "fp8 bucketed, {count} E5M2 gradients of {rows}x{cols} in {} bucket(s) of <= {} MiB",
-            buckets.len(),
-            args.bucket_mb
-        ),
-        bucket_s,
-        comm.bytes_sent(),
-    );
-    println!(
-        "[rank {rank}/{n}] BENCH ratios: time fp8 bucketed/f32 {:.3}; host enqueue {:.3} ms of it",
-        bucket_s / f32_s,
-        bucket_host_s * 1e3
-    );
-    // The same buckets in one shot (`Fp8ReduceConfig::one_shot`): every
-    // rank's codes whole to every rank, each rank reducing every bucket.
-    let one_cfg = Fp8ReduceConfig {
+    let one_shot = Fp8ReduceConfig {
         one_shot: true,
         ..cfg
     };
-    let one_shot = || -> Result<()> {
-        for b in &buckets {
-            fp8_all_reduce_bucket(comm, b.iter().copied(), &one_cfg)?;
-        }
-        Ok(())
-    };
-    comm.barrier()?;
-    let (one_s, one_host_s) = time_both(dev, args.iters, one_shot)?;
-    comm.reset_bytes_sent();
-    one_shot()?;
-    line(
-        &format!(
-            "fp8 bucketed one shot, {count} E5M2 gradients in {} bucket(s)",
-            buckets.len()
-        ),
-        one_s,
-        comm.bytes_sent(),
-    );
-    println!(
-        "[rank {rank}/{n}] BENCH ratios: time fp8 one shot/f32 {:.3}; host enqueue {:.3} ms of it",
-        one_s / f32_s,
-        one_host_s * 1e3
-    );
+    for (cfg, what, tag) in [(&cfg, "", "bucketed"), (&one_shot, " one shot", "one shot")] {
+        let reduce = || -> Result<()> {
+            for b in &buckets {
+                fp8_all_reduce_bucket(comm, b.iter().copied(), cfg)?;
+            }
+            Ok(())
+        };
+        comm.barrier()?;
+        let (s, host_s) = time_both(dev, args.iters, reduce)?;
+        comm.reset_bytes_sent();
+        reduce()?;
+        line(
+            &format!(
+                "fp8 bucketed{what}, {count} E5M2 gradients of {rows}x{cols} in {} bucket(s) of <= {} MiB",
+                buckets.len(),
+                args.bucket_mb
+            ),
+            s,
+            comm.bytes_sent(),
+        );
+        println!(
+            "[rank {rank}/{n}] BENCH ratios: time fp8 {tag}/f32 {:.3}; host enqueue {:.3} ms of it",
+            s / f32_s,
+            host_s * 1e3
+        );
+    }
     kernels(comm, &grads, args.iters)?;
     host_profile(comm, &grads[..1], args.iters)?;
     Ok(())

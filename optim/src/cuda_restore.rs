@@ -2,14 +2,11 @@
 //! (`kernels/restore.cuh`): a descriptor per pair, copied to the device
 //! with the launch, and a CUDA block per descriptor.
 
-use crate::cuda::{bad, func, scalar_address, Outputs};
+use crate::cuda::{address, bad, func, scalar_address, Outputs};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
-use candle_core::{DType, Layout};
-use half::f16;
+use candle_core::Layout;
 
 /// `CopyDesc` of restore.cuh.
 #[repr(C)]
@@ -22,41 +19,12 @@ struct CopyDesc {
 // SAFETY: plain old data laid out as the C struct.
 unsafe impl DeviceRepr for CopyDesc {}
 
-/// The address of a contiguous input's first element, of any of the
-/// states' dtypes, and its length in bytes.
+/// The address of a contiguous input's first element (U8, F16 or F32, as
+/// the states are) and its length in bytes.
 fn span(op: &'static str, s: &CudaStorage, l: &Layout) -> amp_core::Result<(u64, u64)> {
-    let (start, end) = l
-        .contiguous_offsets()
-        .ok_or_else(|| bad(op, "non-contiguous input"))?;
-    let stream = s.device().cuda_stream();
-    let ptr = match s.dtype() {
-        DType::U8 => {
-            s.as_cuda_slice::<u8>()?
-                .slice(start..end)
-                .device_ptr(&stream)
-                .0
-        }
-        DType::F16 => {
-            s.as_cuda_slice::<f16>()?
-                .slice(start..end)
-                .device_ptr(&stream)
-                .0
-        }
-        DType::F32 => {
-            s.as_cuda_slice::<f32>()?
-                .slice(start..end)
-                .device_ptr(&stream)
-                .0
-        }
-        got => {
-            return Err(amp_core::Error::DType {
-                op,
-                expected: "U8, F16 or F32",
-                got,
-            })
-        }
-    };
-    Ok((ptr, ((end - start) * s.dtype().size_in_bytes()) as u64))
+    let ptr = address(op, s, l, s.dtype(), s.device())?;
+    let bytes = l.shape().elem_count() * s.dtype().size_in_bytes();
+    Ok((ptr, bytes as u64))
 }
 
 pub(crate) fn restore_on_skip(inputs: &[(&CudaStorage, &Layout)]) -> amp_core::Result<Outputs> {
