@@ -309,6 +309,8 @@ pub fn train_rank(
             .context("the step's loss read came back empty")? as f32;
         if record {
             amp::nn::set_telemetry(false);
+            // a skipped step leaves no moment records: its outcome first
+            opt.resolve()?;
             telemetry_rows.extend(crate::telemetry::collect(&model, step + 1)?);
             telemetry_rows.extend(crate::telemetry::collect_moments(
                 &model,

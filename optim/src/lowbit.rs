@@ -229,7 +229,9 @@ impl LowBitAdamW {
     /// The moments' records of the steps taken while telemetry recorded
     /// (`amp_core::set_telemetry`: each new low-bit moment measured
     /// against its F32 value, see [`MomentRecord`]), oldest first; taking
-    /// them empties the list. Skipped steps leave none.
+    /// them empties the list. Skipped steps leave none (a
+    /// [pending](StepOutcome::Pending) step's records are in it until
+    /// [`resolve`](Self::resolve) has left out a skipped one's).
     pub fn take_moment_telemetry(&mut self) -> Vec<MomentRecord> {
         std::mem::take(&mut self.moment_records)
     }
@@ -252,8 +254,11 @@ impl LowBitAdamW {
         self.skipped
     }
 
-    /// Restores the skipped-step counter (checkpoints).
+    /// Restores the skipped-step counter (checkpoints). A
+    /// [pending](StepOutcome::Pending) step is forgotten: the state it
+    /// would settle is being replaced.
     pub fn restore_skipped(&mut self, skipped: u64) {
+        self.pending = None;
         self.skipped = skipped;
     }
 
@@ -308,8 +313,11 @@ impl LowBitAdamW {
         self.schedule.lr(self.step + self.skipped + 1)
     }
 
-    /// Restores the step counter and loss scaler (checkpoints).
+    /// Restores the step counter and loss scaler (checkpoints). A
+    /// [pending](StepOutcome::Pending) step is forgotten: the counters it
+    /// would settle are being replaced.
     pub fn restore_counters(&mut self, step: u64, scaler: LossScaler) {
+        self.pending = None;
         self.step = step;
         self.scaler = scaler;
     }
