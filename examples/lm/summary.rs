@@ -135,8 +135,8 @@ pub struct Summary {
     /// no second copy of the states (`--lean-step`, or chosen to fit).
     pub lean_step: bool,
     /// The host read each step's outcome at the next step (the default on a
-    /// GPU; off with `--sync-outcome`, dynamic loss scaling or
-    /// `--lean-step`).
+    /// GPU; off with `--sync-outcome` or `--lean-step`; at O3 with ZeRO the
+    /// step reads it itself, its weight gathers depend on it).
     pub defer_outcome: bool,
     /// Both Adam moments in FP8 (`--fp8-moments`).
     pub fp8_moments: bool,

@@ -201,7 +201,7 @@ pub fn bench(comm: &NcclComm, args: &Args) -> Result<()> {
         }
         elems += t.elem_count();
     }
-    // The buckets as the levels reduce them, then in one shot
+    // The buckets (E5M2 gradients, the levels' bucket cap), then in one shot
     // (`Fp8ReduceConfig::one_shot`: every rank's codes whole to every rank,
     // each rank reducing every bucket).
     let cfg = Fp8ReduceConfig {

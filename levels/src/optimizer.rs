@@ -38,7 +38,9 @@ pub struct AmpOptimizer {
 /// What [`AmpContext::step`](crate::AmpContext::step) returns.
 #[derive(Debug, Clone)]
 pub struct Stepped {
-    /// Applied or skipped (a non-finite gradient on any rank).
+    /// Applied or skipped (a non-finite gradient on any rank), or pending
+    /// ([`AmpConfig::defer_outcome`](crate::AmpConfig::defer_outcome): the
+    /// next step or [`AmpOptimizer::resolve`] reads it).
     pub outcome: StepOutcome,
     /// The loss's value, without its graph.
     pub loss: Tensor,
@@ -167,11 +169,18 @@ impl AmpOptimizer {
         }
         let holds_slice = |name: &str| group.holds_slice(name);
         let mut total_sq = |part_sq: &Tensor| group.total_sq(part_sq);
-        let outcome = self
+        let mut outcome = self
             .opt
             .step_partitioned(grads, &holds_slice, &mut total_sq)?;
-        // a pending step may be applied: its gathers go out (on a skip they
-        // gather the states put back, the same values)
+        // ZeRO's gathers follow the outcome, read here: a skipped step keeps
+        // the gathered copies as they are (at start-up they were not made
+        // from the masters, so a gather of the put-back masters could
+        // differ), and every rank must agree on whether to gather. Without
+        // slices there is nothing to gather and the outcome may wait.
+        let sliced = self.opt.params().iter().any(|p| group.holds_slice(&p.name));
+        if sliced && outcome == StepOutcome::Pending {
+            outcome = self.opt.resolve()?.unwrap_or(outcome);
+        }
         if let StepOutcome::Applied { .. } | StepOutcome::Pending = outcome {
             let start = mark()?;
             group.after_step(&self.opt, &mut stats)?;

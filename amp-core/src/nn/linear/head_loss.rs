@@ -49,7 +49,7 @@ use std::sync::Mutex;
 
 /// The scale of the logits' gradient's FP8 cast: every element of
 /// `softmax - onehot` lies in [-1, 1], so the largest power of two that
-/// keeps 1 below `format`'s largest value (2^15 for E5M2) never
+/// keeps 1 below `format`'s largest value (2^8 for E4M3, 2^15 for E5M2) never
 /// saturates, and takes no pass for an amax (it is the current-scaling
 /// scale wherever the amax is above 7/8 of the bound, as in almost every
 /// chunk: one row whose target has a probability below 1/8 suffices).
