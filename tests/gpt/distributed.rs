@@ -234,6 +234,41 @@ fn bf16_on_the_wire_halves_the_f32_gradients_bytes_and_still_learns() -> anyhow:
 }
 
 #[test]
+fn one_shot_fp8_buckets_train_bitwise_as_the_default() -> anyhow::Result<()> {
+    // `--fp8-one-shot`: every rank's FP8 codes whole to every rank, each
+    // summing the whole bucket; the same values at any world size, the same
+    // bytes at two ranks and more above (so the option is seen to be taken)
+    let corpus = data::Corpus::bundled();
+    for world in [2, 3] {
+        let base = TrainConfig {
+            batch: 12,
+            ..quick(Level::O2, current(), world)
+        };
+        let two = train(&base, &corpus)?;
+        let one = train(
+            &TrainConfig {
+                fp8_one_shot: true,
+                ..base
+            },
+            &corpus,
+        )?;
+        assert_eq!(
+            one.final_loss.to_bits(),
+            two.final_loss.to_bits(),
+            "N={world}"
+        );
+        assert_eq!(one.val_loss.to_bits(), two.val_loss.to_bits(), "N={world}");
+        let (a, b) = (one.wire_bytes_per_step, two.wire_bytes_per_step);
+        if world == 2 {
+            assert_eq!(a, b, "N=2: the same bytes");
+        } else {
+            assert!(a > b, "N={world}: one shot sends more ({a} against {b})");
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn a_rank_that_fails_mid_run_is_an_error_on_every_rank() -> anyhow::Result<()> {
     let corpus = data::Corpus::bundled();
     let gcfg = model::GptConfig::named("tiny", 256, 16)?;
