@@ -60,15 +60,43 @@ fn the_weight_gradient_goes_to_the_sink_as_fp8() {
 }
 
 #[test]
-fn the_same_mlp_trains_in_every_mode_to_within_10_percent_of_native() {
+fn the_same_mlp_trains_in_every_mode_to_within_5_percent_of_native() {
+    // over seeds: one seed's excess moves by a few percent on its own (at
+    // this noise floor every FP8 mode, E4M3 or E5M2 gradients alike, lands
+    // 3-6% above native on average; a broken mode lands far above)
+    let seeds = [0u64, 100, 200, 300];
+    let k = seeds.len() as f32;
+    let (mut native, mut excess) = (0.0f32, vec![0.0f32; 5]);
+    for &seed in &seeds {
+        let finals = mlp_finals(seed);
+        assert!(
+            finals[0] < 0.09,
+            "native trains to the noise floor: {finals:?}"
+        );
+        native += finals[0] / k;
+        for (e, f) in excess.iter_mut().zip(&finals) {
+            *e += (f - finals[0]) / k;
+        }
+    }
+    for e in &excess[1..] {
+        assert!(
+            e.abs() <= 0.05 * native + 1e-3,
+            "mean excess over native {native}: {excess:?}"
+        );
+    }
+}
+
+/// The final training losses of one MLP in every mode (native first), its
+/// data and initial weights drawn from `seed`.
+fn mlp_finals(seed: u64) -> Vec<f32> {
     use candle_nn::Optimizer;
     let (n_in, hidden, n_out, rows) = (16, 32, 4, 256);
-    let x = t(randn(rows * n_in, 51), &[rows, n_in]);
-    let w_true = randt(&[n_out, n_in], 52, 0.5);
+    let x = t(randn(rows * n_in, 51 + seed), &[rows, n_in]);
+    let w_true = randt(&[n_out, n_in], 52 + seed, 0.5);
     // A smooth target plus noise: the loss settles at the noise floor
     // (variance 0.3^2 * 0.96 = 0.086), where a mode's quantization error
     // shows as a relative excess.
-    let noise = randt(&[rows, n_out], 53, 0.3);
+    let noise = randt(&[rows, n_out], 53 + seed, 0.3);
     let y = (x.matmul(&w_true.t().unwrap()).unwrap().tanh().unwrap() + noise).unwrap();
     let modes = [
         ComputeMode::Native,
@@ -95,7 +123,7 @@ fn the_same_mlp_trains_in_every_mode_to_within_10_percent_of_native() {
         let fc1 = nn::linear(n_in, hidden, vb.pp("fc1")).unwrap();
         let fc2 = nn::linear(hidden, n_out, vb.pp("fc2")).unwrap();
         for (name, var) in varmap.data().lock().unwrap().iter() {
-            let seed = name.bytes().map(u64::from).sum::<u64>();
+            let seed = seed + name.bytes().map(u64::from).sum::<u64>();
             let n = var.elem_count();
             var.set(&t(
                 randn(n, seed).iter().map(|v| v * 0.3).collect(),
@@ -114,20 +142,7 @@ fn the_same_mlp_trains_in_every_mode_to_within_10_percent_of_native() {
         }
         finals.push(last);
     }
-    assert!(
-        finals[0] < 0.09,
-        "native trains to the noise floor: {finals:?}"
-    );
-    // At this noise floor the gradients' rounding shows as 4-8% of excess
-    // loss in every FP8 mode, E4M3 or E5M2 gradients alike (0.0769 native;
-    // current 0.0828 E4M3, 0.0817 HYBRID; delayed 0.0800 E4M3, 0.0811
-    // HYBRID): a broken mode lands far above.
-    for f in &finals[1..] {
-        assert!(
-            (f - finals[0]).abs() <= 0.10 * finals[0] + 1e-3,
-            "{finals:?}"
-        );
-    }
+    finals
 }
 
 #[test]
