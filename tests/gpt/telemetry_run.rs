@@ -84,7 +84,15 @@ fn records_every_linear_and_role(loss_chunk_rows: usize) -> anyhow::Result<()> {
             r["layer"].as_str().unwrap_or(""),
         );
         let rel = r["rel_err"].as_f64().unwrap_or(f64::NAN);
-        assert!(rel.is_finite() && rel < 0.25, "{r}");
+        assert!(rel.is_finite(), "{r}");
+        // TE's delayed recipe casts a tensor's first values with the
+        // initial scale of 1 (no history yet): the blocks' small output
+        // gradients then fall mostly below E4M3's smallest subnormal
+        // (2^-9), the recipe's gradient format by default (the head's take
+        // the scale of their bound); from the second cast on the history's
+        // amax sets the scale
+        let first_grads = r["step"] == 1 && role == "grad_output" && layer.starts_with("h.");
+        assert!(first_grads || rel < 0.25, "{r}");
         if (role == "weight" || role.starts_with("exp_avg")) && layer == "h.0.mlp.c_fc" {
             assert_eq!(r["total"], 128 * 512);
         }

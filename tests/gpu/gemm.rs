@@ -6,7 +6,7 @@ use crate::util::{rel_err, to_dev, Rng};
 use amp::nn::{self, fp8_autocast, ComputeMode};
 use amp::{
     fp8_gemm_acc, fp8_gemm_amax, fp8_gemm_fused, fp8_gemm_with, CurrentScaling, DelayedScaling,
-    Epilogue, QType, ScalingTensor,
+    Epilogue, Format, QType, ScalingTensor,
 };
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -203,7 +203,10 @@ fn linear(dev: &Device) -> Result<()> {
     for d in [dev, &Device::Cpu] {
         let w = Var::from_tensor(&Tensor::from_vec(ws.clone(), (n, k), d)?)?;
         let layer = nn::Linear::new("fc", w.as_tensor().clone(), None)?;
-        let mode = ComputeMode::Fp8Delayed(DelayedScaling::default());
+        let mode = ComputeMode::Fp8Delayed(DelayedScaling {
+            fp8_format: Format::Hybrid,
+            ..Default::default()
+        });
         let mut got = Vec::new();
         for step in 0..3 {
             let x = Var::from_tensor(
