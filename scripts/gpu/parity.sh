@@ -15,6 +15,10 @@
 # hybrid for the compute path's recipe with that fp8_format;
 # default O0 and O2 with each FP8 path and with FP8 moments), EVAL_EVERY
 # (100), EVAL_BATCHES (8: validation windows, the same for every seed).
+# JOBS (instead of SEEDS x RUNS: SEED/RUN words, e.g. "6/O0:native
+# 1/O3:fp8-current"), GPUS (1): GPUs to use, PER_GPU (1): runs at once
+# on each (the values are the same however many share a GPU), DEADLINE
+# (none): seconds after which no run starts.
 # CARRY (default .carry/parity) holds gpt.gz and kjv.txt.
 #
 #   SEEDS="1 2 3" bash scripts/gpu/parity.sh .carry/parity
@@ -25,34 +29,62 @@ unpack gpt; need gpt
 [ -f "$CARRY/kjv.txt" ] || { echo "missing $CARRY/kjv.txt (scripts/gpu/parity-corpus.sh)" >&2; exit 2; }
 facts
 RUNS=${RUNS:-"O0:native O2:fp8-current O2:fp8-delayed O2:fp8-block O2:fp8-rowwise O2:fp8-current:fp8m"}
-: > "$OUT/parity.jsonl"
-for seed in ${SEEDS:-1 2 3 4 5}; do
-  for r in $RUNS; do
-    IFS=: read -r level compute opts <<< "$r"
-    flag=""
-    for o in ${opts//+/ }; do
-      case $o in
-        fp8m) flag="$flag --fp8-moments" ;;
-        e4m3 | hybrid) # the compute path's recipe with this fp8_format
-          fmt=E4M3; [ "$o" = hybrid ] && fmt=HYBRID
-          echo "{\"fp8_format\": \"$fmt\"}" > "$OUT/$o.json"
-          flag="$flag --recipe $OUT/$o.json" ;;
-        *) echo "unknown run option $o" >&2; exit 2 ;;
-      esac
-    done
-    # shellcheck disable=SC2086 # $flag is flags or none
-    timeout 300 "$BIN/gpt" --device cuda --size 125m --data "$CARRY/kjv.txt" --batch 16 --seq 512 \
-      --steps "${STEPS:-600}" --lr 1e-3 --warmup 60 --activations bf16 --eval-every "${EVAL_EVERY:-100}" \
-      --eval-batches "${EVAL_BATCHES:-8}" \
-      --seed "$seed" --level "$level" --compute "$compute" $flag --json 2>"$OUT/err.log" | grep '^{' \
-      | python3 -c "
+# one SEED RUN JSONL: the GPT example's run RUN (LEVEL:COMPUTE[:OPTS]) at
+# SEED, its JSON line appended to JSONL.
+one() {
+  local seed=$1 r=$2 jsonl=$3 level compute opts flag="" o fmt
+  IFS=: read -r level compute opts <<< "$r"
+  for o in ${opts//+/ }; do
+    case $o in
+      fp8m) flag="$flag --fp8-moments" ;;
+      e4m3 | hybrid) # the compute path's recipe with this fp8_format
+        fmt=E4M3; [ "$o" = hybrid ] && fmt=HYBRID
+        echo "{\"fp8_format\": \"$fmt\"}" > "$jsonl.$o.json"  # a file a worker
+        flag="$flag --recipe $jsonl.$o.json" ;;
+      *) echo "unknown run option $o" >&2; return 2 ;;
+    esac
+  done
+  # shellcheck disable=SC2086 # $flag is flags or none
+  timeout 300 "$BIN/gpt" --device cuda --size 125m --data "$CARRY/kjv.txt" --batch 16 --seq 512 \
+    --steps "${STEPS:-600}" --lr 1e-3 --warmup 60 --activations bf16 --eval-every "${EVAL_EVERY:-100}" \
+    --eval-batches "${EVAL_BATCHES:-8}" \
+    --seed "$seed" --level "$level" --compute "$compute" $flag --json 2>"$jsonl.err" | grep '^{' \
+    | python3 -c "
 import json, sys
 j = json.loads(sys.stdin.read())
 print(json.dumps({'seed': $seed, 'run': '$r', 'val_loss': j['val_loss'], 'skipped': j['skipped_steps'],
                   'tokens_per_s': j['tokens_per_s_median'], 'val_curve': j.get('val_curve', [])}))" \
-      >> "$OUT/parity.jsonl" || { echo "$r seed $seed failed:"; tail -3 "$OUT/err.log"; }
-    tail -1 "$OUT/parity.jsonl" | cut -c1-120
-  done
+    >> "$jsonl" || { echo "$r seed $seed failed:"; tail -3 "$jsonl.err"; }
+  tail -1 "$jsonl" | cut -c1-120
+}
+# Every (seed, run) pair, dealt round-robin to GPUS x PER_GPU workers,
+# worker w on GPU w % GPUS (the runs are independent: the same values
+# on any GPU, however many share it).
+jobs=()
+if [ -n "${JOBS:-}" ]; then
+  for j in $JOBS; do jobs+=("${j%%/*} ${j#*/}"); done
+else
+  for seed in ${SEEDS:-1 2 3 4 5}; do for r in $RUNS; do jobs+=("$seed $r"); done; done
+fi
+GPUS=${GPUS:-1}
+workers=$((GPUS * ${PER_GPU:-1}))
+# the workers' lines and logs outside $OUT (a call brings back few files)
+WORK=$(mktemp -d)
+for w in $(seq 0 $((workers - 1))); do
+  : > "$WORK/parity.$w.jsonl"
+  (
+    export CUDA_VISIBLE_DEVICES=$((w % GPUS))
+    for i in "${!jobs[@]}"; do
+      [ $((i % workers)) -eq "$w" ] || continue
+      # no new run past DEADLINE seconds (the call's limit)
+      [ "$SECONDS" -lt "${DEADLINE:-1000000}" ] || break
+      # shellcheck disable=SC2086 # "seed run"
+      one ${jobs[$i]} "$WORK/parity.$w.jsonl"
+    done
+  ) &
 done
+wait
+cat "$WORK"/parity.[0-9]*.jsonl > "$OUT/parity.jsonl"
+tail -q -n 3 "$WORK"/*.err > "$OUT/parity.err"
 python3 "$HERE/parity_table.py" "$OUT/parity.jsonl"
 python3 "$HERE/parity_plot.py" "$OUT/parity.jsonl" "$OUT/parity.svg"

@@ -3,13 +3,13 @@ one call or several): O0's seed-to-seed spread, and for every other run
 the validation loss paired with O0 of the same seed.
 """
 import json, statistics, sys
-rows = [json.loads(l) for f in sys.argv[1:] for l in open(f)]
+rows = sorted((json.loads(l) for f in sys.argv[1:] for l in open(f)), key=lambda r: r['seed'])
 base = {r['seed']: r['val_loss'] for r in rows if r['run'].startswith('O0:')}
 if len(base) > 1:
     b = list(base.values())
     print(f"PARITY O0: mean {statistics.mean(b):.4f}, seed-to-seed spread (stdev / mean) "
           f"{100 * statistics.stdev(b) / statistics.mean(b):.2f} %")
-print("| run | vs O0 by seed (%) | mean | s.e. | within 0.5% and 2 s.e. |")
+print(f"| run | vs O0 by seed {min(base)}-{max(base)} (%) | mean | s.e. | within 0.5% and 2 s.e. |")
 print("|---|---|---|---|---|")
 for run in dict.fromkeys(r['run'] for r in rows if not r['run'].startswith('O0:')):
     d = [100 * (r['val_loss'] / base[r['seed']] - 1) for r in rows if r['run'] == run and r['seed'] in base]

@@ -1,7 +1,9 @@
 """PyTorch side of cuda_check --bench, timed the same way (run on the device,
 in the same call): CUDA events around 30 back-to-back calls after 5 warm-ups,
 a new output per call (torch's caching allocator), random normal data,
-per-tensor scales (amax -> 448), bf16 output.
+per-tensor scales (amax -> 448), and rowwise scales (one per row of each
+operand, torchao's `rowwise` recipe: `scale_a` [m, 1], `scale_b` [1, n],
+F32), bf16 output.
 
     python3 torch_gemm.py
 """
@@ -39,6 +41,11 @@ def quantize(x):
     return (x * scale).to(torch.float8_e4m3fn), (1.0 / scale).float().reshape(())
 
 
+def quantize_rows(x):
+    scale = torch.finfo(torch.float8_e4m3fn).max / x.abs().amax(dim=1, keepdim=True)
+    return (x * scale).to(torch.float8_e4m3fn), (1.0 / scale).float()
+
+
 def main():
     dev = torch.device("cuda")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
@@ -48,15 +55,20 @@ def main():
         w = torch.randn(n, k, device=dev)
         xq, sx = quantize(x)
         wq, sw = quantize(w)
+        xr, sxr = quantize_rows(x)
+        wr, swr = quantize_rows(w)
         xb, wb = x.bfloat16(), w.bfloat16()
         del x, w
         fp8 = event_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16))
         fast = event_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
                                                  use_fast_accum=True))
+        rows = event_ms(lambda: torch._scaled_mm(xr, wr.t(), scale_a=sxr, scale_b=swr.t(),
+                                                 out_dtype=torch.bfloat16))
         bf16 = event_ms(lambda: xb @ wb.t())
         tf = lambda ms: 2 * m * n * k / (ms * 1e-3) / 1e12
         print(f"TORCH gemm shape={name} m={m} k={k} n={n} scaled_mm_tflops={tf(fp8):.1f} "
-              f"scaled_mm_fast_tflops={tf(fast):.1f} bf16_tflops={tf(bf16):.1f}")
+              f"scaled_mm_fast_tflops={tf(fast):.1f} scaled_mm_rowwise_tflops={tf(rows):.1f} "
+              f"bf16_tflops={tf(bf16):.1f}")
     n = 1 << 28
     src = torch.zeros(n, device=dev)
     dst = torch.empty_like(src)
