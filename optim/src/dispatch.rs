@@ -12,18 +12,29 @@ use crate::restore::RestoreOnSkip;
 use amp_core::kernel::Kernel;
 use candle_core::{CpuStorage, Layout, Shape};
 
-/// `impl Kernel for $ty`: the CPU body `cpu_body`, the CUDA body `$cuda`
-/// (with `$k` the kernel and `$inputs` the storages).
+/// `impl Kernel for $ty`: the CPU body `cpu_body` (or, with `cpu refuses
+/// $what`, a clear error naming what the CPU does not do), the CUDA body
+/// `$cuda` (with `$k` the kernel and `$inputs` the storages).
 macro_rules! dispatch {
     ($ty:ty, $name:literal, |$k:ident, $inputs:ident| $cuda:expr) => {
+        dispatch!(@impl $ty, $name, |kernel, inputs| kernel.cpu_body(inputs), |$k, $inputs| $cuda);
+    };
+    ($ty:ty, $name:literal, cpu refuses $what:literal, |$k:ident, $inputs:ident| $cuda:expr) => {
+        dispatch!(@impl $ty, $name, |_kernel, _inputs| Err(amp_core::Error::Unsupported {
+            op: $name,
+            what: $what.into(),
+        }), |$k, $inputs| $cuda);
+    };
+    (@impl $ty:ty, $name:literal, |$ck:ident, $cin:ident| $cpu:expr, |$k:ident, $inputs:ident| $cuda:expr) => {
         impl Kernel for $ty {
             const NAME: &'static str = $name;
 
             fn cpu(
                 &self,
-                inputs: &[(&CpuStorage, &Layout)],
+                $cin: &[(&CpuStorage, &Layout)],
             ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-                self.cpu_body(inputs)
+                let $ck = self;
+                $cpu
             }
 
             #[cfg(feature = "cuda")]
@@ -57,13 +68,16 @@ dispatch!(SumSqMulti, "grad_sum_sq_multi", |_k, inputs| {
     crate::cuda_multi::sum_sq_multi(inputs)
 });
 // One launch, a parameter a block.
-dispatch!(LowBitMulti, "lowbit_adamw_step_multi", |k, inputs| {
+dispatch!(LowBitMulti, "lowbit_adamw_step_multi",
+    cpu refuses "an in-place weight update on the CPU", |k, inputs| {
     crate::cuda_multi::lowbit_multi(k, inputs)
 });
 dispatch!(Codec, "lowbit_step_codec", |k, inputs| {
     crate::cuda_codec::codec(k, inputs)
 });
 // One launch behind a deferred step's updates, a pair a block.
-dispatch!(RestoreOnSkip, "restore_on_skip", |_k, inputs| {
+// (the CPU path learns the outcome before it updates anything)
+dispatch!(RestoreOnSkip, "restore_on_skip",
+    cpu refuses "a step's outcome left on the device, on the CPU", |_k, inputs| {
     crate::cuda_restore::restore_on_skip(inputs)
 });

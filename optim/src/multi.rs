@@ -11,7 +11,6 @@
 
 use crate::adamw::AdamStep;
 use crate::fused::{SumSqMany, META_LEN, Q};
-use amp_core::kernel::Kernel;
 use candle_core::{CpuStorage, DType, Layout, Shape};
 
 /// Most elements of a tensor that takes the launches over many tensors:
@@ -48,19 +47,6 @@ impl SumSqMulti {
 /// [`META_LEN`] a parameter (as `LowBitStep` orders them).
 pub(crate) struct LowBitMulti {
     pub steps: Vec<(AdamStep, [Q; 3], Option<u32>)>,
-}
-
-impl LowBitMulti {
-    /// The CPU body of the kernel (`dispatch.rs` makes it one).
-    pub(crate) fn cpu_body(
-        &self,
-        _: &[(&CpuStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        Err(amp_core::Error::Unsupported {
-            op: Self::NAME,
-            what: "an in-place weight update on the CPU".into(),
-        })
-    }
 }
 
 /// Where each parameter's m and v lie: (dtype, offset in that dtype's

@@ -11,7 +11,7 @@
 use crate::error::Result;
 use amp_core::kernel::{launch, Kernel};
 use amp_core::ScalingTensor;
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::Tensor;
 
 /// Copies, where the one-element F32 multiplier (the first input) is NaN,
 /// each `(new, old)` pair's old bytes into the new tensor (the inputs after
@@ -19,19 +19,6 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 /// contiguous, written in place). No outputs. CUDA only: the CPU path
 /// learns the outcome before it updates anything.
 pub(crate) struct RestoreOnSkip;
-
-impl RestoreOnSkip {
-    /// The CPU body of the kernel (`dispatch.rs` makes it one): refused.
-    pub(crate) fn cpu_body(
-        &self,
-        _: &[(&CpuStorage, &Layout)],
-    ) -> amp_core::Result<Vec<(CpuStorage, Shape)>> {
-        Err(amp_core::Error::Unsupported {
-            op: Self::NAME,
-            what: "a step's outcome left on the device, on the CPU".into(),
-        })
-    }
-}
 
 /// The `(new, old)` pairs of tensors a step replaced, collected from the
 /// states before and after it; a tensor that was not replaced (the same

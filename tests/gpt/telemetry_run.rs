@@ -92,7 +92,10 @@ fn records_every_linear_and_role(loss_chunk_rows: usize) -> anyhow::Result<()> {
         // the scale of their bound); from the second cast on the history's
         // amax sets the scale
         let first_grads = r["step"] == 1 && role == "grad_output" && layer.starts_with("h.");
-        assert!(first_grads || rel < 0.25, "{r}");
+        // a large error only where it is that flush (most elements zero)
+        let flushed = r["flushed"].as_u64().zip(r["total"].as_u64());
+        let mostly_flushed = flushed.is_some_and(|(f, t)| 2 * f > t);
+        assert!(rel < 0.25 || (first_grads && mostly_flushed), "{r}");
         if (role == "weight" || role.starts_with("exp_avg")) && layer == "h.0.mlp.c_fc" {
             assert_eq!(r["total"], 128 * 512);
         }
