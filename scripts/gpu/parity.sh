@@ -54,8 +54,7 @@ import json, sys
 j = json.loads(sys.stdin.read())
 print(json.dumps({'seed': $seed, 'run': '$r', 'val_loss': j['val_loss'], 'skipped': j['skipped_steps'],
                   'tokens_per_s': j['tokens_per_s_median'], 'val_curve': j.get('val_curve', [])}))" \
-    >> "$jsonl" || { echo "$r seed $seed failed:"; tail -3 "$jsonl.err"; }
-  tail -1 "$jsonl" | cut -c1-120
+    >> "$jsonl" && tail -1 "$jsonl" | cut -c1-120 || { echo "$r seed $seed failed:"; tail -3 "$jsonl.err"; }
 }
 # Every (seed, run) pair, dealt round-robin to GPUS x PER_GPU workers,
 # worker w on GPU w % GPUS (the runs are independent: the same values
@@ -68,8 +67,10 @@ else
 fi
 GPUS=${GPUS:-1}
 workers=$((GPUS * ${PER_GPU:-1}))
-# the workers' lines and logs outside $OUT (a call brings back few files)
-WORK=$(mktemp -d)
+# the workers' lines and logs outside $OUT (a call brings back few
+# files), in lib.sh's temporary folder (removed on exit)
+WORK=$BIN/work
+mkdir -p "$WORK"
 for w in $(seq 0 $((workers - 1))); do
   : > "$WORK/parity.$w.jsonl"
   (
