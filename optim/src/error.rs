@@ -40,3 +40,14 @@ pub enum Error {
 
 /// `Result` with [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// What the optimizer's step met that its own kernels or states should
+/// never give (an output count, a storage that changed, an outcome read
+/// of the wrong length): an internal fault, reported as the step's error.
+pub(crate) fn kernel_error(what: &str) -> Error {
+    amp_core::Error::Unsupported {
+        op: "LowBitAdamW::step",
+        what: what.into(),
+    }
+    .into()
+}

@@ -3,7 +3,7 @@
 //! O1/O2) or FP8 with a scaled FP16 master (O3).
 
 use crate::adamw::AdamWConfig;
-use crate::error::{Error, Result};
+use crate::error::{kernel_error, Error, Result};
 use crate::grad::{Grad, Grads};
 use crate::loss_scaler::{LossScaler, LossScaling};
 use crate::schedule::{Constant, LrSchedule};
@@ -282,7 +282,7 @@ impl LowBitAdamW {
             return Ok(None);
         };
         let [sum_sq, grad_norm] = <[f64; 2]>::try_from(self.outcome_read.wait()?)
-            .map_err(|_| crate::update::kernel_error("clipping outcome"))?;
+            .map_err(|_| kernel_error("clipping outcome"))?;
         if sum_sq.is_finite() {
             self.scaler.update(false);
             return Ok(Some(StepOutcome::Applied { grad_norm }));

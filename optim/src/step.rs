@@ -5,7 +5,7 @@
 
 use crate::adamw::AdamStep;
 use crate::clip::{clip_math, ClipCoef};
-use crate::error::{Error, Result};
+use crate::error::{kernel_error, Error, Result};
 use crate::fused::{SumSq, SumSqMany, META_LEN, Q};
 use crate::grad::{Grad, Grads};
 use crate::loss_scaler::LossScaling;
@@ -17,8 +17,8 @@ use crate::restore::Replaced;
 use crate::state::State;
 use crate::telemetry;
 use crate::update::{
-    f32_stream, gathered, kernel_error, root_salt, scaled_stream, state_stream, to_state,
-    update_param, updates_in_place, Ones,
+    f32_stream, gathered, root_salt, scaled_stream, state_stream, to_state, update_param,
+    updates_in_place, Ones,
 };
 use amp_core::kernel::launch;
 use amp_core::Weight;

@@ -3,7 +3,7 @@
 //! the new weight storage and moments.
 
 use crate::adamw::AdamStep;
-use crate::error::{Error, Result};
+use crate::error::{kernel_error, Error, Result};
 use crate::fused::LowBitStep;
 use crate::grad::Grad;
 use crate::lowbit::ParamState;
@@ -63,14 +63,6 @@ pub(crate) fn root_salt(p: &ParamState) -> Option<u32> {
         (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
     });
     Some(name ^ (p.step as u32).wrapping_mul(0x9E37_79B9) ^ ((p.step >> 32) as u32))
-}
-
-pub(crate) fn kernel_error(what: &str) -> Error {
-    amp_core::Error::Unsupported {
-        op: "LowBitAdamW::step",
-        what: what.into(),
-    }
-    .into()
 }
 
 /// A stream rebuilt from the kernel's outputs: its data and its three meta
