@@ -14,7 +14,7 @@ fn field_of(e: &Error) -> &str {
 }
 
 #[test]
-fn defaults_are_transformer_engines_but_the_gradients_format() {
+fn defaults_are_transformer_engines_but_the_format_and_first_step() {
     let r = DelayedScaling::default();
     assert_eq!(r.margin, 0);
     assert_eq!(r.interval, 1);
@@ -26,6 +26,14 @@ fn defaults_are_transformer_engines_but_the_gradients_format() {
     assert_eq!(
         r.override_linear_precision,
         OverrideLinearPrecision::default()
+    );
+    // the first cast scaled by its own amax, not TE's 1 (measured: the
+    // same section)
+    assert!(r.calibrate_first_step);
+    assert!(
+        !DelayedScaling::from_json(r#"{"calibrate_first_step": false}"#)
+            .unwrap()
+            .calibrate_first_step
     );
     assert_eq!(DelayedScaling::from_json("{}").unwrap(), r);
     assert_eq!(DelayedScaling::from_toml("").unwrap(), r);

@@ -252,13 +252,15 @@ fn scale_of(m: &amp::ScalingMeta) -> f32 {
 #[test]
 fn delayed_scaling_uses_te_scales_step_by_step() {
     // The input of step s has amax a_s; the scale used at step s comes from
-    // amaxes up to s - 1 (TE: history rolled once per step).
+    // amaxes up to s - 1 (TE: history rolled once per step; its first step
+    // at the initial scale of 1, not our default's own amax).
     let amaxes = [1.0f32, 2.0, 4.0, 0.5, 0.25];
     let cases: [(DelayedScaling, [f32; 5]); 4] = [
         // window of 2 (current slot + 1 past), max
         (
             DelayedScaling {
                 amax_history_len: 2,
+                calibrate_first_step: false, // TE's first step: scale 1
                 ..Default::default()
             },
             [1.0, 448.0, 224.0, 112.0, 112.0],
@@ -268,6 +270,7 @@ fn delayed_scaling_uses_te_scales_step_by_step() {
             DelayedScaling {
                 amax_history_len: 2,
                 amax_compute_algo: AmaxComputeAlgo::MostRecent,
+                calibrate_first_step: false, // TE's first step: scale 1
                 ..Default::default()
             },
             [1.0, 448.0, 224.0, 112.0, 896.0],
@@ -277,6 +280,7 @@ fn delayed_scaling_uses_te_scales_step_by_step() {
             DelayedScaling {
                 amax_history_len: 1,
                 margin: 1,
+                calibrate_first_step: false, // TE's first step: scale 1
                 ..Default::default()
             },
             [1.0, 224.0, 112.0, 56.0, 448.0],
@@ -286,6 +290,7 @@ fn delayed_scaling_uses_te_scales_step_by_step() {
             DelayedScaling {
                 amax_history_len: 1,
                 interval: 2,
+                calibrate_first_step: false, // TE's first step: scale 1
                 ..Default::default()
             },
             [1.0, 448.0, 448.0, 112.0, 112.0],
