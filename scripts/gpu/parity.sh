@@ -19,7 +19,9 @@
 # joined by +: fp8m for --fp8-moments; e4m3 or hybrid for the compute
 # path's recipe with that fp8_format, hist=N for delayed scaling's amax
 # history of N steps (`max` over it), recent for its most recent amax
-# alone, margin=N for its margin, cal for calibrate_first_step; lr=, warmup=, batch=, steps= for a run of another protocol than
+# alone, margin=N for its margin, cal and te for calibrate_first_step
+# true (the default since the lines of docs/gpt-125m-parity-lr5e-4.jsonl
+# were measured: those there name `te`) and false (TE's first step); lr=, warmup=, batch=, steps= for a run of another protocol than
 # the environment's, which parity_table.py pairs only with O0 of the same
 # protocol; default O0 and O2 with each FP8 path and with FP8 moments),
 # EVAL_EVERY (150), EVAL_BATCHES (32: validation windows of 16 x 512, the
@@ -59,6 +61,7 @@ one() {
       recent) recipe="$recipe, \"amax_history_len\": 1, \"amax_compute_algo\": \"most_recent\"" ;;
       margin=*) recipe="$recipe, \"margin\": ${o#*=}" ;;
       cal) recipe="$recipe, \"calibrate_first_step\": true" ;;  # the first cast's scale from its amax
+      te) recipe="$recipe, \"calibrate_first_step\": false" ;;  # TE's first step, at scale 1
       *) echo "unknown run option $o" >&2; return 2 ;;
     esac
   done
