@@ -2,8 +2,8 @@
 # parity-corpus.sh [DEST]: the whole King James text (4.3 MB, public
 # domain) into DEST/kjv.txt (default .carry/parity), from the Debian
 # packages the bundled Genesis-to-Ruth excerpt comes from
-# (examples/data/README.md), for parity.sh: 125M GPT runs of 600 steps of
-# 16 x 512 bytes stay under 1.3 epochs of it. Runs here (the GPU machine
+# (examples/data/README.md), for parity.sh: 125M GPT runs of 900 steps of
+# 16 x 512 bytes stay under 1.9 epochs of it. Runs here (the GPU machine
 # cannot download); needs apt-get and dpkg.
 #
 #   scripts/gpu/parity-corpus.sh .carry/parity

@@ -21,9 +21,13 @@
 # history of N steps (`max` over it), recent for its most recent amax
 # alone, margin=N for its margin, cal and te for calibrate_first_step
 # true (the default since the lines of docs/gpt-125m-parity-lr5e-4.jsonl
-# were measured: those there name `te`) and false (TE's first step); lr=, warmup=, batch=, steps= for a run of another protocol than
+# were measured: those there name `te`) and false (TE's first step); two
+# options that set one field are refused; lr=, warmup=, batch=, steps= for a run of another protocol than
 # the environment's, which parity_table.py pairs only with O0 of the same
-# protocol; default O0 and O2 with each FP8 path and with FP8 moments),
+# protocol (read from the names, so lines of several calls combine only
+# with the environment's protocol left at its defaults; each line also
+# records lr, batch, steps and warmup); default O0 and O2 with each FP8
+# path and with FP8 moments),
 # EVAL_EVERY (150), EVAL_BATCHES (32: validation windows of 16 x 512, the
 # same for every seed).
 # JOBS (instead of SEEDS x RUNS: SEED/RUN words, e.g. "6/O0:native
@@ -65,6 +69,10 @@ one() {
       *) echo "unknown run option $o" >&2; return 2 ;;
     esac
   done
+  # two options that set one field (recent and hist=, cal and te, e4m3 and hybrid)
+  local dup
+  dup=$(grep -o '"[a-z_0-9]*":' <<< "$recipe" | sort | uniq -d)
+  if [ -n "$dup" ]; then echo "$r: run options set $dup twice" >&2; return 2; fi
   if [ -n "$recipe" ]; then
     echo "{${recipe#, }}" > "$jsonl.recipe.json"  # a file a worker
     flag="$flag --recipe $jsonl.recipe.json"
@@ -77,7 +85,8 @@ one() {
     | python3 -c "
 import json, sys
 j = json.loads(sys.stdin.read())
-print(json.dumps({'seed': $seed, 'run': '$r', 'val_loss': j['val_loss'], 'skipped': j['skipped_steps'],
+print(json.dumps({'seed': $seed, 'run': '$r', 'lr': $lr, 'batch': $batch, 'steps': $steps, 'warmup': $warmup,
+                  'val_loss': j['val_loss'], 'skipped': j['skipped_steps'],
                   'tokens_per_s': j['tokens_per_s_median'], 'val_curve': j.get('val_curve', [])}))" \
     >> "$jsonl" && tail -1 "$jsonl" | cut -c1-120 || { echo "$r seed $seed failed:"; tail -3 "$jsonl.err"; }
 }
