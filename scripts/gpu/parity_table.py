@@ -10,17 +10,29 @@ protocol, a table each.
 import json, statistics, sys
 
 
+KEYS = ('lr=', 'warmup=', 'batch=', 'steps=')
+
+
+def options(run):
+    """The run's options (LEVEL:COMPUTE:OPTS, OPTS joined by +)."""
+    opts = run.split(':', 2)[2] if run.count(':') >= 2 else ''
+    return [o for o in opts.split('+') if o]
+
+
 def protocol(run):
     """The run's protocol options (key=value), sorted and joined by +."""
-    opts = run.split(':', 2)[2] if run.count(':') >= 2 else ''
-    keys = ('lr=', 'warmup=', 'batch=', 'steps=')
-    return '+'.join(sorted(o for o in opts.split('+') if o.startswith(keys)))
+    return '+'.join(sorted(o for o in options(run) if o.startswith(KEYS)))
+
+
+def is_base(run):
+    """O0 with no option but its protocol's: what the others pair with."""
+    return run.startswith('O0:') and all(o.startswith(KEYS) for o in options(run))
 
 
 rows = sorted((json.loads(l) for f in sys.argv[1:] for l in open(f)), key=lambda r: r['seed'])
 for proto in dict.fromkeys(protocol(r['run']) for r in rows):
     mine = [r for r in rows if protocol(r['run']) == proto]
-    base = {r['seed']: r['val_loss'] for r in mine if r['run'].startswith('O0:')}
+    base = {r['seed']: r['val_loss'] for r in mine if is_base(r['run'])}
     if not base:
         print(f"PARITY protocol {proto or 'default'}: no O0 run")
         continue
@@ -32,7 +44,7 @@ for proto in dict.fromkeys(protocol(r['run']) for r in rows):
     print(f"| run | vs O0 by seed {min(base)}-{max(base)} (%) | mean | s.e. | within 0.5% and 2 s.e. "
           "| unpaired: mean (s.e.) |")
     print("|---|---|---|---|---|---|")
-    for run in dict.fromkeys(r['run'] for r in mine if not r['run'].startswith('O0:')):
+    for run in dict.fromkeys(r['run'] for r in mine if not is_base(r['run'])):
         d = [100 * (r['val_loss'] / base[r['seed']] - 1) for r in mine if r['run'] == run and r['seed'] in base]
         if len(d) < 2:
             continue
