@@ -22,9 +22,9 @@
 # alone, margin=N for its margin, cal and te for calibrate_first_step
 # true (the default since the lines of docs/gpt-125m-parity-lr5e-4.jsonl
 # were measured: those there name `te`) and false (TE's first step); two
-# options that set one field are refused; lr=, warmup=, batch=, steps= for a run of another protocol than
-# the environment's, which parity_table.py pairs only with O0 of the same
-# protocol (read from the names, so lines of several calls combine only
+# options that set one field are refused; lr=, warmup=, batch=, steps=
+# for a run of another protocol than the environment's, which
+# parity_table.py pairs only with O0 of the same protocol (read from the names, so lines of several calls combine only
 # with the environment's protocol left at its defaults; each line also
 # records lr, batch, steps and warmup); default O0 and O2 with each FP8
 # path and with FP8 moments),
