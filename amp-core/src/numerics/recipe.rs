@@ -141,10 +141,10 @@ impl<'de> Deserialize<'de> for OverrideLinearPrecision {
 /// (BENCHMARKS.md, "loss parity of every level and FP8 path"): E4M3 trains
 /// closer to O0 (+0.17% over 18 seeds of GPT-125M at O2 against HYBRID's
 /// +2.3% over five, a loss in every seed, at a peak rate of 1e-3), and at
-/// TE's initial scale of 1
-/// the first step's E4M3 output gradients flush to zero almost whole,
-/// which cost O2 0.50% of validation loss over ten seeds (+0.51% from O0
-/// against +0.00% calibrated, standard errors 0.12 and 0.15). A TE recipe
+/// TE's initial scale of 1 the first step's E4M3 output gradients flush to
+/// zero almost whole, which cost O2 0.50% of validation loss over ten
+/// seeds (+0.51% from O0 against +0.00% calibrated, standard errors 0.12
+/// and 0.15). A TE recipe
 /// file that names its `fp8_format` means what it means there; one that
 /// leaves it out gets E4M3 here; `fp8_format = "HYBRID"` and
 /// `calibrate_first_step = false` are TE's behaviour. `reduce_amax` (TE:
